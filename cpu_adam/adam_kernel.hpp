@@ -1,0 +1,173 @@
+#pragma once
+// The fused single-pass Adam/AdamW kernel, written once for every instruction set.
+//
+//   g  = grad_scale * grad                 (grad read in its own dtype)
+//   g  = g + l2 * p                        (coupled decay: Adam mode)
+//   m  = beta1 * m + (1 - beta1) * g
+//   v  = beta2 * v + (1 - beta2) * (g * g)
+//   p  = p * (1 - lr * wd)                 (decoupled decay: AdamW mode)
+//   d  = sqrt(v * (1 / bc2) + eps_root) + eps
+//   p  = p - (step_size * m) / d           step_size = lr / bc1
+//   p  = p - (lr * (cm * m + cg * g)) / d  nesterov (optax nadam): cm = b1 / (1 - b1^(t+1)),
+//                                          cg = (1 - b1) / (1 - b1^t)
+//   out = round_to_nearest_even<out dtype>(p)
+//
+// Every operation is a correctly rounded IEEE add, mul, div or sqrt, in the same order for
+// every instruction set; there is deliberately no fused multiply-add, because the x86-64
+// baseline (SSE2) has none, and a kernel that is memory-bound gains nothing from it. With
+// -ffp-contract=off on these files the compiler cannot fuse either, so every kernel,
+// thread count and chunking produces the same bits. The tail (n % width elements) runs
+// through the same vector code on a padded copy.
+//
+// Only included by the per-instruction-set translation units (cpu_adam/arch_*.cpp).
+
+#include <cstddef>
+#include <cstring>
+#include <type_traits>
+
+#include "kernel_set.hpp"
+#include "simd_ops.hpp"
+
+namespace hostopt::detail {
+namespace HOSTOPT_KERNEL_NS {
+
+/// Tag: no parameter copy-out.
+struct no_out {};
+
+template <class Arch, class G, class O, decay_kind D, bool Nesterov>
+struct adam_kernel {
+  using ops = simd_ops<Arch>;
+  using vec = typename ops::vec;
+  static constexpr std::size_t W = ops::width;
+
+  struct constants {
+    vec grad_scale, l2, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, inv_bc2, eps,
+        eps_root, decay, lr, nesterov_m, nesterov_g;
+  };
+
+  static void body(const constants& c, float* p, float* m, float* v, const G* grad, O* out) noexcept {
+    vec g = ops::load(grad) * c.grad_scale;
+    vec pp = ops::load(p);
+    if constexpr (D == decay_kind::coupled) g = g + c.l2 * pp;
+    const vec mm = c.beta1 * ops::load(m) + c.one_minus_beta1 * g;
+    const vec vv = c.beta2 * ops::load(v) + c.one_minus_beta2 * (g * g);
+    ops::store(m, mm);
+    ops::store(v, vv);
+    if constexpr (D == decay_kind::decoupled) pp = pp * c.decay;
+    const vec denom = ops::sqrt(vv * c.inv_bc2 + c.eps_root) + c.eps;
+    if constexpr (Nesterov) {
+      pp = pp - (c.lr * (c.nesterov_m * mm + c.nesterov_g * g)) / denom;
+    } else {
+      pp = pp - (c.step_size * mm) / denom;
+    }
+    ops::store(p, pp);
+    if constexpr (!std::is_same_v<O, no_out>) ops::store(out, pp);
+  }
+
+  static void run(const step_scalars& s, float* p, float* m, float* v, const void* grad_raw,
+                  void* out_raw, std::size_t n) noexcept {
+    const constants c{ops::splat(s.grad_scale), ops::splat(s.l2),         ops::splat(s.beta1),
+                      ops::splat(s.one_minus_beta1), ops::splat(s.beta2), ops::splat(s.one_minus_beta2),
+                      ops::splat(s.step_size),  ops::splat(s.inv_bc2),    ops::splat(s.eps),
+                      ops::splat(s.eps_root),   ops::splat(s.decay),      ops::splat(s.lr),
+                      ops::splat(s.nesterov_m), ops::splat(s.nesterov_g)};
+    const G* grad = static_cast<const G*>(grad_raw);
+    O* out = static_cast<O*>(out_raw);
+    std::size_t i = 0;
+    for (; i + W <= n; i += W) body(c, p + i, m + i, v + i, grad + i, out_at(out, i));
+    if (i == n) return;
+    // Tail: same vector code on a zero-padded copy (zeros are harmless inputs).
+    const std::size_t r = n - i;
+    alignas(64) float pb[W] = {}, mb[W] = {}, vb[W] = {};
+    G gb[W] = {};
+    O ob[W] = {};
+    std::memcpy(pb, p + i, r * sizeof(float));
+    std::memcpy(mb, m + i, r * sizeof(float));
+    std::memcpy(vb, v + i, r * sizeof(float));
+    std::memcpy(gb, grad + i, r * sizeof(G));
+    body(c, pb, mb, vb, gb, ob);
+    std::memcpy(p + i, pb, r * sizeof(float));
+    std::memcpy(m + i, mb, r * sizeof(float));
+    std::memcpy(v + i, vb, r * sizeof(float));
+    if constexpr (!std::is_same_v<O, no_out>) std::memcpy(out + i, ob, r * sizeof(O));
+  }
+
+  static O* out_at(O* out, std::size_t i) noexcept {
+    if constexpr (std::is_same_v<O, no_out>) return out;
+    else return out + i;
+  }
+};
+
+/// Same loads and stores as adam_kernel, no arithmetic.
+template <class Arch, class G, class O>
+struct roofline_kernel {
+  using ops = simd_ops<Arch>;
+  using vec = typename ops::vec;
+  static constexpr std::size_t W = ops::width;
+
+  static void body(float* p, float* m, float* v, const G* grad, O* out) noexcept {
+    const vec g = ops::load(grad);
+    const vec pp = ops::load(p);
+    const vec mm = ops::load(m);
+    const vec vv = ops::load(v);
+    ops::store(p, mm);
+    ops::store(m, vv);
+    ops::store(v, g);
+    if constexpr (!std::is_same_v<O, no_out>) ops::store(out, pp);
+  }
+
+  static void run(float* p, float* m, float* v, const void* grad_raw, void* out_raw, std::size_t n) noexcept {
+    const G* grad = static_cast<const G*>(grad_raw);
+    O* out = static_cast<O*>(out_raw);
+    std::size_t i = 0;
+    for (; i + W <= n; i += W) {
+      if constexpr (std::is_same_v<O, no_out>) body(p + i, m + i, v + i, grad + i, out);
+      else body(p + i, m + i, v + i, grad + i, out + i);
+    }
+    for (; i < n; ++i) { // scalar tail: only its memory traffic matters here
+      const float old = p[i];
+      p[i] = m[i];
+      m[i] = v[i];
+      v[i] = simd_ops<scalar_arch>::load(grad + i);
+      if constexpr (!std::is_same_v<O, no_out>) simd_ops<scalar_arch>::store(out + i, old);
+    }
+  }
+};
+
+// --- the table an instruction set exports ------------------------------------------------
+
+template <class Arch, class G, class O>
+constexpr void fill_adam_variants(adam_fn (&t)[num_decay_kinds][2]) {
+  t[0][0] = &adam_kernel<Arch, G, O, decay_kind::none, false>::run;
+  t[0][1] = &adam_kernel<Arch, G, O, decay_kind::none, true>::run;
+  t[1][0] = &adam_kernel<Arch, G, O, decay_kind::coupled, false>::run;
+  t[1][1] = &adam_kernel<Arch, G, O, decay_kind::coupled, true>::run;
+  t[2][0] = &adam_kernel<Arch, G, O, decay_kind::decoupled, false>::run;
+  t[2][1] = &adam_kernel<Arch, G, O, decay_kind::decoupled, true>::run;
+}
+
+template <class Arch, class G>
+constexpr void fill_grad_type(kernel_set& s, int gi) {
+  fill_adam_variants<Arch, G, no_out>(s.adam[gi][0]);
+  fill_adam_variants<Arch, G, float>(s.adam[gi][1]);
+  fill_adam_variants<Arch, G, bf16_t>(s.adam[gi][2]);
+  fill_adam_variants<Arch, G, f16_t>(s.adam[gi][3]);
+  s.roofline[gi][0] = &roofline_kernel<Arch, G, no_out>::run;
+  s.roofline[gi][1] = &roofline_kernel<Arch, G, float>::run;
+  s.roofline[gi][2] = &roofline_kernel<Arch, G, bf16_t>::run;
+  s.roofline[gi][3] = &roofline_kernel<Arch, G, f16_t>::run;
+}
+
+template <class Arch>
+constexpr kernel_set make_kernel_set(const char* name) {
+  kernel_set s{};
+  s.name = name;
+  s.simd_width = simd_ops<Arch>::width;
+  fill_grad_type<Arch, float>(s, 0);
+  fill_grad_type<Arch, bf16_t>(s, 1);
+  fill_grad_type<Arch, f16_t>(s, 2);
+  return s;
+}
+
+} // namespace HOSTOPT_KERNEL_NS
+} // namespace hostopt::detail

@@ -1,0 +1,55 @@
+// hostopt::adam_step: the one-buffer step, validated and run through the update engine.
+#include <vector>
+
+#include "buffer_checks.hpp"
+#include "hostopt/kernels.hpp"
+#include "kernel_registry.hpp"
+#include "step_scalars.hpp"
+#include "update_engine.hpp"
+
+namespace hostopt {
+
+void adam_step(float* params, float* exp_avg, float* exp_avg_sq, std::size_t n, const_view grad,
+               mut_view out, const adam_config& config, std::int64_t step, float grad_scale,
+               const execution_options& exec) {
+  using namespace detail;
+  validate(config, "config");
+  check_step_number(step);
+  check_grad_scale(grad_scale);
+  check_threads(exec.threads);
+  const kernel_set& ks = kernel_set_by_name(exec.kernel);
+  check_view("params", params, n, dtype::f32, n);
+  check_view("exp_avg", exp_avg, n, dtype::f32, n);
+  check_view("exp_avg_sq", exp_avg_sq, n, dtype::f32, n);
+  check_view("grad", grad.data, grad.size, grad.type, n);
+  const bool has_out = out.data != nullptr || out.size != 0;
+  if (has_out) check_view("out", out.data, out.size, out.type, n);
+  if (n == 0) return;
+
+  const char* names[] = {"params", "exp_avg", "exp_avg_sq", "grad", "out"};
+  std::vector<byte_range> ranges{range_of(params, n * 4, true, 0, 0), range_of(exp_avg, n * 4, true, 1, 0),
+                                 range_of(exp_avg_sq, n * 4, true, 2, 0),
+                                 range_of(grad.data, n * dtype_size(grad.type), false, 3, 0)};
+  if (has_out) ranges.push_back(range_of(out.data, n * dtype_size(out.type), true, 4, 0));
+  check_no_overlap(ranges, names);
+
+  const kernel_variant var = variant_of(config);
+  group_kernel gk;
+  gk.fn = ks.adam[int(grad.type)][out_column(has_out, int(out.type))][int(var.decay)][var.nesterov];
+  gk.scalars = make_step_scalars(config, step, grad_scale);
+  update_piece piece{0, n, 0, grad.data, has_out ? out.data : nullptr};
+  update_job job;
+  job.params = params;
+  job.exp_avg = exp_avg;
+  job.exp_avg_sq = exp_avg_sq;
+  job.pieces = &piece;
+  job.num_pieces = 1;
+  job.groups = &gk;
+  job.grad_elem_bytes = dtype_size(grad.type);
+  job.out_elem_bytes = has_out ? dtype_size(out.type) : 0;
+  job.begin = 0;
+  job.end = n;
+  run_update(job, exec.threads);
+}
+
+} // namespace hostopt

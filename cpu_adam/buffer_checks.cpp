@@ -1,0 +1,74 @@
+#include "buffer_checks.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+namespace hostopt::detail {
+
+void check_dtype(const std::string& what, dtype t) {
+  if (t != dtype::f32 && t != dtype::bf16 && t != dtype::f16)
+    throw std::invalid_argument(what + ".type = " + std::to_string(int(t)) +
+                                ": expected a dtype (f32=0, bf16=1, f16=2)");
+}
+
+void check_view(const std::string& what, const void* data, std::size_t size, dtype t,
+                std::size_t expected) {
+  check_dtype(what, t);
+  if (size != expected)
+    throw std::invalid_argument(what + ".size = " + std::to_string(size) + ": expected " +
+                                std::to_string(expected) + " elements");
+  if (data == nullptr && size > 0)
+    throw std::invalid_argument(what + ".data is null for " + std::to_string(size) +
+                                " elements: expected a buffer");
+}
+
+void check_step_number(std::int64_t step) {
+  if (step < 1)
+    throw std::invalid_argument("step = " + std::to_string(step) +
+                                ": expected a step number >= 1 (bias correction uses 1 - beta^step)");
+}
+
+void check_grad_scale(float s) {
+  if (!std::isfinite(s) || s < 0)
+    throw std::invalid_argument("grad_scale = " + std::to_string(s) + ": expected a finite value >= 0");
+}
+
+void check_threads(int threads) {
+  if (threads < 0)
+    throw std::invalid_argument("threads = " + std::to_string(threads) +
+                                ": expected >= 0 (0 = the threading runtime's default)");
+}
+
+namespace {
+std::string describe(const byte_range& r, const char* const* kind_names,
+                     const std::vector<std::string>* tensor_names) {
+  std::string s = kind_names[r.kind];
+  if (tensor_names && r.index < tensor_names->size() && r.kind != 2)
+    s += "[" + std::to_string(r.index) + "] ('" + (*tensor_names)[r.index] + "')";
+  return s;
+}
+} // namespace
+
+void check_no_overlap(std::vector<byte_range>& ranges, const char* const* kind_names,
+                      const std::vector<std::string>* tensor_names) {
+  std::sort(ranges.begin(), ranges.end(),
+            [](const byte_range& a, const byte_range& b) { return a.lo < b.lo; });
+  // Sweep: keep the open range reaching furthest, and the furthest written one.
+  const byte_range* reach = nullptr;
+  const byte_range* reach_written = nullptr;
+  for (const auto& r : ranges) {
+    if (r.lo == r.hi) continue;
+    const byte_range* clash = nullptr;
+    if (reach_written && reach_written->hi > r.lo) clash = reach_written;
+    else if (r.written && reach && reach->hi > r.lo) clash = reach;
+    if (clash)
+      throw std::invalid_argument(describe(*clash, kind_names, tensor_names) + " and " +
+                                  describe(r, kind_names, tensor_names) +
+                                  " overlap in memory: expected separate buffers");
+    if (!reach || r.hi > reach->hi) reach = &r;
+    if (r.written && (!reach_written || r.hi > reach_written->hi)) reach_written = &r;
+  }
+}
+
+} // namespace hostopt::detail

@@ -1,0 +1,39 @@
+#pragma once
+// The function table each instruction set exports. SIMD-free: the registry, the
+// optimizer and the benchmark see only plain function pointers.
+
+#include <cstddef>
+
+#include "step_scalars.hpp"
+
+namespace hostopt::detail {
+
+/// Fused Adam step over n contiguous elements (p, m, v updated in place; grad in the
+/// table's grad dtype; out in the table's out dtype, ignored for "no copy-out").
+using adam_fn = void (*)(const step_scalars& s, float* p, float* m, float* v, const void* grad,
+                         void* out, std::size_t n) noexcept;
+
+/// The roofline kernel: the same loads and stores as adam_fn, no arithmetic (the values
+/// rotate p <- m <- v <- grad, out <- p), so its time is the memory system's limit.
+using roofline_fn = void (*)(float* p, float* m, float* v, const void* grad, void* out,
+                             std::size_t n) noexcept;
+
+inline constexpr int num_grad_types = 3; // dtype f32, bf16, f16
+inline constexpr int num_out_types = 4;  // none, then dtype f32, bf16, f16
+inline constexpr int num_decay_kinds = 3;
+
+struct kernel_set {
+  const char* name;
+  std::size_t simd_width; // floats per vector
+  adam_fn adam[num_grad_types][num_out_types][num_decay_kinds][2];
+  roofline_fn roofline[num_grad_types][num_out_types];
+};
+
+// One per instruction set compiled in (defined in cpu_adam/arch_*.cpp).
+extern const kernel_set kernel_set_avx512;
+extern const kernel_set kernel_set_avx2;
+extern const kernel_set kernel_set_sse2;
+extern const kernel_set kernel_set_neon;
+extern const kernel_set kernel_set_scalar;
+
+} // namespace hostopt::detail

@@ -1,0 +1,296 @@
+#include "hostopt/optimizer.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <stdexcept>
+
+#include "aligned_buffer.hpp"
+#include "buffer_checks.hpp"
+#include "half_conversion.hpp"
+#include "kernel_registry.hpp"
+#include "parallel.hpp"
+#include "step_scalars.hpp"
+#include "update_engine.hpp"
+
+namespace hostopt {
+
+using namespace detail;
+
+namespace {
+
+const char* const view_kinds[] = {"grads", "outs", "optimizer state"};
+constexpr int kind_grad = 0, kind_out = 1, kind_state = 2;
+
+std::size_t align_up(std::size_t x) { return (x + align_elems - 1) / align_elems * align_elems; }
+
+std::size_t element_count(const tensor_spec& t) {
+  std::size_t n = 1;
+  for (std::size_t d = 0; d < t.shape.size(); ++d) {
+    const std::int64_t e = t.shape[d];
+    if (e < 0)
+      throw std::invalid_argument("tensor '" + t.name + "': shape[" + std::to_string(d) + "] = " +
+                                  std::to_string(e) + ": expected an extent >= 0");
+    if (e != 0 && n > std::size_t(-1) / 64 / std::size_t(e))
+      throw std::invalid_argument("tensor '" + t.name + "': shape has too many elements");
+    n *= std::size_t(e);
+  }
+  return n;
+}
+
+} // namespace
+
+struct optimizer::impl {
+  std::vector<segment> segs;
+  std::vector<std::string> names; // segs[i].name, for error messages
+  std::map<std::string, std::size_t, std::less<>> by_name;
+  std::vector<adam_config> configs;
+  execution_options exec;
+  const kernel_set* kernels = nullptr;
+  std::size_t arena = 0, nparams = 0;
+  aligned_floats state; // params | exp_avg | exp_avg_sq, each `arena` floats
+  std::int64_t count = 0;
+  // Scratch sized at construction so that a step allocates nothing.
+  std::vector<update_piece> pieces;
+  std::vector<group_kernel> group_kernels;
+  std::vector<byte_range> ranges;
+
+  float* p() const { return state.data(); }
+  float* m() const { return state.data() + arena; }
+  float* v() const { return state.data() + 2 * arena; }
+
+  std::size_t index_of(std::string_view name) const {
+    const auto it = by_name.find(name);
+    if (it == by_name.end())
+      throw std::invalid_argument("tensor name '" + std::string(name) +
+                                  "': unknown, expected one of the " + std::to_string(segs.size()) +
+                                  " registered tensors");
+    return it->second;
+  }
+
+  void check_group(std::size_t g) const {
+    if (g >= configs.size())
+      throw std::invalid_argument("group = " + std::to_string(g) + ": expected an index below " +
+                                  std::to_string(configs.size()));
+  }
+
+  step_result run(dtype grad_type, bool has_out, dtype out_type, float grad_scale) {
+    const std::int64_t t = count + 1;
+    for (std::size_t g = 0; g < configs.size(); ++g) {
+      const kernel_variant var = variant_of(configs[g]);
+      group_kernels[g].fn = kernels->adam[int(grad_type)][out_column(has_out, int(out_type))]
+                                         [int(var.decay)][var.nesterov];
+      group_kernels[g].scalars = make_step_scalars(configs[g], t, grad_scale);
+    }
+    update_job job;
+    job.params = p();
+    job.exp_avg = m();
+    job.exp_avg_sq = v();
+    job.pieces = pieces.data();
+    job.num_pieces = pieces.size();
+    job.groups = group_kernels.data();
+    job.grad_elem_bytes = dtype_size(grad_type);
+    job.out_elem_bytes = has_out ? dtype_size(out_type) : 0;
+    job.begin = 0;
+    job.end = arena;
+    run_update(job, exec.threads);
+    count = t;
+    return {true, count};
+  }
+};
+
+optimizer::optimizer(std::vector<param_group> groups, execution_options exec)
+    : impl_(std::make_unique<impl>()) {
+  impl& s = *impl_;
+  check_threads(exec.threads);
+  s.kernels = &kernel_set_by_name(exec.kernel);
+  s.exec = std::move(exec);
+  std::size_t offset = 0;
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    validate(groups[g].config, "groups[" + std::to_string(g) + "].config");
+    s.configs.push_back(groups[g].config);
+    for (auto& t : groups[g].tensors) {
+      if (t.name.empty())
+        throw std::invalid_argument("groups[" + std::to_string(g) +
+                                    "]: a tensor has an empty name: expected a unique name");
+      const std::size_t n = element_count(t);
+      if (!s.by_name.emplace(t.name, s.segs.size()).second)
+        throw std::invalid_argument("tensor name '" + t.name + "': registered twice, expected unique names");
+      s.segs.push_back({t.name, t.shape, offset, n, g});
+      s.names.push_back(t.name);
+      offset = align_up(offset + n);
+      s.nparams += n;
+    }
+  }
+  s.arena = offset;
+  s.state = aligned_floats(3 * s.arena);
+  s.pieces.resize(s.segs.size());
+  for (std::size_t i = 0; i < s.segs.size(); ++i)
+    s.pieces[i] = {s.segs[i].offset, s.segs[i].size, s.segs[i].group, nullptr, nullptr};
+  s.group_kernels.resize(s.configs.size());
+  s.ranges.reserve(2 * s.segs.size() + 3);
+
+  // First touch by the threads (and the partition) that will update each slice.
+  impl* self = &s;
+  auto zero = [self](int tid, int nthreads) {
+    const auto [lo, hi] = partition(0, self->arena, tid, nthreads);
+    for (float* base : {self->p(), self->m(), self->v()})
+      if (lo < hi) std::memset(base + lo, 0, (hi - lo) * sizeof(float));
+  };
+  run_parallel(s.exec.threads, zero);
+}
+
+optimizer::~optimizer() = default;
+optimizer::optimizer(optimizer&&) noexcept = default;
+optimizer& optimizer::operator=(optimizer&&) noexcept = default;
+
+std::size_t optimizer::arena_size() const { return impl_->arena; }
+std::size_t optimizer::num_params() const { return impl_->nparams; }
+std::size_t optimizer::state_bytes() const { return 3 * impl_->arena * sizeof(float); }
+std::span<const segment> optimizer::segments() const { return impl_->segs; }
+const segment& optimizer::tensor(std::string_view name) const {
+  return impl_->segs[impl_->index_of(name)];
+}
+
+std::size_t optimizer::num_groups() const { return impl_->configs.size(); }
+const adam_config& optimizer::group_config(std::size_t group) const {
+  impl_->check_group(group);
+  return impl_->configs[group];
+}
+void optimizer::set_group_config(std::size_t group, const adam_config& config) {
+  impl_->check_group(group);
+  validate(config, "groups[" + std::to_string(group) + "].config");
+  impl_->configs[group] = config;
+}
+void optimizer::set_lr(std::size_t group, double lr) {
+  impl_->check_group(group);
+  adam_config c = impl_->configs[group];
+  c.lr = lr;
+  set_group_config(group, c);
+}
+std::int64_t optimizer::step_count() const { return impl_->count; }
+void optimizer::set_step_count(std::int64_t count) {
+  if (count < 0)
+    throw std::invalid_argument("step count = " + std::to_string(count) + ": expected >= 0");
+  impl_->count = count;
+}
+
+const execution_options& optimizer::execution() const { return impl_->exec; }
+void optimizer::set_execution(const execution_options& exec) {
+  check_threads(exec.threads);
+  impl_->kernels = &kernel_set_by_name(exec.kernel);
+  impl_->exec = exec;
+}
+
+std::span<float> optimizer::params() { return {impl_->p(), impl_->arena}; }
+std::span<float> optimizer::exp_avg() { return {impl_->m(), impl_->arena}; }
+std::span<float> optimizer::exp_avg_sq() { return {impl_->v(), impl_->arena}; }
+std::span<const float> optimizer::params() const { return {impl_->p(), impl_->arena}; }
+std::span<const float> optimizer::exp_avg() const { return {impl_->m(), impl_->arena}; }
+std::span<const float> optimizer::exp_avg_sq() const { return {impl_->v(), impl_->arena}; }
+
+std::span<float> optimizer::params(std::string_view name) {
+  const segment& s = tensor(name);
+  return {impl_->p() + s.offset, s.size};
+}
+std::span<float> optimizer::exp_avg(std::string_view name) {
+  const segment& s = tensor(name);
+  return {impl_->m() + s.offset, s.size};
+}
+std::span<float> optimizer::exp_avg_sq(std::string_view name) {
+  const segment& s = tensor(name);
+  return {impl_->v() + s.offset, s.size};
+}
+
+void optimizer::set_params(std::string_view name, const_view values) {
+  const segment& s = tensor(name);
+  check_view("values", values.data, values.size, values.type, s.size);
+  float* dst = impl_->p() + s.offset;
+  switch (values.type) {
+  case dtype::f32: std::memmove(dst, values.data, s.size * sizeof(float)); break;
+  case dtype::bf16: {
+    const auto* src = static_cast<const std::uint16_t*>(values.data);
+    for (std::size_t i = 0; i < s.size; ++i) dst[i] = bf16_to_f32(src[i]);
+    break;
+  }
+  case dtype::f16: {
+    const auto* src = static_cast<const std::uint16_t*>(values.data);
+    for (std::size_t i = 0; i < s.size; ++i) dst[i] = f16_to_f32(src[i]);
+    break;
+  }
+  }
+}
+
+step_result optimizer::step(const_view flat_grad, mut_view flat_out, float grad_scale) {
+  impl& s = *impl_;
+  check_grad_scale(grad_scale);
+  check_view("flat_grad", flat_grad.data, flat_grad.size, flat_grad.type, s.arena);
+  const bool has_out = flat_out.data != nullptr || flat_out.size != 0;
+  if (has_out) check_view("flat_out", flat_out.data, flat_out.size, flat_out.type, s.arena);
+  s.ranges.clear();
+  s.ranges.push_back(range_of(flat_grad.data, s.arena * dtype_size(flat_grad.type), false, kind_grad, 0));
+  if (has_out)
+    s.ranges.push_back(range_of(flat_out.data, s.arena * dtype_size(flat_out.type), true, kind_out, 0));
+  s.ranges.push_back(range_of(s.p(), 3 * s.arena * sizeof(float), true, kind_state, 0));
+  check_no_overlap(s.ranges, view_kinds);
+
+  const std::size_t gsz = dtype_size(flat_grad.type);
+  const std::size_t osz = has_out ? dtype_size(flat_out.type) : 0;
+  for (auto& piece : s.pieces) {
+    piece.grad = static_cast<const char*>(flat_grad.data) + piece.offset * gsz;
+    piece.out = has_out ? static_cast<char*>(flat_out.data) + piece.offset * osz : nullptr;
+  }
+  return s.run(flat_grad.type, has_out, flat_out.type, grad_scale);
+}
+
+step_result optimizer::step(std::span<const const_view> grads, std::span<const mut_view> outs,
+                            float grad_scale) {
+  impl& s = *impl_;
+  const std::size_t n = s.segs.size();
+  check_grad_scale(grad_scale);
+  if (grads.size() != n)
+    throw std::invalid_argument("grads: " + std::to_string(grads.size()) +
+                                " views: expected one per tensor (" + std::to_string(n) + ")");
+  const bool has_out = !outs.empty();
+  if (has_out && outs.size() != n)
+    throw std::invalid_argument("outs: " + std::to_string(outs.size()) +
+                                " views: expected none or one per tensor (" + std::to_string(n) + ")");
+  const dtype grad_type = n ? grads[0].type : dtype::f32;
+  const dtype out_type = has_out ? outs[0].type : dtype::f32;
+  check_dtype("grads[0]", grad_type);
+  if (has_out) check_dtype("outs[0]", out_type);
+  s.ranges.clear();
+  // Cheap checks first; the message (with its allocations) is only built on failure.
+  auto bad = [](const auto& view, std::size_t expected, dtype type) {
+    return view.size != expected || (view.data == nullptr && view.size > 0) || view.type != type;
+  };
+  for (std::size_t i = 0; i < n; ++i) {
+    if (bad(grads[i], s.segs[i].size, grad_type)) {
+      const std::string where = "grads[" + std::to_string(i) + "] ('" + s.names[i] + "')";
+      check_view(where, grads[i].data, grads[i].size, grads[i].type, s.segs[i].size);
+      throw std::invalid_argument(where + ".type = " + std::string(dtype_name(grads[i].type)) +
+                                  ": expected " + std::string(dtype_name(grad_type)) +
+                                  " like grads[0] (one gradient dtype per step)");
+    }
+    s.ranges.push_back(range_of(grads[i].data, grads[i].size * dtype_size(grad_type), false, kind_grad, i));
+    if (!has_out) continue;
+    if (bad(outs[i], s.segs[i].size, out_type)) {
+      const std::string where = "outs[" + std::to_string(i) + "] ('" + s.names[i] + "')";
+      check_view(where, outs[i].data, outs[i].size, outs[i].type, s.segs[i].size);
+      throw std::invalid_argument(where + ".type = " + std::string(dtype_name(outs[i].type)) +
+                                  ": expected " + std::string(dtype_name(out_type)) +
+                                  " like outs[0] (one copy-out dtype per step)");
+    }
+    s.ranges.push_back(range_of(outs[i].data, outs[i].size * dtype_size(out_type), true, kind_out, i));
+  }
+  s.ranges.push_back(range_of(s.p(), 3 * s.arena * sizeof(float), true, kind_state, 0));
+  check_no_overlap(s.ranges, view_kinds, &s.names);
+
+  for (std::size_t i = 0; i < n; ++i) {
+    s.pieces[i].grad = grads[i].data;
+    s.pieces[i].out = has_out ? outs[i].data : nullptr;
+  }
+  return s.run(grad_type, has_out, out_type, grad_scale);
+}
+
+} // namespace hostopt

@@ -1,0 +1,69 @@
+#include "parallel.hpp"
+
+#if defined(HOSTOPT_THREADING_TBB)
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include <tbb/blocked_range.h>
+#include <tbb/info.h>
+#include <tbb/parallel_for.h>
+#include <tbb/partitioner.h>
+#include <tbb/task_arena.h>
+#else
+#include <omp.h>
+#endif
+
+namespace hostopt::detail {
+
+#if defined(HOSTOPT_THREADING_TBB)
+
+int default_threads() { return tbb::info::default_concurrency(); }
+const char* threading_backend() { return "tbb"; }
+
+namespace {
+// One arena per thread count, made on first use, so a step allocates nothing.
+tbb::task_arena& arena_for(int threads) {
+  static std::mutex mu;
+  static std::map<int, std::unique_ptr<tbb::task_arena>> arenas;
+  std::lock_guard<std::mutex> lock(mu);
+  auto& a = arenas[threads];
+  if (!a) a = std::make_unique<tbb::task_arena>(threads);
+  return *a;
+}
+} // namespace
+
+void run_parallel(int threads, void (*body)(void*, int, int) noexcept, void* ctx) {
+  if (threads <= 0) threads = default_threads();
+  if (threads == 1) {
+    body(ctx, 0, 1);
+    return;
+  }
+  arena_for(threads).execute([&] {
+    tbb::parallel_for(
+        tbb::blocked_range<int>(0, threads, 1),
+        [&](const tbb::blocked_range<int>& r) {
+          for (int t = r.begin(); t < r.end(); ++t) body(ctx, t, threads);
+        },
+        tbb::static_partitioner());
+  });
+}
+
+#else
+
+int default_threads() { return omp_get_max_threads(); }
+const char* threading_backend() { return "openmp"; }
+
+void run_parallel(int threads, void (*body)(void*, int, int) noexcept, void* ctx) {
+  if (threads <= 0) threads = default_threads();
+  if (threads == 1) {
+    body(ctx, 0, 1);
+    return;
+  }
+#pragma omp parallel num_threads(threads)
+  body(ctx, omp_get_thread_num(), omp_get_num_threads());
+}
+
+#endif
+
+} // namespace hostopt::detail

@@ -1,0 +1,170 @@
+#pragma once
+// Loads, stores and dtype conversions per instruction set, so the Adam kernel is written
+// once. Generic xsimd arches convert 16-bit types lane by lane through a small buffer;
+// x86 arches override that with their conversion instructions. Every path produces the
+// same bits (half_conversion.hpp is the reference they are tested against).
+//
+// Only included by the per-instruction-set translation units (cpu_adam/arch_*.cpp).
+
+#include <cstddef>
+#include <cmath>
+
+#include "half_conversion.hpp"
+
+#if defined(HOSTOPT_USE_XSIMD)
+#include <xsimd/xsimd.hpp>
+#endif
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+#ifndef HOSTOPT_KERNEL_NS
+#error "HOSTOPT_KERNEL_NS must name this translation unit's instruction set"
+#endif
+
+namespace hostopt::detail {
+// Each instruction set's file gets its own namespace, so no inline function compiled with
+// one ISA's flags can be merged by the linker into another ISA's code (ODR).
+namespace HOSTOPT_KERNEL_NS {
+
+/// The portable scalar "instruction set": one float per vector.
+struct scalar_arch {};
+
+template <class Arch>
+struct simd_ops;
+
+template <>
+struct simd_ops<scalar_arch> {
+  using vec = float;
+  static constexpr std::size_t width = 1;
+  static vec splat(float x) noexcept { return x; }
+  static vec load(const float* p) noexcept { return *p; }
+  static void store(float* p, vec x) noexcept { *p = x; }
+  static vec sqrt(vec x) noexcept { return std::sqrt(x); }
+  static vec load(const bf16_t* p) noexcept { return bf16_to_f32(p->bits); }
+  static vec load(const f16_t* p) noexcept { return f16_to_f32(p->bits); }
+  static void store(bf16_t* p, vec x) noexcept { p->bits = f32_to_bf16(x); }
+  static void store(f16_t* p, vec x) noexcept { p->bits = f32_to_f16(x); }
+};
+
+#if defined(HOSTOPT_USE_XSIMD)
+/// Any xsimd arch: float arithmetic from xsimd, 16-bit conversions through a buffer.
+template <class Arch>
+struct xsimd_ops {
+  using vec = xsimd::batch<float, Arch>;
+  static constexpr std::size_t width = vec::size;
+  static vec splat(float x) noexcept { return vec(x); }
+  static vec load(const float* p) noexcept { return vec::load_unaligned(p); }
+  static void store(float* p, vec x) noexcept { x.store_unaligned(p); }
+  static vec sqrt(vec x) noexcept { return xsimd::sqrt(x); }
+  static vec load(const bf16_t* p) noexcept {
+    alignas(64) float tmp[width];
+    for (std::size_t i = 0; i < width; ++i) tmp[i] = bf16_to_f32(p[i].bits);
+    return vec::load_aligned(tmp);
+  }
+  static vec load(const f16_t* p) noexcept {
+    alignas(64) float tmp[width];
+    for (std::size_t i = 0; i < width; ++i) tmp[i] = f16_to_f32(p[i].bits);
+    return vec::load_aligned(tmp);
+  }
+  static void store(bf16_t* p, vec x) noexcept {
+    alignas(64) float tmp[width];
+    x.store_aligned(tmp);
+    for (std::size_t i = 0; i < width; ++i) p[i].bits = f32_to_bf16(tmp[i]);
+  }
+  static void store(f16_t* p, vec x) noexcept {
+    alignas(64) float tmp[width];
+    x.store_aligned(tmp);
+    for (std::size_t i = 0; i < width; ++i) p[i].bits = f32_to_f16(tmp[i]);
+  }
+};
+
+template <class Arch>
+struct simd_ops : xsimd_ops<Arch> {};
+#endif
+
+#if defined(HOSTOPT_USE_XSIMD) && defined(__AVX512BW__)
+template <>
+struct simd_ops<xsimd::avx512bw> : xsimd_ops<xsimd::avx512bw> {
+  using xsimd_ops::load;
+  using xsimd_ops::store;
+  static vec load(const bf16_t* p) noexcept {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
+  static vec load(const f16_t* p) noexcept {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static void store(bf16_t* p, vec x) noexcept {
+    const __m512 f = x;
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  }
+  static void store(f16_t* p, vec x) noexcept {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+};
+#endif
+
+#if defined(HOSTOPT_USE_XSIMD) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+template <>
+struct simd_ops<xsimd::fma3<xsimd::avx2>> : xsimd_ops<xsimd::fma3<xsimd::avx2>> {
+  using xsimd_ops::load;
+  using xsimd_ops::store;
+  static vec load(const bf16_t* p) noexcept {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+  static vec load(const f16_t* p) noexcept {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void store(bf16_t* p, vec x) noexcept {
+    const __m256 f = x;
+    const __m256i u = _mm256_castps_si256(f);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    r = _mm256_blendv_epi8(r, quiet, nan);
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+  }
+  static void store(f16_t* p, vec x) noexcept {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+};
+#endif
+
+#if defined(HOSTOPT_USE_XSIMD) && defined(__SSE2__) && !defined(__AVX__)
+// f16 has no SSE2 instruction: it keeps the generic (buffered scalar) conversion.
+template <>
+struct simd_ops<xsimd::sse2> : xsimd_ops<xsimd::sse2> {
+  using xsimd_ops::load;
+  using xsimd_ops::store;
+  static vec load(const bf16_t* p) noexcept {
+    const __m128i h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), h));
+  }
+  static void store(bf16_t* p, vec x) noexcept {
+    const __m128 f = x;
+    const __m128i u = _mm_castps_si128(f);
+    const __m128i lsb = _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1));
+    __m128i r = _mm_srli_epi32(_mm_add_epi32(u, _mm_add_epi32(lsb, _mm_set1_epi32(0x7FFF))), 16);
+    const __m128i nan = _mm_castps_si128(_mm_cmpunord_ps(f, f));
+    const __m128i quiet = _mm_or_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(0x40));
+    r = _mm_or_si128(_mm_and_si128(nan, quiet), _mm_andnot_si128(nan, r));
+    // Sign-extend the 16-bit values so the signed saturating pack keeps their bits.
+    r = _mm_srai_epi32(_mm_slli_epi32(r, 16), 16);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi32(r, r));
+  }
+};
+#endif
+
+} // namespace HOSTOPT_KERNEL_NS
+} // namespace hostopt::detail

@@ -1,0 +1,33 @@
+#pragma once
+/// \file adam_config.hpp
+/// Hyper-parameters of one parameter group.
+
+#include <string>
+
+namespace hostopt {
+
+/// How weight decay enters the update.
+enum class adam_mode : unsigned char {
+  adam = 0,  ///< coupled L2: g += wd * p before the moments (torch.optim.Adam)
+  adamw = 1, ///< decoupled: p *= 1 - lr * wd before the update (torch AdamW, optax.adamw)
+};
+
+/// Hyper-parameters of the Adam/AdamW update (see DESIGN.md, "The update rule"). Names
+/// follow torch.optim; eps_root and nesterov follow optax. All may change between steps.
+struct adam_config {
+  double lr = 1e-3;           ///< learning rate, >= 0 and finite
+  double beta1 = 0.9;         ///< first-moment decay, in [0, 1)
+  double beta2 = 0.999;       ///< second-moment decay, in [0, 1)
+  double eps = 1e-8;          ///< added outside the square root, >= 0 and finite
+  double eps_root = 0.0;      ///< added inside the square root (optax), >= 0 and finite
+  double weight_decay = 0.0;  ///< >= 0 and finite; meaning set by `mode`
+  adam_mode mode = adam_mode::adamw;
+  bool bias_correction = true; ///< divide the moments by 1 - beta^t
+  bool nesterov = false;       ///< Nesterov momentum as optax.nadam/nadamw
+};
+
+/// Throws std::invalid_argument naming the first bad field, its value and the expected
+/// range. `where` prefixes the message (e.g. "group 2").
+void validate(const adam_config& config, const std::string& where = "adam_config");
+
+} // namespace hostopt

@@ -1,0 +1,9 @@
+#pragma once
+/// \file hostopt.hpp
+/// Everything public in one include.
+
+#include "hostopt/adam_config.hpp"
+#include "hostopt/dtype.hpp"
+#include "hostopt/kernels.hpp"
+#include "hostopt/optimizer.hpp"
+#include "hostopt/version.hpp"

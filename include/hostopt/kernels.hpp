@@ -1,0 +1,48 @@
+#pragma once
+/// \file kernels.hpp
+/// The SIMD kernels compiled into this build, which one runs, and the one-buffer step.
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "hostopt/adam_config.hpp"
+#include "hostopt/dtype.hpp"
+
+namespace hostopt {
+
+/// One kernel (instruction set) compiled into this build.
+struct kernel_info {
+  std::string name; ///< "avx512", "avx2", "sse2", "neon" or "scalar"
+  bool supported;   ///< this CPU and OS can run it
+};
+
+/// Every kernel compiled in, best first.
+std::vector<kernel_info> kernels();
+
+/// Name of the kernel used when none is asked for: the best supported one, or the one
+/// named by the environment variable HOSTOPT_FORCE_ARCH. Decided on first call; throws
+/// std::invalid_argument for an unknown forced name and std::runtime_error for a forced
+/// kernel this CPU cannot run (never a silent fallback).
+std::string active_kernel();
+
+/// How a step runs. Results are bitwise identical for every choice here.
+struct execution_options {
+  int threads = 0;    ///< worker threads, >= 0; 0 means the threading runtime's default
+  std::string kernel; ///< kernel name from kernels(); empty means active_kernel()
+};
+
+/// One fused Adam/AdamW step (DESIGN.md) over `n` contiguous f32 elements owned by the
+/// caller: reads grad (f32/bf16/f16), updates params/exp_avg/exp_avg_sq in place and,
+/// when `out.data` is set, writes the new parameters to `out` in its dtype, in one pass.
+/// `step` is the 1-based step number t used for bias correction; `grad_scale` multiplies
+/// the gradient first (1/loss_scale times the clip coefficient).
+/// Throws std::invalid_argument (nothing written) for null, overlapping or mis-sized
+/// buffers, an unknown dtype, bad hyper-parameters or step < 1.
+void adam_step(float* params, float* exp_avg, float* exp_avg_sq, std::size_t n,
+               const_view grad, mut_view out, const adam_config& config, std::int64_t step,
+               float grad_scale = 1.0f, const execution_options& exec = {});
+
+} // namespace hostopt

@@ -1,0 +1,125 @@
+#pragma once
+/// \file optimizer.hpp
+/// The optimizer state: master parameters and Adam moments of many tensors in one flat,
+/// 64-byte aligned arena, grouped by hyper-parameters.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "hostopt/adam_config.hpp"
+#include "hostopt/dtype.hpp"
+#include "hostopt/kernels.hpp"
+
+namespace hostopt {
+
+/// A tensor to register: a unique name and a shape (every extent >= 0).
+struct tensor_spec {
+  std::string name;
+  std::vector<std::int64_t> shape;
+};
+
+/// Tensors that share hyper-parameters (torch param_groups, optax masks).
+struct param_group {
+  adam_config config;
+  std::vector<tensor_spec> tensors;
+};
+
+/// Where a registered tensor lives in the arena.
+struct segment {
+  std::string name;
+  std::vector<std::int64_t> shape;
+  std::size_t offset = 0; ///< first element in the arena, a multiple of 16 (64 bytes)
+  std::size_t size = 0;   ///< number of elements (product of the shape)
+  std::size_t group = 0;  ///< index of its parameter group
+};
+
+/// What a step did.
+struct step_result {
+  bool applied = false;   ///< the state was updated
+  std::int64_t step = 0;  ///< step count after the call
+};
+
+/// Adam/AdamW optimizer state in host memory.
+///
+/// Layout: tensors are placed group after group, in registration order, each at a 64-byte
+/// aligned offset of one flat arena; params, exp_avg and exp_avg_sq are three such arenas
+/// (12 bytes per element plus alignment padding). The layout is fixed at construction.
+/// A step runs one parallel region over the whole arena and allocates nothing.
+/// Not thread-safe: one call at a time per optimizer.
+class optimizer {
+public:
+  /// Registers the groups' tensors and zero-initialises params and moments (first touched
+  /// by the threads that will update them). Throws std::invalid_argument for an empty or
+  /// duplicate name, a negative extent, bad hyper-parameters or bad execution options.
+  explicit optimizer(std::vector<param_group> groups, execution_options exec = {});
+  ~optimizer();
+  optimizer(optimizer&&) noexcept;
+  optimizer& operator=(optimizer&&) noexcept;
+  optimizer(const optimizer&) = delete;
+  optimizer& operator=(const optimizer&) = delete;
+
+  // --- layout -----------------------------------------------------------------------
+  /// Elements in the arena, padding included; the size of a flat gradient or copy-out view.
+  std::size_t arena_size() const;
+  /// Elements of all tensors, padding excluded.
+  std::size_t num_params() const;
+  /// Bytes this optimizer holds for params and moments (3 x 4 x arena_size()).
+  std::size_t state_bytes() const;
+  /// Every tensor, in arena order.
+  std::span<const segment> segments() const;
+  /// The tensor called `name`; throws std::invalid_argument naming it when unknown.
+  const segment& tensor(std::string_view name) const;
+
+  // --- hyper-parameters and step count ------------------------------------------------
+  std::size_t num_groups() const;
+  const adam_config& group_config(std::size_t group) const;
+  /// Replaces a group's hyper-parameters (schedules); validated first, nothing changes on error.
+  void set_group_config(std::size_t group, const adam_config& config);
+  /// Sets lr of one group; validated like set_group_config.
+  void set_lr(std::size_t group, double lr);
+  /// Completed steps; the next step uses t = step_count() + 1.
+  std::int64_t step_count() const;
+  /// For resuming; must be >= 0.
+  void set_step_count(std::int64_t count);
+
+  // --- execution ----------------------------------------------------------------------
+  const execution_options& execution() const;
+  /// Changes threads/kernel for later steps; validated first.
+  void set_execution(const execution_options& exec);
+
+  // --- state --------------------------------------------------------------------------
+  std::span<float> params();
+  std::span<float> exp_avg();
+  std::span<float> exp_avg_sq();
+  std::span<const float> params() const;
+  std::span<const float> exp_avg() const;
+  std::span<const float> exp_avg_sq() const;
+  /// One tensor's slice of each arena; throw for an unknown name.
+  std::span<float> params(std::string_view name);
+  std::span<float> exp_avg(std::string_view name);
+  std::span<float> exp_avg_sq(std::string_view name);
+  /// Copies `values` (any dtype, exactly tensor(name).size elements) into the master
+  /// parameters of `name`.
+  void set_params(std::string_view name, const_view values);
+
+  // --- the step -----------------------------------------------------------------------
+  /// One step with a flat gradient in arena layout (arena_size() elements; padding is
+  /// never read) and an optional flat copy-out in arena layout (padding never written).
+  /// All buffers are validated before anything is written; on error nothing changes.
+  step_result step(const_view flat_grad, mut_view flat_out = {}, float grad_scale = 1.0f);
+  /// One step with one gradient view per tensor (arena order, one dtype for all) and
+  /// optionally one copy-out view per tensor (one dtype for all).
+  step_result step(std::span<const const_view> grads, std::span<const mut_view> outs = {},
+                   float grad_scale = 1.0f);
+
+private:
+  struct impl;
+  std::unique_ptr<impl> impl_;
+};
+
+} // namespace hostopt

@@ -1,0 +1,259 @@
+// Every kernel this CPU supports, forced one by one through the public API, against the
+// double-precision reference; exact 16-bit conversions; identical bits across kernels,
+// thread counts and splits of the range.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <sstream>
+
+#include "reference.hpp"
+
+using namespace hostopt;
+
+namespace {
+
+std::vector<std::string> supported_kernels() {
+  std::vector<std::string> names;
+  for (const auto& k : kernels())
+    if (k.supported) names.push_back(k.name);
+  return names;
+}
+
+std::vector<adam_config> test_configs() {
+  std::vector<adam_config> cs;
+  adam_config c;
+  c.lr = 1e-2;
+  c.weight_decay = 0.01;
+  cs.push_back(c); // adamw
+  c.mode = adam_mode::adam;
+  cs.push_back(c); // adam, coupled L2
+  c.weight_decay = 0;
+  cs.push_back(c); // plain adam
+  c.nesterov = true;
+  cs.push_back(c); // nadam
+  c.mode = adam_mode::adamw;
+  c.weight_decay = 0.1;
+  c.eps_root = 1e-8;
+  cs.push_back(c); // nadamw with eps_root
+  c.nesterov = false;
+  c.bias_correction = false;
+  c.beta1 = 0.5;
+  c.beta2 = 0.75;
+  c.eps = 1e-3;
+  cs.push_back(c); // no bias correction, unusual betas
+  return cs;
+}
+
+const dtype all_dtypes[] = {dtype::f32, dtype::bf16, dtype::f16};
+
+/// A copy-out buffer of any dtype (or none).
+struct out_buffer {
+  bool enabled = false;
+  dtype type = dtype::f32;
+  std::vector<float> f32;
+  std::vector<std::uint16_t> half;
+  out_buffer(int kind, std::size_t n) {
+    if (kind < 0) return;
+    enabled = true;
+    type = dtype(kind);
+    if (type == dtype::f32) f32.assign(n, -7.0f);
+    else half.assign(n, 0xDEAD);
+  }
+  mut_view view(std::size_t offset = 0, std::size_t n = std::size_t(-1)) {
+    if (!enabled) return {};
+    const std::size_t size = type == dtype::f32 ? f32.size() : half.size();
+    if (n == std::size_t(-1)) n = size - offset;
+    if (type == dtype::f32) return {f32.data() + offset, n, type};
+    return {half.data() + offset, n, type};
+  }
+  bool operator==(const out_buffer& o) const { return f32 == o.f32 && half == o.half; }
+  // Whether element i holds p correctly rounded to the buffer's dtype.
+  bool holds(std::size_t i, float p) const {
+    if (!enabled) return true;
+    if (type == dtype::f32) return ref::bits(f32[i]) == ref::bits(p);
+    if (std::isnan(p)) return type == dtype::bf16 ? std::isnan(ref::from_bf16(half[i])) : std::isnan(ref::from_f16(half[i]));
+    return half[i] == (type == dtype::bf16 ? ref::to_bf16(p) : ref::to_f16(p));
+  }
+};
+
+std::string describe(const std::string& kernel, const adam_config& c, dtype g, int out, std::size_t n,
+                     std::int64_t t) {
+  std::ostringstream os;
+  os << "kernel=" << kernel << " mode=" << (c.mode == adam_mode::adam ? "adam" : "adamw")
+     << " wd=" << c.weight_decay << " nesterov=" << c.nesterov << " bias_correction=" << c.bias_correction
+     << " grad=" << dtype_name(g) << " out=" << (out < 0 ? "none" : dtype_name(dtype(out))) << " n=" << n
+     << " t=" << t;
+  return os.str();
+}
+
+// Runs one step and checks every element against the reference; returns the number of
+// mismatching elements (and reports the first).
+std::size_t check_against_reference(const std::string& kernel, const adam_config& c, dtype gt, int out_kind,
+                                    std::size_t n, std::int64_t t, float grad_scale, int threads,
+                                    std::mt19937& rng) {
+  ref::state s = ref::random_state(n, rng);
+  const ref::state before = s;
+  const ref::grad_buffer g = ref::random_grad(gt, n, rng);
+  out_buffer out(out_kind, n);
+  adam_step(s.p.data(), s.m.data(), s.v.data(), n, g.view(), out.view(), c, t, grad_scale, {threads, kernel});
+  std::size_t bad = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto mr = ref::adam_moments(c, grad_scale, before.p[i], before.m[i], before.v[i], g.values[i]);
+    const auto pr = ref::adam_param(c, t, grad_scale, before.p[i], s.m[i], s.v[i], g.values[i]);
+    const bool ok = ref::close(s.m[i], mr.m, mr.m_terms, 4) && ref::close(s.v[i], mr.v, mr.v_terms, 4) &&
+                    ref::close(s.p[i], pr.p, pr.p_terms, 8) && out.holds(i, s.p[i]);
+    if (!ok && bad++ == 0) {
+      UNSCOPED_INFO(describe(kernel, c, gt, out_kind, n, t)
+                    << " first mismatch at " << i << ": p=" << s.p[i] << " ref " << pr.p << ", m=" << s.m[i]
+                    << " ref " << mr.m << ", v=" << s.v[i] << " ref " << mr.v);
+    }
+  }
+  return bad;
+}
+
+} // namespace
+
+TEST_CASE("the scalar kernel is always compiled in and supported", "[per_arch]") {
+  const auto ks = kernels();
+  REQUIRE_FALSE(ks.empty());
+  CHECK(ks.back().name == "scalar");
+  CHECK(ks.back().supported);
+  const auto names = supported_kernels();
+  CHECK(std::find(names.begin(), names.end(), active_kernel()) != names.end());
+}
+
+TEST_CASE("every kernel matches the double-precision reference at edge sizes", "[adam][per_arch]") {
+  const std::size_t sizes[] = {0, 1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 100};
+  const std::int64_t steps[] = {1, 2, 10, 1000};
+  std::mt19937 rng(42);
+  for (const auto& kernel : supported_kernels()) {
+    std::size_t bad = 0, runs = 0;
+    for (const auto& c : test_configs())
+      for (dtype gt : all_dtypes)
+        for (int out = -1; out < 3; ++out)
+          for (std::size_t n : sizes)
+            for (std::int64_t t : steps) {
+              bad += check_against_reference(kernel, c, gt, out, n, t, t == 2 ? 0.5f : 1.0f, 1, rng);
+              ++runs;
+            }
+    INFO("kernel " << kernel << ": " << runs << " steps checked");
+    CHECK(bad == 0);
+  }
+}
+
+TEST_CASE("every kernel matches the reference on a large odd size", "[adam][per_arch]") {
+  std::mt19937 rng(7);
+  adam_config c;
+  c.lr = 3e-3;
+  c.weight_decay = 0.05;
+  for (const auto& kernel : supported_kernels())
+    for (dtype gt : all_dtypes) {
+      const int out = gt == dtype::f32 ? -1 : int(gt);
+      CHECK(check_against_reference(kernel, c, gt, out, 1000003, 3, 1.0f, 2, rng) == 0);
+    }
+}
+
+TEST_CASE("copy-out rounds to nearest even on every kernel, specials included", "[convert][per_arch]") {
+  // lr = 0 leaves p unchanged, so out = round(p) isolates the conversion.
+  std::vector<float> p;
+  const std::uint32_t specials[] = {0x00000000, 0x80000000, 0x00000001, 0x007FFFFF, 0x00800000, 0x33000000,
+                                    0x33000001, 0x337FFFFF, 0x33800000, 0x387FC000, 0x387FE000, 0x38800000,
+                                    0x477FE000, 0x477FEFFF, 0x477FF000, 0x477FFFFF, 0x47800000, 0x7F7FFFFF,
+                                    0x7F7F8000, 0x7F7F7FFF, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001,
+                                    0xFFC12345, 0x3F808000, 0x3F818000, 0x3F800001, 0x3F807FFF};
+  for (std::uint32_t u : specials) p.push_back(ref::from_bits(u));
+  std::mt19937 rng(3);
+  std::uniform_int_distribution<std::uint32_t> any;
+  std::uniform_int_distribution<std::uint32_t> half_range(0x32000000u, 0x48000000u);
+  for (int i = 0; i < 100000; ++i) p.push_back(ref::from_bits(any(rng)));
+  for (int i = 0; i < 100000; ++i) p.push_back(ref::from_bits(half_range(rng) | (any(rng) & 0x80000000u)));
+  const std::size_t n = p.size();
+  adam_config c;
+  c.lr = 0;
+  std::vector<out_buffer> first;
+  for (int out = 1; out < 3; ++out) {
+    std::optional<out_buffer> reference_bits;
+    for (const auto& kernel : supported_kernels()) {
+      ref::state s(n);
+      s.p = p;
+      std::vector<float> grad(n, 0.0f);
+      out_buffer o(out, n);
+      adam_step(s.p.data(), s.m.data(), s.v.data(), n, {grad.data(), n, dtype::f32}, o.view(), c, 1, 1.0f,
+                {1, kernel});
+      std::size_t bad = 0;
+      for (std::size_t i = 0; i < n; ++i) bad += !o.holds(i, p[i]);
+      INFO("kernel " << kernel << " out " << dtype_name(dtype(out)));
+      CHECK(bad == 0);
+      if (!reference_bits) reference_bits = o;
+      else CHECK(o == *reference_bits); // NaN payloads too
+    }
+  }
+}
+
+TEST_CASE("16-bit gradients decode exactly on every kernel (all 65536 patterns)", "[convert][per_arch]") {
+  // beta1 = 0 makes m = 0 * m + 1 * g = g: the decoded gradient itself.
+  const std::size_t n = 65536;
+  adam_config c;
+  c.beta1 = 0;
+  for (dtype gt : {dtype::bf16, dtype::f16}) {
+    std::vector<std::uint16_t> h(n);
+    for (std::size_t i = 0; i < n; ++i) h[i] = std::uint16_t(i);
+    std::optional<std::vector<float>> first;
+    for (const auto& kernel : supported_kernels()) {
+      ref::state s(n);
+      adam_step(s.p.data(), s.m.data(), s.v.data(), n, {h.data(), n, gt}, {}, c, 1, 1.0f, {1, kernel});
+      std::size_t bad = 0;
+      for (std::size_t i = 0; i < n; ++i) {
+        const float want = gt == dtype::bf16 ? ref::from_bf16(h[i]) : ref::from_f16(h[i]);
+        if (std::isnan(want)) bad += !std::isnan(s.m[i]);
+        else bad += s.m[i] != want; // +0 and -0 compare equal: 0 + (-0) is +0
+      }
+      INFO("kernel " << kernel << " grad " << dtype_name(gt));
+      CHECK(bad == 0);
+      if (!first) first = s.m;
+      else CHECK(std::memcmp(first->data(), s.m.data(), n * 4) == 0);
+    }
+  }
+}
+
+TEST_CASE("identical bits across kernels, thread counts and splits of the range", "[determinism][per_arch]") {
+  const std::size_t n = 100003;
+  std::mt19937 rng(11);
+  const auto names = supported_kernels();
+  for (const auto& c : test_configs())
+    for (dtype gt : all_dtypes)
+      for (int out = -1; out < 3; ++out) {
+        const ref::state start = ref::random_state(n, rng);
+        const ref::grad_buffer g = ref::random_grad(gt, n, rng);
+        auto run = [&](const std::string& kernel, int threads, const std::vector<std::size_t>& cuts) {
+          std::pair<ref::state, out_buffer> r{start, out_buffer(out, n)};
+          auto& [s, o] = r;
+          for (std::size_t k = 0; k + 1 < cuts.size(); ++k) {
+            const std::size_t lo = cuts[k], len = cuts[k + 1] - cuts[k];
+            adam_step(s.p.data() + lo, s.m.data() + lo, s.v.data() + lo, len, g.view(lo, len), o.view(lo, len),
+                      c, 5, 0.75f, {threads, kernel});
+          }
+          return r;
+        };
+        const auto base = run("scalar", 1, {0, n});
+        for (const auto& kernel : names)
+          for (int threads = 1; threads <= 4; ++threads) {
+            const auto r = run(kernel, threads, {0, n});
+            INFO(describe(kernel, c, gt, out, n, 5) << " threads=" << threads);
+            CHECK(r.first == base.first);
+            CHECK(r.second == base.second);
+          }
+        std::vector<std::size_t> cuts{0, n};
+        std::uniform_int_distribution<std::size_t> cut(1, n - 1);
+        for (int k = 0; k < 20; ++k) cuts.push_back(cut(rng));
+        std::sort(cuts.begin(), cuts.end());
+        cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+        const auto split = run(active_kernel(), 2, cuts);
+        INFO(describe(active_kernel(), c, gt, out, n, 5) << " random split into " << cuts.size() - 1);
+        CHECK(split.first == base.first);
+        CHECK(split.second == base.second);
+      }
+}
