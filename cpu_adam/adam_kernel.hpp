@@ -98,7 +98,20 @@ struct adam_kernel {
   }
 };
 
-/// Same loads and stores as adam_kernel, no arithmetic.
+/// Keeps a value opaque to the optimizer at no cost, so loads that feed it and stores of
+/// it cannot be elided or merged.
+template <class V>
+inline void opaque(V& x) noexcept {
+#if defined(__GNUC__)
+  if constexpr (std::is_same_v<V, float>) asm volatile("" : "+x"(x));
+  else asm volatile("" : "+x"(x.data));
+#endif
+}
+
+/// The roofline kernel: the same loads and stores as adam_kernel (p, m, v, grad read;
+/// p, m, v and the copy-out written, each element once, in the same order), no
+/// arithmetic. Each stream writes back what it read, so the cache-line traffic is
+/// exactly the step's.
 template <class Arch, class G, class O>
 struct roofline_kernel {
   using ops = simd_ops<Arch>;
@@ -106,13 +119,17 @@ struct roofline_kernel {
   static constexpr std::size_t W = ops::width;
 
   static void body(float* p, float* m, float* v, const G* grad, O* out) noexcept {
-    const vec g = ops::load(grad);
-    const vec pp = ops::load(p);
-    const vec mm = ops::load(m);
-    const vec vv = ops::load(v);
-    ops::store(p, mm);
-    ops::store(m, vv);
-    ops::store(v, g);
+    vec g = ops::load(grad);
+    vec pp = ops::load(p);
+    vec mm = ops::load(m);
+    vec vv = ops::load(v);
+    opaque(g);
+    opaque(pp);
+    opaque(mm);
+    opaque(vv);
+    ops::store(m, mm);
+    ops::store(v, vv);
+    ops::store(p, pp);
     if constexpr (!std::is_same_v<O, no_out>) ops::store(out, pp);
   }
 
@@ -125,12 +142,34 @@ struct roofline_kernel {
       else body(p + i, m + i, v + i, grad + i, out + i);
     }
     for (; i < n; ++i) { // scalar tail: only its memory traffic matters here
-      const float old = p[i];
-      p[i] = m[i];
-      m[i] = v[i];
-      v[i] = simd_ops<scalar_arch>::load(grad + i);
-      if constexpr (!std::is_same_v<O, no_out>) simd_ops<scalar_arch>::store(out + i, old);
+      float x = p[i], y = m[i], z = v[i], g = simd_ops<scalar_arch>::load(grad + i);
+      opaque(x);
+      opaque(y);
+      opaque(z);
+      opaque(g);
+      p[i] = x;
+      m[i] = y;
+      v[i] = z;
+      if constexpr (!std::is_same_v<O, no_out>) simd_ops<scalar_arch>::store(out + i, x);
     }
+  }
+};
+
+/// f32 -> 16-bit conversion pass, with the same rounding as the kernel's copy-out.
+template <class Arch, class O>
+struct cast_kernel {
+  using ops = simd_ops<Arch>;
+  static constexpr std::size_t W = ops::width;
+  static void run(const float* in, void* out_raw, std::size_t n) noexcept {
+    O* out = static_cast<O*>(out_raw);
+    std::size_t i = 0;
+    for (; i + W <= n; i += W) ops::store(out + i, ops::load(in + i));
+    if (i == n) return;
+    alignas(64) float ib[W] = {};
+    O ob[W] = {};
+    std::memcpy(ib, in + i, (n - i) * sizeof(float));
+    ops::store(ob, ops::load(ib));
+    std::memcpy(out + i, ob, (n - i) * sizeof(O));
   }
 };
 
@@ -166,6 +205,8 @@ constexpr kernel_set make_kernel_set(const char* name) {
   fill_grad_type<Arch, float>(s, 0);
   fill_grad_type<Arch, bf16_t>(s, 1);
   fill_grad_type<Arch, f16_t>(s, 2);
+  s.cast[2] = &cast_kernel<Arch, bf16_t>::run;
+  s.cast[3] = &cast_kernel<Arch, f16_t>::run;
   return s;
 }
 

@@ -13,10 +13,14 @@ namespace hostopt::detail {
 using adam_fn = void (*)(const step_scalars& s, float* p, float* m, float* v, const void* grad,
                          void* out, std::size_t n) noexcept;
 
-/// The roofline kernel: the same loads and stores as adam_fn, no arithmetic (the values
-/// rotate p <- m <- v <- grad, out <- p), so its time is the memory system's limit.
+/// The roofline kernel: the same loads and stores as adam_fn, no arithmetic (each stream
+/// writes back what it read; out <- p), so its time is the memory system's limit.
 using roofline_fn = void (*)(float* p, float* m, float* v, const void* grad, void* out,
                              std::size_t n) noexcept;
+
+/// Converts n floats to a 16-bit dtype (round to nearest even): the separate cast pass
+/// of a two-pass step, which the benchmark measures against the fused kernel.
+using cast_fn = void (*)(const float* in, void* out, std::size_t n) noexcept;
 
 inline constexpr int num_grad_types = 3; // dtype f32, bf16, f16
 inline constexpr int num_out_types = 4;  // none, then dtype f32, bf16, f16
@@ -27,6 +31,7 @@ struct kernel_set {
   std::size_t simd_width; // floats per vector
   adam_fn adam[num_grad_types][num_out_types][num_decay_kinds][2];
   roofline_fn roofline[num_grad_types][num_out_types];
+  cast_fn cast[num_out_types]; // indexed like the out column; [0] and [1] are null
 };
 
 // One per instruction set compiled in (defined in cpu_adam/arch_*.cpp).

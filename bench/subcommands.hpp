@@ -1,0 +1,63 @@
+#pragma once
+// The subcommands of hostopt-bench: each registers its flags on the CLI and runs into a
+// report.
+
+#include <string>
+#include <vector>
+
+#include "report.hpp"
+
+namespace CLI {
+class App;
+}
+
+namespace bench {
+
+/// Options every subcommand shares.
+struct common_options {
+  output_format format = output_format::table;
+  bool progress = true;
+};
+
+struct kernel_options {
+  std::vector<std::string> sizes{"64M"};
+  std::string threads = "all";
+  std::vector<std::string> modes{"adamw"};
+  std::vector<std::string> mixes{"f32:none", "bf16:bf16"};
+  int iterations = 5;
+  int warmup = 1;
+  std::string kernel;
+  std::string baseline = "none";
+};
+void add_kernel_command(CLI::App& app, kernel_options& o);
+report run_kernel_bench(const kernel_options& o, const common_options& c);
+
+struct model_options {
+  std::string preset = "gpt2-small";
+  std::string shapes_file;
+  std::string max_params = "512M";
+  std::string threads = "all";
+  std::string mix = "f32:none";
+  int iterations = 5;
+  int warmup = 1;
+};
+void add_model_command(CLI::App& app, model_options& o);
+report run_model_bench(const model_options& o, const common_options& c);
+
+struct roofline_options {
+  std::string size = "64M";
+  std::string threads = "all";
+  int iterations = 5;
+};
+void add_roofline_command(CLI::App& app, roofline_options& o);
+report run_roofline_bench(const roofline_options& o, const common_options& c);
+
+/// "f32:none" -> grad dtype and copy-out dtype (or none); throws std::invalid_argument.
+struct dtype_mix {
+  int grad;  // hostopt::dtype
+  int out;   // -1 = none, else hostopt::dtype
+  std::string name() const;
+};
+dtype_mix parse_mix(const std::string& text);
+
+} // namespace bench
