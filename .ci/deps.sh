@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs the Debian packages hostopt needs that are missing (sourced by .ci/bench,
+# .ci/test and .ci/run). Needs root, or sudo. Safe to run again: it installs nothing
+# when everything is there.
+set -euo pipefail
+
+HOSTOPT_DEBIAN_PACKAGES=(
+  # build
+  g++ cmake ninja-build pkg-config
+  # C++ libraries (header-only or shared; never vendored)
+  libxsimd-dev libtbb-dev catch2 libcli11-dev nlohmann-json3-dev
+)
+
+hostopt_install_packages() {
+  local missing=()
+  local p
+  for p in "$@"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  local sudo=""
+  if [ "$(id -u)" -ne 0 ]; then
+    command -v sudo >/dev/null || { echo "hostopt: need root (or sudo) to install: ${missing[*]}" >&2; return 1; }
+    sudo="sudo"
+  fi
+  echo "hostopt: installing ${missing[*]}" >&2
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+hostopt_install_packages "${HOSTOPT_DEBIAN_PACKAGES[@]}"
