@@ -39,19 +39,14 @@ std::size_t parse_size(const std::string& text) {
 }
 
 std::string format_size(std::size_t n) {
-  const char* suffix[] = {"", "K", "M", "G"};
-  int k = 0;
-  double x = double(n);
-  while (k < 3 && x >= 1024 && std::fmod(x, 1024) == 0) {
-    x /= 1024;
-    ++k;
-  }
-  if (k == 0 && n >= (1u << 20)) {
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "%.1fM", double(n) / (1 << 20));
-    return buf;
-  }
-  return std::to_string(std::size_t(x)) + suffix[k];
+  const std::size_t K = 1024, M = K * K, G = M * K;
+  if (n >= G && n % G == 0) return std::to_string(n / G) + "G";
+  if (n >= M && n % M == 0) return std::to_string(n / M) + "M";
+  if (n >= K && n < M && n % K == 0) return std::to_string(n / K) + "K";
+  if (n < M) return std::to_string(n);
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1fM", double(n) / double(M));
+  return buf;
 }
 
 std::size_t available_memory_bytes() {

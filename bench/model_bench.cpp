@@ -46,6 +46,9 @@ report run_model_bench(const model_options& o, const common_options& c) {
     prog.update(done++, "model threads=" + std::to_string(t));
     hostopt::optimizer model({{cfg, tensors}}, {t, ""});
     hostopt::optimizer flat({{cfg, {{"flat", {std::int64_t(n)}}}}}, {t, ""});
+    // Memory of the state, from the optimizer's own layout (alignment padding included).
+    r.set_context("optimizer state MiB", double(model.state_bytes()) / (1 << 20));
+    r.set_context("state bytes per parameter", double(model.state_bytes()) / double(n));
     const hostopt::dtype gt = hostopt::dtype(mix.grad);
     float_buffer grad = typed_buffer(model.arena_size(), gt, t);
     float_buffer out = mix.out < 0 ? float_buffer() : typed_buffer(model.arena_size(), hostopt::dtype(mix.out), t);
