@@ -84,7 +84,7 @@ report run_model_bench(const model_options& o, const common_options& c) {
     nlohmann::ordered_json row;
     row["model"] = o.shapes_file.empty() ? o.preset : "file";
     row["tensors"] = tensors.size();
-    row["params"] = format_size(n);
+    row["params"] = n;
     row["threads"] = t;
     row["mix"] = mix.name();
     row["ms"] = a.median * 1e3;

@@ -173,6 +173,26 @@ struct cast_kernel {
   }
 };
 
+/// Gradient accumulation: dst = decode(grad) (+ acc).
+template <class Arch, class G>
+struct add_grad_kernel {
+  using ops = simd_ops<Arch>;
+  static constexpr std::size_t W = ops::width;
+  static void run(float* dst, const float* acc, const void* grad_raw, std::size_t n) noexcept {
+    const G* grad = static_cast<const G*>(grad_raw);
+    std::size_t i = 0;
+    if (acc) {
+      for (; i + W <= n; i += W) ops::store(dst + i, ops::load(grad + i) + ops::load(acc + i));
+    } else {
+      for (; i + W <= n; i += W) ops::store(dst + i, ops::load(grad + i));
+    }
+    for (; i < n; ++i) { // exact either way: a decode and one IEEE add
+      const float g = simd_ops<scalar_arch>::load(grad + i);
+      dst[i] = acc ? g + acc[i] : g;
+    }
+  }
+};
+
 // --- the table an instruction set exports ------------------------------------------------
 
 template <class Arch, class G, class O>
@@ -207,6 +227,9 @@ constexpr kernel_set make_kernel_set(const char* name) {
   fill_grad_type<Arch, f16_t>(s, 2);
   s.cast[2] = &cast_kernel<Arch, bf16_t>::run;
   s.cast[3] = &cast_kernel<Arch, f16_t>::run;
+  s.add_grad[0] = &add_grad_kernel<Arch, float>::run;
+  s.add_grad[1] = &add_grad_kernel<Arch, bf16_t>::run;
+  s.add_grad[2] = &add_grad_kernel<Arch, f16_t>::run;
   return s;
 }
 

@@ -1,5 +1,8 @@
 // hostopt::adam_step: the one-buffer step, validated and run through the update engine.
+#include <cstring>
 #include <vector>
+
+#include "parallel.hpp"
 
 #include "buffer_checks.hpp"
 #include "hostopt/kernels.hpp"
@@ -50,6 +53,54 @@ void adam_step(float* params, float* exp_avg, float* exp_avg_sq, std::size_t n, 
   job.begin = 0;
   job.end = n;
   run_update(job, exec.threads);
+}
+
+void accumulate_gradient(float* acc, const_view grad, bool first, const execution_options& exec) {
+  using namespace detail;
+  check_threads(exec.threads);
+  const kernel_set& ks = kernel_set_by_name(exec.kernel);
+  const std::size_t n = grad.size;
+  check_view("grad", grad.data, grad.size, grad.type, n);
+  check_view("acc", acc, n, dtype::f32, n);
+  if (n == 0) return;
+  const char* names[] = {"acc", "grad"};
+  std::vector<byte_range> ranges{range_of(acc, n * 4, true, 0, 0),
+                                 range_of(grad.data, n * dtype_size(grad.type), false, 1, 0)};
+  check_no_overlap(ranges, names);
+  const add_grad_fn add = ks.add_grad[int(grad.type)];
+  const std::size_t gsz = dtype_size(grad.type);
+  auto body = [&](int tid, int nt) {
+    const auto [lo, hi] = partition(0, n, tid, nt);
+    if (lo < hi) add(acc + lo, first ? nullptr : acc + lo, static_cast<const char*>(grad.data) + lo * gsz, hi - lo);
+  };
+  run_parallel(exec.threads, body);
+}
+
+} // namespace hostopt
+
+namespace hostopt {
+
+void convert_params(const float* in, mut_view out, const execution_options& exec) {
+  using namespace detail;
+  check_threads(exec.threads);
+  const kernel_set& ks = kernel_set_by_name(exec.kernel);
+  const std::size_t n = out.size;
+  check_view("out", out.data, out.size, out.type, n);
+  check_view("in", in, n, dtype::f32, n);
+  if (n == 0) return;
+  const char* names[] = {"in", "out"};
+  std::vector<byte_range> ranges{range_of(in, n * 4, false, 0, 0), range_of(out.data, n * dtype_size(out.type), true, 1, 0)};
+  check_no_overlap(ranges, names);
+  const std::size_t osz = dtype_size(out.type);
+  const cast_fn cast = ks.cast[out_column(true, int(out.type))];
+  auto body = [&](int tid, int nt) {
+    const auto [lo, hi] = partition(0, n, tid, nt);
+    if (lo >= hi) return;
+    char* dst = static_cast<char*>(out.data) + lo * osz;
+    if (out.type == dtype::f32) std::memcpy(dst, in + lo, (hi - lo) * 4);
+    else cast(in + lo, dst, hi - lo);
+  };
+  run_parallel(exec.threads, body);
 }
 
 } // namespace hostopt

@@ -22,6 +22,10 @@ using roofline_fn = void (*)(float* p, float* m, float* v, const void* grad, voi
 /// of a two-pass step, which the benchmark measures against the fused kernel.
 using cast_fn = void (*)(const float* in, void* out, std::size_t n) noexcept;
 
+/// dst = decode(grad) + acc, or dst = decode(grad) when acc is null (dst may be acc):
+/// gradient accumulation across micro-batches in f32.
+using add_grad_fn = void (*)(float* dst, const float* acc, const void* grad, std::size_t n) noexcept;
+
 inline constexpr int num_grad_types = 3; // dtype f32, bf16, f16
 inline constexpr int num_out_types = 4;  // none, then dtype f32, bf16, f16
 inline constexpr int num_decay_kinds = 3;
@@ -32,6 +36,7 @@ struct kernel_set {
   adam_fn adam[num_grad_types][num_out_types][num_decay_kinds][2];
   roofline_fn roofline[num_grad_types][num_out_types];
   cast_fn cast[num_out_types]; // indexed like the out column; [0] and [1] are null
+  add_grad_fn add_grad[num_grad_types];
 };
 
 // One per instruction set compiled in (defined in cpu_adam/arch_*.cpp).

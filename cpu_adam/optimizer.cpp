@@ -74,28 +74,45 @@ struct optimizer::impl {
                                   std::to_string(configs.size()));
   }
 
-  step_result run(dtype grad_type, bool has_out, dtype out_type, float grad_scale) {
+  // An open chunked step (begin_step .. finish_step).
+  bool chunked_open = false;
+  chunk_step_options chunked{};
+
+  // Chooses each group's kernel and computes its constants for step count + 1. With an
+  // accumulator the kernels take the f32 sum that the engine builds per block.
+  void prepare(dtype grad_type, bool has_out, dtype out_type, float grad_scale, bool accumulator) {
     const std::int64_t t = count + 1;
+    const int grad_col = accumulator ? int(dtype::f32) : int(grad_type);
     for (std::size_t g = 0; g < configs.size(); ++g) {
       const kernel_variant var = variant_of(configs[g]);
-      group_kernels[g].fn = kernels->adam[int(grad_type)][out_column(has_out, int(out_type))]
-                                         [int(var.decay)][var.nesterov];
+      group_kernels[g].fn = kernels->adam[grad_col][out_column(has_out, int(out_type))][int(var.decay)][var.nesterov];
       group_kernels[g].scalars = make_step_scalars(configs[g], t, grad_scale);
     }
-    update_job job;
-    job.params = p();
-    job.exp_avg = m();
-    job.exp_avg_sq = v();
-    job.pieces = pieces.data();
-    job.num_pieces = pieces.size();
-    job.groups = group_kernels.data();
-    job.grad_elem_bytes = dtype_size(grad_type);
-    job.out_elem_bytes = has_out ? dtype_size(out_type) : 0;
-    job.begin = 0;
-    job.end = arena;
-    run_update(job, exec.threads);
-    count = t;
+  }
+
+  update_job job(dtype grad_type, bool has_out, dtype out_type) const {
+    update_job j;
+    j.params = p();
+    j.exp_avg = m();
+    j.exp_avg_sq = v();
+    j.pieces = pieces.data();
+    j.num_pieces = pieces.size();
+    j.groups = group_kernels.data();
+    j.grad_elem_bytes = dtype_size(grad_type);
+    j.out_elem_bytes = has_out ? dtype_size(out_type) : 0;
+    j.begin = 0;
+    j.end = arena;
+    return j;
+  }
+
+  step_result commit() {
+    ++count;
     return {true, count};
+  }
+
+  void refuse_if_chunked(const char* what) const {
+    if (chunked_open)
+      throw std::logic_error(std::string(what) + ": a chunked step is open (begin_step without finish_step)");
   }
 };
 
@@ -223,6 +240,7 @@ void optimizer::set_params(std::string_view name, const_view values) {
 
 step_result optimizer::step(const_view flat_grad, mut_view flat_out, float grad_scale) {
   impl& s = *impl_;
+  s.refuse_if_chunked("step");
   check_grad_scale(grad_scale);
   check_view("flat_grad", flat_grad.data, flat_grad.size, flat_grad.type, s.arena);
   const bool has_out = flat_out.data != nullptr || flat_out.size != 0;
@@ -234,18 +252,18 @@ step_result optimizer::step(const_view flat_grad, mut_view flat_out, float grad_
   s.ranges.push_back(range_of(s.p(), 3 * s.arena * sizeof(float), true, kind_state, 0));
   check_no_overlap(s.ranges, view_kinds);
 
-  const std::size_t gsz = dtype_size(flat_grad.type);
-  const std::size_t osz = has_out ? dtype_size(flat_out.type) : 0;
-  for (auto& piece : s.pieces) {
-    piece.grad = static_cast<const char*>(flat_grad.data) + piece.offset * gsz;
-    piece.out = has_out ? static_cast<char*>(flat_out.data) + piece.offset * osz : nullptr;
-  }
-  return s.run(flat_grad.type, has_out, flat_out.type, grad_scale);
+  s.prepare(flat_grad.type, has_out, flat_out.type, grad_scale, false);
+  update_job job = s.job(flat_grad.type, has_out, flat_out.type);
+  job.flat_grad = flat_grad.data;
+  job.flat_out = has_out ? flat_out.data : nullptr;
+  run_update(job, s.exec.threads);
+  return s.commit();
 }
 
 step_result optimizer::step(std::span<const const_view> grads, std::span<const mut_view> outs,
                             float grad_scale) {
   impl& s = *impl_;
+  s.refuse_if_chunked("step");
   const std::size_t n = s.segs.size();
   check_grad_scale(grad_scale);
   if (grads.size() != n)
@@ -290,7 +308,59 @@ step_result optimizer::step(std::span<const const_view> grads, std::span<const m
     s.pieces[i].grad = grads[i].data;
     s.pieces[i].out = has_out ? outs[i].data : nullptr;
   }
-  return s.run(grad_type, has_out, out_type, grad_scale);
+  s.prepare(grad_type, has_out, out_type, grad_scale, false);
+  run_update(s.job(grad_type, has_out, out_type), s.exec.threads);
+  return s.commit();
 }
+
+void optimizer::begin_step(const chunk_step_options& o) {
+  impl& s = *impl_;
+  s.refuse_if_chunked("begin_step");
+  check_dtype("grad_type", o.grad_type);
+  if (o.copy_out) check_dtype("out_type", o.out_type);
+  check_grad_scale(o.grad_scale);
+  s.prepare(o.grad_type, o.copy_out, o.out_type, o.grad_scale, o.accumulator);
+  s.chunked = o;
+  s.chunked_open = true;
+}
+
+void optimizer::update_range(std::size_t begin, std::size_t end, const void* grad, void* out,
+                             const float* accumulator) {
+  impl& s = *impl_;
+  if (!s.chunked_open) throw std::logic_error("update_range: no chunked step is open (call begin_step first)");
+  if (begin > end || end > s.arena)
+    throw std::invalid_argument("update_range: [" + std::to_string(begin) + ", " + std::to_string(end) +
+                                "): expected a range inside [0, " + std::to_string(s.arena) + ")");
+  if (begin == end) return;
+  if (!grad) throw std::invalid_argument("update_range: grad is null: expected a gradient chunk");
+  if (s.chunked.copy_out != (out != nullptr))
+    throw std::invalid_argument(std::string("update_range: out is ") + (out ? "set" : "null") +
+                                ": expected " + (s.chunked.copy_out ? "an output chunk" : "none (begin_step had copy_out off)"));
+  if (s.chunked.accumulator != (accumulator != nullptr))
+    throw std::invalid_argument(std::string("update_range: accumulator is ") + (accumulator ? "set" : "null") +
+                                ": expected " + (s.chunked.accumulator ? "an accumulator chunk" : "none"));
+  update_job job = s.job(s.chunked.grad_type, s.chunked.copy_out, s.chunked.out_type);
+  job.begin = begin;
+  job.end = end;
+  job.flat_grad = grad;
+  job.flat_out = out;
+  job.flat_origin = begin;
+  if (accumulator) {
+    job.flat_accumulator = accumulator;
+    job.add_grad = s.kernels->add_grad[int(s.chunked.grad_type)];
+  }
+  run_update(job, s.exec.threads);
+}
+
+step_result optimizer::finish_step() {
+  impl& s = *impl_;
+  if (!s.chunked_open) throw std::logic_error("finish_step: no chunked step is open (call begin_step first)");
+  s.chunked_open = false;
+  return s.commit();
+}
+
+void optimizer::abort_step() noexcept { impl_->chunked_open = false; }
+
+bool optimizer::step_in_progress() const { return impl_->chunked_open; }
 
 } // namespace hostopt

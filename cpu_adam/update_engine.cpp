@@ -10,6 +10,27 @@ int out_column(bool has_out, int out_dtype) { return has_out ? 1 + out_dtype : 0
 
 namespace {
 
+// Elements per accumulator block: 16 KiB of f32, well inside L1/L2.
+constexpr std::size_t accumulate_block = 4096;
+
+// Runs the kernel over [a, b) of one piece, adding the accumulator first when present.
+void run_range(const update_job& job, const group_kernel& g, std::size_t a, std::size_t b, const void* grad,
+               void* out) noexcept {
+  if (!job.flat_accumulator) {
+    g.fn(g.scalars, job.params + a, job.exp_avg + a, job.exp_avg_sq + a, grad, out, b - a);
+    return;
+  }
+  alignas(64) float sum[accumulate_block];
+  for (std::size_t lo = a; lo < b; lo += accumulate_block) {
+    const std::size_t n = std::min(accumulate_block, b - lo);
+    const std::size_t skip = lo - a;
+    job.add_grad(sum, job.flat_accumulator + (lo - job.flat_origin),
+                 static_cast<const char*>(grad) + skip * job.grad_elem_bytes, n);
+    g.fn(g.scalars, job.params + lo, job.exp_avg + lo, job.exp_avg_sq + lo, sum,
+         out ? static_cast<char*>(out) + skip * job.out_elem_bytes : nullptr, n);
+  }
+}
+
 void run_slice(const update_job& job, std::size_t lo, std::size_t hi) noexcept {
   const update_piece* first = job.pieces;
   const update_piece* last = job.pieces + job.num_pieces;
@@ -20,11 +41,17 @@ void run_slice(const update_job& job, std::size_t lo, std::size_t hi) noexcept {
     const std::size_t a = std::max(lo, it->offset);
     const std::size_t b = std::min(hi, it->offset + it->size);
     if (a >= b) continue;
-    const std::size_t skip = a - it->offset;
-    const group_kernel& g = job.groups[it->group];
-    const void* grad = static_cast<const char*>(it->grad) + skip * job.grad_elem_bytes;
-    void* out = it->out ? static_cast<char*>(it->out) + skip * job.out_elem_bytes : nullptr;
-    g.fn(g.scalars, job.params + a, job.exp_avg + a, job.exp_avg_sq + a, grad, out, b - a);
+    const void* grad;
+    void* out;
+    if (job.flat_grad) {
+      grad = static_cast<const char*>(job.flat_grad) + (a - job.flat_origin) * job.grad_elem_bytes;
+      out = job.flat_out ? static_cast<char*>(job.flat_out) + (a - job.flat_origin) * job.out_elem_bytes : nullptr;
+    } else {
+      const std::size_t skip = a - it->offset;
+      grad = static_cast<const char*>(it->grad) + skip * job.grad_elem_bytes;
+      out = it->out ? static_cast<char*>(it->out) + skip * job.out_elem_bytes : nullptr;
+    }
+    run_range(job, job.groups[it->group], a, b, grad, out);
   }
 }
 

@@ -11,13 +11,14 @@
 
 namespace hostopt::detail {
 
-/// One tensor's elements in the arena and where its gradient and copy-out live.
+/// One tensor's elements in the arena and, for per-tensor views, where its gradient and
+/// copy-out live.
 struct update_piece {
-  std::size_t offset = 0;  // first arena element
-  std::size_t size = 0;    // elements
-  std::size_t group = 0;   // index into update_job::groups
-  const void* grad = nullptr; // element `offset` of this piece's gradient
-  void* out = nullptr;        // element `offset` of this piece's copy-out, or null
+  std::size_t offset = 0;     // first arena element
+  std::size_t size = 0;       // elements
+  std::size_t group = 0;      // index into update_job::groups
+  const void* grad = nullptr; // its first element's gradient (per-tensor views)
+  void* out = nullptr;        // its first element's copy-out, or null (per-tensor views)
 };
 
 /// A group's kernel and its per-step constants.
@@ -35,7 +36,17 @@ struct update_job {
   const group_kernel* groups = nullptr;
   std::size_t grad_elem_bytes = 4;
   std::size_t out_elem_bytes = 4;
-  std::size_t begin = 0, end = 0;       // arena range to update
+  std::size_t begin = 0, end = 0; // arena range to update
+  // Flat buffers in arena layout instead of the pieces' own pointers: arena element e's
+  // gradient is flat_grad[e - flat_origin] (likewise flat_out, flat_accumulator).
+  const void* flat_grad = nullptr;
+  void* flat_out = nullptr;
+  std::size_t flat_origin = 0;
+  // Optional f32 gradient accumulator (flat layout): the step's gradient is then
+  // grad + accumulator, summed block by block into an L1-resident buffer (add_grad) and
+  // fed to the groups' kernels, which must be their f32-gradient variants.
+  const float* flat_accumulator = nullptr;
+  add_grad_fn add_grad = nullptr;
 };
 
 /// Index of the out-dtype column of kernel_set::adam (0 = no copy-out).

@@ -45,4 +45,13 @@ void adam_step(float* params, float* exp_avg, float* exp_avg_sq, std::size_t n,
                const_view grad, mut_view out, const adam_config& config, std::int64_t step,
                float grad_scale = 1.0f, const execution_options& exec = {});
 
+/// Gradient accumulation across micro-batches, in f32: acc = grad when `first`, else
+/// acc = grad + acc. grad may be f32, bf16 or f16; n = grad.size elements of acc.
+/// Throws std::invalid_argument for null or overlapping buffers or a bad dtype.
+void accumulate_gradient(float* acc, const_view grad, bool first, const execution_options& exec = {});
+
+/// Converts n = out.size f32 values to out's dtype (round to nearest even for bf16/f16),
+/// the rounding of the step's copy-out. Throws std::invalid_argument for bad buffers.
+void convert_params(const float* in, mut_view out, const execution_options& exec = {});
+
 } // namespace hostopt

@@ -38,6 +38,15 @@ struct segment {
   std::size_t group = 0;  ///< index of its parameter group
 };
 
+/// How a chunked step reads its inputs (see optimizer::begin_step).
+struct chunk_step_options {
+  dtype grad_type = dtype::f32; ///< dtype of the gradient chunks
+  bool copy_out = false;        ///< write the new parameters to an output chunk
+  dtype out_type = dtype::f32;  ///< dtype of the output chunks
+  float grad_scale = 1.0f;      ///< multiplies the (accumulated) gradient
+  bool accumulator = false;     ///< add an f32 accumulator chunk to each gradient chunk
+};
+
 /// What a step did.
 struct step_result {
   bool applied = false;   ///< the state was updated
@@ -116,6 +125,25 @@ public:
   /// optionally one copy-out view per tensor (one dtype for all).
   step_result step(std::span<const const_view> grads, std::span<const mut_view> outs = {},
                    float grad_scale = 1.0f);
+
+  // --- chunked steps (what the offload pipeline drives) -------------------------------
+  /// Starts a step whose gradients arrive chunk by chunk: fixes the dtypes and the
+  /// per-step constants for t = step_count() + 1. Throws std::logic_error if a chunked
+  /// step is already open, std::invalid_argument for a bad dtype or grad_scale.
+  void begin_step(const chunk_step_options& options);
+  /// Updates arena elements [begin, end) (padding inside is skipped). `grad` (and `out`,
+  /// and `accumulator` when the step was begun with one) point at element `begin` of
+  /// buffers in arena layout. Ranges of one step must not overlap; any order works.
+  void update_range(std::size_t begin, std::size_t end, const void* grad, void* out = nullptr,
+                    const float* accumulator = nullptr);
+  /// Ends the chunked step: the step count becomes t. The caller must have covered the
+  /// whole arena (the pipeline does).
+  step_result finish_step();
+  /// Closes an open chunked step without counting it (after a failure midway: ranges
+  /// already updated stay updated). No-op when none is open.
+  void abort_step() noexcept;
+  /// Whether begin_step() was called without finish_step() yet.
+  bool step_in_progress() const;
 
 private:
   struct impl;

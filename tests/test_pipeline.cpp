@@ -1,0 +1,339 @@
+// The offload pipeline on the host copy engine: bit-identical to the synchronous step,
+// overlap shown from its timeline, faults, draining, and refusing mismatched buffers.
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <cstring>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "hostopt/offload_pipeline.hpp"
+#include "reference.hpp"
+
+using namespace hostopt;
+
+namespace {
+
+// Device buffers of the host engine, freed with it.
+struct device_buffer {
+  copy_engine& engine;
+  void* data;
+  std::size_t bytes;
+  device_buffer(copy_engine& e, std::size_t n) : engine(e), data(e.allocate_device(n)), bytes(n) {
+    if (data) std::memset(data, 0, n);
+  }
+  ~device_buffer() { engine.free_device(data); }
+};
+
+std::vector<param_group> random_model(std::mt19937& rng, int tensors, int max_len) {
+  std::uniform_int_distribution<int> len(0, max_len);
+  std::vector<tensor_spec> t;
+  for (int i = 0; i < tensors; ++i) t.push_back({"t" + std::to_string(i), {len(rng)}});
+  adam_config a, b;
+  a.weight_decay = 0.05;
+  b.mode = adam_mode::adam;
+  b.weight_decay = 0.01;
+  b.nesterov = true;
+  std::vector<tensor_spec> second(t.begin() + tensors / 2, t.end());
+  t.resize(std::size_t(tensors / 2));
+  return {{a, t}, {b, second}};
+}
+
+void randomize_params(optimizer& a, optimizer& b, std::mt19937& rng) {
+  std::normal_distribution<float> nd;
+  for (std::size_t i = 0; i < a.arena_size(); ++i) a.params()[i] = b.params()[i] = nd(rng);
+}
+
+// A gradient buffer in arena layout of the given dtype, as raw bytes.
+std::vector<unsigned char> random_grad_bytes(dtype t, std::size_t n, std::mt19937& rng) {
+  const auto g = ref::random_grad(t, n, rng);
+  std::vector<unsigned char> bytes(n * dtype_size(t));
+  if (t == dtype::f32) std::memcpy(bytes.data(), g.f32.data(), bytes.size());
+  else std::memcpy(bytes.data(), g.half.data(), bytes.size());
+  return bytes;
+}
+
+bool same_state(optimizer& a, optimizer& b) {
+  const std::size_t n = a.arena_size() * 4;
+  return a.step_count() == b.step_count() && std::memcmp(a.params().data(), b.params().data(), n) == 0 &&
+         std::memcmp(a.exp_avg().data(), b.exp_avg().data(), n) == 0 &&
+         std::memcmp(a.exp_avg_sq().data(), b.exp_avg_sq().data(), n) == 0;
+}
+
+float decode(const unsigned char* bytes, dtype t, std::size_t i) {
+  if (t == dtype::f32) {
+    float x;
+    std::memcpy(&x, bytes + 4 * i, 4);
+    return x;
+  }
+  std::uint16_t h;
+  std::memcpy(&h, bytes + 2 * i, 2);
+  return t == dtype::bf16 ? ref::from_bf16(h) : ref::from_f16(h);
+}
+
+} // namespace
+
+TEST_CASE("pipelined steps are bit-identical to synchronous steps", "[pipeline][determinism]") {
+  std::mt19937 rng(21);
+  auto engine = make_host_copy_engine();
+  const dtype types[] = {dtype::f32, dtype::bf16, dtype::f16};
+  for (int trial = 0; trial < 12; ++trial) {
+    const auto groups = random_model(rng, 2 + int(rng() % 40), 3000);
+    optimizer piped(groups, {2, ""}), sync(groups, {1, "scalar"});
+    randomize_params(piped, sync, rng);
+    pipeline_options po;
+    po.chunk_elems = 1 + rng() % 5000;
+    po.depth = 2 + int(rng() % 3);
+    po.grad_type = types[rng() % 3];
+    po.param_type = types[rng() % 3];
+    const int micro = int(rng() % 4); // micro-batches accumulated before each step
+    offload_pipeline pipe(piped, *engine, po);
+    const std::size_t n = piped.arena_size();
+    device_buffer dgrad(*engine, n * dtype_size(po.grad_type)), dparams(*engine, n * dtype_size(po.param_type));
+    std::vector<unsigned char> out_sync(n * dtype_size(po.param_type));
+    INFO("trial " << trial << ": arena " << n << ", chunk " << po.chunk_elems << ", depth " << po.depth << ", grad "
+                  << dtype_name(po.grad_type) << ", params " << dtype_name(po.param_type) << ", micro-batches "
+                  << micro);
+    for (int step = 0; step < 3; ++step) {
+      std::vector<float> acc(n, 0.0f); // the synchronous side sums micro-batches the same way
+      for (int mb = 0; mb <= micro; ++mb) {
+        const auto g = random_grad_bytes(po.grad_type, n, rng);
+        std::memcpy(dgrad.data, g.data(), g.size());
+        for (std::size_t i = 0; i < n; ++i) acc[i] = mb == 0 ? decode(g.data(), po.grad_type, i)
+                                                             : decode(g.data(), po.grad_type, i) + acc[i];
+        if (mb < micro) pipe.accumulate_async({dgrad.data, n, po.grad_type}).wait();
+      }
+      const auto r = pipe.step({dgrad.data, n, po.grad_type}, {dparams.data, n, po.param_type}, 0.5f);
+      CHECK(r.applied);
+      if (micro == 0) {
+        const auto g = std::vector<unsigned char>(static_cast<unsigned char*>(dgrad.data),
+                                                  static_cast<unsigned char*>(dgrad.data) + n * dtype_size(po.grad_type));
+        sync.step({g.data(), n, po.grad_type}, {out_sync.data(), n, po.param_type}, 0.5f);
+      } else {
+        sync.step({acc.data(), n, dtype::f32}, {out_sync.data(), n, po.param_type}, 0.5f);
+      }
+      REQUIRE(same_state(piped, sync));
+      // Device parameters equal the synchronous copy-out on every tensor element.
+      for (const auto& seg : sync.segments()) {
+        const std::size_t esz = dtype_size(po.param_type);
+        CHECK(std::memcmp(static_cast<char*>(dparams.data) + seg.offset * esz, out_sync.data() + seg.offset * esz,
+                          seg.size * esz) == 0);
+      }
+    }
+  }
+}
+
+TEST_CASE("copy-in of chunk k+1 overlaps the update of chunk k (from the timeline)", "[pipeline]") {
+  host_engine_options eo;
+  eo.bandwidth_gbps = 1.0; // 256 KiB copies take ~260 us: long enough to see overlap
+  auto engine = make_host_copy_engine(eo);
+  optimizer opt({{adam_config{}, {{"w", {1 << 20}}}}}, {1, ""});
+  pipeline_options po;
+  po.chunk_elems = 1 << 16;
+  po.grad_type = dtype::f32;
+  po.param_type = dtype::f32;
+  offload_pipeline pipe(opt, *engine, po);
+  REQUIRE(pipe.num_chunks() == 16);
+  const std::size_t n = opt.arena_size();
+  device_buffer g(*engine, n * 4), p(*engine, n * 4);
+  pipe.step({g.data, n, dtype::f32}, {p.data, n, dtype::f32});
+  const pipeline_timeline tl = pipe.last_timeline();
+  REQUIRE(tl.spans.size() == 3 * 16);
+  auto span_of = [&](std::size_t k, pipeline_stage s) {
+    for (const auto& x : tl.spans)
+      if (x.chunk == k && x.stage == s) return x;
+    FAIL("no span for chunk " << k << " stage " << stage_name(s));
+    return stage_span{};
+  };
+  int overlapped_in = 0, overlapped_out = 0;
+  for (std::size_t k = 1; k + 1 < 16; ++k) {
+    const auto update = span_of(k, pipeline_stage::update);
+    // Copy-in of k+1 was issued before update(k) started, so it starts before update(k) ends.
+    overlapped_in += span_of(k + 1, pipeline_stage::copy_in).start_ns < update.end_ns;
+    overlapped_out += span_of(k - 1, pipeline_stage::copy_out).end_ns > update.start_ns;
+  }
+  CHECK(overlapped_in == 14);
+  CHECK(overlapped_out >= 1);
+  for (std::size_t k = 0; k < 16; ++k) { // the causal order within a chunk always holds
+    CHECK(span_of(k, pipeline_stage::copy_in).end_ns <= span_of(k, pipeline_stage::update).start_ns);
+    CHECK(span_of(k, pipeline_stage::update).end_ns <= span_of(k, pipeline_stage::copy_out).start_ns);
+  }
+  CHECK(tl.busy_seconds(pipeline_stage::copy_in) > 0);
+  CHECK(tl.wall_over_slowest_stage() >= 1.0);
+  const auto trace = nlohmann::json::parse(tl.chrome_trace_json());
+  CHECK(trace["traceEvents"].size() == 4 + 48);
+  CHECK(trace["traceEvents"][4]["ph"] == "X");
+}
+
+TEST_CASE("a failed copy-in before any update leaves the state unchanged and the pipeline usable", "[pipeline][faults]") {
+  std::atomic<int> fail_at{1}; // the first copy to host
+  host_engine_options eo;
+  eo.before_copy = [&](copy_direction d, std::uint64_t seq) {
+    if (d == copy_direction::to_host && int(seq) == fail_at.load()) throw std::runtime_error("injected DMA error");
+  };
+  auto engine = make_host_copy_engine(eo);
+  const std::vector<param_group> groups{{adam_config{}, {{"w", {5000}}}}};
+  optimizer opt(groups), ref_opt(groups);
+  pipeline_options po;
+  po.chunk_elems = 1024;
+  po.param_type = dtype::f32;
+  offload_pipeline pipe(opt, *engine, po);
+  const std::size_t n = opt.arena_size();
+  device_buffer g(*engine, n * 4), p(*engine, n * 4);
+  std::fill_n(static_cast<float*>(g.data), n, 0.25f);
+  try {
+    pipe.step({g.data, n, dtype::f32}, {p.data, n, dtype::f32});
+    FAIL("the injected copy failure was not reported");
+  } catch (const std::runtime_error& e) {
+    const std::string msg = e.what();
+    CHECK_THAT(msg, Catch::Contains("chunk 0") && Catch::Contains("copy-in") && Catch::Contains("injected DMA error") &&
+                        Catch::Contains("state is unchanged"));
+  }
+  CHECK(pipe.usable());
+  CHECK(same_state(opt, ref_opt));
+  fail_at = -1;
+  pipe.step({g.data, n, dtype::f32}, {p.data, n, dtype::f32});
+  ref_opt.step({g.data, n, dtype::f32});
+  CHECK(same_state(opt, ref_opt));
+}
+
+TEST_CASE("a failure after some chunks were updated makes the pipeline say it is not usable", "[pipeline][faults]") {
+  for (const bool fail_update : {false, true}) {
+    host_engine_options eo;
+    if (!fail_update)
+      eo.before_copy = [](copy_direction d, std::uint64_t seq) {
+        if (d == copy_direction::to_host && seq == 4) throw std::runtime_error("injected DMA error");
+      };
+    auto engine = make_host_copy_engine(eo);
+    optimizer opt({{adam_config{}, {{"w", {8000}}}}});
+    pipeline_options po;
+    po.chunk_elems = 1024;
+    if (fail_update)
+      po.before_update = [](std::size_t k) {
+        if (k == 2) throw std::runtime_error("injected update error");
+      };
+    offload_pipeline pipe(opt, *engine, po);
+    const std::size_t n = opt.arena_size();
+    device_buffer g(*engine, n * 4), p(*engine, n * 2);
+    INFO((fail_update ? "failing update" : "failing copy"));
+    auto h = pipe.step_async({g.data, n, dtype::f32}, {p.data, n, dtype::bf16});
+    CHECK_THROWS_WITH(h.wait(), Catch::Contains(fail_update ? "chunk 2" : "chunk 3") &&
+                                    Catch::Contains(fail_update ? "stage update" : "stage copy-in") &&
+                                    Catch::Contains("not usable"));
+    CHECK_FALSE(pipe.usable());
+    CHECK(opt.step_count() == 0);
+    CHECK_FALSE(opt.step_in_progress());
+    CHECK_THROWS_WITH(pipe.step_async({g.data, n, dtype::f32}, {p.data, n, dtype::bf16}), Catch::Contains("not usable"));
+  }
+}
+
+TEST_CASE("a failed parameter copy keeps the step and says to push the parameters again", "[pipeline][faults]") {
+  std::atomic<bool> fail{true};
+  host_engine_options eo;
+  eo.before_copy = [&](copy_direction d, std::uint64_t seq) {
+    if (fail && d == copy_direction::to_device && seq == 2) throw std::runtime_error("injected H2D error");
+  };
+  auto engine = make_host_copy_engine(eo);
+  const std::vector<param_group> groups{{adam_config{}, {{"w", {5000}}}}};
+  optimizer opt(groups), ref_opt(groups);
+  pipeline_options po;
+  po.chunk_elems = 1024;
+  po.param_type = dtype::f32;
+  offload_pipeline pipe(opt, *engine, po);
+  const std::size_t n = opt.arena_size();
+  device_buffer g(*engine, n * 4), p(*engine, n * 4);
+  std::fill_n(static_cast<float*>(g.data), n, 1.0f);
+  CHECK_THROWS_WITH(pipe.step({g.data, n, dtype::f32}, {p.data, n, dtype::f32}),
+                    Catch::Contains("chunk 1") && Catch::Contains("push_params"));
+  CHECK(pipe.usable());
+  ref_opt.step({g.data, n, dtype::f32});
+  CHECK(same_state(opt, ref_opt));
+  fail = false;
+  pipe.push_params({p.data, n, dtype::f32});
+  CHECK(std::memcmp(p.data, opt.params().data(), n * 4) == 0);
+}
+
+TEST_CASE("destroying a pipeline with a step in flight drains it", "[pipeline]") {
+  host_engine_options eo;
+  eo.bandwidth_gbps = 0.5;
+  auto engine = make_host_copy_engine(eo);
+  optimizer opt({{adam_config{}, {{"w", {1 << 18}}}}});
+  const std::size_t n = opt.arena_size();
+  device_buffer g(*engine, n * 4), p(*engine, n * 2);
+  pipeline_handle h;
+  {
+    pipeline_options po;
+    po.chunk_elems = 1 << 14;
+    offload_pipeline pipe(opt, *engine, po);
+    h = pipe.step_async({g.data, n, dtype::f32}, {p.data, n, dtype::bf16});
+  } // destructor runs with the step in flight
+  CHECK(h.done());
+  CHECK(h.wait().step == 1);
+  CHECK(opt.step_count() == 1);
+}
+
+TEST_CASE("a second step while one is in flight waits for it", "[pipeline]") {
+  host_engine_options eo;
+  eo.bandwidth_gbps = 2.0;
+  auto engine = make_host_copy_engine(eo);
+  const std::vector<param_group> groups{{adam_config{}, {{"w", {100000}}}}};
+  optimizer opt(groups), ref_opt(groups);
+  pipeline_options po;
+  po.chunk_elems = 8192;
+  po.param_type = dtype::f32;
+  offload_pipeline pipe(opt, *engine, po);
+  const std::size_t n = opt.arena_size();
+  device_buffer g(*engine, n * 4), p(*engine, n * 4);
+  std::fill_n(static_cast<float*>(g.data), n, 0.5f);
+  auto h1 = pipe.step_async({g.data, n, dtype::f32}, {p.data, n, dtype::f32});
+  auto h2 = pipe.step_async({g.data, n, dtype::f32}, {p.data, n, dtype::f32}); // waits for h1 first
+  CHECK(h1.done());
+  CHECK(h2.wait().step == 2);
+  ref_opt.step({g.data, n, dtype::f32});
+  ref_opt.step({g.data, n, dtype::f32});
+  CHECK(same_state(opt, ref_opt));
+  CHECK(h1.device_event() == nullptr); // host engine
+}
+
+TEST_CASE("mismatched device buffers are refused before anything moves", "[pipeline][errors]") {
+  auto engine = make_host_copy_engine();
+  optimizer opt({{adam_config{}, {{"w", {100}}}}});
+  pipeline_options po; // f32 grads, bf16 params
+  offload_pipeline pipe(opt, *engine, po);
+  const std::size_t n = opt.arena_size();
+  std::vector<float> g(n);
+  std::vector<std::uint16_t> p(n);
+  CHECK_THROWS_WITH(pipe.step_async({g.data(), n - 1, dtype::f32}, {p.data(), n, dtype::bf16}),
+                    Catch::Contains("device_grads.size = 111: expected 112"));
+  CHECK_THROWS_WITH(pipe.step_async({g.data(), n, dtype::bf16}, {p.data(), n, dtype::bf16}),
+                    Catch::Contains("device_grads.type = 1: expected f32"));
+  CHECK_THROWS_WITH(pipe.step_async({g.data(), n, dtype::f32}, {p.data(), n, dtype::f16}),
+                    Catch::Contains("device_params.type = 2: expected bf16"));
+  CHECK_THROWS_WITH(pipe.step_async({nullptr, n, dtype::f32}, {p.data(), n, dtype::bf16}),
+                    Catch::Contains("device_grads.data is null"));
+  CHECK_THROWS_WITH(pipe.step_async({g.data(), n, dtype::f32}, {p.data(), n, dtype::bf16}, std::nanf("")),
+                    Catch::Contains("grad_scale"));
+  CHECK(opt.step_count() == 0);
+  pipeline_options bad;
+  bad.depth = 1;
+  CHECK_THROWS_WITH(offload_pipeline(opt, *engine, bad), Catch::Contains("depth = 1: expected >= 2"));
+  bad.depth = 2;
+  bad.chunk_elems = 0;
+  CHECK_THROWS_WITH(offload_pipeline(opt, *engine, bad), Catch::Contains("chunk_elems = 0"));
+}
+
+TEST_CASE("pinned buffers and the CUDA engine's absence are reported clearly", "[pipeline]") {
+  auto engine = make_host_copy_engine();
+  pinned_buffer b(*engine, 3 << 20);
+  CHECK(b.size() == std::size_t(3 << 20));
+  CHECK(reinterpret_cast<std::uintptr_t>(b.data()) % 4096 == 0);
+  std::memset(b.data(), 1, b.size());
+  pinned_buffer moved = std::move(b);
+  CHECK(b.data() == nullptr);
+  CHECK(moved.data() != nullptr);
+  if (!cuda_device_available()) CHECK_THROWS_AS(make_cuda_copy_engine(0), std::runtime_error);
+  CHECK(make_default_copy_engine()->name() == (cuda_device_available() ? "cuda" : "host"));
+  host_engine_options bad;
+  bad.bandwidth_gbps = -1;
+  CHECK_THROWS_WITH(make_host_copy_engine(bad), Catch::Contains("bandwidth_gbps"));
+}
