@@ -52,6 +52,20 @@ struct roofline_options {
 void add_roofline_command(CLI::App& app, roofline_options& o);
 report run_roofline_bench(const roofline_options& o, const common_options& c);
 
+struct pipeline_options_cli {
+  std::string size = "64M";
+  std::string threads = "all";
+  std::string chunk = "4M";
+  int depth = 2;
+  std::vector<double> caps{12.0, 0.0};
+  std::string mix = "bf16:bf16";
+  std::string engine = "auto";
+  int iterations = 5;
+  std::string trace;
+};
+void add_pipeline_command(CLI::App& app, pipeline_options_cli& o);
+report run_pipeline_bench(const pipeline_options_cli& o, const common_options& c);
+
 /// "f32:none" -> grad dtype and copy-out dtype (or none); throws std::invalid_argument.
 struct dtype_mix {
   int grad;  // hostopt::dtype

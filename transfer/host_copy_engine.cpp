@@ -2,6 +2,7 @@
 // by its own copy thread, and an optional bandwidth cap stretches each copy to the time
 // it would take over PCIe. The offload pipeline runs the same code on it as on CUDA.
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -50,22 +51,28 @@ public:
   }
 
   void wait(std::uint64_t seq) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      check_known(seq);
+    }
+    // Spin briefly before sleeping: in steady state the copy is about to finish, and a
+    // sleeping waiter woken by the copy thread tends to be placed on the copy thread's
+    // core (wake-affine), stalling the next copy until the scheduler rebalances (~ms).
+    const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
+    while (completed_.load(std::memory_order_acquire) < seq && std::chrono::steady_clock::now() < spin_until)
+      std::this_thread::yield();
     std::unique_lock<std::mutex> lock(mu_);
-    check_known(seq);
-    done_cv_.wait(lock, [&] { return completed_ >= seq; });
+    done_cv_.wait(lock, [&] { return completed_.load() >= seq; });
     const record& r = records_[seq % history];
     if (r.sequence == seq && r.error) std::rethrow_exception(r.error);
   }
 
-  bool done(std::uint64_t seq) noexcept {
-    std::lock_guard<std::mutex> lock(mu_);
-    return completed_ >= seq;
-  }
+  bool done(std::uint64_t seq) noexcept { return completed_.load(std::memory_order_acquire) >= seq; }
 
   copy_timing timing(std::uint64_t seq) const {
     std::lock_guard<std::mutex> lock(mu_);
     const record& r = records_[seq % history];
-    if (seq == 0 || seq > completed_ || r.sequence != seq)
+    if (seq == 0 || seq > completed_.load() || r.sequence != seq)
       throw std::invalid_argument("copy_engine::timing: copy " + std::to_string(seq) +
                                   " is not a completed copy among the last 4096 of its direction");
     return r.time;
@@ -120,7 +127,7 @@ private:
       {
         std::lock_guard<std::mutex> lock(mu_);
         records_[t.seq % history] = std::move(r);
-        completed_ = t.seq;
+        completed_.store(t.seq, std::memory_order_release);
       }
       done_cv_.notify_all();
     }
@@ -132,7 +139,8 @@ private:
   std::condition_variable cv_, done_cv_;
   std::deque<task> queue_;
   std::array<record, history> records_{};
-  std::uint64_t enqueued_ = 0, completed_ = 0;
+  std::uint64_t enqueued_ = 0;
+  std::atomic<std::uint64_t> completed_{0};
   bool stop_ = false;
   std::thread thread_;
 };
