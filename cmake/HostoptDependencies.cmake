@@ -8,8 +8,11 @@ if(HOSTOPT_THREADING STREQUAL "openmp")
 elseif(HOSTOPT_THREADING STREQUAL "tbb")
   find_package(TBB REQUIRED CONFIG)
   set(HOSTOPT_THREADING_TARGET TBB::tbb)
+elseif(HOSTOPT_THREADING STREQUAL "threads")
+  # std::thread per parallel region: for ThreadSanitizer builds (the tsan preset).
+  set(HOSTOPT_THREADING_TARGET Threads::Threads)
 else()
-  message(FATAL_ERROR "HOSTOPT_THREADING='${HOSTOPT_THREADING}': expected openmp or tbb")
+  message(FATAL_ERROR "HOSTOPT_THREADING='${HOSTOPT_THREADING}': expected openmp, tbb or threads")
 endif()
 
 set(HOSTOPT_HAVE_CUDA OFF)

@@ -152,7 +152,9 @@ TEST_CASE("copy-in of chunk k+1 overlaps the update of chunk k (from the timelin
     overlapped_in += span_of(k + 1, pipeline_stage::copy_in).start_ns < update.end_ns;
     overlapped_out += span_of(k - 1, pipeline_stage::copy_out).end_ns > update.start_ns;
   }
-  CHECK(overlapped_in == 14);
+  // Without the pipeline these would be 0. A loaded machine (or a sanitizer) may start an
+  // issued copy late now and then, hence "almost all" rather than all.
+  CHECK(overlapped_in >= 12);
   CHECK(overlapped_out >= 1);
   for (std::size_t k = 0; k < 16; ++k) { // the causal order within a chunk always holds
     CHECK(span_of(k, pipeline_stage::copy_in).end_ns <= span_of(k, pipeline_stage::update).start_ns);
