@@ -9,6 +9,8 @@ HOSTOPT_DEBIAN_PACKAGES=(
   g++ cmake ninja-build pkg-config
   # C++ libraries (header-only or shared; never vendored)
   libxsimd-dev libtbb-dev catch2 libcli11-dev nlohmann-json3-dev
+  # Python package and its tests (torch stays Debian's: PyPI's wheels pull CUDA libraries)
+  python3-dev python3-venv pybind11-dev python3-numpy python3-pytest python3-torch
 )
 
 hostopt_install_packages() {

@@ -273,9 +273,12 @@ step_result optimizer::step(std::span<const const_view> grads, std::span<const m
   if (has_out && outs.size() != n)
     throw std::invalid_argument("outs: " + std::to_string(outs.size()) +
                                 " views: expected none or one per tensor (" + std::to_string(n) + ")");
-  const dtype grad_type = n ? grads[0].type : dtype::f32;
+  // The first tensor with a gradient fixes the step's gradient dtype.
+  std::size_t first = 0;
+  while (first < n && grads[first].data == nullptr && grads[first].size == 0) ++first;
+  const dtype grad_type = first < n ? grads[first].type : dtype::f32;
   const dtype out_type = has_out ? outs[0].type : dtype::f32;
-  check_dtype("grads[0]", grad_type);
+  check_dtype("grads[" + std::to_string(first < n ? first : 0) + "]", grad_type);
   if (has_out) check_dtype("outs[0]", out_type);
   s.ranges.clear();
   // Cheap checks first; the message (with its allocations) is only built on failure.
@@ -283,12 +286,13 @@ step_result optimizer::step(std::span<const const_view> grads, std::span<const m
     return view.size != expected || (view.data == nullptr && view.size > 0) || view.type != type;
   };
   for (std::size_t i = 0; i < n; ++i) {
+    if (grads[i].data == nullptr && grads[i].size == 0) continue; // no gradient: tensor skipped
     if (bad(grads[i], s.segs[i].size, grad_type)) {
       const std::string where = "grads[" + std::to_string(i) + "] ('" + s.names[i] + "')";
       check_view(where, grads[i].data, grads[i].size, grads[i].type, s.segs[i].size);
       throw std::invalid_argument(where + ".type = " + std::string(dtype_name(grads[i].type)) +
                                   ": expected " + std::string(dtype_name(grad_type)) +
-                                  " like grads[0] (one gradient dtype per step)");
+                                  " like grads[" + std::to_string(first) + "] (one gradient dtype per step)");
     }
     s.ranges.push_back(range_of(grads[i].data, grads[i].size * dtype_size(grad_type), false, kind_grad, i));
     if (!has_out) continue;
@@ -305,7 +309,7 @@ step_result optimizer::step(std::span<const const_view> grads, std::span<const m
   check_no_overlap(s.ranges, view_kinds, &s.names);
 
   for (std::size_t i = 0; i < n; ++i) {
-    s.pieces[i].grad = grads[i].data;
+    s.pieces[i].grad = grads[i].data; // null: skipped by the engine
     s.pieces[i].out = has_out ? outs[i].data : nullptr;
   }
   s.prepare(grad_type, has_out, out_type, grad_scale, false);

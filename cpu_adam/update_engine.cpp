@@ -47,6 +47,7 @@ void run_slice(const update_job& job, std::size_t lo, std::size_t hi) noexcept {
       grad = static_cast<const char*>(job.flat_grad) + (a - job.flat_origin) * job.grad_elem_bytes;
       out = job.flat_out ? static_cast<char*>(job.flat_out) + (a - job.flat_origin) * job.out_elem_bytes : nullptr;
     } else {
+      if (!it->grad) continue; // a tensor without a gradient this step
       const std::size_t skip = a - it->offset;
       grad = static_cast<const char*>(it->grad) + skip * job.grad_elem_bytes;
       out = it->out ? static_cast<char*>(it->out) + skip * job.out_elem_bytes : nullptr;

@@ -218,3 +218,24 @@ TEST_CASE("thread count and kernel can change between steps without changing res
   CHECK(same_bits(a.params(), b.params()));
   CHECK(same_bits(a.exp_avg_sq(), b.exp_avg_sq()));
 }
+
+TEST_CASE("a tensor without a gradient is left untouched", "[optimizer]") {
+  std::mt19937 rng(13);
+  adam_config c;
+  optimizer opt({{c, {{"a", {40}}, {"frozen", {9}}}}});
+  ref::state a(40);
+  for (std::size_t i = 0; i < 9; ++i) opt.params("frozen")[i] = float(i);
+  std::vector<float> out_frozen(9, -1.0f), out_a(40);
+  for (int t = 1; t <= 2; ++t) {
+    const auto g = ref::random_grad(dtype::f32, 40, rng);
+    opt.step(std::vector<const_view>{g.view(), const_view{}},
+             std::vector<mut_view>{{out_a.data(), 40, dtype::f32}, {out_frozen.data(), 9, dtype::f32}});
+    adam_step(a.p.data(), a.m.data(), a.v.data(), 40, g.view(), {}, c, t);
+  }
+  CHECK(same_bits(opt.params("a"), a.p));
+  for (std::size_t i = 0; i < 9; ++i) {
+    CHECK(opt.params("frozen")[i] == float(i));
+    CHECK(opt.exp_avg("frozen")[i] == 0.0f);
+    CHECK(out_frozen[i] == -1.0f);
+  }
+}

@@ -122,7 +122,10 @@ public:
   /// All buffers are validated before anything is written; on error nothing changes.
   step_result step(const_view flat_grad, mut_view flat_out = {}, float grad_scale = 1.0f);
   /// One step with one gradient view per tensor (arena order, one dtype for all) and
-  /// optionally one copy-out view per tensor (one dtype for all).
+  /// optionally one copy-out view per tensor (one dtype for all). An empty view
+  /// (`const_view{}`) means the tensor has no gradient this step: its parameters, moments
+  /// and copy-out are left untouched (torch skips parameters whose .grad is None). The
+  /// step count is shared, so such a tensor's next step uses the shared count.
   step_result step(std::span<const const_view> grads, std::span<const mut_view> outs = {},
                    float grad_scale = 1.0f);
 

@@ -1,0 +1,271 @@
+// hostopt._core: a thin pybind11 layer over the C++ API. Arrays arrive as numpy arrays
+// with an explicit hostopt dtype (the Python package turns torch/jax/ml_dtypes arrays into
+// zero-copy numpy views first); they are checked for type, contiguity, writability and
+// size here, never copied. Steps run with the GIL released.
+#include <pybind11/pybind11.h>
+#include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "hostopt/hostopt.hpp"
+
+namespace py = pybind11;
+using namespace hostopt;
+
+namespace {
+
+// A checked numpy buffer.
+struct buffer {
+  void* data = nullptr;
+  std::size_t size = 0;
+  dtype type = dtype::f32;
+};
+
+dtype dtype_from(const std::string& what, const std::string& name) {
+  try {
+    return parse_dtype(name);
+  } catch (const std::invalid_argument&) {
+    throw py::type_error(what + ": dtype '" + name + "' is not supported, expected f32, bf16 or f16");
+  }
+}
+
+buffer check_array(const py::handle& obj, const std::string& what, const std::string& dtype_name_, bool writable) {
+  if (!py::isinstance<py::array>(obj))
+    throw py::type_error(what + ": expected a numpy array, got " + std::string(py::str(obj.get_type().attr("__name__"))));
+  auto arr = py::reinterpret_borrow<py::array>(obj);
+  const dtype t = dtype_from(what, dtype_name_);
+  if (std::size_t(arr.itemsize()) != dtype_size(t))
+    throw py::type_error(what + ": elements of " + std::to_string(arr.itemsize()) + " bytes (numpy dtype " +
+                         std::string(py::str(arr.dtype())) + ") cannot hold " + std::string(dtype_name(t)));
+  if (!(arr.flags() & py::array::c_style))
+    throw py::value_error(what + ": array is not C-contiguous; hostopt works in place and never copies silently "
+                                 "(pass numpy.ascontiguousarray(x) if a copy is what you want)");
+  if (writable && !arr.writeable())
+    throw py::value_error(what + ": array is read-only but hostopt writes it in place");
+  buffer b;
+  b.data = const_cast<void*>(arr.data());
+  b.size = std::size_t(arr.size());
+  b.type = t;
+  return b;
+}
+
+adam_config config_from(py::dict d) {
+  adam_config c;
+  for (auto item : d) {
+    const std::string k = py::str(item.first);
+    py::handle v = item.second;
+    if (k == "lr") c.lr = v.cast<double>();
+    else if (k == "beta1") c.beta1 = v.cast<double>();
+    else if (k == "beta2") c.beta2 = v.cast<double>();
+    else if (k == "eps") c.eps = v.cast<double>();
+    else if (k == "eps_root") c.eps_root = v.cast<double>();
+    else if (k == "weight_decay") c.weight_decay = v.cast<double>();
+    else if (k == "mode") {
+      const std::string m = py::str(v);
+      if (m == "adam") c.mode = adam_mode::adam;
+      else if (m == "adamw") c.mode = adam_mode::adamw;
+      else throw py::value_error("config['mode'] = '" + m + "': expected 'adam' or 'adamw'");
+    } else if (k == "bias_correction") c.bias_correction = v.cast<bool>();
+    else if (k == "nesterov") c.nesterov = v.cast<bool>();
+    else
+      throw py::value_error("config: unknown key '" + k +
+                            "', expected lr, beta1, beta2, eps, eps_root, weight_decay, mode, bias_correction, nesterov");
+  }
+  return c;
+}
+
+py::dict config_to(const adam_config& c) {
+  py::dict d;
+  d["lr"] = c.lr;
+  d["beta1"] = c.beta1;
+  d["beta2"] = c.beta2;
+  d["eps"] = c.eps;
+  d["eps_root"] = c.eps_root;
+  d["weight_decay"] = c.weight_decay;
+  d["mode"] = c.mode == adam_mode::adam ? "adam" : "adamw";
+  d["bias_correction"] = c.bias_correction;
+  d["nesterov"] = c.nesterov;
+  return d;
+}
+
+// A float32 numpy view of optimizer memory that keeps the optimizer alive.
+py::array_t<float> view_of(std::span<float> s, py::handle owner) {
+  return py::array_t<float>({py::ssize_t(s.size())}, {py::ssize_t(sizeof(float))}, s.data(), owner);
+}
+
+} // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "hostopt's C++ core: SIMD Adam/AdamW on host memory";
+  m.attr("__version__") = library_version();
+  m.def("active_kernel", &active_kernel, "Name of the kernel used by default (HOSTOPT_FORCE_ARCH overrides).");
+  m.def("kernels", [] {
+    py::list out;
+    for (const auto& k : kernels()) out.append(py::make_tuple(k.name, k.supported));
+    return out;
+  }, "(name, supported) for every kernel compiled in, best first.");
+
+  m.def(
+      "adam_step",
+      [](py::handle params, py::handle exp_avg, py::handle exp_avg_sq, py::handle grad, const std::string& grad_dtype,
+         py::handle out, const std::string& out_dtype, py::dict config, std::int64_t step, float grad_scale,
+         int threads, const std::string& kernel) {
+        const buffer p = check_array(params, "params", "f32", true);
+        const buffer mm = check_array(exp_avg, "exp_avg", "f32", true);
+        const buffer vv = check_array(exp_avg_sq, "exp_avg_sq", "f32", true);
+        const buffer g = check_array(grad, "grad", grad_dtype, false);
+        buffer o;
+        if (!out.is_none()) o = check_array(out, "out", out_dtype, true);
+        if (mm.size != p.size || vv.size != p.size)
+          throw py::value_error("exp_avg/exp_avg_sq: " + std::to_string(mm.size) + "/" + std::to_string(vv.size) +
+                                " elements, expected " + std::to_string(p.size) + " like params");
+        const adam_config c = config_from(config);
+        py::gil_scoped_release release;
+        adam_step(static_cast<float*>(p.data), static_cast<float*>(mm.data), static_cast<float*>(vv.data), p.size,
+                  {g.data, g.size, g.type}, {o.data, o.size, o.type}, c, step, grad_scale, {threads, kernel});
+      },
+      py::arg("params"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("grad"), py::arg("grad_dtype") = "f32",
+      py::arg("out") = py::none(), py::arg("out_dtype") = "f32", py::arg("config") = py::dict(), py::arg("step") = 1,
+      py::arg("grad_scale") = 1.0f, py::arg("threads") = 0, py::arg("kernel") = "",
+      "One fused Adam/AdamW step in place over float32 numpy arrays (see hostopt.adam_step).");
+
+  m.def(
+      "adam_update_leaves",
+      [](py::list params, py::list exp_avg, py::list exp_avg_sq, py::list grads, const std::string& grad_dtype,
+         py::list outs, const std::string& out_dtype, py::list configs, std::int64_t step, float grad_scale,
+         int threads) {
+        const std::size_t n = params.size();
+        if (exp_avg.size() != n || exp_avg_sq.size() != n || grads.size() != n || configs.size() != n ||
+            (!outs.empty() && outs.size() != n))
+          throw py::value_error("adam_update_leaves: lists of different lengths");
+        struct leaf {
+          buffer p, m, v, g, o;
+          adam_config c;
+        };
+        std::vector<leaf> leaves(n);
+        for (std::size_t i = 0; i < n; ++i) {
+          const std::string at = "[" + std::to_string(i) + "]";
+          leaf& l = leaves[i];
+          l.p = check_array(params[i], "params" + at, "f32", true);
+          l.m = check_array(exp_avg[i], "mu" + at, "f32", true);
+          l.v = check_array(exp_avg_sq[i], "nu" + at, "f32", true);
+          l.g = check_array(grads[i], "updates" + at, grad_dtype, false);
+          if (!outs.empty()) l.o = check_array(outs[i], "out" + at, out_dtype, true);
+          l.c = config_from(configs[i].cast<py::dict>());
+          validate(l.c, "config" + at);
+        }
+        py::gil_scoped_release release;
+        for (auto& l : leaves)
+          adam_step(static_cast<float*>(l.p.data), static_cast<float*>(l.m.data), static_cast<float*>(l.v.data),
+                    l.p.size, {l.g.data, l.g.size, l.g.type}, {l.o.data, l.o.size, l.o.type}, l.c, step, grad_scale,
+                    {threads, ""});
+      },
+      py::arg("params"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("grads"), py::arg("grad_dtype"),
+      py::arg("outs"), py::arg("out_dtype"), py::arg("configs"), py::arg("step"), py::arg("grad_scale") = 1.0f,
+      py::arg("threads") = 0, "One step over many leaves, each with its own config, in one call (GIL released).");
+
+  m.def(
+      "convert",
+      [](py::handle in, py::handle out, const std::string& out_dtype, int threads) {
+        const buffer i = check_array(in, "in", "f32", false);
+        const buffer o = check_array(out, "out", out_dtype, true);
+        if (i.size != o.size) throw py::value_error("convert: in and out sizes differ");
+        py::gil_scoped_release release;
+        convert_params(static_cast<const float*>(i.data), {o.data, o.size, o.type}, {threads, ""});
+      },
+      py::arg("in"), py::arg("out"), py::arg("out_dtype"), py::arg("threads") = 0,
+      "float32 -> out_dtype with round-to-nearest-even (the step's copy-out rounding).");
+
+  py::class_<optimizer>(m, "Optimizer", "Flat-arena Adam/AdamW state (see hostopt.Optimizer).")
+      .def(py::init([](py::list groups, int threads, const std::string& kernel) {
+             std::vector<param_group> gs;
+             for (auto g : groups) {
+               auto d = g.cast<py::dict>();
+               param_group pg;
+               pg.config = config_from(d["config"].cast<py::dict>());
+               for (auto t : d["tensors"].cast<py::list>()) {
+                 auto tup = t.cast<py::tuple>();
+                 pg.tensors.push_back({tup[0].cast<std::string>(), tup[1].cast<std::vector<std::int64_t>>()});
+               }
+               gs.push_back(std::move(pg));
+             }
+             return std::make_unique<optimizer>(std::move(gs), execution_options{threads, kernel});
+           }),
+           py::arg("groups"), py::arg("threads") = 0, py::arg("kernel") = "")
+      .def_property_readonly("arena_size", &optimizer::arena_size)
+      .def_property_readonly("num_params", &optimizer::num_params)
+      .def_property_readonly("state_bytes", &optimizer::state_bytes)
+      .def_property_readonly("num_groups", &optimizer::num_groups)
+      .def_property("step_count", &optimizer::step_count, &optimizer::set_step_count)
+      .def_property_readonly("threads", [](const optimizer& o) { return o.execution().threads; })
+      .def("segments", [](const optimizer& o) {
+        py::list out;
+        for (const auto& s : o.segments()) out.append(py::make_tuple(s.name, s.shape, s.offset, s.size, s.group));
+        return out;
+      })
+      .def("group_config", [](const optimizer& o, std::size_t g) { return config_to(o.group_config(g)); })
+      .def("set_group_config", [](optimizer& o, std::size_t g, py::dict d) {
+        adam_config c = o.group_config(g);
+        adam_config update = config_from(d);
+        // Only the keys given change.
+        for (auto item : d) {
+          const std::string k = py::str(item.first);
+          if (k == "lr") c.lr = update.lr;
+          else if (k == "beta1") c.beta1 = update.beta1;
+          else if (k == "beta2") c.beta2 = update.beta2;
+          else if (k == "eps") c.eps = update.eps;
+          else if (k == "eps_root") c.eps_root = update.eps_root;
+          else if (k == "weight_decay") c.weight_decay = update.weight_decay;
+          else if (k == "mode") c.mode = update.mode;
+          else if (k == "bias_correction") c.bias_correction = update.bias_correction;
+          else if (k == "nesterov") c.nesterov = update.nesterov;
+        }
+        o.set_group_config(g, c);
+      })
+      .def("params", [](py::object self) { return view_of(self.cast<optimizer&>().params(), self); })
+      .def("exp_avg", [](py::object self) { return view_of(self.cast<optimizer&>().exp_avg(), self); })
+      .def("exp_avg_sq", [](py::object self) { return view_of(self.cast<optimizer&>().exp_avg_sq(), self); })
+      .def("step_flat",
+           [](optimizer& o, py::handle grad, const std::string& grad_dtype, py::handle out, const std::string& out_dtype,
+              float grad_scale) {
+             const buffer g = check_array(grad, "grad", grad_dtype, false);
+             buffer b;
+             if (!out.is_none()) b = check_array(out, "out", out_dtype, true);
+             py::gil_scoped_release release;
+             return o.step({g.data, g.size, g.type}, {b.data, b.size, b.type}, grad_scale).step;
+           },
+           py::arg("grad"), py::arg("grad_dtype") = "f32", py::arg("out") = py::none(), py::arg("out_dtype") = "f32",
+           py::arg("grad_scale") = 1.0f)
+      .def("step_tensors",
+           [](optimizer& o, py::list grads, const std::string& grad_dtype, py::list outs, const std::string& out_dtype,
+              float grad_scale) {
+             std::vector<const_view> gv;
+             std::vector<mut_view> ov;
+             gv.reserve(grads.size());
+             const auto segs = o.segments();
+             for (std::size_t i = 0; i < grads.size(); ++i) {
+               if (grads[i].is_none()) {
+                 gv.push_back({nullptr, 0, dtype_from("grads", grad_dtype)}); // no gradient: tensor skipped
+                 continue;
+               }
+               const std::string what =
+                   "grads[" + std::to_string(i) + "]" + (i < segs.size() ? " ('" + segs[i].name + "')" : "");
+               const buffer b = check_array(grads[i], what, grad_dtype, false);
+               gv.push_back({b.data, b.size, b.type});
+             }
+             for (std::size_t i = 0; i < outs.size(); ++i) {
+               const std::string what =
+                   "outs[" + std::to_string(i) + "]" + (i < segs.size() ? " ('" + segs[i].name + "')" : "");
+               const buffer b = check_array(outs[i], what, out_dtype, true);
+               ov.push_back({b.data, b.size, b.type});
+             }
+             py::gil_scoped_release release;
+             return o.step(gv, ov, grad_scale).step;
+           },
+           py::arg("grads"), py::arg("grad_dtype") = "f32", py::arg("outs") = py::list(), py::arg("out_dtype") = "f32",
+           py::arg("grad_scale") = 1.0f);
+}

@@ -1,0 +1,198 @@
+"""hostopt: the Adam/AdamW optimizer in host RAM, with fused SIMD kernels.
+
+``hostopt.Optimizer`` and ``hostopt.adam_step`` are the C++ library's optimizer state and
+one-buffer step; ``hostopt.optax`` and ``hostopt.torch`` wrap them as optax gradient
+transformations and torch.optim optimizers. Arrays are taken zero-copy (numpy, torch CPU
+tensors, jax CPU arrays; bf16 through ml_dtypes, torch or a uint16 view): an array that
+cannot be used in place is an error, never a silent copy. Steps release the GIL.
+"""
+
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _core
+from ._arrays import as_buffer
+
+__version__ = _core.__version__
+
+__all__ = ["Optimizer", "adam_step", "active_kernel", "kernels", "as_buffer", "__version__"]
+
+
+def active_kernel() -> str:
+  """Name of the SIMD kernel steps use by default ("avx512", "avx2", "sse2", "neon", "scalar")."""
+  return _core.active_kernel()
+
+
+def kernels() -> List[Tuple[str, bool]]:
+  """(name, supported on this CPU) for every kernel compiled in, best first."""
+  return list(_core.kernels())
+
+
+_CONFIG_KEYS = ("lr", "beta1", "beta2", "eps", "eps_root", "weight_decay", "mode", "bias_correction", "nesterov")
+
+
+def _config(d: Mapping) -> dict:
+  unknown = set(d) - set(_CONFIG_KEYS) - {"params", "betas"}
+  if unknown:
+    raise ValueError(f"unknown hyper-parameter(s) {sorted(unknown)}; expected some of {_CONFIG_KEYS} (or betas)")
+  c = {k: d[k] for k in _CONFIG_KEYS if k in d}
+  if "betas" in d:
+    c["beta1"], c["beta2"] = (float(b) for b in d["betas"])
+  for k in ("lr", "beta1", "beta2", "eps", "eps_root", "weight_decay"):
+    if k in c:
+      c[k] = float(c[k])
+  return c
+
+
+def adam_step(params: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray, grad, *, step: int,
+              lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+              eps_root: float = 0.0, weight_decay: float = 0.0, mode: str = "adamw",
+              bias_correction: bool = True, nesterov: bool = False, out=None, grad_scale: float = 1.0,
+              threads: int = 0, kernel: str = "") -> None:
+  r"""One fused Adam/AdamW step, in place, over float32 arrays.
+
+  .. math::
+    g = s\,\nabla,\quad m \leftarrow \beta_1 m + (1-\beta_1) g,\quad
+    v \leftarrow \beta_2 v + (1-\beta_2) g^2,\quad
+    p \leftarrow p - \frac{\eta}{1-\beta_1^t}\,\frac{m}{\sqrt{v/(1-\beta_2^t) + \epsilon_{root}} + \epsilon}
+
+  with coupled L2 (``mode="adam"``) or decoupled (``mode="adamw"``) weight decay.
+
+  Args:
+    params, exp_avg, exp_avg_sq: float32, C-contiguous, writable, same size.
+    grad: float32, bfloat16 or float16 gradient of the same size.
+    step: 1-based step number t.
+    out: optional array (float32/bfloat16/float16) that receives the new parameters.
+
+  Example:
+    >>> p = np.ones(4, np.float32); m = np.zeros(4, np.float32); v = np.zeros(4, np.float32)
+    >>> hostopt.adam_step(p, m, v, np.full(4, 0.5, np.float32), step=1, lr=0.1)
+  """
+  p, _ = as_buffer(params, "params", writable=True)
+  m, _ = as_buffer(exp_avg, "exp_avg", writable=True)
+  v, _ = as_buffer(exp_avg_sq, "exp_avg_sq", writable=True)
+  g, gt = as_buffer(grad, "grad")
+  o, ot = (None, "f32") if out is None else as_buffer(out, "out", writable=True)
+  cfg = _config(dict(lr=lr, betas=betas, eps=eps, eps_root=eps_root, weight_decay=weight_decay, mode=mode,
+                     bias_correction=bias_correction, nesterov=nesterov))
+  _core.adam_step(p, m, v, g, gt, o, ot, cfg, int(step), float(grad_scale), int(threads), kernel)
+
+
+class Optimizer:
+  """Adam/AdamW state of many tensors in one flat, 64-byte aligned arena (12 bytes/param).
+
+  Args:
+    groups: a list of parameter groups, each a dict with "params" — a mapping name -> shape
+      (or a list of (name, shape)) — and hyper-parameters (lr, betas or beta1/beta2, eps,
+      eps_root, weight_decay, mode "adam"/"adamw", bias_correction, nesterov).
+    threads: worker threads (0 = the threading runtime's default).
+    kernel: force a kernel by name ("" = the active one).
+
+  Example:
+    >>> opt = hostopt.Optimizer([{"params": {"w": (4, 3), "b": (3,)}, "lr": 1e-2, "weight_decay": 0.1}])
+    >>> opt.params("w")[:] = init_w            # numpy views into the arena
+    >>> opt.step({"w": grad_w, "b": grad_b})   # one fused step over every tensor
+  """
+
+  def __init__(self, groups: Sequence[Mapping], threads: int = 0, kernel: str = ""):
+    spec = []
+    for i, g in enumerate(groups):
+      if "params" not in g:
+        raise ValueError(f"groups[{i}] has no 'params' (a mapping name -> shape)")
+      tensors = g["params"].items() if isinstance(g["params"], Mapping) else g["params"]
+      spec.append({"config": _config({k: v for k, v in g.items() if k != "params"}),
+                   "tensors": [(str(n), [int(d) for d in shape]) for n, shape in tensors]})
+    self._core = _core.Optimizer(spec, int(threads), kernel)
+    self._segments = [tuple(s) for s in self._core.segments()]
+    self._index = {s[0]: i for i, s in enumerate(self._segments)}
+
+  # layout
+  @property
+  def arena_size(self) -> int:
+    return self._core.arena_size
+
+  @property
+  def num_params(self) -> int:
+    return self._core.num_params
+
+  @property
+  def state_bytes(self) -> int:
+    return self._core.state_bytes
+
+  @property
+  def names(self) -> List[str]:
+    return [s[0] for s in self._segments]
+
+  def segment(self, name: str) -> Tuple[str, List[int], int, int, int]:
+    """(name, shape, offset, size, group) of a tensor."""
+    if name not in self._index:
+      raise KeyError(f"tensor name {name!r}: unknown, expected one of the {len(self._segments)} registered tensors")
+    return self._segments[self._index[name]]
+
+  # state views
+  def _view(self, flat: np.ndarray, name: Optional[str]) -> np.ndarray:
+    if name is None:
+      return flat
+    _, shape, off, size, _ = self.segment(name)
+    return flat[off:off + size].reshape(shape)
+
+  def params(self, name: Optional[str] = None) -> np.ndarray:
+    """Master parameters (float32 view into the arena; a tensor's when `name` is given)."""
+    return self._view(self._core.params(), name)
+
+  def exp_avg(self, name: Optional[str] = None) -> np.ndarray:
+    return self._view(self._core.exp_avg(), name)
+
+  def exp_avg_sq(self, name: Optional[str] = None) -> np.ndarray:
+    return self._view(self._core.exp_avg_sq(), name)
+
+  # hyper-parameters
+  @property
+  def step_count(self) -> int:
+    return self._core.step_count
+
+  @step_count.setter
+  def step_count(self, value: int) -> None:
+    self._core.step_count = int(value)
+
+  def group_config(self, group: int) -> dict:
+    return self._core.group_config(int(group))
+
+  def set_group_config(self, group: int, **hyper) -> None:
+    """Changes some hyper-parameters of a group (validated; nothing changes on error)."""
+    self._core.set_group_config(int(group), _config(hyper))
+
+  # the step
+  def step(self, grads, out=None, grad_scale: float = 1.0) -> int:
+    """One step; returns the new step count.
+
+    Args:
+      grads: a mapping name -> gradient (a missing name or None: that tensor has no
+        gradient and is left untouched), a list in arena order, or one flat array of
+        arena_size elements. One dtype for all: float32, bfloat16 or float16.
+      out: optional copy-out of the new parameters, shaped like grads.
+      grad_scale: multiplies every gradient (1/loss_scale times a clip coefficient).
+    """
+    if isinstance(grads, Mapping) or isinstance(grads, (list, tuple)):
+      if isinstance(grads, Mapping):
+        unknown = set(grads) - set(self._index)
+        if unknown:
+          raise KeyError(f"grads: unknown tensor name(s) {sorted(unknown)}")
+        glist = [grads.get(n) for n in self.names]
+        olist = [out[n] for n in self.names] if out is not None else []
+      else:
+        glist, olist = list(grads), list(out) if out is not None else []
+      bufs = [None if g is None else as_buffer(g, f"grads[{i}]") for i, g in enumerate(glist)]
+      types = {b[1] for b in bufs if b is not None}
+      if len(types) > 1:
+        raise TypeError(f"grads: mixed dtypes {sorted(types)}; one gradient dtype per step")
+      obufs = [as_buffer(o, f"out[{i}]", writable=True) for i, o in enumerate(olist)]
+      otypes = {b[1] for b in obufs}
+      if len(otypes) > 1:
+        raise TypeError(f"out: mixed dtypes {sorted(otypes)}; one copy-out dtype per step")
+      return self._core.step_tensors([None if b is None else b[0] for b in bufs], types.pop() if types else "f32",
+                                     [b[0] for b in obufs], otypes.pop() if otypes else "f32", float(grad_scale))
+    g, gt = as_buffer(grads, "grads")
+    o, ot = (None, "f32") if out is None else as_buffer(out, "out", writable=True)
+    return self._core.step_flat(g, gt, o, ot, float(grad_scale))

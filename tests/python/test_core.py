@@ -1,0 +1,142 @@
+"""hostopt._core through the package: zero-copy intake, errors naming the argument, the GIL."""
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import hostopt
+
+
+def reference_adamw(p, m, v, g, t, lr, b1=0.9, b2=0.999, eps=1e-8, wd=0.0):
+  p, m, v, g = (x.astype(np.float64) for x in (p, m, v, g))
+  m = b1 * m + (1 - b1) * g
+  v = b2 * v + (1 - b2) * g * g
+  p = p * (1 - lr * wd) - lr / (1 - b1**t) * m / (np.sqrt(v / (1 - b2**t)) + eps)
+  return p, m, v
+
+
+def test_version_and_kernels():
+  assert hostopt.__version__ == "0.1.0"
+  names = [n for n, ok in hostopt.kernels() if ok]
+  assert hostopt.active_kernel() in names and "scalar" in names
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 1000003])
+def test_adam_step_matches_reference(rng, n):
+  p = rng.standard_normal(n).astype(np.float32)
+  m = (0.1 * rng.standard_normal(n)).astype(np.float32)
+  v = (0.01 * np.abs(rng.standard_normal(n))).astype(np.float32)
+  g = rng.standard_normal(n).astype(np.float32)
+  rp, rm, rv = reference_adamw(p, m, v, g, 3, 1e-2, wd=0.1)
+  hostopt.adam_step(p, m, v, g, step=3, lr=1e-2, weight_decay=0.1)
+  np.testing.assert_allclose(p, rp, rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(m, rm, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(v, rv, rtol=1e-5, atol=1e-9)
+
+
+def test_bf16_from_ml_dtypes_torch_and_uint16_agree(rng):
+  ml_dtypes = pytest.importorskip("ml_dtypes")
+  torch = pytest.importorskip("torch")
+  g32 = rng.standard_normal(100).astype(np.float32)
+  g_ml = g32.astype(ml_dtypes.bfloat16)
+  g_torch = torch.from_numpy(g32).to(torch.bfloat16)
+  results = []
+  for g in (g_ml, g_torch):
+    p, m, v = np.ones(100, np.float32), np.zeros(100, np.float32), np.zeros(100, np.float32)
+    out = np.zeros(100, ml_dtypes.bfloat16)
+    hostopt.adam_step(p, m, v, g, step=1, lr=0.1, out=out)
+    results.append((p.copy(), m.copy(), out.view(np.uint16).copy()))
+  for a, b in zip(*results):
+    np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(results[0][1], 0.1 * g_ml.astype(np.float32))  # m = (1 - b1) g, exactly decoded
+
+
+def test_torch_tensors_are_used_in_place():
+  torch = pytest.importorskip("torch")
+  p, m, v = torch.ones(8), torch.zeros(8), torch.zeros(8)
+  hostopt.adam_step(p, m, v, torch.full((8,), 2.0), step=1, lr=0.5)
+  assert torch.allclose(p, torch.full((8,), 0.5))
+
+
+@pytest.mark.parametrize("case, exc, words", [
+    ("non-contiguous grad", ValueError, ["grad", "not C-contiguous"]),
+    ("read-only params", ValueError, ["params", "read-only"]),
+    ("float64 grad", TypeError, ["grad", "float64"]),
+    ("list instead of array", TypeError, ["grad", "list"]),
+    ("short grad", ValueError, ["grad.size = 7", "expected 8"]),
+    ("NaN lr", ValueError, ["lr = nan"]),
+    ("step 0", ValueError, ["step = 0"]),
+])
+def test_bad_input_names_the_argument_and_changes_nothing(case, exc, words):
+  p, m, v = np.ones(8, np.float32), np.zeros(8, np.float32), np.zeros(8, np.float32)
+  g = np.full(8, 0.5, np.float32)
+  kwargs = dict(step=1, lr=0.1)
+  if case == "non-contiguous grad":
+    g = np.full(16, 0.5, np.float32)[::2]
+  elif case == "read-only params":
+    p.setflags(write=False)
+  elif case == "float64 grad":
+    g = g.astype(np.float64)
+  elif case == "list instead of array":
+    g = [0.5] * 8
+  elif case == "short grad":
+    g = g[:7]
+  elif case == "NaN lr":
+    kwargs["lr"] = float("nan")
+  elif case == "step 0":
+    kwargs["step"] = 0
+  before = (p.copy(), m.copy(), v.copy())
+  with pytest.raises(exc) as info:
+    hostopt.adam_step(p, m, v, g, **kwargs)
+  for w in words:
+    assert w in str(info.value)
+  for a, b in zip(before, (p, m, v)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_optimizer_views_groups_and_skipped_tensors(rng):
+  opt = hostopt.Optimizer([{"params": {"w": (3, 5), "b": (5,)}, "lr": 1e-2, "weight_decay": 0.1},
+                           {"params": [("frozen", (4,))], "lr": 0.0}], threads=2)
+  assert opt.names == ["w", "b", "frozen"]
+  assert opt.arena_size % 16 == 0 and opt.num_params == 24 and opt.state_bytes == 12 * opt.arena_size
+  w0 = rng.standard_normal((3, 5)).astype(np.float32)
+  opt.params("w")[:] = w0
+  opt.params("frozen")[:] = 7.0
+  gw = rng.standard_normal((3, 5)).astype(np.float32)
+  assert opt.step({"w": gw, "b": np.ones(5, np.float32)}) == 1  # "frozen" has no gradient
+  p, m, v = w0.copy().ravel(), np.zeros(15, np.float32), np.zeros(15, np.float32)
+  hostopt.adam_step(p, m, v, gw.ravel(), step=1, lr=1e-2, weight_decay=0.1)
+  np.testing.assert_array_equal(opt.params("w").ravel(), p)
+  np.testing.assert_array_equal(opt.params("frozen"), 7.0)
+  opt.set_group_config(0, lr=0.5)
+  assert opt.group_config(0)["lr"] == 0.5
+  with pytest.raises(ValueError, match="beta1 = 1"):
+    opt.set_group_config(0, betas=(1.0, 0.9))
+  with pytest.raises(KeyError, match="nope"):
+    opt.step({"nope": gw})
+  flat = np.zeros(opt.arena_size, np.float32)
+  assert opt.step(flat) == 2
+
+
+def test_gil_is_released_during_a_step():
+  n = 1 << 23
+  p, m, v, g = (np.zeros(n, np.float32) for _ in range(4))
+  spans, ticks = [], []
+  done = threading.Event()
+
+  def worker():
+    for t in range(1, 6):
+      t0 = time.perf_counter()
+      hostopt.adam_step(p, m, v, g, step=t, threads=1)
+      spans.append((t0, time.perf_counter()))
+    done.set()
+
+  th = threading.Thread(target=worker)
+  th.start()
+  while not done.is_set():
+    ticks.append(time.perf_counter())
+  th.join()
+  # Python code ran on this thread while the step ran on the other one.
+  inside = sum(1 for x in ticks for a, b in spans if a < x < b)
+  assert inside > 100
