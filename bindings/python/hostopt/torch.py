@@ -87,6 +87,7 @@ class _HostAdam(torch.optim.Optimizer):
         groups[gi]["tensors"].append((f"{gi}.{k}", list(p.shape)))
       core = _core.Optimizer(groups, self._threads, "")
       core.step_count = step
+      step_tensor = torch.tensor(float(step))
       segs = {s[0]: s for s in core.segments()}
       flat_p, flat_m, flat_v = core.params(), core.exp_avg(), core.exp_avg_sq()
       tensors = []
@@ -101,12 +102,14 @@ class _HostAdam(torch.optim.Optimizer):
           m.copy_(st["exp_avg"].reshape(p.shape))
           v.copy_(st["exp_avg_sq"].reshape(p.shape))
         st["exp_avg"], st["exp_avg_sq"] = m, v
-        st["step"] = torch.tensor(float(step))
+        st["step"] = step_tensor  # shared: the count is the optimizer's
         if p.dtype == torch.float32:
           p.data = torch.from_numpy(mp).view(p.shape)  # the parameter is the master weight
         tensors.append(p)
-      layout[tag] = (core, tensors)
+      layout[tag] = (core, tensors, step_tensor)
     self._layout = layout
+    self._applied = {}  # (dtype, group) -> config last given to the core
+    self._views = {}  # (dtype, index) -> (grad tensor, data_ptr, numpy view), reused while unchanged
 
   def _resume_step(self) -> int:
     steps = [int(st["step"]) for st in self.state.values() if "step" in st]
@@ -122,26 +125,41 @@ class _HostAdam(torch.optim.Optimizer):
         loss = closure()
     if self._layout is None:
       self._build()
-    for tag, (core, tensors) in self._layout.items():
-      for gi, group in enumerate(self.param_groups):  # lr schedulers and edits take effect here
-        core.set_group_config(gi, self._config(group))
+    configs = [self._config(g) for g in self.param_groups]  # lr schedulers and edits take effect here
+    for tag, (core, tensors, step_tensor) in self._layout.items():
+      for gi, cfg in enumerate(configs):
+        if self._applied.get((tag, gi)) != cfg:
+          core.set_group_config(gi, cfg)
+          self._applied[(tag, gi)] = cfg
       grads, outs = [], []
-      for p in tensors:
+      for i, p in enumerate(tensors):
         g = p.grad
-        if g is not None and g.is_sparse:
-          raise RuntimeError("hostopt.torch does not support sparse gradients")
-        if g is not None and g.dtype != p.dtype:
-          g = g.to(p.dtype)  # a gradient in another dtype than its parameter: one conversion
-        grads.append(None if g is None else as_buffer(g, "grad")[0])
+        cached = self._views.get((tag, i))
+        if g is None:
+          grads.append(None)
+        elif cached is not None and cached[0] is g and cached[1] == g.data_ptr():
+          grads.append(cached[2])  # the same gradient tensor as last step (zero_grad keeps it)
+        else:
+          if g.is_sparse:
+            raise RuntimeError("hostopt.torch does not support sparse gradients")
+          if g.dtype != p.dtype:
+            g = g.to(p.dtype)  # a gradient in another dtype than its parameter: one conversion
+          view = as_buffer(g, f"grad of parameter {i}")[0]
+          self._views[(tag, i)] = (p.grad, p.grad.data_ptr(), view)
+          grads.append(view)
         if tag != "f32":
           outs.append(as_buffer(p.data, "param", writable=True)[0])
       if all(g is None for g in grads):
         continue
-      count = core.step_tensors(grads, tag, outs, tag, 1.0)
-      for p, g in zip(tensors, grads):
-        if g is not None:
-          self.state[p]["step"] = torch.tensor(float(count))
+      step_tensor.fill_(float(core.step_tensors(grads, tag, outs, tag, 1.0)))
     return loss
+
+  def state_dict(self) -> dict:
+    """torch's format. Each parameter gets its own "step" tensor (inside, one is shared),
+    so torch optimizers that increment it per parameter can load it."""
+    sd = super().state_dict()
+    sd["state"] = {k: {**v, "step": v["step"].clone()} if "step" in v else dict(v) for k, v in sd["state"].items()}
+    return sd
 
   def load_state_dict(self, state_dict: dict) -> None:
     """Loads torch's format (from hostopt or torch.optim.Adam/AdamW) into the arena."""
