@@ -134,39 +134,38 @@ PYBIND11_MODULE(_core, m) {
       "One fused Adam/AdamW step in place over float32 numpy arrays (see hostopt.adam_step).");
 
   m.def(
-      "adam_update_leaves",
+      "optax_update_leaves",
       [](py::list params, py::list exp_avg, py::list exp_avg_sq, py::list grads, const std::string& grad_dtype,
-         py::list outs, const std::string& out_dtype, py::list configs, std::int64_t step, float grad_scale,
-         int threads) {
-        const std::size_t n = params.size();
-        if (exp_avg.size() != n || exp_avg_sq.size() != n || grads.size() != n || configs.size() != n ||
-            (!outs.empty() && outs.size() != n))
-          throw py::value_error("adam_update_leaves: lists of different lengths");
+         py::list updates, py::list configs, std::int64_t step, float grad_scale, int threads) {
+        const std::size_t n = grads.size();
+        if (params.size() != n || exp_avg.size() != n || exp_avg_sq.size() != n || updates.size() != n ||
+            configs.size() != n)
+          throw py::value_error("optax_update_leaves: lists of different lengths");
         struct leaf {
-          buffer p, m, v, g, o;
+          buffer p, m, v, g, u;
           adam_config c;
         };
         std::vector<leaf> leaves(n);
         for (std::size_t i = 0; i < n; ++i) {
           const std::string at = "[" + std::to_string(i) + "]";
           leaf& l = leaves[i];
-          l.p = check_array(params[i], "params" + at, "f32", true);
+          if (!params[i].is_none()) l.p = check_array(params[i], "params" + at, "f32", false);
           l.m = check_array(exp_avg[i], "mu" + at, "f32", true);
           l.v = check_array(exp_avg_sq[i], "nu" + at, "f32", true);
           l.g = check_array(grads[i], "updates" + at, grad_dtype, false);
-          if (!outs.empty()) l.o = check_array(outs[i], "out" + at, out_dtype, true);
+          l.u = check_array(updates[i], "out" + at, grad_dtype, true);
           l.c = config_from(configs[i].cast<py::dict>());
           validate(l.c, "config" + at);
         }
         py::gil_scoped_release release;
         for (auto& l : leaves)
-          adam_step(static_cast<float*>(l.p.data), static_cast<float*>(l.m.data), static_cast<float*>(l.v.data),
-                    l.p.size, {l.g.data, l.g.size, l.g.type}, {l.o.data, l.o.size, l.o.type}, l.c, step, grad_scale,
-                    {threads, ""});
+          adam_update(static_cast<const float*>(l.p.data), static_cast<float*>(l.m.data), static_cast<float*>(l.v.data),
+                      l.g.size, {l.g.data, l.g.size, l.g.type}, {l.u.data, l.u.size, l.u.type}, l.c, step, grad_scale,
+                      {threads, ""});
       },
       py::arg("params"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("grads"), py::arg("grad_dtype"),
-      py::arg("outs"), py::arg("out_dtype"), py::arg("configs"), py::arg("step"), py::arg("grad_scale") = 1.0f,
-      py::arg("threads") = 0, "One step over many leaves, each with its own config, in one call (GIL released).");
+      py::arg("updates"), py::arg("configs"), py::arg("step"), py::arg("grad_scale") = 1.0f, py::arg("threads") = 0,
+      "The optax form over many leaves (hostopt::adam_update each), one call, GIL released.");
 
   m.def(
       "convert",

@@ -34,27 +34,40 @@ namespace HOSTOPT_KERNEL_NS {
 /// Tag: no parameter copy-out.
 struct no_out {};
 
-template <class Arch, class G, class O, decay_kind D, bool Nesterov>
+// Delta = true is the optax form: p is only read (and only for weight decay), and `out`
+// (in the gradient's dtype) receives the update u = new_p - p = -(adam step) - lr*wd*p.
+template <class Arch, class G, class O, decay_kind D, bool Nesterov, bool Delta = false>
 struct adam_kernel {
+  static constexpr bool reads_p = !Delta || D != decay_kind::none;
   using ops = simd_ops<Arch>;
   using vec = typename ops::vec;
   static constexpr std::size_t W = ops::width;
 
   struct constants {
     vec grad_scale, l2, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, inv_bc2, eps,
-        eps_root, decay, lr, nesterov_m, nesterov_g;
+        eps_root, decay, lr, nesterov_m, nesterov_g, lr_wd;
   };
 
   static void body(const constants& c, float* p, float* m, float* v, const G* grad, O* out) noexcept {
     vec g = ops::load(grad) * c.grad_scale;
-    vec pp = ops::load(p);
+    vec pp = ops::splat(0.0f);
+    if constexpr (reads_p) pp = ops::load(p);
     if constexpr (D == decay_kind::coupled) g = g + c.l2 * pp;
     const vec mm = c.beta1 * ops::load(m) + c.one_minus_beta1 * g;
     const vec vv = c.beta2 * ops::load(v) + c.one_minus_beta2 * (g * g);
     ops::store(m, mm);
     ops::store(v, vv);
-    if constexpr (D == decay_kind::decoupled) pp = pp * c.decay;
     const vec denom = ops::sqrt(vv * c.inv_bc2 + c.eps_root) + c.eps;
+    if constexpr (Delta) {
+      vec step;
+      if constexpr (Nesterov) step = (c.lr * (c.nesterov_m * mm + c.nesterov_g * g)) / denom;
+      else step = (c.step_size * mm) / denom;
+      vec u = ops::splat(0.0f) - step;
+      if constexpr (D == decay_kind::decoupled) u = u - c.lr_wd * pp;
+      ops::store(out, u);
+      return;
+    }
+    if constexpr (D == decay_kind::decoupled) pp = pp * c.decay;
     if constexpr (Nesterov) {
       pp = pp - (c.lr * (c.nesterov_m * mm + c.nesterov_g * g)) / denom;
     } else {
@@ -70,23 +83,23 @@ struct adam_kernel {
                       ops::splat(s.one_minus_beta1), ops::splat(s.beta2), ops::splat(s.one_minus_beta2),
                       ops::splat(s.step_size),  ops::splat(s.inv_bc2),    ops::splat(s.eps),
                       ops::splat(s.eps_root),   ops::splat(s.decay),      ops::splat(s.lr),
-                      ops::splat(s.nesterov_m), ops::splat(s.nesterov_g)};
+                      ops::splat(s.nesterov_m), ops::splat(s.nesterov_g), ops::splat(s.lr_wd)};
     const G* grad = static_cast<const G*>(grad_raw);
     O* out = static_cast<O*>(out_raw);
     std::size_t i = 0;
-    for (; i + W <= n; i += W) body(c, p + i, m + i, v + i, grad + i, out_at(out, i));
+    for (; i + W <= n; i += W) body(c, reads_p ? p + i : p, m + i, v + i, grad + i, out_at(out, i));
     if (i == n) return;
     // Tail: same vector code on a zero-padded copy (zeros are harmless inputs).
     const std::size_t r = n - i;
     alignas(64) float pb[W] = {}, mb[W] = {}, vb[W] = {};
     G gb[W] = {};
     O ob[W] = {};
-    std::memcpy(pb, p + i, r * sizeof(float));
+    if constexpr (reads_p) std::memcpy(pb, p + i, r * sizeof(float));
     std::memcpy(mb, m + i, r * sizeof(float));
     std::memcpy(vb, v + i, r * sizeof(float));
     std::memcpy(gb, grad + i, r * sizeof(G));
     body(c, pb, mb, vb, gb, ob);
-    std::memcpy(p + i, pb, r * sizeof(float));
+    if constexpr (!Delta) std::memcpy(p + i, pb, r * sizeof(float));
     std::memcpy(m + i, mb, r * sizeof(float));
     std::memcpy(v + i, vb, r * sizeof(float));
     if constexpr (!std::is_same_v<O, no_out>) std::memcpy(out + i, ob, r * sizeof(O));
@@ -206,7 +219,18 @@ constexpr void fill_adam_variants(adam_fn (&t)[num_decay_kinds][2]) {
 }
 
 template <class Arch, class G>
+constexpr void fill_delta_variants(adam_fn (&t)[num_decay_kinds][2]) {
+  t[0][0] = &adam_kernel<Arch, G, G, decay_kind::none, false, true>::run;
+  t[0][1] = &adam_kernel<Arch, G, G, decay_kind::none, true, true>::run;
+  t[1][0] = &adam_kernel<Arch, G, G, decay_kind::coupled, false, true>::run;
+  t[1][1] = &adam_kernel<Arch, G, G, decay_kind::coupled, true, true>::run;
+  t[2][0] = &adam_kernel<Arch, G, G, decay_kind::decoupled, false, true>::run;
+  t[2][1] = &adam_kernel<Arch, G, G, decay_kind::decoupled, true, true>::run;
+}
+
+template <class Arch, class G>
 constexpr void fill_grad_type(kernel_set& s, int gi) {
+  fill_delta_variants<Arch, G>(s.delta[gi]);
   fill_adam_variants<Arch, G, no_out>(s.adam[gi][0]);
   fill_adam_variants<Arch, G, float>(s.adam[gi][1]);
   fill_adam_variants<Arch, G, bf16_t>(s.adam[gi][2]);

@@ -1,5 +1,7 @@
 // hostopt::adam_step: the one-buffer step, validated and run through the update engine.
 #include <cstring>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "parallel.hpp"
@@ -53,6 +55,43 @@ void adam_step(float* params, float* exp_avg, float* exp_avg_sq, std::size_t n, 
   job.begin = 0;
   job.end = n;
   run_update(job, exec.threads);
+}
+
+void adam_update(const float* params, float* exp_avg, float* exp_avg_sq, std::size_t n, const_view grad,
+                 mut_view update, const adam_config& config, std::int64_t step, float grad_scale,
+                 const execution_options& exec) {
+  using namespace detail;
+  validate(config, "config");
+  check_step_number(step);
+  check_grad_scale(grad_scale);
+  check_threads(exec.threads);
+  const kernel_set& ks = kernel_set_by_name(exec.kernel);
+  const kernel_variant var = variant_of(config);
+  if (var.decay != decay_kind::none || params) check_view("params", params, n, dtype::f32, n);
+  check_view("exp_avg", exp_avg, n, dtype::f32, n);
+  check_view("exp_avg_sq", exp_avg_sq, n, dtype::f32, n);
+  check_view("grad", grad.data, grad.size, grad.type, n);
+  check_view("update", update.data, update.size, update.type, n);
+  if (update.type != grad.type)
+    throw std::invalid_argument("update.type = " + std::string(dtype_name(update.type)) + ": expected " +
+                                std::string(dtype_name(grad.type)) + " like grad");
+  if (n == 0) return;
+  const char* names[] = {"params", "exp_avg", "exp_avg_sq", "grad", "update"};
+  const std::size_t esz = dtype_size(grad.type);
+  std::vector<byte_range> ranges{range_of(exp_avg, n * 4, true, 1, 0), range_of(exp_avg_sq, n * 4, true, 2, 0),
+                                 range_of(grad.data, n * esz, false, 3, 0), range_of(update.data, n * esz, true, 4, 0)};
+  if (params) ranges.push_back(range_of(params, n * 4, false, 0, 0));
+  check_no_overlap(ranges, names);
+  const adam_fn fn = ks.delta[int(grad.type)][int(var.decay)][var.nesterov];
+  const step_scalars sc = make_step_scalars(config, step, grad_scale);
+  float* p = const_cast<float*>(params); // read only: the delta kernels never store to it
+  auto body = [&](int tid, int nt) {
+    const auto [lo, hi] = partition(0, n, tid, nt);
+    if (lo >= hi) return;
+    fn(sc, p ? p + lo : nullptr, exp_avg + lo, exp_avg_sq + lo, static_cast<const char*>(grad.data) + lo * esz,
+       static_cast<char*>(update.data) + lo * esz, hi - lo);
+  };
+  run_parallel(exec.threads, body);
 }
 
 void accumulate_gradient(float* acc, const_view grad, bool first, const execution_options& exec) {

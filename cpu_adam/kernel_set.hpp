@@ -34,6 +34,9 @@ struct kernel_set {
   const char* name;
   std::size_t simd_width; // floats per vector
   adam_fn adam[num_grad_types][num_out_types][num_decay_kinds][2];
+  // optax form: p read only (for weight decay; may be null without it), `out` in the
+  // gradient's dtype receives the update new_p - p.
+  adam_fn delta[num_grad_types][num_decay_kinds][2];
   roofline_fn roofline[num_grad_types][num_out_types];
   cast_fn cast[num_out_types]; // indexed like the out column; [0] and [1] are null
   add_grad_fn add_grad[num_grad_types];

@@ -24,6 +24,7 @@ step_scalars make_step_scalars(const adam_config& c, std::int64_t step, float gr
   s.lr = float(c.lr);
   s.nesterov_m = float(c.beta1 / bc1_next);
   s.nesterov_g = float((1.0 - c.beta1) / bc1);
+  s.lr_wd = float(c.lr * c.weight_decay);
   return s;
 }
 

@@ -22,6 +22,7 @@ struct step_scalars {
   float lr;           // nesterov: p -= lr * (nesterov_m * m + nesterov_g * g) / denom
   float nesterov_m;   // beta1 / (1 - beta1^(t+1))
   float nesterov_g;   // (1 - beta1) / (1 - beta1^t)
+  float lr_wd;        // lr * wd (the decoupled decay of an update in optax form)
 };
 
 /// Which kernel variant a config needs.

@@ -257,3 +257,38 @@ TEST_CASE("identical bits across kernels, thread counts and splits of the range"
         CHECK(split.second == base.second);
       }
 }
+
+TEST_CASE("adam_update (optax form) gives adam_step's moments and the update new_p - p", "[adam][per_arch]") {
+  std::mt19937 rng(17);
+  const std::size_t sizes[] = {0, 1, 7, 8, 9, 16, 17, 33, 1001};
+  for (const auto& kernel : supported_kernels())
+    for (const auto& c : test_configs())
+      for (dtype gt : all_dtypes)
+        for (std::size_t n : sizes) {
+          const ref::state s0 = ref::random_state(n, rng);
+          const ref::grad_buffer g = ref::random_grad(gt, n, rng);
+          ref::state a = s0, b = s0;
+          adam_step(a.p.data(), a.m.data(), a.v.data(), n, g.view(), {}, c, 4, 1.0f, {1, kernel});
+          out_buffer u(int(gt), n);
+          const bool needs_p = c.weight_decay != 0;
+          adam_update(needs_p ? b.p.data() : nullptr, b.m.data(), b.v.data(), n, g.view(), u.view(), c, 4, 1.0f,
+                      {2, kernel});
+          INFO(describe(kernel, c, gt, int(gt), n, 4));
+          CHECK(std::memcmp(a.m.data(), b.m.data(), n * 4) == 0);
+          CHECK(std::memcmp(a.v.data(), b.v.data(), n * 4) == 0);
+          CHECK(std::memcmp(b.p.data(), s0.p.data(), n * 4) == 0); // params only read
+          std::size_t bad = 0;
+          for (std::size_t i = 0; i < n; ++i) {
+            const auto pr = ref::adam_param(c, 4, 1.0, s0.p[i], b.m[i], b.v[i], g.values[i]);
+            const double want = pr.p - s0.p[i];
+            const double got = gt == dtype::f32 ? u.f32[i] : gt == dtype::bf16 ? ref::from_bf16(u.half[i]) : ref::from_f16(u.half[i]);
+            const double ulps = gt == dtype::f32 ? 8 : gt == dtype::bf16 ? 8 * 65536 : 8 * 8192;
+            // Error is relative to the two terms summed: lr*wd*p and the Adam step.
+            const double decay = c.mode == adam_mode::adamw ? c.lr * c.weight_decay : 0.0;
+            const double scale = decay * std::fabs(s0.p[i]) + pr.p_terms - std::fabs(s0.p[i] * (1 - decay));
+            bad += !ref::close(got, want, std::fabs(want) + scale, ulps) &&
+                   !(gt == dtype::f16 && std::fabs(want) < 6.2e-5); // f16 subnormals: absolute error
+          }
+          CHECK(bad == 0);
+        }
+}

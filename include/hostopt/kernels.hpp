@@ -45,6 +45,15 @@ void adam_step(float* params, float* exp_avg, float* exp_avg_sq, std::size_t n,
                const_view grad, mut_view out, const adam_config& config, std::int64_t step,
                float grad_scale = 1.0f, const execution_options& exec = {});
 
+/// The optax form of the step, for frameworks that apply updates themselves: `params` is
+/// only read (for weight decay; it may be null when weight_decay is 0), the moments are
+/// updated in place, and `update` — in the gradient's dtype — receives
+/// new_params - params = -(Adam step) - lr * wd * params, in the same single pass.
+/// Throws std::invalid_argument like adam_step, and when update's dtype is not grad's.
+void adam_update(const float* params, float* exp_avg, float* exp_avg_sq, std::size_t n, const_view grad,
+                 mut_view update, const adam_config& config, std::int64_t step, float grad_scale = 1.0f,
+                 const execution_options& exec = {});
+
 /// Gradient accumulation across micro-batches, in f32: acc = grad when `first`, else
 /// acc = grad + acc. grad may be f32, bf16 or f16; n = grad.size elements of acc.
 /// Throws std::invalid_argument for null or overlapping buffers or a bad dtype.

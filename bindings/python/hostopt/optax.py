@@ -47,45 +47,51 @@ def _is_traced(x) -> bool:
   return isinstance(x, jax.core.Tracer)
 
 
-def _host_update(grads, mus, nus, params, count, lr, b1, b2, eps, eps_root, wd, decay_mask, nesterov, threads):
-  """The update on host numpy arrays: (updates, new mu, new nu) leaf by leaf.
+def _f32_work(x, reuse: bool) -> np.ndarray:
+  """A flat float32 array to update in place: x itself when allowed and possible."""
+  if reuse and isinstance(x, np.ndarray) and x.dtype == np.float32 and x.flags.c_contiguous and x.flags.writeable:
+    return x.reshape(-1)
+  return np.array(x, dtype=np.float32, copy=True).reshape(-1)
 
-  The kernel runs with parameters at zero and no weight decay, so what it leaves in the
-  parameter buffer is exactly -lr * adam_update; the decoupled decay is added after.
-  """
+
+def _host_update(grads, mus, nus, params, count, lr, b1, b2, eps, eps_root, wd, decay_mask, nesterov, threads,
+                 reuse=False):
+  """The update on host arrays: (updates, new mu, new nu), leaf by leaf, in one fused pass
+  each (hostopt::adam_update): the update is written in the gradient's dtype, params are
+  only read for the weight decay."""
   t = int(count) + 1
-  cfg = {"lr": float(lr), "beta1": float(b1), "beta2": float(b2), "eps": float(eps), "eps_root": float(eps_root),
-         "weight_decay": 0.0, "mode": "adamw", "nesterov": bool(nesterov)}
+  base = {"lr": float(lr), "beta1": float(b1), "beta2": float(b2), "eps": float(eps), "eps_root": float(eps_root),
+          "mode": "adamw", "nesterov": bool(nesterov)}
   wd = float(wd)
+  by_tag = {}
   out_u, out_m, out_v = [], [], []
-  ps, ms, vs, gs, tags = [], [], [], [], []
   for i, g in enumerate(grads):
     g = np.asarray(g)
+    shape = g.shape
     if g.dtype not in (np.float32, np.float16) and g.dtype.name != "bfloat16":
       g = g.astype(np.float32)  # e.g. float64 leaves: computed in float32
     gbuf, tag = as_buffer(np.ascontiguousarray(g), f"updates[{i}]")
-    m = np.array(mus[i], dtype=np.float32, copy=True).reshape(-1)
-    v = np.array(nus[i], dtype=np.float32, copy=True).reshape(-1)
-    ps.append(np.zeros(m.size, np.float32))
-    ms.append(m)
-    vs.append(v)
-    gs.append(gbuf.reshape(-1))
-    tags.append(tag)
-  for tag in set(tags):  # one call per gradient dtype
-    idx = [i for i, x in enumerate(tags) if x == tag]
-    _core.adam_update_leaves([ps[i] for i in idx], [ms[i] for i in idx], [vs[i] for i in idx], [gs[i] for i in idx],
-                             tag, [], "f32", [cfg] * len(idx), t, 1.0, threads)
-  for i, g in enumerate(grads):
-    u = ps[i]
-    if wd != 0.0 and decay_mask[i]:
+    decays = wd != 0.0 and decay_mask[i]
+    p = None
+    if decays:
       if params is None or params[i] is None:
         raise ValueError("You are using a transformation that requires the current value of parameters, but you are "
                          "not passing `params` when calling `update`.")
-      u -= np.float32(float(lr) * wd) * np.asarray(params[i], dtype=np.float32).reshape(-1)
-    shape = np.shape(g)
-    out_u.append(u.reshape(shape).astype(np.asarray(g).dtype, copy=False))
-    out_m.append(ms[i].reshape(shape).astype(np.asarray(mus[i]).dtype, copy=False))
-    out_v.append(vs[i].reshape(shape).astype(np.asarray(nus[i]).dtype, copy=False))
+      p = np.ascontiguousarray(np.asarray(params[i]), dtype=np.float32).reshape(-1)
+    m, v = _f32_work(mus[i], reuse), _f32_work(nus[i], reuse)
+    u = np.empty(gbuf.size, gbuf.dtype)
+    entry = by_tag.setdefault(tag, ([], [], [], [], [], []))
+    for lst, x in zip(entry, (p, m, v, gbuf.reshape(-1), u, dict(base, weight_decay=wd if decays else 0.0))):
+      lst.append(x)
+    out_u.append(u.view(g.dtype).reshape(shape))
+    out_m.append(m)
+    out_v.append(v)
+  for tag, (ps, ms, vs, gs, us, cfgs) in by_tag.items():  # one call per gradient dtype
+    _core.optax_update_leaves(ps, ms, vs, gs, tag, us, cfgs, t, 1.0, threads)
+  # Moments go back in their own dtype (mu_dtype), after the update.
+  back = lambda w, x: x if np.shares_memory(w, x) else w.reshape(np.shape(x)).astype(np.asarray(x).dtype, copy=False)
+  out_m = [back(m, x) for m, x in zip(out_m, mus)]
+  out_v = [back(v, x) for v, x in zip(out_v, nus)]
   return out_u, out_m, out_v
 
 
@@ -151,13 +157,10 @@ def _make(learning_rate: ScalarOrSchedule, b1, b2, eps, eps_root, mu_dtype, weig
     else:
       jax_inputs = any(isinstance(x, jax.Array) for x in g_leaves)
       host = lambda xs: jax.device_get(list(xs)) if jax_inputs else list(xs)  # all transfers start together
+      reuse = reuse_state and not jax_inputs
       u, new_mu, new_nu = _host_update(host(g_leaves), host(mu_leaves), host(nu_leaves),
                                        host(p_leaves) if p_leaves is not None else None,
-                                       *(np.asarray(x) for x in scalars), decay_mask, nesterov, threads)
-      if reuse_state and not jax_inputs:
-        for dst, src in zip(mu_leaves + nu_leaves, new_mu + new_nu):
-          np.copyto(dst, src)
-        new_mu, new_nu = mu_leaves, nu_leaves
+                                       *(np.asarray(x) for x in scalars), decay_mask, nesterov, threads, reuse)
       to_kind = (lambda xs: [jax.device_put(x) for x in xs]) if jax_inputs else (lambda xs: xs)
 
     new_count = optax.safe_int32_increment(count)
