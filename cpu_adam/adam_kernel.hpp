@@ -206,6 +206,33 @@ struct add_grad_kernel {
   }
 };
 
+/// Sum of squares for the gradient statistics. Each element is widened to double and
+/// squared exactly (24-bit mantissas: the product fits in 53 bits); lane j of 16 sums
+/// elements j, j+16, ... in order, and the lanes are combined by a fixed tree, so the
+/// result does not depend on the vector width. A non-finite element makes it non-finite.
+template <class Arch, class G>
+struct sumsq_kernel {
+  using ops = simd_ops<Arch>;
+  static constexpr std::size_t W = ops::width; // 1, 4, 8 or 16: divides 16
+  static double run(const void* grad_raw, std::size_t n) noexcept {
+    const G* grad = static_cast<const G*>(grad_raw);
+    double acc[16] = {};
+    alignas(64) float tmp[16];
+    std::size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      for (std::size_t k = 0; k < 16; k += W) ops::store(tmp + k, ops::load(grad + i + k));
+      for (std::size_t j = 0; j < 16; ++j) acc[j] += double(tmp[j]) * double(tmp[j]);
+    }
+    for (std::size_t j = 0; i + j < n; ++j) {
+      const double x = simd_ops<scalar_arch>::load(grad + i + j);
+      acc[j] += x * x;
+    }
+    for (std::size_t width = 8; width >= 1; width /= 2)
+      for (std::size_t j = 0; j < width; ++j) acc[j] = acc[j] + acc[j + width];
+    return acc[0];
+  }
+};
+
 // --- the table an instruction set exports ------------------------------------------------
 
 template <class Arch, class G, class O>
@@ -254,6 +281,9 @@ constexpr kernel_set make_kernel_set(const char* name) {
   s.add_grad[0] = &add_grad_kernel<Arch, float>::run;
   s.add_grad[1] = &add_grad_kernel<Arch, bf16_t>::run;
   s.add_grad[2] = &add_grad_kernel<Arch, f16_t>::run;
+  s.sumsq[0] = &sumsq_kernel<Arch, float>::run;
+  s.sumsq[1] = &sumsq_kernel<Arch, bf16_t>::run;
+  s.sumsq[2] = &sumsq_kernel<Arch, f16_t>::run;
   return s;
 }
 

@@ -26,6 +26,13 @@ using cast_fn = void (*)(const float* in, void* out, std::size_t n) noexcept;
 /// gradient accumulation across micro-batches in f32.
 using add_grad_fn = void (*)(float* dst, const float* acc, const void* grad, std::size_t n) noexcept;
 
+/// Sum of squares of n <= stats_block gradient elements, in double, in an order that is
+/// the same for every instruction set (16 fixed lanes, then a fixed pairwise tree).
+using sumsq_fn = double (*)(const void* grad, std::size_t n) noexcept;
+
+/// Elements per block of the gradient statistics (block sums are added in block order).
+inline constexpr std::size_t stats_block = 4096;
+
 inline constexpr int num_grad_types = 3; // dtype f32, bf16, f16
 inline constexpr int num_out_types = 4;  // none, then dtype f32, bf16, f16
 inline constexpr int num_decay_kinds = 3;
@@ -40,6 +47,7 @@ struct kernel_set {
   roofline_fn roofline[num_grad_types][num_out_types];
   cast_fn cast[num_out_types]; // indexed like the out column; [0] and [1] are null
   add_grad_fn add_grad[num_grad_types];
+  sumsq_fn sumsq[num_grad_types];
 };
 
 // One per instruction set compiled in (defined in cpu_adam/arch_*.cpp).

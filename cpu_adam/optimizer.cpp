@@ -8,6 +8,8 @@
 #include "aligned_buffer.hpp"
 #include "buffer_checks.hpp"
 #include "half_conversion.hpp"
+#include "hostopt/gradient_checks.hpp"
+#include <cmath>
 #include "kernel_registry.hpp"
 #include "parallel.hpp"
 #include "step_scalars.hpp"
@@ -105,9 +107,44 @@ struct optimizer::impl {
     return j;
   }
 
-  step_result commit() {
+  std::int64_t skipped = 0;
+  std::vector<const_view> stat_views; // the step's gradients, per tensor, for the checks
+
+  // The checks of step_options, before anything is written: returns applied = false for a
+  // skipped step, else the scale to step with (grad_scale times the clip factor).
+  step_result check(const step_options& o) {
+    check_grad_scale(o.grad_scale);
+    if (o.max_grad_norm < 0 || std::isnan(o.max_grad_norm) || std::isinf(o.max_grad_norm))
+      throw std::invalid_argument("max_grad_norm = " + std::to_string(o.max_grad_norm) +
+                                  ": expected a finite value >= 0 (0 = no clipping)");
+    step_result r;
+    r.step = count;
+    r.applied = true;
+    r.applied_scale = o.grad_scale;
+    r.skipped_steps = skipped;
+    if (!o.skip_nonfinite && o.max_grad_norm == 0) return r;
+    double raw_norm = o.known_grad_norm;
+    if (raw_norm < 0) raw_norm = gradient_stats(stat_views, exec).norm; // NaN/inf when non-finite
+    const double norm = double(o.grad_scale) * raw_norm;
+    r.grad_norm = norm;
+    if (!std::isfinite(norm)) {
+      if (o.skip_nonfinite) {
+        r.applied = false;
+        r.skipped_steps = ++skipped;
+        return r;
+      }
+      return r; // asked not to check: the step goes on
+    }
+    if (o.max_grad_norm > 0) r.applied_scale = float(double(o.grad_scale) * clip_coefficient(norm, o.max_grad_norm));
+    return r;
+  }
+
+  step_result commit(step_result r = {}) {
     ++count;
-    return {true, count};
+    r.applied = true;
+    r.step = count;
+    r.skipped_steps = skipped;
+    return r;
   }
 
   void refuse_if_chunked(const char* what) const {
@@ -146,6 +183,7 @@ optimizer::optimizer(std::vector<param_group> groups, execution_options exec)
     s.pieces[i] = {s.segs[i].offset, s.segs[i].size, s.segs[i].group, nullptr, nullptr};
   s.group_kernels.resize(s.configs.size());
   s.ranges.reserve(2 * s.segs.size() + 3);
+  s.stat_views.reserve(s.segs.size());
 
   // First touch by the threads (and the partition) that will update each slice.
   impl* self = &s;
@@ -239,8 +277,25 @@ void optimizer::set_params(std::string_view name, const_view values) {
 }
 
 step_result optimizer::step(const_view flat_grad, mut_view flat_out, float grad_scale) {
+  step_options o;
+  o.grad_scale = grad_scale;
+  o.skip_nonfinite = false;
+  return step(flat_grad, flat_out, o);
+}
+
+step_result optimizer::step(std::span<const const_view> grads, std::span<const mut_view> outs, float grad_scale) {
+  step_options o;
+  o.grad_scale = grad_scale;
+  o.skip_nonfinite = false;
+  return step(grads, outs, o);
+}
+
+std::int64_t optimizer::skipped_steps() const { return impl_->skipped; }
+
+step_result optimizer::step(const_view flat_grad, mut_view flat_out, const step_options& opts) {
   impl& s = *impl_;
   s.refuse_if_chunked("step");
+  const float grad_scale = opts.grad_scale;
   check_grad_scale(grad_scale);
   check_view("flat_grad", flat_grad.data, flat_grad.size, flat_grad.type, s.arena);
   const bool has_out = flat_out.data != nullptr || flat_out.size != 0;
@@ -252,18 +307,25 @@ step_result optimizer::step(const_view flat_grad, mut_view flat_out, float grad_
   s.ranges.push_back(range_of(s.p(), 3 * s.arena * sizeof(float), true, kind_state, 0));
   check_no_overlap(s.ranges, view_kinds);
 
-  s.prepare(flat_grad.type, has_out, flat_out.type, grad_scale, false);
+  s.stat_views.clear();
+  for (const auto& seg : s.segs) // per tensor: padding is never read
+    s.stat_views.push_back({static_cast<const char*>(flat_grad.data) + seg.offset * dtype_size(flat_grad.type),
+                            seg.size, flat_grad.type});
+  step_result checked = s.check(opts);
+  if (!checked.applied) return checked;
+  s.prepare(flat_grad.type, has_out, flat_out.type, checked.applied_scale, false);
   update_job job = s.job(flat_grad.type, has_out, flat_out.type);
   job.flat_grad = flat_grad.data;
   job.flat_out = has_out ? flat_out.data : nullptr;
   run_update(job, s.exec.threads);
-  return s.commit();
+  return s.commit(checked);
 }
 
 step_result optimizer::step(std::span<const const_view> grads, std::span<const mut_view> outs,
-                            float grad_scale) {
+                            const step_options& opts) {
   impl& s = *impl_;
   s.refuse_if_chunked("step");
+  const float grad_scale = opts.grad_scale;
   const std::size_t n = s.segs.size();
   check_grad_scale(grad_scale);
   if (grads.size() != n)
@@ -312,9 +374,12 @@ step_result optimizer::step(std::span<const const_view> grads, std::span<const m
     s.pieces[i].grad = grads[i].data; // null: skipped by the engine
     s.pieces[i].out = has_out ? outs[i].data : nullptr;
   }
-  s.prepare(grad_type, has_out, out_type, grad_scale, false);
+  s.stat_views.assign(grads.begin(), grads.end());
+  step_result checked = s.check(opts);
+  if (!checked.applied) return checked;
+  s.prepare(grad_type, has_out, out_type, checked.applied_scale, false);
   run_update(s.job(grad_type, has_out, out_type), s.exec.threads);
-  return s.commit();
+  return s.commit(checked);
 }
 
 void optimizer::begin_step(const chunk_step_options& o) {

@@ -4,6 +4,7 @@
 
 #include "hostopt/adam_config.hpp"
 #include "hostopt/dtype.hpp"
+#include "hostopt/gradient_checks.hpp"
 #include "hostopt/kernels.hpp"
 #include "hostopt/optimizer.hpp"
 #include "hostopt/version.hpp"

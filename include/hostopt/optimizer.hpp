@@ -47,10 +47,29 @@ struct chunk_step_options {
   bool accumulator = false;     ///< add an f32 accumulator chunk to each gradient chunk
 };
 
+/// Checks and clipping of a step (all applied before anything is written).
+struct step_options {
+  /// Multiplies the gradients first: 1 / loss_scale (see dynamic_loss_scaler).
+  float grad_scale = 1.0f;
+  /// > 0: clip by global norm with optax's rule — the scaled gradients' norm N, when
+  /// N >= max_grad_norm, is brought to max_grad_norm (folded into the scale: one pass).
+  double max_grad_norm = 0.0;
+  /// Check every gradient first; a non-finite one skips the step, leaving params, moments
+  /// and the step count bit-for-bit as they were (step_result says so). Costs one read of
+  /// the gradients unless known_grad_norm is given.
+  bool skip_nonfinite = true;
+  /// >= 0 (or inf/NaN): the norm of the unscaled gradients, computed by the caller (e.g.
+  /// on the GPU), used instead of a statistics pass. Negative: not known.
+  double known_grad_norm = -1.0;
+};
+
 /// What a step did.
 struct step_result {
-  bool applied = false;   ///< the state was updated
-  std::int64_t step = 0;  ///< step count after the call
+  bool applied = false;          ///< the state was updated
+  std::int64_t step = 0;         ///< step count after the call
+  double grad_norm = -1.0;       ///< norm of grad_scale * gradients (-1 when not computed)
+  float applied_scale = 1.0f;    ///< the gradient multiplier used: grad_scale times the clip factor
+  std::int64_t skipped_steps = 0; ///< steps skipped for non-finite gradients so far
 };
 
 /// Adam/AdamW optimizer state in host memory.
@@ -120,7 +139,10 @@ public:
   /// One step with a flat gradient in arena layout (arena_size() elements; padding is
   /// never read) and an optional flat copy-out in arena layout (padding never written).
   /// All buffers are validated before anything is written; on error nothing changes.
+  /// The overloads taking a float grad_scale trust the gradients (no checks, fastest).
   step_result step(const_view flat_grad, mut_view flat_out = {}, float grad_scale = 1.0f);
+  /// The same with checks and clipping (step_options).
+  step_result step(const_view flat_grad, mut_view flat_out, const step_options& options);
   /// One step with one gradient view per tensor (arena order, one dtype for all) and
   /// optionally one copy-out view per tensor (one dtype for all). An empty view
   /// (`const_view{}`) means the tensor has no gradient this step: its parameters, moments
@@ -128,6 +150,10 @@ public:
   /// step count is shared, so such a tensor's next step uses the shared count.
   step_result step(std::span<const const_view> grads, std::span<const mut_view> outs = {},
                    float grad_scale = 1.0f);
+  /// The same with checks and clipping (step_options).
+  step_result step(std::span<const const_view> grads, std::span<const mut_view> outs, const step_options& options);
+  /// Steps skipped so far because of non-finite gradients.
+  std::int64_t skipped_steps() const;
 
   // --- chunked steps (what the offload pipeline drives) -------------------------------
   /// Starts a step whose gradients arrive chunk by chunk: fixes the dtypes and the
