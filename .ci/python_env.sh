@@ -4,10 +4,10 @@
 # (torch 1.13 breaks under numpy 2). Sourced after deps.sh; sets HOSTOPT_PYTHON.
 set -euo pipefail
 HOSTOPT_PYTHON="$PWD/.venv/bin/python"
-if ! "$HOSTOPT_PYTHON" -c "import jax, optax, ml_dtypes, scikit_build_core" 2>/dev/null; then
+if ! "$HOSTOPT_PYTHON" -c "import jax, optax, ml_dtypes, safetensors, scikit_build_core" 2>/dev/null; then
   echo "hostopt: making .venv (jax, optax from PyPI)" >&2
   /usr/bin/python3 -m venv --system-site-packages .venv
   "$HOSTOPT_PYTHON" -m pip install -q --disable-pip-version-check -c .ci/python-constraints.txt \
-    jax jaxlib optax chex ml_dtypes scikit-build-core pybind11
+    jax jaxlib optax chex ml_dtypes safetensors scikit-build-core pybind11
 fi
 export HOSTOPT_PYTHON

@@ -225,6 +225,15 @@ PYBIND11_MODULE(_core, m) {
         }
         o.set_group_config(g, c);
       })
+      .def("save", [](const optimizer& o, const std::string& path) {
+             py::gil_scoped_release release;
+             save_checkpoint(o, path);
+           }, py::arg("path"))
+      .def("load", [](optimizer& o, const std::string& path) {
+             py::gil_scoped_release release;
+             load_checkpoint(o, path);
+           }, py::arg("path"))
+      .def_property("skipped_steps", &optimizer::skipped_steps, &optimizer::set_skipped_steps)
       .def("params", [](py::object self) { return view_of(self.cast<optimizer&>().params(), self); })
       .def("exp_avg", [](py::object self) { return view_of(self.cast<optimizer&>().exp_avg(), self); })
       .def("exp_avg_sq", [](py::object self) { return view_of(self.cast<optimizer&>().exp_avg_sq(), self); })

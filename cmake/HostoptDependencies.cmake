@@ -1,6 +1,7 @@
 # Third-party dependencies, all from Debian packages (never vendored).
 find_package(xsimd 8 REQUIRED CONFIG)
 find_package(Threads REQUIRED)
+find_package(nlohmann_json 3 REQUIRED CONFIG) # checkpoint headers (header-only, used privately)
 
 if(HOSTOPT_THREADING STREQUAL "openmp")
   find_package(OpenMP REQUIRED COMPONENTS CXX)

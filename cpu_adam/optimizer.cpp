@@ -291,6 +291,11 @@ step_result optimizer::step(std::span<const const_view> grads, std::span<const m
 }
 
 std::int64_t optimizer::skipped_steps() const { return impl_->skipped; }
+void optimizer::set_skipped_steps(std::int64_t count) {
+  if (count < 0)
+    throw std::invalid_argument("skipped steps = " + std::to_string(count) + ": expected >= 0");
+  impl_->skipped = count;
+}
 
 step_result optimizer::step(const_view flat_grad, mut_view flat_out, const step_options& opts) {
   impl& s = *impl_;

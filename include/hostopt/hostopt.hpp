@@ -3,6 +3,7 @@
 /// Everything public in one include.
 
 #include "hostopt/adam_config.hpp"
+#include "hostopt/checkpoint.hpp"
 #include "hostopt/dtype.hpp"
 #include "hostopt/gradient_checks.hpp"
 #include "hostopt/kernels.hpp"

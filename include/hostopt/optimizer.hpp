@@ -154,6 +154,8 @@ public:
   step_result step(std::span<const const_view> grads, std::span<const mut_view> outs, const step_options& options);
   /// Steps skipped so far because of non-finite gradients.
   std::int64_t skipped_steps() const;
+  /// For resuming; must be >= 0.
+  void set_skipped_steps(std::int64_t count);
 
   // --- chunked steps (what the offload pipeline drives) -------------------------------
   /// Starts a step whose gradients arrive chunk by chunk: fixes the dtypes and the

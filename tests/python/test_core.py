@@ -140,3 +140,25 @@ def test_gil_is_released_during_a_step():
   # Python code ran on this thread while the step ran on the other one.
   inside = sum(1 for x in ticks for a, b in spans if a < x < b)
   assert inside > 100
+
+
+def test_checkpoint_round_trip_and_safetensors_readable(tmp_path, rng):
+  groups = [{"params": {"w": (4, 3), "b": (3,)}, "lr": 1e-2, "weight_decay": 0.1}]
+  a, b = hostopt.Optimizer(groups), hostopt.Optimizer(groups)
+  for _ in range(3):
+    a.step({"w": rng.standard_normal((4, 3)).astype(np.float32), "b": np.ones(3, np.float32)})
+  path = tmp_path / "opt.safetensors"
+  a.save(path)
+  b.load(path)
+  assert b.step_count == 3
+  np.testing.assert_array_equal(a.params(), b.params())
+  np.testing.assert_array_equal(a.exp_avg_sq(), b.exp_avg_sq())
+  safetensors = pytest.importorskip("safetensors.numpy")
+  tensors = safetensors.load_file(str(path))
+  np.testing.assert_array_equal(tensors["w.param"], a.params("w"))
+  assert tensors["b.exp_avg"].shape == (3,)
+  data = bytearray(path.read_bytes())
+  data[-1] ^= 0xFF
+  path.write_bytes(bytes(data))
+  with pytest.raises(RuntimeError, match="checksum mismatch"):
+    b.load(path)

@@ -163,6 +163,16 @@ class Optimizer:
     """Changes some hyper-parameters of a group (validated; nothing changes on error)."""
     self._core.set_group_config(int(group), _config(hyper))
 
+  # checkpoints
+  def save(self, path: str) -> None:
+    """Writes the whole state as a safetensors file, atomically (temp file, fsync, rename)."""
+    self._core.save(str(path))
+
+  def load(self, path: str) -> None:
+    """Loads a checkpoint of the same tensors; verified completely (checksum included)
+    before anything changes. Raises RuntimeError naming the problem."""
+    self._core.load(str(path))
+
   # the step
   def step(self, grads, out=None, grad_scale: float = 1.0) -> int:
     """One step; returns the new step count.
