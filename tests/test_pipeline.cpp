@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include <atomic>
+#include <limits>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -338,4 +339,33 @@ TEST_CASE("pinned buffers and the CUDA engine's absence are reported clearly", "
   host_engine_options bad;
   bad.bandwidth_gbps = -1;
   CHECK_THROWS_WITH(make_host_copy_engine(bad), Catch::Contains("bandwidth_gbps"));
+}
+
+TEST_CASE("the pipeline checks and clips with a norm computed where the gradients are", "[pipeline][stats]") {
+  auto engine = make_host_copy_engine();
+  const std::vector<param_group> groups{{adam_config{}, {{"w", {3000}}}}};
+  optimizer piped(groups), sync(groups);
+  pipeline_options po;
+  po.chunk_elems = 1024;
+  po.param_type = dtype::f32;
+  offload_pipeline pipe(piped, *engine, po);
+  const std::size_t n = piped.arena_size();
+  device_buffer g(*engine, n * 4), p(*engine, n * 4);
+  std::fill_n(static_cast<float*>(g.data), n, 0.5f);
+  const double norm = gradient_stats(const_view{g.data, 3000, dtype::f32}).norm;
+  step_options o;
+  o.max_grad_norm = 1.0;
+  CHECK_THROWS_WITH(pipe.step_async({g.data, n, dtype::f32}, {p.data, n, dtype::f32}, o),
+                    Catch::Contains("needs known_grad_norm"));
+  o.known_grad_norm = norm;
+  const auto r = pipe.step_async({g.data, n, dtype::f32}, {p.data, n, dtype::f32}, o).wait();
+  CHECK(r.applied);
+  sync.step(const_view{g.data, n, dtype::f32}, {}, o);
+  CHECK(std::memcmp(piped.params().data(), sync.params().data(), n * 4) == 0);
+  o.known_grad_norm = std::numeric_limits<double>::infinity();
+  const auto skipped = pipe.step_async({g.data, n, dtype::f32}, {p.data, n, dtype::f32}, o).wait();
+  CHECK_FALSE(skipped.applied);
+  CHECK(skipped.step == 1);
+  CHECK(piped.skipped_steps() == 1);
+  CHECK(std::memcmp(piped.params().data(), sync.params().data(), n * 4) == 0);
 }

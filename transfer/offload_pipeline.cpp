@@ -374,6 +374,45 @@ pipeline_handle offload_pipeline::step_async(const_view device_grads, mut_view d
   return s.submit({impl::op_kind::step, device_grads.data, device_params.data, grad_scale, grads_ready_event, nullptr});
 }
 
+pipeline_handle offload_pipeline::step_async(const_view device_grads, mut_view device_params,
+                                             const step_options& options, void* grads_ready_event) {
+  impl& s = *impl_;
+  const bool needs_norm = options.skip_nonfinite || options.max_grad_norm > 0;
+  if (options.max_grad_norm < 0 || !std::isfinite(options.max_grad_norm))
+    throw std::invalid_argument("max_grad_norm = " + std::to_string(options.max_grad_norm) +
+                                ": expected a finite value >= 0 (0 = no clipping)");
+  if (needs_norm && options.known_grad_norm < 0)
+    throw std::invalid_argument("offload step with skip_nonfinite or max_grad_norm needs known_grad_norm (the "
+                                "gradients' norm computed where they are, e.g. on the GPU); set skip_nonfinite = "
+                                "false to step unchecked");
+  float scale = options.grad_scale;
+  if (needs_norm) {
+    const double norm = double(options.grad_scale) * options.known_grad_norm;
+    if (!std::isfinite(norm)) {
+      if (options.skip_nonfinite) {
+        // Checked before anything moves: record the skip and hand back a finished handle.
+        check_device_view("device_grads", device_grads.data, device_grads.size, device_grads.type, s.arena,
+                          s.options.grad_type);
+        std::unique_lock<std::mutex> lock(s.mu);
+        s.cv.wait(lock, [&] { return !s.busy; });
+        s.opt.set_skipped_steps(s.opt.skipped_steps() + 1);
+        s.micro_batches = 0;
+        auto st = std::make_shared<pipeline_handle::state>();
+        step_result r;
+        r.applied = false;
+        r.step = s.opt.step_count();
+        r.grad_norm = norm;
+        r.skipped_steps = s.opt.skipped_steps();
+        st->finish(r, nullptr);
+        return pipeline_handle(st);
+      }
+    } else if (options.max_grad_norm > 0 && norm >= options.max_grad_norm) {
+      scale = float(double(options.grad_scale) * options.max_grad_norm / norm);
+    }
+  }
+  return step_async(device_grads, device_params, scale, grads_ready_event);
+}
+
 pipeline_handle offload_pipeline::accumulate_async(const_view device_grads, void* grads_ready_event) {
   impl& s = *impl_;
   check_device_view("device_grads", device_grads.data, device_grads.size, device_grads.type, s.arena,

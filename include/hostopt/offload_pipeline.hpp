@@ -96,6 +96,15 @@ public:
   /// void*, optional) makes the gradient copies wait for it on the device.
   pipeline_handle step_async(const_view device_grads, mut_view device_params, float grad_scale = 1.0f,
                              void* grads_ready_event = nullptr);
+  /// The same with checks and clipping: options.known_grad_norm (the norm of the
+  /// unscaled gradients, computed where they are, e.g. on the GPU) decides before any
+  /// chunk moves — a non-finite norm skips the step (state and accumulator untouched
+  /// except that the accumulated micro-batches are dropped, as a skipped step's are), and
+  /// max_grad_norm clips by folding the factor into the scale. Checks that need the norm
+  /// and get none (known_grad_norm < 0) are refused with std::invalid_argument: staging
+  /// every gradient on the host first to compute it is not implemented.
+  pipeline_handle step_async(const_view device_grads, mut_view device_params, const step_options& options,
+                             void* grads_ready_event = nullptr);
   /// Streams a non-final micro-batch's gradients into the f32 host accumulator, so the
   /// device can free them; the next step_async adds the accumulator in its fused pass.
   pipeline_handle accumulate_async(const_view device_grads, void* grads_ready_event = nullptr);
