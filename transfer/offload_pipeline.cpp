@@ -188,11 +188,15 @@ struct offload_pipeline::impl {
         op = *pending;
         pending.reset();
       }
-      execute(op);
+      const outcome out = execute(op);
       {
         std::lock_guard<std::mutex> lock(mu);
-        std::swap(last, current);
-        busy = false;
+        std::swap(last, current); // published before the handle finishes
+      }
+      op.handle->finish(out.result, out.error);
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        busy = false; // after: an operation submitted next finds the previous handle done
       }
       cv.notify_all();
     }
@@ -228,17 +232,24 @@ struct offload_pipeline::impl {
           }
   }
 
-  void execute(const operation& op) {
+  struct outcome {
+    step_result result{};
+    std::exception_ptr error;
+  };
+
+  outcome execute(const operation& op) {
     current.spans.clear();
     current.start_ns = now_ns();
     std::fill(in_tickets.begin(), in_tickets.end(), copy_ticket{});
     std::fill(out_tickets.begin(), out_tickets.end(), copy_ticket{});
-    if (op.kind == op_kind::step) execute_step(op);
-    else execute_accumulate(op);
+    const outcome out = op.kind == op_kind::step ? execute_step(op) : execute_accumulate(op);
     current.end_ns = now_ns();
+    return out;
   }
 
-  void execute_step(const operation& op) {
+  static outcome failed(const std::string& msg) { return {{}, std::make_exception_ptr(std::runtime_error(msg))}; }
+
+  outcome execute_step(const operation& op) {
     const auto depth = std::size_t(options.depth);
     const bool use_acc = micro_batches > 0;
     std::size_t updated = 0, k = 0;
@@ -303,22 +314,19 @@ struct offload_pipeline::impl {
         usable = false;
         failure = msg;
       }
-      op.handle->finish({}, std::make_exception_ptr(std::runtime_error(msg)));
-      return;
+      return failed(msg);
     }
     const step_result r = opt.finish_step();
     micro_batches = 0;
-    if (copy_out_error) {
-      op.handle->finish(r, std::make_exception_ptr(std::runtime_error(
-                               "offload step " + std::to_string(r.step) + ": copying parameters to the device failed (" +
-                               *copy_out_error + "); the optimizer state holds the new step, but device parameters "
-                               "may be stale: call push_params()")));
-      return;
-    }
-    op.handle->finish(r, nullptr);
+    if (copy_out_error)
+      return {r, std::make_exception_ptr(std::runtime_error(
+                     "offload step " + std::to_string(r.step) + ": copying parameters to the device failed (" +
+                     *copy_out_error + "); the optimizer state holds the new step, but device parameters "
+                     "may be stale: call push_params()"))};
+    return {r, nullptr};
   }
 
-  void execute_accumulate(const operation& op) {
+  outcome execute_accumulate(const operation& op) {
     const auto depth = std::size_t(options.depth);
     std::size_t k = 0;
     pipeline_stage stage = pipeline_stage::copy_in;
@@ -346,14 +354,14 @@ struct offload_pipeline::impl {
       drain();
       const int lost = micro_batches;
       micro_batches = 0;
-      op.handle->finish({}, std::make_exception_ptr(std::runtime_error(
-                                "offload accumulation failed at chunk " + std::to_string(k) + " (stage " +
-                                stage_name(stage) + "): " + e.what() + "; the accumulator was reset, discarding " +
-                                std::to_string(lost) + " earlier micro-batch(es); the optimizer state is unchanged")));
-      return;
+      return failed("offload accumulation failed at chunk " + std::to_string(k) + " (stage " + stage_name(stage) +
+                    "): " + e.what() + "; the accumulator was reset, discarding " + std::to_string(lost) +
+                    " earlier micro-batch(es); the optimizer state is unchanged");
     }
     ++micro_batches;
-    op.handle->finish({false, opt.step_count()}, nullptr);
+    step_result r;
+    r.step = opt.step_count();
+    return {r, nullptr};
   }
 };
 
