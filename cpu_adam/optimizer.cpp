@@ -153,28 +153,40 @@ struct optimizer::impl {
   }
 };
 
+std::vector<segment> arena_layout(const std::vector<param_group>& groups) {
+  std::vector<segment> segs;
+  std::map<std::string, std::size_t, std::less<>> seen;
+  std::size_t offset = 0;
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    validate(groups[g].config, "groups[" + std::to_string(g) + "].config");
+    for (const auto& t : groups[g].tensors) {
+      if (t.name.empty())
+        throw std::invalid_argument("groups[" + std::to_string(g) +
+                                    "]: a tensor has an empty name: expected a unique name");
+      const std::size_t n = element_count(t);
+      if (!seen.emplace(t.name, segs.size()).second)
+        throw std::invalid_argument("tensor name '" + t.name + "': registered twice, expected unique names");
+      segs.push_back({t.name, t.shape, offset, n, g});
+      offset = align_up(offset + n);
+    }
+  }
+  return segs;
+}
+
 optimizer::optimizer(std::vector<param_group> groups, execution_options exec)
     : impl_(std::make_unique<impl>()) {
   impl& s = *impl_;
   check_threads(exec.threads);
   s.kernels = &kernel_set_by_name(exec.kernel);
   s.exec = std::move(exec);
+  s.segs = arena_layout(groups);
+  for (const auto& g : groups) s.configs.push_back(g.config);
   std::size_t offset = 0;
-  for (std::size_t g = 0; g < groups.size(); ++g) {
-    validate(groups[g].config, "groups[" + std::to_string(g) + "].config");
-    s.configs.push_back(groups[g].config);
-    for (auto& t : groups[g].tensors) {
-      if (t.name.empty())
-        throw std::invalid_argument("groups[" + std::to_string(g) +
-                                    "]: a tensor has an empty name: expected a unique name");
-      const std::size_t n = element_count(t);
-      if (!s.by_name.emplace(t.name, s.segs.size()).second)
-        throw std::invalid_argument("tensor name '" + t.name + "': registered twice, expected unique names");
-      s.segs.push_back({t.name, t.shape, offset, n, g});
-      s.names.push_back(t.name);
-      offset = align_up(offset + n);
-      s.nparams += n;
-    }
+  for (std::size_t i = 0; i < s.segs.size(); ++i) {
+    s.by_name.emplace(s.segs[i].name, i);
+    s.names.push_back(s.segs[i].name);
+    s.nparams += s.segs[i].size;
+    offset = align_up(s.segs[i].offset + s.segs[i].size);
   }
   s.arena = offset;
   s.state = aligned_floats(3 * s.arena);

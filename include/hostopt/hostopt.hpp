@@ -8,4 +8,5 @@
 #include "hostopt/gradient_checks.hpp"
 #include "hostopt/kernels.hpp"
 #include "hostopt/optimizer.hpp"
+#include "hostopt/sharding.hpp"
 #include "hostopt/version.hpp"

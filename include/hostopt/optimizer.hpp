@@ -63,6 +63,10 @@ struct step_options {
   double known_grad_norm = -1.0;
 };
 
+/// The arena layout of the groups' tensors: the segments an optimizer built from them has
+/// (validated the same way), computed without allocating any state.
+std::vector<segment> arena_layout(const std::vector<param_group>& groups);
+
 /// What a step did.
 struct step_result {
   bool applied = false;          ///< the state was updated
