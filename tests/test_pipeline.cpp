@@ -146,17 +146,18 @@ TEST_CASE("copy-in of chunk k+1 overlaps the update of chunk k (from the timelin
     FAIL("no span for chunk " << k << " stage " << stage_name(s));
     return stage_span{};
   };
-  int overlapped_in = 0, overlapped_out = 0;
+  // Structure (holds on any machine): copy-in of k+1 is issued before update k starts,
+  // and copy-out of k-1 before update k ends.
+  int issued_ahead = 0, ran_alongside = 0;
   for (std::size_t k = 1; k + 1 < 16; ++k) {
     const auto update = span_of(k, pipeline_stage::update);
-    // Copy-in of k+1 was issued before update(k) started, so it starts before update(k) ends.
-    overlapped_in += span_of(k + 1, pipeline_stage::copy_in).start_ns < update.end_ns;
-    overlapped_out += span_of(k - 1, pipeline_stage::copy_out).end_ns > update.start_ns;
+    issued_ahead += span_of(k + 1, pipeline_stage::copy_in).issued_ns <= update.start_ns &&
+                    span_of(k - 1, pipeline_stage::copy_out).issued_ns <= update.start_ns;
+    // And with the cap stretching copies, they really ran while chunks were updated.
+    ran_alongside += span_of(k + 1, pipeline_stage::copy_in).start_ns < update.end_ns;
   }
-  // Without the pipeline these would be 0. A loaded machine (or a sanitizer) may start an
-  // issued copy late now and then, hence "almost all" rather than all.
-  CHECK(overlapped_in >= 12);
-  CHECK(overlapped_out >= 1);
+  CHECK(issued_ahead == 14);
+  CHECK(ran_alongside >= 1); // timing-dependent, so only "at all": without the pipeline it is 0
   for (std::size_t k = 0; k < 16; ++k) { // the causal order within a chunk always holds
     CHECK(span_of(k, pipeline_stage::copy_in).end_ns <= span_of(k, pipeline_stage::update).start_ns);
     CHECK(span_of(k, pipeline_stage::update).end_ns <= span_of(k, pipeline_stage::copy_out).start_ns);

@@ -122,6 +122,7 @@ struct offload_pipeline::impl {
   // Ring bookkeeping, sized once.
   std::vector<copy_ticket> in_tickets, out_tickets;
   std::vector<std::size_t> out_chunk; // which chunk each parameter buffer last held
+  std::vector<std::int64_t> in_issued, out_issued; // when each slot's copy was issued
 
   mutable std::mutex mu;
   std::condition_variable cv;
@@ -152,6 +153,8 @@ struct offload_pipeline::impl {
     in_tickets.resize(std::size_t(options.depth));
     out_tickets.resize(std::size_t(options.depth));
     out_chunk.resize(std::size_t(options.depth));
+    in_issued.resize(std::size_t(options.depth));
+    out_issued.resize(std::size_t(options.depth));
     current.spans.reserve(3 * chunks + 8);
     last.spans.reserve(3 * chunks + 8);
     worker = std::thread([this] { run(); });
@@ -204,21 +207,22 @@ struct offload_pipeline::impl {
 
   std::pair<std::size_t, std::size_t> range(std::size_t k) const { return {k * chunk, std::min(arena, (k + 1) * chunk)}; }
 
-  void record(std::size_t k, pipeline_stage s, std::int64_t a, std::int64_t b) {
-    if (current.spans.size() < current.spans.capacity()) current.spans.push_back({k, s, a, b});
+  void record(std::size_t k, pipeline_stage s, std::int64_t a, std::int64_t b, std::int64_t issued) {
+    if (current.spans.size() < current.spans.capacity()) current.spans.push_back({k, s, a, b, issued});
   }
 
   void issue_copy_in(const operation& op, std::size_t k) {
     const auto [lo, hi] = range(k);
     const std::size_t slot = k % std::size_t(options.depth);
+    in_issued[slot] = now_ns();
     in_tickets[slot] = engine.copy_async(copy_direction::to_host, grad_bufs[slot].data(),
                                          static_cast<const char*>(op.grads) + lo * gsz, (hi - lo) * gsz);
   }
 
-  void wait_copy(const copy_ticket& t, std::size_t k, pipeline_stage s) {
+  void wait_copy(const copy_ticket& t, std::size_t k, pipeline_stage s, std::int64_t issued) {
     engine.wait(t);
     const copy_timing tm = engine.timing(t);
-    record(k, s, tm.start_ns, tm.end_ns);
+    record(k, s, tm.start_ns, tm.end_ns, issued);
   }
 
   // Waits for every copy still in flight, ignoring their errors (after a failure, before
@@ -263,10 +267,10 @@ struct offload_pipeline::impl {
         const std::size_t slot = k % depth;
         const auto [lo, hi] = range(k);
         stage = pipeline_stage::copy_in;
-        wait_copy(in_tickets[slot], k, stage);
+        wait_copy(in_tickets[slot], k, stage, in_issued[slot]);
         if (out_tickets[slot].sequence) { // the parameter buffer's previous chunk
           try {
-            wait_copy(out_tickets[slot], out_chunk[slot], pipeline_stage::copy_out);
+            wait_copy(out_tickets[slot], out_chunk[slot], pipeline_stage::copy_out, out_issued[slot]);
           } catch (const std::exception& e) {
             if (!copy_out_error) copy_out_error = "chunk " + std::to_string(out_chunk[slot]) + ": " + e.what();
           }
@@ -276,9 +280,10 @@ struct offload_pipeline::impl {
         const std::int64_t t0 = now_ns();
         opt.update_range(lo, hi, grad_bufs[slot].data(), param_bufs[slot].data(),
                          use_acc ? accumulator.data() + lo : nullptr);
-        record(k, stage, t0, now_ns());
+        record(k, stage, t0, now_ns(), t0);
         ++updated;
         stage = pipeline_stage::copy_out;
+        out_issued[slot] = now_ns();
         out_tickets[slot] = engine.copy_async(copy_direction::to_device, static_cast<char*>(op.params) + lo * psz,
                                               param_bufs[slot].data(), (hi - lo) * psz);
         out_chunk[slot] = k;
@@ -294,7 +299,7 @@ struct offload_pipeline::impl {
       for (std::size_t i = 0; i < std::min(depth, chunks); ++i) {
         const std::size_t c = chunks - 1 - i;
         try {
-          wait_copy(out_tickets[c % depth], c, pipeline_stage::copy_out);
+          wait_copy(out_tickets[c % depth], c, pipeline_stage::copy_out, out_issued[c % depth]);
         } catch (const std::exception& e) {
           if (!copy_out_error) copy_out_error = "chunk " + std::to_string(c) + ": " + e.what();
         }
@@ -339,12 +344,12 @@ struct offload_pipeline::impl {
         const std::size_t slot = k % depth;
         const auto [lo, hi] = range(k);
         stage = pipeline_stage::copy_in;
-        wait_copy(in_tickets[slot], k, stage);
+        wait_copy(in_tickets[slot], k, stage, in_issued[slot]);
         stage = pipeline_stage::accumulate;
         const std::int64_t t0 = now_ns();
         accumulate_gradient(accumulator.data() + lo, {grad_bufs[slot].data(), hi - lo, options.grad_type},
                             micro_batches == 0, exec);
-        record(k, stage, t0, now_ns());
+        record(k, stage, t0, now_ns(), t0);
         if (k + depth < chunks) {
           stage = pipeline_stage::copy_in;
           issue_copy_in(op, k + depth);

@@ -37,6 +37,7 @@ struct stage_span {
   std::size_t chunk = 0;
   pipeline_stage stage = pipeline_stage::copy_in;
   std::int64_t start_ns = 0, end_ns = 0;
+  std::int64_t issued_ns = 0; ///< when the pipeline issued it (a copy may start later)
 };
 
 /// What one step (or accumulation) of the pipeline did and how well it overlapped.
