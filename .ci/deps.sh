@@ -11,6 +11,8 @@ HOSTOPT_DEBIAN_PACKAGES=(
   libxsimd-dev libtbb-dev catch2 libcli11-dev nlohmann-json3-dev
   # Python package and its tests (torch stays Debian's: PyPI's wheels pull CUDA libraries)
   python3-dev python3-venv pybind11-dev python3-numpy python3-pytest python3-torch
+  # distributed: the MPI example and its tests
+  libopenmpi-dev openmpi-bin
 )
 
 hostopt_install_packages() {
