@@ -6,6 +6,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -178,6 +179,69 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("in"), py::arg("out"), py::arg("out_dtype"), py::arg("threads") = 0,
       "float32 -> out_dtype with round-to-nearest-even (the step's copy-out rounding).");
+
+  m.def("shard_of", [](std::size_t arena_size, int world, int rank) {
+    const shard_range r = shard_of(arena_size, world, rank);
+    return py::make_tuple(r.begin, r.end);
+  }, py::arg("arena_size"), py::arg("world_size"), py::arg("rank"),
+     "[begin, end) of the arena owned by `rank` (hostopt::shard_of).");
+
+  py::class_<sharded_optimizer>(m, "ShardedOptimizer",
+                                "One rank's shard of the optimizer state (see hostopt.ShardedOptimizer).")
+      .def(py::init([](py::list groups, int world, int rank, int threads) {
+             std::vector<param_group> gs;
+             for (auto g : groups) {
+               auto d = g.cast<py::dict>();
+               param_group pg;
+               pg.config = config_from(d["config"].cast<py::dict>());
+               for (auto t : d["tensors"].cast<py::list>()) {
+                 auto tup = t.cast<py::tuple>();
+                 pg.tensors.push_back({tup[0].cast<std::string>(), tup[1].cast<std::vector<std::int64_t>>()});
+               }
+               gs.push_back(std::move(pg));
+             }
+             return std::make_unique<sharded_optimizer>(std::move(gs), world, rank, execution_options{threads, ""});
+           }),
+           py::arg("groups"), py::arg("world_size"), py::arg("rank"), py::arg("threads") = 0)
+      .def_property_readonly("arena_size", &sharded_optimizer::arena_size)
+      .def_property_readonly("shard", [](const sharded_optimizer& o) { return py::make_tuple(o.shard().begin, o.shard().end); })
+      .def_property_readonly("step_count", [](const sharded_optimizer& o) { return o.local().step_count(); })
+      .def_property_readonly("state_bytes", [](const sharded_optimizer& o) { return o.local().state_bytes(); })
+      .def("segments", [](const sharded_optimizer& o) {
+        py::list out;
+        for (const auto& s : o.segments()) out.append(py::make_tuple(s.name, s.shape, s.offset, s.size, s.group));
+        return out;
+      })
+      .def("set_params", [](sharded_optimizer& o, const std::string& name, py::handle values) {
+        const buffer b = check_array(values, "values", "f32", false);
+        o.set_params(name, std::span<const float>(static_cast<const float*>(b.data), b.size));
+      })
+      .def("shard_sum_squares", [](const sharded_optimizer& o, py::handle grad, const std::string& dt) {
+        const buffer b = check_array(grad, "shard_grad", dt, false);
+        py::gil_scoped_release release;
+        return o.shard_stats({b.data, b.size, b.type}).sum_squares;
+      }, py::arg("shard_grad"), py::arg("grad_dtype") = "f32")
+      .def("step", [](sharded_optimizer& o, py::handle grad, const std::string& gdt, py::handle out,
+                      const std::string& odt, float grad_scale, double known_grad_norm, double max_grad_norm) {
+        const buffer g = check_array(grad, "shard_grad", gdt, false);
+        buffer b;
+        if (!out.is_none()) b = check_array(out, "shard_params", odt, true);
+        step_options so;
+        so.grad_scale = grad_scale;
+        so.known_grad_norm = known_grad_norm;
+        so.max_grad_norm = max_grad_norm;
+        so.skip_nonfinite = known_grad_norm >= 0 || std::isnan(known_grad_norm) || std::isinf(known_grad_norm);
+        step_result r;
+        {
+          py::gil_scoped_release release;
+          r = o.step({g.data, g.size, g.type}, {b.data, b.size, b.type}, so);
+        }
+        return py::make_tuple(r.applied, r.step);
+      }, py::arg("shard_grad"), py::arg("grad_dtype") = "f32", py::arg("shard_params") = py::none(),
+         py::arg("params_dtype") = "f32", py::arg("grad_scale") = 1.0f, py::arg("known_grad_norm") = -1.0,
+         py::arg("max_grad_norm") = 0.0)
+      .def("save", [](const sharded_optimizer& o, const std::string& dir) { o.save(dir); })
+      .def("load", [](sharded_optimizer& o, const std::string& dir) { o.load(dir); });
 
   py::class_<optimizer>(m, "Optimizer", "Flat-arena Adam/AdamW state (see hostopt.Optimizer).")
       .def(py::init([](py::list groups, int threads, const std::string& kernel) {
