@@ -93,6 +93,22 @@ py::dict config_to(const adam_config& c) {
   return d;
 }
 
+// [{"config": {...}, "tensors": [(name, shape), ...]}, ...] -> parameter groups.
+std::vector<param_group> groups_from(py::list groups) {
+  std::vector<param_group> gs;
+  for (auto g : groups) {
+    auto d = g.cast<py::dict>();
+    param_group pg;
+    pg.config = config_from(d["config"].cast<py::dict>());
+    for (auto t : d["tensors"].cast<py::list>()) {
+      auto tup = t.cast<py::tuple>();
+      pg.tensors.push_back({tup[0].cast<std::string>(), tup[1].cast<std::vector<std::int64_t>>()});
+    }
+    gs.push_back(std::move(pg));
+  }
+  return gs;
+}
+
 // A float32 numpy view of optimizer memory that keeps the optimizer alive.
 py::array_t<float> view_of(std::span<float> s, py::handle owner) {
   return py::array_t<float>({py::ssize_t(s.size())}, {py::ssize_t(sizeof(float))}, s.data(), owner);
@@ -189,18 +205,7 @@ PYBIND11_MODULE(_core, m) {
   py::class_<sharded_optimizer>(m, "ShardedOptimizer",
                                 "One rank's shard of the optimizer state (see hostopt.ShardedOptimizer).")
       .def(py::init([](py::list groups, int world, int rank, int threads) {
-             std::vector<param_group> gs;
-             for (auto g : groups) {
-               auto d = g.cast<py::dict>();
-               param_group pg;
-               pg.config = config_from(d["config"].cast<py::dict>());
-               for (auto t : d["tensors"].cast<py::list>()) {
-                 auto tup = t.cast<py::tuple>();
-                 pg.tensors.push_back({tup[0].cast<std::string>(), tup[1].cast<std::vector<std::int64_t>>()});
-               }
-               gs.push_back(std::move(pg));
-             }
-             return std::make_unique<sharded_optimizer>(std::move(gs), world, rank, execution_options{threads, ""});
+             return std::make_unique<sharded_optimizer>(groups_from(groups), world, rank, execution_options{threads, ""});
            }),
            py::arg("groups"), py::arg("world_size"), py::arg("rank"), py::arg("threads") = 0)
       .def_property_readonly("arena_size", &sharded_optimizer::arena_size)
@@ -245,18 +250,7 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<optimizer>(m, "Optimizer", "Flat-arena Adam/AdamW state (see hostopt.Optimizer).")
       .def(py::init([](py::list groups, int threads, const std::string& kernel) {
-             std::vector<param_group> gs;
-             for (auto g : groups) {
-               auto d = g.cast<py::dict>();
-               param_group pg;
-               pg.config = config_from(d["config"].cast<py::dict>());
-               for (auto t : d["tensors"].cast<py::list>()) {
-                 auto tup = t.cast<py::tuple>();
-                 pg.tensors.push_back({tup[0].cast<std::string>(), tup[1].cast<std::vector<std::int64_t>>()});
-               }
-               gs.push_back(std::move(pg));
-             }
-             return std::make_unique<optimizer>(std::move(gs), execution_options{threads, kernel});
+             return std::make_unique<optimizer>(groups_from(groups), execution_options{threads, kernel});
            }),
            py::arg("groups"), py::arg("threads") = 0, py::arg("kernel") = "")
       .def_property_readonly("arena_size", &optimizer::arena_size)

@@ -6,11 +6,20 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "hostopt/hostopt.hpp"
 
 namespace ref {
+
+/// Names of the kernels this CPU supports (every test runs on all of them).
+inline std::vector<std::string> supported_kernels() {
+  std::vector<std::string> names;
+  for (const auto& k : hostopt::kernels())
+    if (k.supported) names.push_back(k.name);
+  return names;
+}
 
 inline std::uint32_t bits(float x) {
   std::uint32_t u;

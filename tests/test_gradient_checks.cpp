@@ -10,12 +10,7 @@
 using namespace hostopt;
 
 namespace {
-std::vector<std::string> supported_kernels() {
-  std::vector<std::string> names;
-  for (const auto& k : kernels())
-    if (k.supported) names.push_back(k.name);
-  return names;
-}
+using ref::supported_kernels;
 
 bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
 } // namespace

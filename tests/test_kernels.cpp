@@ -15,12 +15,7 @@ using namespace hostopt;
 
 namespace {
 
-std::vector<std::string> supported_kernels() {
-  std::vector<std::string> names;
-  for (const auto& k : kernels())
-    if (k.supported) names.push_back(k.name);
-  return names;
-}
+using ref::supported_kernels;
 
 std::vector<adam_config> test_configs() {
   std::vector<adam_config> cs;
