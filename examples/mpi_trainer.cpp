@@ -6,9 +6,13 @@
 // It then checks itself: rank 0 replays the same summed gradients through the
 // single-process optimizer and compares the parameters bit for bit.
 //
-//   mpirun -np 3 ./mpi_trainer [steps]
+//   mpirun -np 3 ./mpi_trainer [steps] [embedding rows, default 1000]
+//
+// It prints the slowest rank's median time per step for the shard update and for the
+// collectives, and the bytes of optimizer state each rank holds.
 #include <mpi.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -19,11 +23,13 @@
 
 namespace {
 
+std::size_t embed_rows = 1000;
+
 std::vector<hostopt::param_group> model() {
   hostopt::adam_config decay, plain;
   decay.lr = 1e-2;
   decay.weight_decay = 0.1;
-  return {{decay, {{"embed", {1000, 32}}, {"w1", {32, 128}}, {"w2", {128, 32}}}},
+  return {{decay, {{"embed", {std::int64_t(embed_rows), 32}}, {"w1", {32, 128}}, {"w2", {128, 32}}}},
           {plain, {{"b1", {128}}, {"b2", {32}}, {"norm", {32}}}}};
 }
 
@@ -42,6 +48,7 @@ int main(int argc, char** argv) {
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &world);
   const int steps = argc > 1 ? std::atoi(argv[1]) : 10;
+  if (argc > 2) embed_rows = std::size_t(std::atol(argv[2]));
   int status = 0;
   try {
     hostopt::sharded_optimizer opt(model(), world, rank, {1, ""});
@@ -58,9 +65,11 @@ int main(int argc, char** argv) {
       opt.set_params(s.name, std::span<const float>(init.data() + s.offset, s.size));
 
     std::vector<float> grad(n), shard_grad(counts[rank]), params(n), shard_params(counts[rank]);
-    std::vector<double> norms;
+    std::vector<double> norms, update_s, comm_s;
     for (int t = 0; t < steps; ++t) {
       for (std::size_t i = 0; i < n; ++i) grad[i] = grad_of(t, rank, i);
+      MPI_Barrier(MPI_COMM_WORLD);
+      const double t0 = MPI_Wtime();
       MPI_Reduce_scatter(grad.data(), shard_grad.data(), counts.data(), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
       const double local = opt.shard_stats({shard_grad.data(), shard_grad.size(), hostopt::dtype::f32}).sum_squares;
       double total = 0;
@@ -69,11 +78,22 @@ int main(int argc, char** argv) {
       o.known_grad_norm = std::sqrt(total);
       o.max_grad_norm = 50.0;
       norms.push_back(o.known_grad_norm);
+      const double t1 = MPI_Wtime();
       opt.step({shard_grad.data(), shard_grad.size(), hostopt::dtype::f32},
                {shard_params.data(), shard_params.size(), hostopt::dtype::f32}, o);
+      const double t2 = MPI_Wtime();
       MPI_Allgatherv(shard_params.data(), counts[rank], MPI_FLOAT, params.data(), counts.data(), displs.data(),
                      MPI_FLOAT, MPI_COMM_WORLD);
+      update_s.push_back(t2 - t1);
+      comm_s.push_back(MPI_Wtime() - t2 + (t1 - t0));
     }
+    std::sort(update_s.begin(), update_s.end());
+    std::sort(comm_s.begin(), comm_s.end());
+    double med[2] = {update_s[update_s.size() / 2], comm_s[comm_s.size() / 2]}, slowest[2];
+    MPI_Reduce(med, slowest, 2, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
+    if (rank == 0)
+      std::printf("mpi_trainer: %d ranks: shard update %.2f ms, collectives %.2f ms per step (median, slowest rank)\n",
+                  world, slowest[0] * 1e3, slowest[1] * 1e3);
 
     if (rank == 0) { // the single-process optimizer on the same summed gradients
       hostopt::optimizer single(model(), {1, ""});
