@@ -334,7 +334,7 @@ void load_checkpoint(optimizer& opt, const std::string& path) {
 
   // Apply.
   for (const auto& p : pieces)
-    std::memcpy(p.dst, reinterpret_cast<const char*>(staging.data()) + p.begin, p.end - p.begin);
+    if (p.end > p.begin) std::memcpy(p.dst, reinterpret_cast<const char*>(staging.data()) + p.begin, p.end - p.begin);
   for (std::size_t g = 0; g < configs.size(); ++g) opt.set_group_config(g, configs[g]);
   opt.set_step_count(step);
   opt.set_skipped_steps(skipped);

@@ -273,6 +273,7 @@ void optimizer::set_params(std::string_view name, const_view values) {
   const segment& s = tensor(name);
   check_view("values", values.data, values.size, values.type, s.size);
   float* dst = impl_->p() + s.offset;
+  if (s.size == 0) return; // an empty tensor: nothing to copy (and values.data may be null)
   switch (values.type) {
   case dtype::f32: std::memmove(dst, values.data, s.size * sizeof(float)); break;
   case dtype::bf16: {

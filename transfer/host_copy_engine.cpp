@@ -111,7 +111,7 @@ private:
       r.time.start_ns = now_ns();
       try {
         if (opts_.before_copy) opts_.before_copy(dir_, t.seq);
-        std::memcpy(t.dst, t.src, t.bytes);
+        if (t.bytes) std::memcpy(t.dst, t.src, t.bytes);
         if (opts_.bandwidth_gbps > 0) {
           const auto until = std::chrono::nanoseconds(r.time.start_ns + std::int64_t(double(t.bytes) / opts_.bandwidth_gbps));
           std::this_thread::sleep_until(std::chrono::steady_clock::time_point(until));
