@@ -14,15 +14,23 @@
 
 namespace hostopt {
 
+namespace {
+// The checks both one-buffer steps share; returns the kernel set to run.
+const detail::kernel_set& check_step_arguments(const adam_config& config, std::int64_t step, float grad_scale,
+                                               const execution_options& exec) {
+  validate(config, "config");
+  detail::check_step_number(step);
+  detail::check_grad_scale(grad_scale);
+  detail::check_threads(exec.threads);
+  return detail::kernel_set_by_name(exec.kernel);
+}
+} // namespace
+
 void adam_step(float* params, float* exp_avg, float* exp_avg_sq, std::size_t n, const_view grad,
                mut_view out, const adam_config& config, std::int64_t step, float grad_scale,
                const execution_options& exec) {
   using namespace detail;
-  validate(config, "config");
-  check_step_number(step);
-  check_grad_scale(grad_scale);
-  check_threads(exec.threads);
-  const kernel_set& ks = kernel_set_by_name(exec.kernel);
+  const kernel_set& ks = check_step_arguments(config, step, grad_scale, exec);
   check_view("params", params, n, dtype::f32, n);
   check_view("exp_avg", exp_avg, n, dtype::f32, n);
   check_view("exp_avg_sq", exp_avg_sq, n, dtype::f32, n);
@@ -61,11 +69,7 @@ void adam_update(const float* params, float* exp_avg, float* exp_avg_sq, std::si
                  mut_view update, const adam_config& config, std::int64_t step, float grad_scale,
                  const execution_options& exec) {
   using namespace detail;
-  validate(config, "config");
-  check_step_number(step);
-  check_grad_scale(grad_scale);
-  check_threads(exec.threads);
-  const kernel_set& ks = kernel_set_by_name(exec.kernel);
+  const kernel_set& ks = check_step_arguments(config, step, grad_scale, exec);
   const kernel_variant var = variant_of(config);
   if (var.decay != decay_kind::none || params) check_view("params", params, n, dtype::f32, n);
   check_view("exp_avg", exp_avg, n, dtype::f32, n);

@@ -219,6 +219,12 @@ struct offload_pipeline::impl {
                                          static_cast<const char*>(op.grads) + lo * gsz, (hi - lo) * gsz);
   }
 
+  // Fills the gradient ring: copy-in of the first `depth` chunks, after the gradients are ready.
+  void start_copy_in(const operation& op) {
+    if (op.ready_event) engine.wait_device_event(copy_direction::to_host, op.ready_event);
+    for (std::size_t i = 0; i < std::min(std::size_t(options.depth), chunks); ++i) issue_copy_in(op, i);
+  }
+
   void wait_copy(const copy_ticket& t, std::size_t k, pipeline_stage s, std::int64_t issued) {
     engine.wait(t);
     const copy_timing tm = engine.timing(t);
@@ -260,9 +266,8 @@ struct offload_pipeline::impl {
     pipeline_stage stage = pipeline_stage::copy_in;
     std::optional<std::string> copy_out_error;
     try {
-      if (op.ready_event) engine.wait_device_event(copy_direction::to_host, op.ready_event);
       opt.begin_step({options.grad_type, true, options.param_type, op.grad_scale, use_acc});
-      for (std::size_t i = 0; i < std::min(depth, chunks); ++i) issue_copy_in(op, i);
+      start_copy_in(op);
       for (k = 0; k < chunks; ++k) {
         const std::size_t slot = k % depth;
         const auto [lo, hi] = range(k);
@@ -337,9 +342,8 @@ struct offload_pipeline::impl {
     pipeline_stage stage = pipeline_stage::copy_in;
     try {
       if (accumulator.size() != arena) accumulator.assign(arena, 0.0f); // once, on first use
-      if (op.ready_event) engine.wait_device_event(copy_direction::to_host, op.ready_event);
       const execution_options exec = opt.execution();
-      for (std::size_t i = 0; i < std::min(depth, chunks); ++i) issue_copy_in(op, i);
+      start_copy_in(op);
       for (k = 0; k < chunks; ++k) {
         const std::size_t slot = k % depth;
         const auto [lo, hi] = range(k);
