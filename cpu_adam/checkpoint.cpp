@@ -46,8 +46,10 @@ struct checksum64 {
     // Assumes the stream is fed in multiples of 8 bytes except at the very end (every
     // tensor is f32, so each piece is a multiple of 4; pieces are joined below).
     std::size_t i = 0;
-    while (pending_n_ && i < n) {
-      pending_[pending_n_++] = p[i++];
+    if (pending_n_) { // complete the word a previous piece left open
+      i = std::min<std::size_t>(8 - pending_n_, n);
+      std::memcpy(pending_ + pending_n_, p, i);
+      pending_n_ += i;
       if (pending_n_ == 8) {
         mix_word(pending_);
         pending_n_ = 0;
