@@ -3,6 +3,22 @@
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
+#include <thread>
+
+#include "hostopt/kernels.hpp"
+#include "hostopt/optimizer.hpp"
+
+namespace hostopt {
+
+int max_threads() {
+  static const int bound = [] {
+    const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+    return int(std::min(4u * hw, 1024u));
+  }();
+  return bound;
+}
+
+} // namespace hostopt
 
 namespace hostopt::detail {
 
@@ -24,9 +40,9 @@ void check_view(const std::string& what, const void* data, std::size_t size, dty
 }
 
 void check_step_number(std::int64_t step) {
-  if (step < 1)
-    throw std::invalid_argument("step = " + std::to_string(step) +
-                                ": expected a step number >= 1 (bias correction uses 1 - beta^step)");
+  if (step < 1 || step > max_step_count)
+    throw std::invalid_argument("step = " + std::to_string(step) + ": expected a step number in [1, " +
+                                std::to_string(max_step_count) + "] (bias correction uses 1 - beta^step)");
 }
 
 void check_grad_scale(float s) {
@@ -35,9 +51,11 @@ void check_grad_scale(float s) {
 }
 
 void check_threads(int threads) {
-  if (threads < 0)
-    throw std::invalid_argument("threads = " + std::to_string(threads) +
-                                ": expected >= 0 (0 = the threading runtime's default)");
+  if (threads < 0 || threads > max_threads())
+    throw std::invalid_argument("threads = " + std::to_string(threads) + ": expected a count in [0, " +
+                                std::to_string(max_threads()) +
+                                "] (0 = the threading runtime's default; the bound is 4 x the "
+                                "hardware threads, at most 1024)");
 }
 
 namespace {

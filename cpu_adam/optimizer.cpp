@@ -1,15 +1,20 @@
 #include "hostopt/optimizer.hpp"
 
 #include <algorithm>
+#include <cfloat>
+#include <cmath>
 #include <cstring>
 #include <map>
+#include <condition_variable>
+#include <mutex>
 #include <stdexcept>
+#include <thread>
 
 #include "aligned_buffer.hpp"
 #include "buffer_checks.hpp"
+#include "exclusive_state.hpp"
 #include "half_conversion.hpp"
 #include "hostopt/gradient_checks.hpp"
-#include <cmath>
 #include "kernel_registry.hpp"
 #include "parallel.hpp"
 #include "step_scalars.hpp"
@@ -26,6 +31,15 @@ constexpr int kind_grad = 0, kind_out = 1, kind_state = 2;
 
 std::size_t align_up(std::size_t x) { return (x + align_elems - 1) / align_elems * align_elems; }
 
+// Elements the arena may hold: 3 f32 arrays within max_state_bytes. Every product and sum
+// below stays under it, so none can overflow.
+constexpr std::size_t max_arena_elems = std::size_t(max_state_bytes / (3 * sizeof(float)));
+
+[[noreturn]] void too_large(const std::string& what) {
+  throw std::invalid_argument(what + ": the optimizer state would exceed " + std::to_string(max_state_bytes) +
+                              " bytes (hostopt::max_state_bytes, the addressable memory of a process)");
+}
+
 std::size_t element_count(const tensor_spec& t) {
   std::size_t n = 1;
   for (std::size_t d = 0; d < t.shape.size(); ++d) {
@@ -33,8 +47,11 @@ std::size_t element_count(const tensor_spec& t) {
     if (e < 0)
       throw std::invalid_argument("tensor '" + t.name + "': shape[" + std::to_string(d) + "] = " +
                                   std::to_string(e) + ": expected an extent >= 0");
-    if (e != 0 && n > std::size_t(-1) / 64 / std::size_t(e))
-      throw std::invalid_argument("tensor '" + t.name + "': shape has too many elements");
+  }
+  for (const std::int64_t e : t.shape) // any zero extent makes the tensor empty
+    if (e == 0) return 0;
+  for (const std::int64_t e : t.shape) {
+    if (std::uint64_t(e) > max_arena_elems / n) too_large("tensor '" + t.name + "'");
     n *= std::size_t(e);
   }
   return n;
@@ -43,6 +60,13 @@ std::size_t element_count(const tensor_spec& t) {
 } // namespace
 
 struct optimizer::impl {
+  // Serializes every public operation; `idle` is signalled when a chunked step closes.
+  mutable std::mutex mu;
+  std::condition_variable idle;
+  std::thread::id chunk_owner;
+  std::size_t chunk_updates = 0; // update_range calls of the open chunked step
+  std::string failure;           // non-empty: the state is half-updated (not usable)
+
   std::vector<segment> segs;
   std::vector<std::string> names; // segs[i].name, for error messages
   std::map<std::string, std::size_t, std::less<>> by_name;
@@ -113,29 +137,23 @@ struct optimizer::impl {
   // The checks of step_options, before anything is written: returns applied = false for a
   // skipped step, else the scale to step with (grad_scale times the clip factor).
   step_result check(const step_options& o) {
-    check_grad_scale(o.grad_scale);
-    if (o.max_grad_norm < 0 || std::isnan(o.max_grad_norm) || std::isinf(o.max_grad_norm))
-      throw std::invalid_argument("max_grad_norm = " + std::to_string(o.max_grad_norm) +
-                                  ": expected a finite value >= 0 (0 = no clipping)");
+    if (count >= max_step_count)
+      throw std::invalid_argument("step: the step count is at its limit (" + std::to_string(max_step_count) +
+                                  ", hostopt::max_step_count)");
+    const bool needs_norm = o.skip_nonfinite || o.max_grad_norm > 0;
+    double raw_norm = o.known_grad_norm; // negative: not known
+    if (needs_norm && raw_norm < 0) {
+      decide_step(o, 0.0); // validate the options before reading the gradients
+      raw_norm = gradient_stats(stat_views, exec).norm; // NaN/inf when non-finite
+    }
+    const step_decision d = decide_step(o, raw_norm);
     step_result r;
     r.step = count;
-    r.applied = true;
-    r.applied_scale = o.grad_scale;
+    r.applied = d.apply;
+    r.applied_scale = d.scale;
+    r.grad_norm = d.grad_norm;
+    if (!d.apply) ++skipped;
     r.skipped_steps = skipped;
-    if (!o.skip_nonfinite && o.max_grad_norm == 0) return r;
-    double raw_norm = o.known_grad_norm;
-    if (raw_norm < 0) raw_norm = gradient_stats(stat_views, exec).norm; // NaN/inf when non-finite
-    const double norm = double(o.grad_scale) * raw_norm;
-    r.grad_norm = norm;
-    if (!std::isfinite(norm)) {
-      if (o.skip_nonfinite) {
-        r.applied = false;
-        r.skipped_steps = ++skipped;
-        return r;
-      }
-      return r; // asked not to check: the step goes on
-    }
-    if (o.max_grad_norm > 0) r.applied_scale = float(double(o.grad_scale) * clip_coefficient(norm, o.max_grad_norm));
     return r;
   }
 
@@ -147,11 +165,67 @@ struct optimizer::impl {
     return r;
   }
 
-  void refuse_if_chunked(const char* what) const {
-    if (chunked_open)
-      throw std::logic_error(std::string(what) + ": a chunked step is open (begin_step without finish_step)");
+  // Takes the lock once no chunked step is open (another thread's chunked step is waited
+  // for; this thread's own is refused: it would wait for itself). With `state`, also
+  // refuses when the state is half-updated.
+  std::unique_lock<std::mutex> acquire(const char* what, bool state = true) const {
+    std::unique_lock<std::mutex> lock(mu);
+    if (chunked_open && chunk_owner == std::this_thread::get_id())
+      throw std::logic_error(std::string(what) + ": this thread has a chunked step open (begin_step without "
+                                                 "finish_step or abort_step)");
+    const_cast<std::condition_variable&>(idle).wait(lock, [&] { return !chunked_open; });
+    if (state) refuse_if_failed(what);
+    return lock;
+  }
+
+  void refuse_if_failed(const char* what) const {
+    if (!failure.empty())
+      throw std::runtime_error(std::string(what) + ": the optimizer is not usable: " + failure +
+                               " (load a checkpoint, or call reset_failure() once the state is whole)");
+  }
+
+  // The lock for update_range/finish_step/abort_step: the chunked step must be this thread's.
+  std::unique_lock<std::mutex> acquire_chunked(const char* what) {
+    std::unique_lock<std::mutex> lock(mu);
+    if (!chunked_open) throw std::logic_error(std::string(what) + ": no chunked step is open (call begin_step first)");
+    if (chunk_owner != std::this_thread::get_id())
+      throw std::logic_error(std::string(what) + ": the open chunked step belongs to another thread");
+    return lock;
+  }
+
+  // Array k (params, exp_avg, exp_avg_sq) of the arena, refused while the state is half-updated.
+  std::span<float> view(int k, const char* what) const {
+    const auto lock = acquire(what);
+    return {state.data() + std::size_t(k) * arena, arena};
+  }
+
+  void close_chunked() {
+    chunked_open = false;
+    chunk_updates = 0;
+    idle.notify_all();
   }
 };
+
+step_decision decide_step(const step_options& o, double raw_norm) {
+  check_grad_scale(o.grad_scale);
+  if (!(o.max_grad_norm >= 0) || std::isinf(o.max_grad_norm))
+    throw std::invalid_argument("max_grad_norm = " + std::to_string(o.max_grad_norm) +
+                                ": expected a finite value >= 0 (0 = no clipping)");
+  step_decision d;
+  d.scale = o.grad_scale;
+  if (!o.skip_nonfinite && o.max_grad_norm == 0) return d;
+  const double norm = double(o.grad_scale) * raw_norm;
+  d.grad_norm = norm;
+  // The kernel scales in float: a norm beyond the float range means some scaled element
+  // may be inf there even when every input and the double norm are finite. Below it, every
+  // |scale * g_i| <= norm is a finite float.
+  if (!(norm <= double(FLT_MAX))) {
+    d.apply = !o.skip_nonfinite; // asked not to check: the step goes on, unclipped
+    return d;
+  }
+  if (o.max_grad_norm > 0) d.scale = float(double(o.grad_scale) * clip_coefficient(norm, o.max_grad_norm));
+  return d;
+}
 
 std::vector<segment> arena_layout(const std::vector<param_group>& groups) {
   std::vector<segment> segs;
@@ -166,6 +240,8 @@ std::vector<segment> arena_layout(const std::vector<param_group>& groups) {
       const std::size_t n = element_count(t);
       if (!seen.emplace(t.name, segs.size()).second)
         throw std::invalid_argument("tensor name '" + t.name + "': registered twice, expected unique names");
+      if (n > max_arena_elems - offset || align_up(offset + n) > max_arena_elems)
+        too_large("tensor '" + t.name + "' (the sum of the tensor sizes)");
       segs.push_back({t.name, t.shape, offset, n, g});
       offset = align_up(offset + n);
     }
@@ -188,7 +264,7 @@ optimizer::optimizer(std::vector<param_group> groups, execution_options exec)
     s.nparams += s.segs[i].size;
     offset = align_up(s.segs[i].offset + s.segs[i].size);
   }
-  s.arena = offset;
+  s.arena = offset; // <= max_arena_elems (arena_layout): 3 * arena floats cannot overflow
   s.state = aligned_floats(3 * s.arena);
   s.pieces.resize(s.segs.size());
   for (std::size_t i = 0; i < s.segs.size(); ++i)
@@ -214,64 +290,85 @@ optimizer& optimizer::operator=(optimizer&&) noexcept = default;
 std::size_t optimizer::arena_size() const { return impl_->arena; }
 std::size_t optimizer::num_params() const { return impl_->nparams; }
 std::size_t optimizer::state_bytes() const { return 3 * impl_->arena * sizeof(float); }
-std::span<const segment> optimizer::segments() const { return impl_->segs; }
+std::span<const segment> optimizer::segments() const { return impl_->segs; } // fixed at construction
 const segment& optimizer::tensor(std::string_view name) const {
   return impl_->segs[impl_->index_of(name)];
 }
 
 std::size_t optimizer::num_groups() const { return impl_->configs.size(); }
-const adam_config& optimizer::group_config(std::size_t group) const {
+adam_config optimizer::group_config(std::size_t group) const {
+  const auto lock = impl_->acquire("group_config", false);
   impl_->check_group(group);
   return impl_->configs[group];
 }
 void optimizer::set_group_config(std::size_t group, const adam_config& config) {
+  const auto lock = impl_->acquire("set_group_config", false);
   impl_->check_group(group);
   validate(config, "groups[" + std::to_string(group) + "].config");
   impl_->configs[group] = config;
 }
 void optimizer::set_lr(std::size_t group, double lr) {
+  const auto lock = impl_->acquire("set_lr", false);
   impl_->check_group(group);
   adam_config c = impl_->configs[group];
   c.lr = lr;
-  set_group_config(group, c);
+  validate(c, "groups[" + std::to_string(group) + "].config");
+  impl_->configs[group] = c;
 }
-std::int64_t optimizer::step_count() const { return impl_->count; }
+
+namespace {
+void check_count(const char* what, std::int64_t count) {
+  if (count < 0 || count > max_step_count)
+    throw std::invalid_argument(std::string(what) + " = " + std::to_string(count) + ": expected a count in [0, " +
+                                std::to_string(max_step_count) + "] (hostopt::max_step_count)");
+}
+} // namespace
+
+std::int64_t optimizer::step_count() const {
+  const auto lock = impl_->acquire("step_count", false);
+  return impl_->count;
+}
 void optimizer::set_step_count(std::int64_t count) {
-  if (count < 0)
-    throw std::invalid_argument("step count = " + std::to_string(count) + ": expected >= 0");
+  const auto lock = impl_->acquire("set_step_count");
+  check_count("step count", count);
   impl_->count = count;
 }
 
-const execution_options& optimizer::execution() const { return impl_->exec; }
+execution_options optimizer::execution() const {
+  const auto lock = impl_->acquire("execution", false);
+  return impl_->exec;
+}
 void optimizer::set_execution(const execution_options& exec) {
+  const auto lock = impl_->acquire("set_execution", false);
   check_threads(exec.threads);
   impl_->kernels = &kernel_set_by_name(exec.kernel);
   impl_->exec = exec;
 }
 
-std::span<float> optimizer::params() { return {impl_->p(), impl_->arena}; }
-std::span<float> optimizer::exp_avg() { return {impl_->m(), impl_->arena}; }
-std::span<float> optimizer::exp_avg_sq() { return {impl_->v(), impl_->arena}; }
-std::span<const float> optimizer::params() const { return {impl_->p(), impl_->arena}; }
-std::span<const float> optimizer::exp_avg() const { return {impl_->m(), impl_->arena}; }
-std::span<const float> optimizer::exp_avg_sq() const { return {impl_->v(), impl_->arena}; }
+std::span<float> optimizer::params() { return impl_->view(0, "params"); }
+std::span<float> optimizer::exp_avg() { return impl_->view(1, "exp_avg"); }
+std::span<float> optimizer::exp_avg_sq() { return impl_->view(2, "exp_avg_sq"); }
+std::span<const float> optimizer::params() const { return impl_->view(0, "params"); }
+std::span<const float> optimizer::exp_avg() const { return impl_->view(1, "exp_avg"); }
+std::span<const float> optimizer::exp_avg_sq() const { return impl_->view(2, "exp_avg_sq"); }
 
 std::span<float> optimizer::params(std::string_view name) {
   const segment& s = tensor(name);
-  return {impl_->p() + s.offset, s.size};
+  return params().subspan(s.offset, s.size);
 }
 std::span<float> optimizer::exp_avg(std::string_view name) {
   const segment& s = tensor(name);
-  return {impl_->m() + s.offset, s.size};
+  return exp_avg().subspan(s.offset, s.size);
 }
 std::span<float> optimizer::exp_avg_sq(std::string_view name) {
   const segment& s = tensor(name);
-  return {impl_->v() + s.offset, s.size};
+  return exp_avg_sq().subspan(s.offset, s.size);
 }
 
 void optimizer::set_params(std::string_view name, const_view values) {
   const segment& s = tensor(name);
   check_view("values", values.data, values.size, values.type, s.size);
+  const auto lock = impl_->acquire("set_params");
   float* dst = impl_->p() + s.offset;
   if (s.size == 0) return; // an empty tensor: nothing to copy (and values.data may be null)
   switch (values.type) {
@@ -303,16 +400,37 @@ step_result optimizer::step(std::span<const const_view> grads, std::span<const m
   return step(grads, outs, o);
 }
 
-std::int64_t optimizer::skipped_steps() const { return impl_->skipped; }
+std::int64_t optimizer::skipped_steps() const {
+  const auto lock = impl_->acquire("skipped_steps", false);
+  return impl_->skipped;
+}
 void optimizer::set_skipped_steps(std::int64_t count) {
-  if (count < 0)
-    throw std::invalid_argument("skipped steps = " + std::to_string(count) + ": expected >= 0");
+  const auto lock = impl_->acquire("set_skipped_steps");
+  check_count("skipped steps", count);
   impl_->skipped = count;
+}
+std::int64_t optimizer::record_skipped_step() {
+  const auto lock = impl_->acquire("record_skipped_step");
+  check_count("skipped steps", impl_->skipped + 1);
+  return ++impl_->skipped;
+}
+
+bool optimizer::usable() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->failure.empty();
+}
+std::string optimizer::failure_reason() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->failure;
+}
+void optimizer::reset_failure() {
+  const auto lock = impl_->acquire("reset_failure", false);
+  impl_->failure.clear();
 }
 
 step_result optimizer::step(const_view flat_grad, mut_view flat_out, const step_options& opts) {
   impl& s = *impl_;
-  s.refuse_if_chunked("step");
+  const auto lock = s.acquire("step");
   const float grad_scale = opts.grad_scale;
   check_grad_scale(grad_scale);
   check_view("flat_grad", flat_grad.data, flat_grad.size, flat_grad.type, s.arena);
@@ -342,7 +460,7 @@ step_result optimizer::step(const_view flat_grad, mut_view flat_out, const step_
 step_result optimizer::step(std::span<const const_view> grads, std::span<const mut_view> outs,
                             const step_options& opts) {
   impl& s = *impl_;
-  s.refuse_if_chunked("step");
+  const auto lock = s.acquire("step");
   const float grad_scale = opts.grad_scale;
   const std::size_t n = s.segs.size();
   check_grad_scale(grad_scale);
@@ -402,19 +520,24 @@ step_result optimizer::step(std::span<const const_view> grads, std::span<const m
 
 void optimizer::begin_step(const chunk_step_options& o) {
   impl& s = *impl_;
-  s.refuse_if_chunked("begin_step");
+  const auto lock = s.acquire("begin_step");
   check_dtype("grad_type", o.grad_type);
   if (o.copy_out) check_dtype("out_type", o.out_type);
   check_grad_scale(o.grad_scale);
+  if (s.count >= max_step_count)
+    throw std::invalid_argument("begin_step: the step count is at its limit (" + std::to_string(max_step_count) +
+                                ", hostopt::max_step_count)");
   s.prepare(o.grad_type, o.copy_out, o.out_type, o.grad_scale, o.accumulator);
   s.chunked = o;
   s.chunked_open = true;
+  s.chunk_owner = std::this_thread::get_id();
+  s.chunk_updates = 0;
 }
 
 void optimizer::update_range(std::size_t begin, std::size_t end, const void* grad, void* out,
                              const float* accumulator) {
   impl& s = *impl_;
-  if (!s.chunked_open) throw std::logic_error("update_range: no chunked step is open (call begin_step first)");
+  const auto lock = s.acquire_chunked("update_range");
   if (begin > end || end > s.arena)
     throw std::invalid_argument("update_range: [" + std::to_string(begin) + ", " + std::to_string(end) +
                                 "): expected a range inside [0, " + std::to_string(s.arena) + ")");
@@ -436,18 +559,65 @@ void optimizer::update_range(std::size_t begin, std::size_t end, const void* gra
     job.flat_accumulator = accumulator;
     job.add_grad = s.kernels->add_grad[int(s.chunked.grad_type)];
   }
+  ++s.chunk_updates;
   run_update(job, s.exec.threads);
 }
 
 step_result optimizer::finish_step() {
   impl& s = *impl_;
-  if (!s.chunked_open) throw std::logic_error("finish_step: no chunked step is open (call begin_step first)");
-  s.chunked_open = false;
+  const auto lock = s.acquire_chunked("finish_step");
+  s.close_chunked();
   return s.commit();
 }
 
-void optimizer::abort_step() noexcept { impl_->chunked_open = false; }
+void optimizer::abort_step(const std::string& reason) noexcept {
+  impl& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (!s.chunked_open || s.chunk_owner != std::this_thread::get_id()) return;
+  if (s.chunk_updates > 0 && s.failure.empty()) {
+    try {
+      s.failure = reason;
+    } catch (...) { // out of memory for the message: still poison
+      s.failure.clear();
+      s.failure.push_back('!');
+    }
+  }
+  s.close_chunked();
+}
 
-bool optimizer::step_in_progress() const { return impl_->chunked_open; }
+bool optimizer::step_in_progress() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->chunked_open;
+}
+
+namespace detail {
+
+exclusive_state::exclusive_state(const optimizer& opt, const char* what, bool allow_failed)
+    : impl_(*opt.impl_), lock_(impl_.acquire(what, !allow_failed)) {}
+exclusive_state::~exclusive_state() = default;
+
+std::span<const segment> exclusive_state::segments() const { return impl_.segs; }
+float* exclusive_state::array(int k) const { return impl_.state.data() + std::size_t(k) * impl_.arena; }
+std::size_t exclusive_state::arena_size() const { return impl_.arena; }
+const std::vector<adam_config>& exclusive_state::configs() const { return impl_.configs; }
+std::int64_t exclusive_state::step_count() const { return impl_.count; }
+std::int64_t exclusive_state::skipped_steps() const { return impl_.skipped; }
+
+void exclusive_state::set_counters(std::vector<adam_config> configs, std::int64_t step, std::int64_t skipped) {
+  check_count("step count", step);
+  check_count("skipped steps", skipped);
+  if (configs.size() != impl_.configs.size())
+    throw std::invalid_argument(std::to_string(configs.size()) + " parameter groups: expected " +
+                                std::to_string(impl_.configs.size()));
+  for (std::size_t g = 0; g < configs.size(); ++g) validate(configs[g], "groups[" + std::to_string(g) + "]");
+  impl_.configs = std::move(configs);
+  impl_.count = step;
+  impl_.skipped = skipped;
+}
+
+void exclusive_state::mark_failed(const std::string& reason) { impl_.failure = reason; }
+void exclusive_state::clear_failure() { impl_.failure.clear(); }
+
+} // namespace detail
 
 } // namespace hostopt

@@ -187,3 +187,68 @@ TEST_CASE("dtype helpers name bad values", "[errors]") {
   CHECK_THROWS_WITH(parse_dtype("f64"), Catch::Contains("unknown name 'f64'"));
   CHECK_THROWS_WITH(dtype_size(dtype(3)), Catch::Contains("value 3 is not a dtype"));
 }
+
+TEST_CASE("sizes that overflow or exceed addressable memory are refused before allocating", "[errors][optimizer]") {
+  const std::int64_t big = (std::int64_t(1) << 58) - 1;
+  auto refused = [](std::vector<param_group> g, const std::string& part) {
+    try {
+      optimizer opt(std::move(g));
+    } catch (const std::invalid_argument& e) {
+      INFO(e.what());
+      return std::string(e.what()).find(part) != std::string::npos;
+    }
+    return false;
+  };
+  // The sum of five such tensors wrapped around size_t and crashed the constructor.
+  std::vector<tensor_spec> five;
+  for (int i = 0; i < 5; ++i) five.push_back({"t" + std::to_string(i), {big}});
+  CHECK(refused({{adam_config{}, five}}, "would exceed"));
+  // Sixteen of them reported state_bytes 192.
+  std::vector<tensor_spec> sixteen;
+  for (int i = 0; i < 16; ++i) sixteen.push_back({"t" + std::to_string(i), {big}});
+  CHECK(refused({{adam_config{}, sixteen}}, "tensor 't0'"));
+  CHECK(refused({{adam_config{}, {{"wide", {1 << 30, 1 << 30, 1 << 30}}}}}, "tensor 'wide'"));
+  // Each tensor fits on its own, the arena does not.
+  const std::int64_t third = std::int64_t(max_state_bytes / 12 / 3);
+  CHECK(refused({{adam_config{}, {{"a", {third}}, {"b", {third}}, {"c", {third}}, {"d", {third}}}}},
+                "the sum of the tensor sizes"));
+  CHECK_THROWS_WITH(arena_layout({{adam_config{}, five}}), Catch::Contains("would exceed"));
+  // A zero extent makes any other extent harmless.
+  optimizer empty({{adam_config{}, {{"z", {0, big, big}}}}});
+  CHECK(empty.num_params() == 0);
+}
+
+TEST_CASE("thread counts above the documented bound are refused", "[errors]") {
+  CHECK(max_threads() >= 4);
+  CHECK(max_threads() <= 1024);
+  std::vector<float> p(8), m(8), v(8), g(8, 1.0f);
+  for (int threads : {max_threads() + 1, 60000, 100000}) {
+    INFO("threads " << threads);
+    CHECK_THROWS_WITH(adam_step(p.data(), m.data(), v.data(), 8, {g.data(), 8, dtype::f32}, {}, {}, 1, 1.0f, {threads, ""}),
+                      Catch::Contains("threads = " + std::to_string(threads)) && Catch::Contains("1024"));
+    CHECK_THROWS_AS(optimizer({{adam_config{}, {{"w", {8}}}}}, {threads, ""}), std::invalid_argument);
+    CHECK_THROWS_AS(gradient_stats(const_view{g.data(), 8, dtype::f32}, {threads, ""}), std::invalid_argument);
+  }
+  CHECK(p == std::vector<float>(8, 0.0f));
+  // The bound itself runs.
+  adam_step(p.data(), m.data(), v.data(), 8, {g.data(), 8, dtype::f32}, {}, {}, 1, 1.0f, {max_threads(), ""});
+  CHECK(p[0] != 0.0f);
+}
+
+TEST_CASE("step counts stop at max_step_count instead of wrapping", "[errors][optimizer]") {
+  optimizer opt({{adam_config{}, {{"w", {4}}}}});
+  std::vector<float> g(opt.arena_size(), 0.5f);
+  CHECK_THROWS_WITH(opt.set_step_count(std::numeric_limits<std::int64_t>::max()), Catch::Contains("max_step_count"));
+  CHECK_THROWS_WITH(opt.set_skipped_steps(max_step_count + 1), Catch::Contains("skipped steps"));
+  opt.set_step_count(max_step_count - 1);
+  const auto r = opt.step(const_view{g.data(), g.size(), dtype::f32});
+  CHECK(r.step == max_step_count);
+  const std::vector<float> at_limit(opt.params().begin(), opt.params().end());
+  CHECK_THROWS_WITH(opt.step(const_view{g.data(), g.size(), dtype::f32}), Catch::Contains("at its limit"));
+  CHECK_THROWS_WITH(opt.begin_step({}), Catch::Contains("at its limit"));
+  CHECK(opt.step_count() == max_step_count);
+  CHECK(std::vector<float>(opt.params().begin(), opt.params().end()) == at_limit);
+  std::vector<float> p(4), m(4), v(4);
+  CHECK_THROWS_WITH(adam_step(p.data(), m.data(), v.data(), 4, {g.data(), 4, dtype::f32}, {}, {}, max_step_count + 1),
+                    Catch::Contains("step = "));
+}

@@ -148,3 +148,33 @@ TEST_CASE("the dynamic loss scaler follows torch's GradScaler", "[stats]") {
   CHECK_THROWS_WITH(dynamic_loss_scaler(1.0, 2.0, 1.0), Catch::Contains("backoff_factor"));
   CHECK_THROWS_WITH(dynamic_loss_scaler(1.0, 2.0, 0.5, 0), Catch::Contains("growth_interval"));
 }
+
+TEST_CASE("gradients that overflow float once scaled are judged non-finite, as the kernel computes them",
+          "[stats][optimizer][per_arch]") {
+  for (const auto& kernel : supported_kernels()) {
+    INFO("kernel " << kernel);
+    optimizer opt({{adam_config{}, {{"w", {100}}}}}, {1, kernel});
+    std::vector<float> g(opt.arena_size(), 0.0f);
+    g[7] = 1e30f; // finite, and its norm is finite in double; 1e10 * 1e30 is inf in float
+    step_options o;
+    o.grad_scale = 1e10f;
+    const auto before = std::vector<float>(opt.params().begin(), opt.params().end());
+    const auto r = opt.step(const_view{g.data(), g.size(), dtype::f32}, {}, o);
+    CHECK_FALSE(r.applied);
+    CHECK(r.skipped_steps == 1);
+    CHECK(std::vector<float>(opt.params().begin(), opt.params().end()) == before);
+    // The same with the norm supplied by the caller, and with clipping asked for.
+    o.known_grad_norm = 1e30;
+    o.max_grad_norm = 1.0;
+    CHECK_FALSE(opt.step(const_view{g.data(), g.size(), dtype::f32}, {}, o).applied);
+    // The rule in isolation: below the float range the step goes on and params stay finite.
+    CHECK_FALSE(decide_step(o, 1e30).apply);
+    CHECK(decide_step(o, 1e27).apply);
+    o.known_grad_norm = -1.0;
+    o.max_grad_norm = 0.0;
+    o.grad_scale = 1e7f;
+    const auto ok = opt.step(const_view{g.data(), g.size(), dtype::f32}, {}, o);
+    CHECK(ok.applied);
+    for (float x : opt.params()) CHECK(std::isfinite(x));
+  }
+}

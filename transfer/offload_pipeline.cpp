@@ -128,8 +128,6 @@ struct offload_pipeline::impl {
   std::condition_variable cv;
   std::optional<operation> pending;
   bool busy = false, stop = false;
-  bool usable = true;
-  std::string failure;
   pipeline_timeline current, last;
   std::thread worker;
 
@@ -141,7 +139,8 @@ struct offload_pipeline::impl {
     dtype_size(options.grad_type); // throws for a value outside the enum
     dtype_size(options.param_type);
     arena = opt.arena_size();
-    chunk = (options.chunk_elems + 15) / 16 * 16;
+    // A chunk larger than the arena is the arena (rounded up to 16): no overflow near SIZE_MAX.
+    chunk = (std::min(options.chunk_elems, std::max<std::size_t>(arena, 1)) + 15) / 16 * 16;
     chunks = (arena + chunk - 1) / chunk;
     gsz = dtype_size(options.grad_type);
     psz = dtype_size(options.param_type);
@@ -173,12 +172,18 @@ struct offload_pipeline::impl {
   pipeline_handle submit(operation op) {
     std::unique_lock<std::mutex> lock(mu);
     cv.wait(lock, [&] { return !busy; }); // documented: one operation at a time
-    if (!usable) throw std::logic_error("offload_pipeline is not usable: " + failure);
+    refuse_if_unusable();
     op.handle = std::make_shared<pipeline_handle::state>();
     pending = op;
     busy = true;
     cv.notify_all();
     return pipeline_handle(op.handle);
+  }
+
+  // A failed step poisons the optimizer (optimizer::abort_step): the pipeline refuses
+  // to run on it until it is restored.
+  void refuse_if_unusable() const {
+    if (!opt.usable()) throw std::logic_error("offload_pipeline is not usable: " + opt.failure_reason());
   }
 
   void run() {
@@ -265,7 +270,9 @@ struct offload_pipeline::impl {
     std::size_t updated = 0, k = 0;
     pipeline_stage stage = pipeline_stage::copy_in;
     std::optional<std::string> copy_out_error;
+    std::int64_t before = 0;
     try {
+      before = opt.step_count();
       opt.begin_step({options.grad_type, true, options.param_type, op.grad_scale, use_acc});
       start_copy_in(op);
       for (k = 0; k < chunks; ++k) {
@@ -311,19 +318,16 @@ struct offload_pipeline::impl {
       }
     } catch (const std::exception& e) {
       drain();
-      opt.abort_step();
       std::string msg = "offload step failed at chunk " + std::to_string(k) + " of " + std::to_string(chunks) +
                         " (stage " + stage_name(stage) + "): " + e.what();
       if (updated == 0) {
         msg += "; no chunk was updated: the optimizer state is unchanged";
       } else {
-        msg += "; chunks [0, " + std::to_string(updated) + ") hold step " + std::to_string(opt.step_count() + 1) +
-               " and the rest step " + std::to_string(opt.step_count()) +
-               ": the pipeline is not usable until the state is restored (load a checkpoint)";
-        std::lock_guard<std::mutex> lock(mu);
-        usable = false;
-        failure = msg;
+        msg += "; chunks [0, " + std::to_string(updated) + ") hold step " + std::to_string(before + 1) +
+               " and the rest step " + std::to_string(before) +
+               ": the pipeline and the optimizer are not usable until the state is restored (load a checkpoint)";
       }
+      opt.abort_step(msg); // poisons the optimizer when chunks were updated
       return failed(msg);
     }
     const step_result r = opt.finish_step();
@@ -395,39 +399,31 @@ pipeline_handle offload_pipeline::step_async(const_view device_grads, mut_view d
                                              const step_options& options, void* grads_ready_event) {
   impl& s = *impl_;
   const bool needs_norm = options.skip_nonfinite || options.max_grad_norm > 0;
-  if (options.max_grad_norm < 0 || !std::isfinite(options.max_grad_norm))
-    throw std::invalid_argument("max_grad_norm = " + std::to_string(options.max_grad_norm) +
-                                ": expected a finite value >= 0 (0 = no clipping)");
-  if (needs_norm && options.known_grad_norm < 0)
+  if (needs_norm && options.known_grad_norm < 0) {
+    decide_step(options, 0.0); // a bad option is named first
     throw std::invalid_argument("offload step with skip_nonfinite or max_grad_norm needs known_grad_norm (the "
                                 "gradients' norm computed where they are, e.g. on the GPU); set skip_nonfinite = "
                                 "false to step unchecked");
-  float scale = options.grad_scale;
-  if (needs_norm) {
-    const double norm = double(options.grad_scale) * options.known_grad_norm;
-    if (!std::isfinite(norm)) {
-      if (options.skip_nonfinite) {
-        // Checked before anything moves: record the skip and hand back a finished handle.
-        check_device_view("device_grads", device_grads.data, device_grads.size, device_grads.type, s.arena,
-                          s.options.grad_type);
-        std::unique_lock<std::mutex> lock(s.mu);
-        s.cv.wait(lock, [&] { return !s.busy; });
-        s.opt.set_skipped_steps(s.opt.skipped_steps() + 1);
-        s.micro_batches = 0;
-        auto st = std::make_shared<pipeline_handle::state>();
-        step_result r;
-        r.applied = false;
-        r.step = s.opt.step_count();
-        r.grad_norm = norm;
-        r.skipped_steps = s.opt.skipped_steps();
-        st->finish(r, nullptr);
-        return pipeline_handle(st);
-      }
-    } else if (options.max_grad_norm > 0 && norm >= options.max_grad_norm) {
-      scale = float(double(options.grad_scale) * options.max_grad_norm / norm);
-    }
   }
-  return step_async(device_grads, device_params, scale, grads_ready_event);
+  const step_decision d = decide_step(options, options.known_grad_norm);
+  if (d.apply) return step_async(device_grads, device_params, d.scale, grads_ready_event);
+  // Skipped before anything moves: count it and hand back a finished handle.
+  check_device_view("device_grads", device_grads.data, device_grads.size, device_grads.type, s.arena,
+                    s.options.grad_type);
+  check_device_view("device_params", device_params.data, device_params.size, device_params.type, s.arena,
+                    s.options.param_type);
+  std::unique_lock<std::mutex> lock(s.mu);
+  s.cv.wait(lock, [&] { return !s.busy; });
+  s.refuse_if_unusable();
+  step_result r;
+  r.applied = false;
+  r.grad_norm = d.grad_norm;
+  r.skipped_steps = s.opt.record_skipped_step();
+  r.step = s.opt.step_count();
+  s.micro_batches = 0; // a skipped step drops its accumulated micro-batches too
+  auto st = std::make_shared<pipeline_handle::state>();
+  st->finish(r, nullptr);
+  return pipeline_handle(st);
 }
 
 pipeline_handle offload_pipeline::accumulate_async(const_view device_grads, void* grads_ready_event) {
@@ -447,6 +443,7 @@ void offload_pipeline::push_params(mut_view device_params) {
                     s.options.param_type);
   std::unique_lock<std::mutex> lock(s.mu);
   s.cv.wait(lock, [&] { return !s.busy; });
+  s.refuse_if_unusable();
   const float* host = s.opt.params().data();
   for (std::size_t k = 0; k < s.chunks; ++k) {
     const auto [lo, hi] = s.range(k);
@@ -463,15 +460,9 @@ int offload_pipeline::accumulated_micro_batches() const {
   return impl_->micro_batches;
 }
 
-bool offload_pipeline::usable() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  return impl_->usable;
-}
+bool offload_pipeline::usable() const { return impl_->opt.usable(); }
 
-std::string offload_pipeline::failure_reason() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  return impl_->failure;
-}
+std::string offload_pipeline::failure_reason() const { return impl_->opt.failure_reason(); }
 
 std::size_t offload_pipeline::num_chunks() const { return impl_->chunks; }
 

@@ -28,9 +28,15 @@ std::vector<kernel_info> kernels();
 /// kernel this CPU cannot run (never a silent fallback).
 std::string active_kernel();
 
+/// The most worker threads a step may ask for: 4 x the hardware threads, at most 1024.
+/// More is refused with std::invalid_argument (threading runtimes crash or abort on huge
+/// counts; no step gains from oversubscription).
+int max_threads();
+
 /// How a step runs. Results are bitwise identical for every choice here.
 struct execution_options {
-  int threads = 0;    ///< worker threads, >= 0; 0 means the threading runtime's default
+  /// Worker threads, in [0, max_threads()]; 0 means the threading runtime's default.
+  int threads = 0;
   std::string kernel; ///< kernel name from kernels(); empty means active_kernel()
 };
 

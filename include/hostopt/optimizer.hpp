@@ -17,6 +17,19 @@
 
 namespace hostopt {
 
+class optimizer;
+namespace detail {
+class exclusive_state; // the checkpoint code's locked access to an optimizer's state
+}
+
+/// Largest step count an optimizer holds (2^53: every t + 1 is exact in double, where the
+/// bias corrections are computed). Setting or stepping past it is refused.
+inline constexpr std::int64_t max_step_count = std::int64_t(1) << 53;
+
+/// Largest optimizer state in bytes (params + moments): 2^48, the virtual address space of
+/// x86-64 and aarch64 user processes. Larger layouts are refused before allocating.
+inline constexpr std::uint64_t max_state_bytes = std::uint64_t(1) << 48;
+
 /// A tensor to register: a unique name and a shape (every extent >= 0).
 struct tensor_spec {
   std::string name;
@@ -56,12 +69,26 @@ struct step_options {
   double max_grad_norm = 0.0;
   /// Check every gradient first; a non-finite one skips the step, leaving params, moments
   /// and the step count bit-for-bit as they were (step_result says so). Costs one read of
-  /// the gradients unless known_grad_norm is given.
+  /// the gradients unless known_grad_norm is given. "Non-finite" is judged as the kernel
+  /// computes: in float, so gradients whose scaled norm exceeds the float range
+  /// (3.4e38; e.g. 1e30 scaled by 1e10) count as non-finite too.
   bool skip_nonfinite = true;
   /// >= 0 (or inf/NaN): the norm of the unscaled gradients, computed by the caller (e.g.
   /// on the GPU), used instead of a statistics pass. Negative: not known.
   double known_grad_norm = -1.0;
 };
+
+/// What a checked step does, decided from the norm of the unscaled gradients (NaN or inf
+/// when one is non-finite): the one rule every step path (optimizer::step, the sharded
+/// step, the offload pipeline) applies.
+struct step_decision {
+  bool apply = true;        ///< false: skip the step (non-finite gradients and skip_nonfinite)
+  float scale = 1.0f;       ///< grad_scale times the clip factor: the kernel's multiplier
+  double grad_norm = -1.0;  ///< norm of grad_scale * gradients (-1 when not needed)
+};
+/// Validates `options` (std::invalid_argument for a bad grad_scale or max_grad_norm) and
+/// decides. `raw_norm` is only read when options need it (skip_nonfinite or clipping).
+step_decision decide_step(const step_options& options, double raw_norm);
 
 /// The arena layout of the groups' tensors: the segments an optimizer built from them has
 /// (validated the same way), computed without allocating any state.
@@ -82,7 +109,20 @@ struct step_result {
 /// aligned offset of one flat arena; params, exp_avg and exp_avg_sq are three such arenas
 /// (12 bytes per element plus alignment padding). The layout is fixed at construction.
 /// A step runs one parallel region over the whole arena and allocates nothing.
-/// Not thread-safe: one call at a time per optimizer.
+///
+/// Thread safety: every public operation is serialized by a mutex inside the object, so
+/// concurrent steps, saves and loads from several threads give the serial result. A
+/// chunked step (begin_step .. finish_step, what the offload pipeline runs) belongs to the
+/// thread that began it: other threads' operations wait until it is finished or aborted,
+/// and the owner calling anything but update_range/finish_step/abort_step is refused.
+/// The spans returned by params()/exp_avg()/exp_avg_sq() are plain views: reading or
+/// writing through them while another thread steps is a data race, as with any container.
+///
+/// Failures: a chunked step aborted after some ranges were updated leaves a half-updated
+/// state. The optimizer is then not usable: every operation that reads or writes the state
+/// (steps, views, set_params, save_checkpoint, counters) throws std::runtime_error with
+/// failure_reason() until load_checkpoint() restores a whole state (or reset_failure()
+/// declares the state whole).
 class optimizer {
 public:
   /// Registers the groups' tensors and zero-initialises params and moments (first touched
@@ -109,18 +149,18 @@ public:
 
   // --- hyper-parameters and step count ------------------------------------------------
   std::size_t num_groups() const;
-  const adam_config& group_config(std::size_t group) const;
+  adam_config group_config(std::size_t group) const;
   /// Replaces a group's hyper-parameters (schedules); validated first, nothing changes on error.
   void set_group_config(std::size_t group, const adam_config& config);
   /// Sets lr of one group; validated like set_group_config.
   void set_lr(std::size_t group, double lr);
   /// Completed steps; the next step uses t = step_count() + 1.
   std::int64_t step_count() const;
-  /// For resuming; must be >= 0.
+  /// For resuming; must be in [0, max_step_count].
   void set_step_count(std::int64_t count);
 
   // --- execution ----------------------------------------------------------------------
-  const execution_options& execution() const;
+  execution_options execution() const;
   /// Changes threads/kernel for later steps; validated first.
   void set_execution(const execution_options& exec);
 
@@ -158,8 +198,20 @@ public:
   step_result step(std::span<const const_view> grads, std::span<const mut_view> outs, const step_options& options);
   /// Steps skipped so far because of non-finite gradients.
   std::int64_t skipped_steps() const;
-  /// For resuming; must be >= 0.
+  /// For resuming; must be in [0, max_step_count].
   void set_skipped_steps(std::int64_t count);
+  /// Counts a step skipped outside step() (the pipeline's check made before any chunk
+  /// moved): the step count stays, skipped_steps() grows by one. Returns the new count.
+  std::int64_t record_skipped_step();
+
+  // --- failures -----------------------------------------------------------------------
+  /// False after a chunked step failed midway (the state is partly updated).
+  bool usable() const;
+  /// Why the optimizer is not usable ("" when it is).
+  std::string failure_reason() const;
+  /// Declares the state whole again (e.g. after the caller restored it through the
+  /// views). load_checkpoint() does this itself.
+  void reset_failure();
 
   // --- chunked steps (what the offload pipeline drives) -------------------------------
   /// Starts a step whose gradients arrive chunk by chunk: fixes the dtypes and the
@@ -174,13 +226,15 @@ public:
   /// Ends the chunked step: the step count becomes t. The caller must have covered the
   /// whole arena (the pipeline does).
   step_result finish_step();
-  /// Closes an open chunked step without counting it (after a failure midway: ranges
-  /// already updated stay updated). No-op when none is open.
-  void abort_step() noexcept;
+  /// Closes an open chunked step without counting it. If ranges were already updated the
+  /// state is half-updated: the optimizer becomes not usable with `reason` (see usable()).
+  /// No-op when no chunked step is open.
+  void abort_step(const std::string& reason = "a chunked step was aborted after updating part of the arena") noexcept;
   /// Whether begin_step() was called without finish_step() yet.
   bool step_in_progress() const;
 
 private:
+  friend class detail::exclusive_state;
   struct impl;
   std::unique_ptr<impl> impl_;
 };

@@ -1,0 +1,46 @@
+#pragma once
+// Locked access to an optimizer's whole state for the code that must see it at once
+// (checkpoints): holds the optimizer's lock, with no chunked step open, for its lifetime.
+// Public operations of the same optimizer must not be called while one is alive (they
+// would wait for this lock).
+
+#include <cstdint>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "hostopt/optimizer.hpp"
+
+namespace hostopt::detail {
+
+class exclusive_state {
+public:
+  /// Waits for an open chunked step to close. Throws std::runtime_error when the state is
+  /// half-updated, unless `allow_failed` (a load, which replaces the state).
+  exclusive_state(const optimizer& opt, const char* what, bool allow_failed = false);
+  ~exclusive_state();
+  exclusive_state(const exclusive_state&) = delete;
+  exclusive_state& operator=(const exclusive_state&) = delete;
+
+  std::span<const segment> segments() const;
+  /// Array k of the arena: 0 params, 1 exp_avg, 2 exp_avg_sq (arena_size() floats each).
+  float* array(int k) const;
+  std::size_t arena_size() const;
+  const std::vector<adam_config>& configs() const;
+  std::int64_t step_count() const;
+  std::int64_t skipped_steps() const;
+
+  /// Replaces hyper-parameters and counters, validated first (std::invalid_argument).
+  void set_counters(std::vector<adam_config> configs, std::int64_t step, std::int64_t skipped);
+  /// Marks the state half-updated (a load that failed after it began writing).
+  void mark_failed(const std::string& reason);
+  /// Marks the state whole (a load that completed).
+  void clear_failure();
+
+private:
+  optimizer::impl& impl_;
+  std::unique_lock<std::mutex> lock_;
+};
+
+} // namespace hostopt::detail
