@@ -14,6 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "checkpoint_io.hpp"
 #include "hostopt/checkpoint.hpp"
 #include "parallel.hpp"
 
@@ -137,51 +138,75 @@ step_result sharded_optimizer::step(const_view shard_grad, mut_view shard_params
                      options);
 }
 
-void sharded_optimizer::save(const std::string& dir) const {
-  save_checkpoint(local_, shard_file(dir, rank_, world_));
+void sharded_optimizer::save(const std::string& dir, const std::string& save_id) const {
+  detail::check_path(dir, "sharded checkpoint directory");
+  // Every file of one save names it, so shards of different saves are never mixed on load.
+  const std::string id = save_id.empty() ? "step-" + std::to_string(local_.step_count()) : save_id;
+  const std::string step = std::to_string(local_.step_count());
+  detail::save_checkpoint(local_, shard_file(dir, rank_, world_),
+                          {{"save_id", id},
+                           {"shard_world", std::to_string(world_)},
+                           {"shard_rank", std::to_string(rank_)},
+                           {"shard_range", std::to_string(shard_.begin) + ":" + std::to_string(shard_.end)}});
   if (rank_ != 0) return;
-  nlohmann::json index = {{"format", "hostopt-sharded"}, {"version", "1"}, {"world_size", world_}, {"arena_size", arena_}};
+  nlohmann::json index = {{"format", "hostopt-sharded"}, {"version", "2"},      {"world_size", world_},
+                          {"arena_size", arena_},        {"save_id", id},        {"step", step}};
   for (int r = 0; r < world_; ++r) {
     const shard_range s = shard_of(arena_, world_, r);
     index["ranges"].push_back({s.begin, s.end});
   }
-  const std::string path = dir + "/index.json", tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::trunc);
-    f << index.dump(2) << "\n";
-    f.flush();
-    if (!f) throw std::runtime_error("sharded checkpoint '" + dir + "': cannot write index.json");
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0)
-    throw std::runtime_error("sharded checkpoint '" + dir + "': cannot rename index.json into place");
+  detail::write_file_atomically(dir + "/index.json", index.dump(2) + "\n", "sharded checkpoint index");
 }
 
 void sharded_optimizer::load(const std::string& dir) {
-  std::ifstream f(dir + "/index.json");
-  if (!f) throw std::runtime_error("sharded checkpoint '" + dir + "': no index.json");
+  detail::check_path(dir, "sharded checkpoint directory");
+  const std::string where = "sharded checkpoint '" + dir + "': ";
   nlohmann::json index;
   try {
-    f >> index;
-  } catch (const std::exception& e) {
-    throw std::runtime_error("sharded checkpoint '" + dir + "': index.json is not valid JSON: " + e.what());
+    index = nlohmann::json::parse(detail::read_small_file(dir + "/index.json", "sharded checkpoint index"));
+  } catch (const nlohmann::json::exception& e) {
+    throw std::runtime_error(where + "index.json is not valid JSON: " + e.what());
   }
-  if (index.value("format", "") != "hostopt-sharded" || index.value("version", "") != "1")
-    throw std::runtime_error("sharded checkpoint '" + dir + "': unknown format or version in index.json");
-  const int old_world = index.value("world_size", 0);
-  if (old_world < 1 || old_world > 1 << 20)
-    throw std::runtime_error("sharded checkpoint '" + dir + "': world_size " + std::to_string(old_world) + " is invalid");
-  if (index.value("arena_size", std::size_t(0)) != arena_)
-    throw std::runtime_error("sharded checkpoint '" + dir + "': arena size " + index["arena_size"].dump() +
-                             " differs from this model's " + std::to_string(arena_));
-  // Read every old shard this rank needs (verified by load_checkpoint), then copy.
+  if (!index.is_object() || index.value("format", "") != "hostopt-sharded" || index.value("version", "") != "2")
+    throw std::runtime_error(where + "unknown format or version in index.json (expected hostopt-sharded version 2)");
+  const auto& w = index["world_size"];
+  if (!w.is_number_integer() || w.get<std::int64_t>() < 1 || w.get<std::int64_t>() > (1 << 20))
+    throw std::runtime_error(where + "world_size " + w.dump() + " is invalid");
+  const int old_world = w.get<int>();
+  if (!index["arena_size"].is_number_unsigned() || index["arena_size"].get<std::size_t>() != arena_)
+    throw std::runtime_error(where + "arena size " + index["arena_size"].dump() + " differs from this model's " +
+                             std::to_string(arena_));
+  if (!index["save_id"].is_string() || !index["step"].is_string())
+    throw std::runtime_error(where + "index.json lacks save_id or step");
+  const std::string id = index["save_id"].get<std::string>(), step = index["step"].get<std::string>();
+  // Read every old shard this rank needs (each verified completely by load_checkpoint, and
+  // refused unless it belongs to the same save and step as the index), then copy.
   std::vector<std::unique_ptr<sharded_optimizer>> sources;
   for (int r = 0; r < old_world; ++r) {
     const shard_range s = shard_of(arena_, old_world, r);
     if (s.end <= shard_.begin || s.begin >= shard_.end) continue;
     sources.emplace_back(new sharded_optimizer(groups_, old_world, r, execution_options{1, ""}, layout_));
-    load_checkpoint(sources.back()->local_, shard_file(dir, r, old_world));
+    detail::load_checkpoint(sources.back()->local_, shard_file(dir, r, old_world),
+                            {{"save_id", id},
+                             {"step", step},
+                             {"shard_world", std::to_string(old_world)},
+                             {"shard_rank", std::to_string(r)},
+                             {"shard_range", std::to_string(s.begin) + ":" + std::to_string(s.end)}});
   }
   const optimizer* meta = sources.empty() ? nullptr : &sources.front()->local_;
+  for (const auto& p : sources) {
+    const sharded_optimizer& src = *p;
+    if (src.local_.skipped_steps() != meta->skipped_steps())
+      throw std::runtime_error(where + "the shards disagree on skipped_steps: files of different runs");
+    for (std::size_t g = 0; g < local_.num_groups(); ++g) {
+      const adam_config a = src.local_.group_config(g), b = meta->group_config(g);
+      if (a.lr != b.lr || a.beta1 != b.beta1 || a.beta2 != b.beta2 || a.eps != b.eps || a.eps_root != b.eps_root ||
+          a.weight_decay != b.weight_decay || a.mode != b.mode || a.bias_correction != b.bias_correction ||
+          a.nesterov != b.nesterov)
+        throw std::runtime_error(where + "the shards disagree on the hyper-parameters of group " + std::to_string(g));
+    }
+  }
+  local_.reset_failure(); // every source verified: the state below is replaced whole
   for (const auto& p : sources) {
     const sharded_optimizer& src = *p;
     const std::size_t lo = std::max(shard_.begin, src.shard_.begin), hi = std::min(shard_.end, src.shard_.end);

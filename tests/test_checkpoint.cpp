@@ -2,8 +2,16 @@
 // with the optimizer left untouched.
 #include <catch2/catch.hpp>
 
+#include <atomic>
 #include <cstdio>
 #include <filesystem>
+#include <thread>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
@@ -109,7 +117,7 @@ TEST_CASE("the file is standard safetensors, replaced atomically", "[checkpoint]
   save_checkpoint(opt, path.string());
   const auto [header, data] = split(read_file(path));
   CHECK(header["__metadata__"]["format"] == "hostopt");
-  CHECK(header["__metadata__"]["version"] == "1");
+  CHECK(header["__metadata__"]["version"] == "2");
   CHECK(header["__metadata__"]["step"] == "2");
   CHECK(header["embed.param"]["dtype"] == "F32");
   CHECK(header["embed.exp_avg_sq"]["shape"] == nlohmann::json({50, 8}));
@@ -123,6 +131,9 @@ TEST_CASE("the file is standard safetensors, replaced atomically", "[checkpoint]
   train(opt, 1, rng);
   save_checkpoint(opt, path.string());
   CHECK(split(read_file(path)).first["__metadata__"]["step"] == "3");
+  optimizer reloaded(model());
+  load_checkpoint(reloaded, path.string());
+  CHECK(reloaded.step_count() == 3);
   std::size_t files = 0;
   for (auto it = fs::directory_iterator(dir); it != fs::directory_iterator(); ++it) ++files;
   CHECK(files == 1);
@@ -161,7 +172,25 @@ TEST_CASE("bad checkpoints are refused with a message naming the problem; nothin
       {"checksum mismatch", [&] { std::string f = file; f[f.size() - 3] ^= 0x40; return f; }},
       {"not valid JSON", [&] { std::string f = file; f[9] = '#'; return f; }},
       {"absurd", [&] { std::string f = file; f[7] = 0x10; return f; }},
-      {"version '2' is unknown", [&] { return with_header([](nlohmann::json& h) { h["__metadata__"]["version"] = "2"; }); }},
+      {"version '3' is unknown", [&] { return with_header([](nlohmann::json& h) { h["__metadata__"]["version"] = "3"; }); }},
+      {"version '1' is unknown", [&] { return with_header([](nlohmann::json& h) { h["__metadata__"]["version"] = "1"; }); }},
+      // Metadata is under the checksum: a valid-looking change of lr or of a count is caught.
+      {"checksum mismatch", [&] { return with_header([](nlohmann::json& h) {
+         auto g = nlohmann::json::parse(h["__metadata__"]["groups"].get<std::string>());
+         g[0]["lr"] = 0.5;
+         h["__metadata__"]["groups"] = g.dump();
+       }); }},
+      {"checksum mismatch", [&] { return with_header([](nlohmann::json& h) { h["__metadata__"]["step"] = "5"; }); }},
+      {"checksum mismatch", [&] { return with_header([](nlohmann::json& h) { h["__metadata__"]["skipped_steps"] = "1"; }); }},
+      // Counts parse strictly.
+      {"'step' = \"3xyz\"", [&] { return with_header([](nlohmann::json& h) { h["__metadata__"]["step"] = "3xyz"; }); }},
+      {"'step' = \"0x10\"", [&] { return with_header([](nlohmann::json& h) { h["__metadata__"]["step"] = "0x10"; }); }},
+      {"'step' = \" 3\"", [&] { return with_header([](nlohmann::json& h) { h["__metadata__"]["step"] = " 3"; }); }},
+      {"'step' = \"3.9\"", [&] { return with_header([](nlohmann::json& h) { h["__metadata__"]["step"] = "3.9"; }); }},
+      {"'skipped_steps' = \"-1\"", [&] { return with_header([](nlohmann::json& h) { h["__metadata__"]["skipped_steps"] = "-1"; }); }},
+      {"above hostopt::max_step_count", [&] { return with_header([](nlohmann::json& h) { h["__metadata__"]["step"] = "9223372036854775807"; }); }},
+      // Bytes that belong to no tensor.
+      {"belong to no tensor", [&] { return file + std::string(4096, '\0'); }},
       {"format 'other'", [&] { return with_header([](nlohmann::json& h) { h["__metadata__"]["format"] = "other"; }); }},
       {"no __metadata__", [&] { return with_header([](nlohmann::json& h) { h.erase("__metadata__"); }); }},
       {"'bias.exp_avg' is missing", [&] { return with_header([](nlohmann::json& h) { h.erase("bias.exp_avg"); }); }},
@@ -197,5 +226,162 @@ TEST_CASE("bad checkpoints are refused with a message naming the problem; nothin
   optimizer different({{adam_config{}, {{"embed", {50, 8}}}}});
   CHECK_THROWS_WITH(load_checkpoint(different, good.string()), Catch::Contains("different tensor names"));
   CHECK_THROWS_WITH(load_checkpoint(target, (dir / "missing.safetensors").string()), Catch::Contains("cannot open"));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("saves replace only regular files; links, fifos, devices and directories are refused", "[checkpoint][files]") {
+  const fs::path dir = scratch_dir();
+  optimizer opt(model());
+  std::mt19937 rng(4);
+  train(opt, 1, rng);
+  // A fifo stays a fifo.
+  const fs::path fifo = dir / "fifo";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  CHECK_THROWS_WITH(save_checkpoint(opt, fifo.string()), Catch::Contains("not a regular file"));
+  CHECK(fs::is_fifo(fs::symlink_status(fifo)));
+  // A symbolic link is neither replaced nor written through.
+  const fs::path target = dir / "target.safetensors", link = dir / "link.safetensors";
+  write_file(target, "precious");
+  fs::create_symlink(target, link);
+  CHECK_THROWS_WITH(save_checkpoint(opt, link.string()), Catch::Contains("symbolic link"));
+  CHECK(fs::is_symlink(fs::symlink_status(link)));
+  CHECK(read_file(target) == "precious");
+  // A directory.
+  fs::create_directories(dir / "sub");
+  CHECK_THROWS_WITH(save_checkpoint(opt, (dir / "sub").string()), Catch::Contains("not a regular file"));
+  CHECK(fs::is_directory(dir / "sub"));
+  // A character device (made here, never a real /dev node; needs root to make).
+  const fs::path dev = dir / "null_device";
+  if (::mknod(dev.c_str(), S_IFCHR | 0600, makedev(1, 3)) == 0) {
+    CHECK_THROWS_WITH(save_checkpoint(opt, dev.string()), Catch::Contains("not a regular file"));
+    CHECK(fs::is_character_file(fs::symlink_status(dev)));
+    optimizer other(model());
+    CHECK_THROWS_WITH(load_checkpoint(other, dev.string()), Catch::Contains("not a regular file"));
+  }
+  // Nothing was left behind by the refused saves.
+  for (auto it = fs::directory_iterator(dir); it != fs::directory_iterator(); ++it)
+    CHECK(it->path().filename().string().find("hostopt-tmp") == std::string::npos);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("loading from a fifo is refused at once instead of blocking", "[checkpoint][files]") {
+  const fs::path dir = scratch_dir();
+  const fs::path fifo = dir / "fifo.safetensors";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  optimizer opt(model());
+  std::atomic<bool> done{false};
+  std::string message;
+  std::thread loader([&] {
+    try {
+      load_checkpoint(opt, fifo.string());
+    } catch (const std::exception& e) {
+      message = e.what();
+    }
+    done = true;
+  });
+  for (int i = 0; i < 500 && !done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  const bool refused_in_time = done;
+  if (!done) { // unblock a loader stuck in open() so the test can end
+    const int fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+    if (fd >= 0) ::close(fd);
+  }
+  loader.join();
+  CHECK(refused_in_time);
+  CHECK_THAT(message, Catch::Contains("not a regular file"));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("temp files are unique per save, and a dead writer's are removed by the next save", "[checkpoint][files]") {
+  const fs::path dir = scratch_dir();
+  const fs::path path = dir / "state.safetensors";
+  optimizer opt(model());
+  std::mt19937 rng(5);
+  train(opt, 2, rng);
+  // A pid that no longer runs: a child that has exited and been reaped.
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  ::waitpid(child, nullptr, 0);
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  std::string h = host[0] ? host : "localhost";
+  for (char& c : h)
+    if (c == '/' || c == '.') c = '_';
+  const fs::path stale = dir / ("state.safetensors.hostopt-tmp." + h + "." + std::to_string(child) + ".0");
+  const fs::path alive = dir / ("state.safetensors.hostopt-tmp." + h + "." + std::to_string(::getppid()) + ".0");
+  const fs::path foreign = dir / "state.safetensors.hostopt-tmp.otherhost.1.0";
+  for (const auto& p : {stale, alive, foreign}) write_file(p, std::string(1000, 'x'));
+  save_checkpoint(opt, path.string());
+  CHECK_FALSE(fs::exists(stale));
+  CHECK(fs::exists(alive));   // a live writer's file is its own
+  CHECK(fs::exists(foreign)); // another host's pids are not ours to judge
+  fs::remove(alive);
+  fs::remove(foreign);
+  // Two threads saving to one path both succeed; the file is one of them, whole.
+  std::vector<std::string> errors(2);
+  auto saver = [&](int i) {
+    try {
+      for (int k = 0; k < 20; ++k) save_checkpoint(opt, path.string());
+    } catch (const std::exception& e) {
+      errors[i] = e.what();
+    }
+  };
+  std::thread a(saver, 0), b(saver, 1);
+  a.join();
+  b.join();
+  CHECK(errors[0].empty());
+  CHECK(errors[1].empty());
+  optimizer loaded(model());
+  load_checkpoint(loaded, path.string());
+  CHECK(snapshot(loaded) == snapshot(opt));
+  std::size_t files = 0;
+  for (auto it = fs::directory_iterator(dir); it != fs::directory_iterator(); ++it) ++files;
+  CHECK(files == 1);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("paths with a NUL byte are refused, not truncated", "[checkpoint][files]") {
+  const fs::path dir = scratch_dir();
+  optimizer opt(model());
+  const std::string with_nul = (dir / "a.safetensors").string() + std::string("\0.bak", 5);
+  CHECK_THROWS_WITH(save_checkpoint(opt, with_nul), Catch::Contains("NUL"));
+  CHECK_FALSE(fs::exists(dir / "a.safetensors"));
+  CHECK_THROWS_WITH(load_checkpoint(opt, with_nul), Catch::Contains("NUL"));
+  CHECK_THROWS_AS(save_checkpoint(opt, ""), std::invalid_argument);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("loading needs no second copy of the state and refuses trailing bytes", "[checkpoint]") {
+  const fs::path dir = scratch_dir();
+  const fs::path path = dir / "big.safetensors";
+  // 8M parameters: 96 MiB of state. A load that staged the whole data section would add
+  // 96 MiB to the peak; the streaming load adds a few MiB of buffers.
+  optimizer opt({{adam_config{}, {{"w", {8 << 20}}}}}, {2, ""});
+  std::mt19937 rng(6);
+  const auto g = ref::random_grad(dtype::f32, opt.arena_size(), rng);
+  opt.step(g.view());
+  save_checkpoint(opt, path.string());
+  optimizer target({{adam_config{}, {{"w", {8 << 20}}}}}, {2, ""});
+  auto peak_rss_kb = [] {
+    std::ifstream f("/proc/self/status");
+    std::string line;
+    while (std::getline(f, line))
+      if (line.rfind("VmHWM:", 0) == 0) return std::stol(line.substr(6));
+    return 0L;
+  };
+  { // reset the high-water mark to now (Linux >= 4.0)
+    std::ofstream clear("/proc/self/clear_refs");
+    clear << "5";
+  }
+  const long before = peak_rss_kb();
+  load_checkpoint(target, path.string());
+  const long grown_mib = (peak_rss_kb() - before) / 1024;
+  INFO("peak RSS grew by " << grown_mib << " MiB while loading 96 MiB of state");
+  CHECK(grown_mib < 48);
+  CHECK(std::memcmp(target.params().data(), opt.params().data(), opt.arena_size() * 4) == 0);
+  // Appended bytes (zeros, as a botched copy leaves) are refused; the state stays.
+  { std::ofstream f(path, std::ios::binary | std::ios::app); f << std::string(1 << 20, '\0'); }
+  optimizer fresh({{adam_config{}, {{"w", {8 << 20}}}}});
+  CHECK_THROWS_WITH(load_checkpoint(fresh, path.string()), Catch::Contains("belong to no tensor"));
+  CHECK(fresh.step_count() == 0);
   fs::remove_all(dir);
 }

@@ -139,6 +139,42 @@ TEST_CASE("save with 2 ranks, load with 3 and with 1: training continues bit-ide
   }
   fs::remove(dir / "index.json");
   auto world = make_world(2);
-  CHECK_THROWS_WITH(world.front().load(dir.string()), Catch::Contains("no index.json"));
+  CHECK_THROWS_WITH(world.front().load(dir.string()), Catch::Contains("index.json") && Catch::Contains("No such file"));
   fs::remove_all(dir);
+}
+
+TEST_CASE("shard files of different saves are never loaded together", "[sharding][checkpoint]") {
+  const fs::path base = fs::temp_directory_path() / ("hostopt_shard_mix_" + std::to_string(::getpid()));
+  const fs::path a = base / "a", b = base / "b";
+  fs::create_directories(a);
+  fs::create_directories(b);
+  std::mt19937 rng(9);
+  auto late = make_world(2), early = make_world(2);
+  const std::size_t n = late.front().arena_size();
+  for (int t = 0; t < 3; ++t) step_world(late, ref::random_grad(dtype::f32, n, rng).f32, 1.0);
+  step_world(early, ref::random_grad(dtype::f32, n, rng).f32, 1.0);
+  for (auto& r : late) r.save(a.string());
+  for (auto& r : early) r.save(b.string());
+  // Every file of the save names its step and id; index.json was replaced atomically.
+  std::size_t files = 0;
+  for (auto it = fs::directory_iterator(a); it != fs::directory_iterator(); ++it) ++files;
+  CHECK(files == 3);
+  // Shard 1 at step 1 beside shard 0 at step 3: refused for every world size that reads it.
+  fs::copy_file(b / "shard-1-of-2.safetensors", a / "shard-1-of-2.safetensors", fs::copy_options::overwrite_existing);
+  for (int w : {1, 2, 3}) {
+    auto world = make_world(w);
+    const auto before = std::vector<float>(world.back().local().params().begin(), world.back().local().params().end());
+    INFO("world " << w);
+    CHECK_THROWS_WITH(world.back().load(a.string()), Catch::Contains("shard-1-of-2") && Catch::Contains("expected"));
+    CHECK(world.back().local().step_count() == 0);
+    CHECK(std::vector<float>(world.back().local().params().begin(), world.back().local().params().end()) == before);
+  }
+  // The same step but a different save id is refused too.
+  for (auto& r : early) r.save(b.string(), "run-2");
+  auto world = make_world(1);
+  fs::copy_file(b / "index.json", a / "index.json", fs::copy_options::overwrite_existing);
+  CHECK_THROWS_WITH(world.front().load(a.string()), Catch::Contains("save_id"));
+  world.front().load(b.string());
+  CHECK(world.front().local().step_count() == 1);
+  fs::remove_all(base);
 }

@@ -5,9 +5,10 @@
 /// The file is standard safetensors (8-byte little-endian header length, JSON header,
 /// raw little-endian tensors), so any safetensors reader opens it: for each tensor NAME
 /// there are "NAME.param", "NAME.exp_avg" and "NAME.exp_avg_sq" (F32, its shape). The
-/// header's "__metadata__" holds format "hostopt", version "1", the step and skipped-step
+/// header's "__metadata__" holds format "hostopt", version "2", the step and skipped-step
 /// counts, the groups' hyper-parameters, the tensors' groups, and a 64-bit checksum of the
-/// data section.
+/// whole file — length, header (with the checksum's own 16 digits read as zeros) and data —
+/// so no byte of it can change unnoticed.
 
 #include <string>
 
@@ -15,17 +16,30 @@
 
 namespace hostopt {
 
-/// Writes `opt` to `path` atomically: a temporary file in the same directory, fsync,
-/// rename over `path`, fsync of the directory. A crash at any point leaves either the old
-/// file or the new one, never a torn one. Throws std::runtime_error naming the path and
-/// the system error.
+/// Writes `opt` to `path` atomically: a temporary file with a unique name in the same
+/// directory, fsync, rename over `path`, fsync of the directory. A crash at any point
+/// leaves either the old file or the new one, never a torn one; temporary files left by a
+/// writer that was killed are removed by the next save to the same path.
+///
+/// The state is locked for the whole save (a concurrent step waits, or the save waits for
+/// it), and the bytes are checksummed as they are written. Refused (std::runtime_error, the
+/// old file untouched): a path that exists and is not a regular file — a device such as
+/// /dev/null, a fifo, a socket, a directory, or a symbolic link (a link is not followed:
+/// save to its target) — and an optimizer that is not usable (optimizer::usable()).
+/// std::invalid_argument for an empty path or one holding a NUL byte. Other failures
+/// throw std::runtime_error naming the path and the system error.
 void save_checkpoint(const optimizer& opt, const std::string& path);
 
 /// Loads a checkpoint into `opt`, which must have the same tensors (names, shapes) in the
-/// same groups. Everything is read and verified first — header size, JSON, format and
-/// version, tensor names, dtypes, shapes, offsets inside the file, the checksum — and
-/// std::runtime_error names the first problem; only then are the params, moments, step
-/// count and hyper-parameters replaced. On error `opt` is unchanged.
+/// same groups. Everything is verified first — a regular file (a fifo or device is refused
+/// without blocking), header size, JSON, format and version, tensor names, dtypes, shapes,
+/// offsets that tile the data section exactly (trailing bytes are refused), strictly parsed
+/// counts, valid hyper-parameters, and the checksum over the whole file, computed in a
+/// streaming pass (no second copy of the state in memory) — and std::runtime_error names
+/// the first problem, with `opt` unchanged. Then the data is read into place. If the file
+/// changes or a read fails during that second pass, `opt` is left not usable (see
+/// optimizer::usable()) rather than half-loaded and silent. A successful load makes a
+/// not-usable optimizer usable again.
 void load_checkpoint(optimizer& opt, const std::string& path);
 
 } // namespace hostopt

@@ -55,11 +55,16 @@ public:
   optimizer& local() { return local_; }
 
   /// Writes this rank's shard to DIR/shard-RANK-of-WORLD.safetensors (atomically) and, on
-  /// rank 0, DIR/index.json naming the world size and each rank's range.
-  void save(const std::string& dir) const;
+  /// rank 0, DIR/index.json (atomically too) naming the world size, each rank's range, the
+  /// step and the save id. Every file of one save carries the same save id and step;
+  /// `save_id` defaults to "step-N". Pass an id every rank agrees on and that differs
+  /// between runs (e.g. a random number broadcast from rank 0) when a restarted job may
+  /// save the same step into the same directory again.
+  void save(const std::string& dir, const std::string& save_id = "") const;
   /// Loads from a sharded checkpoint written with any world size: the ranges this rank
   /// owns are read from the shard files that hold them (re-sharding). Everything is read
-  /// and checked before the state changes.
+  /// and checked before the state changes; shard files whose save id, step, world size,
+  /// rank or range differ from index.json (files of different saves) are refused.
   void load(const std::string& dir);
 
 private:

@@ -1,0 +1,35 @@
+#pragma once
+// Checkpoint writing and reading with extra metadata: what the sharded optimizer uses to
+// tie the shard files of one save together (save id, step, range). See checkpoint.hpp.
+
+#include <map>
+#include <string>
+
+#include "hostopt/optimizer.hpp"
+
+namespace hostopt::detail {
+
+using checkpoint_metadata = std::map<std::string, std::string>;
+
+/// save_checkpoint, with `extra` entries added to __metadata__ (covered by the checksum;
+/// keys must not collide with hostopt's own).
+void save_checkpoint(const optimizer& opt, const std::string& path, const checkpoint_metadata& extra);
+
+/// load_checkpoint that also refuses the file unless its __metadata__ has every entry of
+/// `expected` with the same value; the file's values of the keys named in `read_back` are
+/// returned through it (for the caller's own checks).
+void load_checkpoint(optimizer& opt, const std::string& path, const checkpoint_metadata& expected,
+                     checkpoint_metadata* read_back = nullptr);
+
+/// Writes `text` to `path` atomically (unique temp file, fsync, rename, fsync of the
+/// directory), refusing to replace anything but a regular file. `what` names the file in errors.
+void write_file_atomically(const std::string& path, const std::string& text, const std::string& what);
+
+/// The contents of a small regular file (at most `limit` bytes): a fifo or device is
+/// refused without blocking. std::runtime_error naming `what` and the path otherwise.
+std::string read_small_file(const std::string& path, const std::string& what, std::size_t limit = std::size_t(16) << 20);
+
+/// Throws std::invalid_argument when a path is empty or holds a NUL byte.
+void check_path(const std::string& path, const std::string& what);
+
+} // namespace hostopt::detail
