@@ -1,11 +1,35 @@
 // hostopt-bench: tells a user what their machine can do with an offloaded optimizer.
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <iostream>
+#include <string>
+#include <vector>
 
 #include "bench_common.hpp"
 #include "hostopt/kernels.hpp"
 #include "subcommands.hpp"
+
+namespace {
+
+// Results that never reach their reader are a failure (a full disk, a closed stdout), not
+// a silent success.
+int finish_output(int status) {
+  std::cout.flush();
+  errno = 0;
+  const bool lost = !std::cout || std::fflush(stdout) != 0 || std::ferror(stdout);
+  if (lost && status == 0) {
+    std::cerr << "error: cannot write the results to standard output"
+              << (errno ? std::string(": ") + std::strerror(errno) : std::string()) << "\n";
+    return 1;
+  }
+  return status;
+}
+
+} // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"hostopt-bench: how fast the host-side Adam/AdamW step runs on this machine, and how close to its "
@@ -27,7 +51,33 @@ int main(int argc, char** argv) {
   auto* list = app.add_subcommand("kernels", "List the kernels compiled in and whether this CPU runs them");
   for (auto* sub : app.get_subcommands({}))
     sub->fallthrough(); // global flags may come after the subcommand
-  CLI11_PARSE(app, argc, argv);
+  // The subcommand is the first word that is not a flag (the global flags take no value).
+  std::string names;
+  std::vector<std::string> known;
+  for (auto* sub : app.get_subcommands({})) {
+    names += (names.empty() ? "" : ", ") + sub->get_name();
+    known.push_back(sub->get_name());
+  }
+  bool help = false, found = false;
+  for (int i = 1; i < argc && !found; ++i) {
+    const std::string a = argv[i];
+    if (a == "-h" || a == "--help") help = true;
+    if (a.empty() || a[0] == '-') continue;
+    found = true;
+    if (std::find(known.begin(), known.end(), a) == known.end()) {
+      std::cerr << "error: unknown subcommand '" << a << "': expected one of " << names << " (see --help)\n";
+      return 2;
+    }
+  }
+  if (!found && !help) {
+    std::cerr << "error: a subcommand is required: one of " << names << " (see --help)\n";
+    return 2;
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return finish_output(app.exit(e));
+  }
   if (json && csv) {
     std::cerr << "error: --json and --csv exclude each other: pick one\n";
     return 2;
@@ -39,7 +89,7 @@ int main(int argc, char** argv) {
       for (const auto& k : hostopt::kernels())
         std::cout << k.name << (k.supported ? "" : " (not supported here)")
                   << (k.supported && k.name == hostopt::active_kernel() ? "  <- active" : "") << "\n";
-      return 0;
+      return finish_output(0);
     }
     bench::report r("");
     if (app.got_subcommand("kernel")) r = bench::run_kernel_bench(kernel_opts, common);
@@ -49,7 +99,7 @@ int main(int argc, char** argv) {
     r.print(std::cout, common.format);
   } catch (const std::exception& e) {
     std::cerr << "error: " << e.what() << "\n";
-    return 1;
+    return finish_output(1);
   }
-  return 0;
+  return finish_output(0);
 }

@@ -34,14 +34,29 @@ dtype dtype_from(const std::string& what, const std::string& name) {
   }
 }
 
+// Whether numpy dtype `d` holds hostopt dtype `t`: float32 for f32, float16 for f16, and
+// for bf16 the uint16 view the Python layer makes (or ml_dtypes' bfloat16 itself). The
+// kind is checked, not only the size: int32 is not f32, float16 is not bf16.
+bool holds(const py::dtype& d, dtype t) {
+  const char kind = d.kind();
+  const std::size_t size = std::size_t(d.itemsize());
+  switch (t) {
+  case dtype::f32: return kind == 'f' && size == 4;
+  case dtype::f16: return kind == 'f' && size == 2;
+  case dtype::bf16: return size == 2 && (kind == 'u' || std::string(py::str(d.attr("name"))) == "bfloat16");
+  }
+  return false;
+}
+
 buffer check_array(const py::handle& obj, const std::string& what, const std::string& dtype_name_, bool writable) {
   if (!py::isinstance<py::array>(obj))
     throw py::type_error(what + ": expected a numpy array, got " + std::string(py::str(obj.get_type().attr("__name__"))));
   auto arr = py::reinterpret_borrow<py::array>(obj);
   const dtype t = dtype_from(what, dtype_name_);
-  if (std::size_t(arr.itemsize()) != dtype_size(t))
-    throw py::type_error(what + ": elements of " + std::to_string(arr.itemsize()) + " bytes (numpy dtype " +
-                         std::string(py::str(arr.dtype())) + ") cannot hold " + std::string(dtype_name(t)));
+  if (!holds(arr.dtype(), t))
+    throw py::type_error(what + ": numpy dtype " + std::string(py::str(arr.dtype())) + " does not hold " +
+                         std::string(dtype_name(t)) + " (expected " +
+                         (t == dtype::f32 ? "float32" : t == dtype::f16 ? "float16" : "a uint16 view of bfloat16") + ")");
   if (!(arr.flags() & py::array::c_style))
     throw py::value_error(what + ": array is not C-contiguous; hostopt works in place and never copies silently "
                                  "(pass numpy.ascontiguousarray(x) if a copy is what you want)");
@@ -109,6 +124,15 @@ std::vector<param_group> groups_from(py::list groups) {
   return gs;
 }
 
+step_options options_of(float grad_scale, double max_grad_norm, bool skip_nonfinite, double known_grad_norm) {
+  step_options so;
+  so.grad_scale = grad_scale;
+  so.max_grad_norm = max_grad_norm;
+  so.skip_nonfinite = skip_nonfinite;
+  so.known_grad_norm = known_grad_norm;
+  return so;
+}
+
 // A float32 numpy view of optimizer memory that keeps the optimizer alive.
 py::array_t<float> view_of(std::span<float> s, py::handle owner) {
   return py::array_t<float>({py::ssize_t(s.size())}, {py::ssize_t(sizeof(float))}, s.data(), owner);
@@ -171,6 +195,17 @@ PYBIND11_MODULE(_core, m) {
           l.v = check_array(exp_avg_sq[i], "nu" + at, "f32", true);
           l.g = check_array(grads[i], "updates" + at, grad_dtype, false);
           l.u = check_array(updates[i], "out" + at, grad_dtype, true);
+          // Every array of a leaf has the gradient's size (optax: shapes must match).
+          const auto same_size = [&](const buffer& b, const char* name) {
+            if (b.size != l.g.size)
+              throw py::value_error(std::string(name) + at + " has " + std::to_string(b.size) +
+                                    " elements: expected " + std::to_string(l.g.size) + " like updates" + at +
+                                    " (mu, nu and params must have the shape of the updates)");
+          };
+          if (l.p.data || !params[i].is_none()) same_size(l.p, "params");
+          same_size(l.m, "mu");
+          same_size(l.v, "nu");
+          same_size(l.u, "out");
           l.c = config_from(configs[i].cast<py::dict>());
           validate(l.c, "config" + at);
         }
@@ -245,8 +280,26 @@ PYBIND11_MODULE(_core, m) {
       }, py::arg("shard_grad"), py::arg("grad_dtype") = "f32", py::arg("shard_params") = py::none(),
          py::arg("params_dtype") = "f32", py::arg("grad_scale") = 1.0f, py::arg("known_grad_norm") = -1.0,
          py::arg("max_grad_norm") = 0.0)
-      .def("save", [](const sharded_optimizer& o, const std::string& dir) { o.save(dir); })
-      .def("load", [](sharded_optimizer& o, const std::string& dir) { o.load(dir); });
+      .def("save", [](const sharded_optimizer& o, const std::string& dir, const std::string& save_id) {
+             py::gil_scoped_release release;
+             o.save(dir, save_id);
+           }, py::arg("dir"), py::arg("save_id") = "")
+      .def("load", [](sharded_optimizer& o, const std::string& dir) {
+             py::gil_scoped_release release;
+             o.load(dir);
+           }, py::arg("dir"));
+
+  py::class_<step_result>(m, "StepResult", "What a step did (hostopt::step_result).")
+      .def_readonly("applied", &step_result::applied)
+      .def_readonly("step", &step_result::step)
+      .def_readonly("grad_norm", &step_result::grad_norm)
+      .def_readonly("applied_scale", &step_result::applied_scale)
+      .def_readonly("skipped_steps", &step_result::skipped_steps)
+      .def("__repr__", [](const step_result& r) {
+        return "StepResult(applied=" + std::string(r.applied ? "True" : "False") + ", step=" + std::to_string(r.step) +
+               ", grad_norm=" + std::to_string(r.grad_norm) + ", applied_scale=" + std::to_string(r.applied_scale) +
+               ", skipped_steps=" + std::to_string(r.skipped_steps) + ")";
+      });
 
   py::class_<optimizer>(m, "Optimizer", "Flat-arena Adam/AdamW state (see hostopt.Optimizer).")
       .def(py::init([](py::list groups, int threads, const std::string& kernel) {
@@ -297,18 +350,20 @@ PYBIND11_MODULE(_core, m) {
       .def("exp_avg_sq", [](py::object self) { return view_of(self.cast<optimizer&>().exp_avg_sq(), self); })
       .def("step_flat",
            [](optimizer& o, py::handle grad, const std::string& grad_dtype, py::handle out, const std::string& out_dtype,
-              float grad_scale) {
+              float grad_scale, double max_grad_norm, bool skip_nonfinite, double known_grad_norm) {
              const buffer g = check_array(grad, "grad", grad_dtype, false);
              buffer b;
              if (!out.is_none()) b = check_array(out, "out", out_dtype, true);
+             const step_options so = options_of(grad_scale, max_grad_norm, skip_nonfinite, known_grad_norm);
              py::gil_scoped_release release;
-             return o.step({g.data, g.size, g.type}, {b.data, b.size, b.type}, grad_scale).step;
+             return o.step({g.data, g.size, g.type}, {b.data, b.size, b.type}, so);
            },
            py::arg("grad"), py::arg("grad_dtype") = "f32", py::arg("out") = py::none(), py::arg("out_dtype") = "f32",
-           py::arg("grad_scale") = 1.0f)
+           py::arg("grad_scale") = 1.0f, py::arg("max_grad_norm") = 0.0, py::arg("skip_nonfinite") = false,
+           py::arg("known_grad_norm") = -1.0)
       .def("step_tensors",
            [](optimizer& o, py::list grads, const std::string& grad_dtype, py::list outs, const std::string& out_dtype,
-              float grad_scale) {
+              float grad_scale, double max_grad_norm, bool skip_nonfinite, double known_grad_norm) {
              std::vector<const_view> gv;
              std::vector<mut_view> ov;
              gv.reserve(grads.size());
@@ -329,9 +384,14 @@ PYBIND11_MODULE(_core, m) {
                const buffer b = check_array(outs[i], what, out_dtype, true);
                ov.push_back({b.data, b.size, b.type});
              }
+             const step_options so = options_of(grad_scale, max_grad_norm, skip_nonfinite, known_grad_norm);
              py::gil_scoped_release release;
-             return o.step(gv, ov, grad_scale).step;
+             return o.step(gv, ov, so);
            },
            py::arg("grads"), py::arg("grad_dtype") = "f32", py::arg("outs") = py::list(), py::arg("out_dtype") = "f32",
-           py::arg("grad_scale") = 1.0f);
+           py::arg("grad_scale") = 1.0f, py::arg("max_grad_norm") = 0.0, py::arg("skip_nonfinite") = false,
+           py::arg("known_grad_norm") = -1.0)
+      .def("reset_failure", &optimizer::reset_failure)
+      .def_property_readonly("usable", &optimizer::usable)
+      .def_property_readonly("failure_reason", &optimizer::failure_reason);
 }

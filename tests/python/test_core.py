@@ -104,7 +104,7 @@ def test_optimizer_views_groups_and_skipped_tensors(rng):
   opt.params("w")[:] = w0
   opt.params("frozen")[:] = 7.0
   gw = rng.standard_normal((3, 5)).astype(np.float32)
-  assert opt.step({"w": gw, "b": np.ones(5, np.float32)}) == 1  # "frozen" has no gradient
+  assert opt.step({"w": gw, "b": np.ones(5, np.float32)}).step == 1  # "frozen" has no gradient
   p, m, v = w0.copy().ravel(), np.zeros(15, np.float32), np.zeros(15, np.float32)
   hostopt.adam_step(p, m, v, gw.ravel(), step=1, lr=1e-2, weight_decay=0.1)
   np.testing.assert_array_equal(opt.params("w").ravel(), p)
@@ -116,7 +116,7 @@ def test_optimizer_views_groups_and_skipped_tensors(rng):
   with pytest.raises(KeyError, match="nope"):
     opt.step({"nope": gw})
   flat = np.zeros(opt.arena_size, np.float32)
-  assert opt.step(flat) == 2
+  assert opt.step(flat).step == 2
 
 
 def test_gil_is_released_during_a_step():
@@ -162,3 +162,78 @@ def test_checkpoint_round_trip_and_safetensors_readable(tmp_path, rng):
   path.write_bytes(bytes(data))
   with pytest.raises(RuntimeError, match="checksum mismatch"):
     b.load(path)
+
+
+def test_dtype_kind_is_checked_not_only_the_size():
+  opt = hostopt.Optimizer([{"params": {"w": (16,)}}])
+  # int32 has float32's size, float16 has bfloat16's: both refused by the core itself.
+  with pytest.raises(TypeError, match="int32 does not hold f32"):
+    opt._core.step_flat(np.ones(16, np.int32), "f32")
+  with pytest.raises(TypeError, match="float16 does not hold bf16"):
+    opt._core.step_flat(np.ones(16, np.float16), "bf16")
+  with pytest.raises(TypeError, match="does not hold f16"):
+    opt._core.step_flat(np.ones(16, np.int16), "f16")
+  p, m, v = (np.zeros(16, np.float32) for _ in range(3))
+  with pytest.raises(TypeError, match="int32"):
+    hostopt._core.adam_step(p, m, v, np.ones(16, np.int32), "f32")
+  assert opt.step_count == 0
+  np.testing.assert_array_equal(opt.params(), 0.0)
+
+
+def test_step_options_from_python_skip_and_clip(rng):
+  groups = [{"params": {"w": (50,)}, "lr": 0.1}]
+  opt, ref = hostopt.Optimizer(groups), hostopt.Optimizer(groups)
+  g = rng.standard_normal(opt.arena_size).astype(np.float32)
+  g[50:] = 0  # padding
+  r = opt.step(g)
+  assert r.applied and r.step == 1 and r.skipped_steps == 0
+  ref.step(g)
+  bad = g.copy()
+  bad[3] = np.nan
+  before = opt.params().copy()
+  r = opt.step(bad, skip_nonfinite=True)
+  assert not r.applied and r.step == 1 and r.skipped_steps == 1 and opt.skipped_steps == 1
+  np.testing.assert_array_equal(opt.params(), before)
+  # Clipping folds the factor into the scale: the same bits as stepping with that scale.
+  norm = float(np.sqrt(np.sum(g[:50].astype(np.float64) ** 2)))
+  r = opt.step(g, max_grad_norm=norm / 4)
+  assert r.applied and r.applied_scale == pytest.approx(0.25, rel=1e-6)
+  ref.step(g, grad_scale=r.applied_scale)
+  np.testing.assert_array_equal(opt.params(), ref.params())
+  r = opt.step({"w": g[:50]}, known_grad_norm=float("inf"), skip_nonfinite=True)
+  assert not r.applied and r.skipped_steps == 2
+
+
+def test_two_python_threads_stepping_one_optimizer_give_the_serial_result(rng):
+  groups = [{"params": {"w": (300000,)}, "lr": 1e-2, "weight_decay": 0.1}]
+  shared, serial = hostopt.Optimizer(groups, threads=1), hostopt.Optimizer(groups, threads=1)
+  g = rng.standard_normal(shared.arena_size).astype(np.float32)
+  for _ in range(20):
+    serial.step(g)
+
+  def worker():
+    for _ in range(10):
+      shared.step(g)
+
+  threads = [threading.Thread(target=worker) for _ in range(2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert shared.step_count == 20
+  np.testing.assert_array_equal(shared.params(), serial.params())
+  np.testing.assert_array_equal(shared.exp_avg_sq(), serial.exp_avg_sq())
+
+
+def test_saves_refuse_special_files_and_nul_paths(tmp_path):
+  import os
+  opt = hostopt.Optimizer([{"params": {"w": (4,)}}])
+  fifo = tmp_path / "fifo"
+  os.mkfifo(fifo)
+  with pytest.raises(RuntimeError, match="not a regular file"):
+    opt.save(fifo)
+  with pytest.raises(RuntimeError, match="not a regular file"):
+    opt.load(fifo)  # refused at once, never blocks
+  with pytest.raises(ValueError, match="NUL"):
+    opt.save(str(tmp_path / "a") + "\0b")
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo"]

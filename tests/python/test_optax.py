@@ -7,6 +7,7 @@ optax = pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
 
 import hostopt.optax as hoptax  # noqa: E402
+from hostopt import _core  # noqa: E402
 
 jax.config.update("jax_platform_name", "cpu")
 
@@ -173,3 +174,33 @@ def test_bad_hyperparameters_are_refused():
   params = {"a": np.ones(3, np.float32)}
   with pytest.raises(ValueError, match="params"):
     opt.update({"a": np.ones(3, np.float32)}, opt.init(params))
+
+
+@pytest.mark.parametrize("leaf,size", [("mu", 7), ("nu", 7), ("mu", 12), ("params", 5)])
+def test_mismatched_state_leaves_are_refused_naming_the_leaf(leaf, size):
+  # A smaller mu/nu corrupted the heap, a smaller params leaf read out of bounds, a larger
+  # mu was silently accepted.
+  opt = hoptax.adamw(1e-2, weight_decay=0.1)
+  params = {"a": np.ones(3, np.float32), "b": np.ones(10, np.float32)}
+  state = opt.init(params)
+  grads = {"a": np.ones(3, np.float32), "b": np.ones(10, np.float32)}
+  if leaf == "params":
+    params = {"a": params["a"], "b": np.ones(size, np.float32)}
+  else:
+    adam = state[0]
+    moments = dict(getattr(adam, leaf), b=np.zeros(size, np.float32))
+    state = (adam._replace(**{leaf: moments}),) + tuple(state[1:])
+  snapshot = jax.tree_util.tree_map(np.copy, state)
+  with pytest.raises(ValueError, match=rf"{leaf}\[1\] has {size} elements: expected 10 like updates\[1\]"):
+    opt.update(grads, state, params)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, state, snapshot)
+
+
+def test_core_leaf_call_checks_every_array():
+  g = np.ones(8, np.float32)
+  ok = lambda n: np.zeros(n, np.float32)
+  cfg = [{"lr": 1e-2, "weight_decay": 0.0}]
+  with pytest.raises(ValueError, match=r"out\[0\] has 4 elements"):
+    _core.optax_update_leaves([None], [ok(8)], [ok(8)], [g], "f32", [ok(4)], cfg, 1)
+  with pytest.raises(TypeError, match="int32 does not hold f32"):
+    _core.optax_update_leaves([None], [np.zeros(8, np.int32)], [ok(8)], [g], "f32", [ok(8)], cfg, 1)

@@ -16,7 +16,9 @@ from ._arrays import as_buffer
 
 __version__ = _core.__version__
 
-__all__ = ["Optimizer", "adam_step", "active_kernel", "kernels", "as_buffer", "__version__"]
+__all__ = ["Optimizer", "StepResult", "adam_step", "active_kernel", "kernels", "as_buffer", "__version__"]
+
+StepResult = _core.StepResult
 
 
 def active_kernel() -> str:
@@ -173,9 +175,30 @@ class Optimizer:
     before anything changes. Raises RuntimeError naming the problem."""
     self._core.load(str(path))
 
+  @property
+  def skipped_steps(self) -> int:
+    """Steps skipped because of non-finite gradients (``skip_nonfinite``)."""
+    return self._core.skipped_steps
+
+  # failures
+  @property
+  def usable(self) -> bool:
+    """False after a step failed midway (the state is half-updated); every operation on
+    the state then raises RuntimeError until ``load`` restores it (or ``reset_failure``)."""
+    return self._core.usable
+
+  @property
+  def failure_reason(self) -> str:
+    return self._core.failure_reason
+
+  def reset_failure(self) -> None:
+    """Declares the state whole again (after restoring it yourself through the views)."""
+    self._core.reset_failure()
+
   # the step
-  def step(self, grads, out=None, grad_scale: float = 1.0) -> int:
-    """One step; returns the new step count.
+  def step(self, grads, out=None, grad_scale: float = 1.0, *, max_grad_norm: float = 0.0,
+           skip_nonfinite: bool = False, known_grad_norm: Optional[float] = None) -> StepResult:
+    """One step; returns a StepResult (applied, step, grad_norm, applied_scale, skipped_steps).
 
     Args:
       grads: a mapping name -> gradient (a missing name or None: that tensor has no
@@ -183,7 +206,16 @@ class Optimizer:
         arena_size elements. One dtype for all: float32, bfloat16 or float16.
       out: optional copy-out of the new parameters, shaped like grads.
       grad_scale: multiplies every gradient (1/loss_scale times a clip coefficient).
+      max_grad_norm: > 0 clips by global norm (optax's rule), folded into the step.
+      skip_nonfinite: check the gradients first; a non-finite one (or one that overflows
+        float once scaled) skips the step with params, moments and step count untouched
+        (``applied`` is False, ``skipped_steps`` counts it). Off by default, like
+        torch.optim: the check costs one read of the gradients.
+      known_grad_norm: the gradients' norm computed by the caller (e.g. on the GPU),
+        used instead of reading them for the check and the clip.
     """
+    opts = (float(grad_scale), float(max_grad_norm), bool(skip_nonfinite),
+            -1.0 if known_grad_norm is None else float(known_grad_norm))
     if isinstance(grads, Mapping) or isinstance(grads, (list, tuple)):
       if isinstance(grads, Mapping):
         unknown = set(grads) - set(self._index)
@@ -202,7 +234,7 @@ class Optimizer:
       if len(otypes) > 1:
         raise TypeError(f"out: mixed dtypes {sorted(otypes)}; one copy-out dtype per step")
       return self._core.step_tensors([None if b is None else b[0] for b in bufs], types.pop() if types else "f32",
-                                     [b[0] for b in obufs], otypes.pop() if otypes else "f32", float(grad_scale))
+                                     [b[0] for b in obufs], otypes.pop() if otypes else "f32", *opts)
     g, gt = as_buffer(grads, "grads")
     o, ot = (None, "f32") if out is None else as_buffer(out, "out", writable=True)
-    return self._core.step_flat(g, gt, o, ot, float(grad_scale))
+    return self._core.step_flat(g, gt, o, ot, *opts)

@@ -151,7 +151,7 @@ class _HostAdam(torch.optim.Optimizer):
           outs.append(as_buffer(p.data, "param", writable=True)[0])
       if all(g is None for g in grads):
         continue
-      step_tensor.fill_(float(core.step_tensors(grads, tag, outs, tag, 1.0)))
+      step_tensor.fill_(float(core.step_tensors(grads, tag, outs, tag, 1.0).step))
     return loss
 
   def state_dict(self) -> dict:
