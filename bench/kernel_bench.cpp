@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
+#include <optional>
 #include <stdexcept>
 
 #include "bench_common.hpp"
@@ -105,7 +106,7 @@ report run_kernel_bench(const kernel_options& o, const common_options& c) {
 
   report r("kernel");
   add_machine_context(r);
-  r.set_context("kernel", ks.name);
+  r.set_context("kernel", ks.name());
   r.set_context("iterations", o.iterations);
   const std::size_t total = sizes.size() * mixes.size() * o.modes.size() * threads.size();
   progress prog(total, c.progress);
@@ -120,11 +121,11 @@ report run_kernel_bench(const kernel_options& o, const common_options& c) {
           hostopt::adam_config cfg;
           cfg.mode = mode == "adam" ? hostopt::adam_mode::adam : hostopt::adam_mode::adamw;
           cfg.weight_decay = 0.01;
-          const hostopt::execution_options exec{t, ks.name};
+          const hostopt::execution_options exec{t, ks.name()};
           const hostopt::const_view grad{b.grad.data, n, dtype(mix.grad)};
           const hostopt::mut_view out = mix.out < 0 ? hostopt::mut_view{} : hostopt::mut_view{b.out.data, n, dtype(mix.out)};
-          const int outcol = mix.out < 0 ? 0 : 1 + mix.out;
-          const auto roof = ks.roofline[mix.grad][outcol];
+          const std::optional<dtype> out_type = mix.out < 0 ? std::nullopt : std::optional<dtype>(dtype(mix.out));
+          const auto roof = ks.roofline(dtype(mix.grad), out_type);
           const std::size_t gsz = hostopt::dtype_size(dtype(mix.grad));
           const std::size_t osz = mix.out < 0 ? 0 : hostopt::dtype_size(dtype(mix.out));
           std::vector<double> ours, roofline, twopass;
@@ -145,7 +146,7 @@ report run_kernel_bench(const kernel_options& o, const common_options& c) {
             if (with_two_pass) {
               const double t3 = now_seconds();
               hostopt::adam_step(b.p.data, b.m.data, b.v.data, n, grad, {}, cfg, step++, 1.0f, exec);
-              const auto cast = ks.cast[outcol];
+              const auto cast = ks.cast(*out_type);
               parallel_over(n, t, [&](std::size_t lo, std::size_t hi) {
                 cast(b.p.data + lo, reinterpret_cast<char*>(b.cast_out.data) + lo * osz, hi - lo);
               });
@@ -160,7 +161,7 @@ report run_kernel_bench(const kernel_options& o, const common_options& c) {
           row["mode"] = mode;
           row["grad"] = std::string(hostopt::dtype_name(dtype(mix.grad)));
           row["out"] = mix.out < 0 ? "none" : std::string(hostopt::dtype_name(dtype(mix.out)));
-          row["kernel"] = ks.name;
+          row["kernel"] = ks.name();
           row["ms"] = a.median * 1e3;
           row["ms_min"] = a.min * 1e3;
           row["Mparam/s"] = double(n) / a.median / 1e6;

@@ -9,6 +9,7 @@
 
 #include "bench_common.hpp"
 #include "hostopt/offload_pipeline.hpp"
+#include "hostopt/optimizer.hpp"
 #include "subcommands.hpp"
 
 namespace bench {

@@ -50,7 +50,7 @@ report run_roofline_bench(const roofline_options& o, const common_options& c) {
         for (std::size_t i = lo; i < hi; ++i) a.data[i] = b.data[i] + 3.0f * cc.data[i];
       });
       const double ta = over([&](std::size_t lo, std::size_t hi) {
-        ks.roofline[0][0](a.data + lo, b.data + lo, cc.data + lo, d.data + lo, nullptr, hi - lo);
+        ks.roofline(hostopt::dtype::f32, std::nullopt)(a.data + lo, b.data + lo, cc.data + lo, d.data + lo, nullptr, hi - lo);
       });
       if (it == 0) continue; // warm-up
       copy.push_back(tc);

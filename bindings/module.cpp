@@ -7,6 +7,7 @@
 #include <pybind11/stl.h>
 
 #include <cmath>
+#include <type_traits>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -38,6 +39,7 @@ dtype dtype_from(const std::string& what, const std::string& name) {
 // for bf16 the uint16 view the Python layer makes (or ml_dtypes' bfloat16 itself). The
 // kind is checked, not only the size: int32 is not f32, float16 is not bf16.
 bool holds(const py::dtype& d, dtype t) {
+  if (!d.attr("isnative").cast<bool>()) return false; // big-endian data would be read as garbage
   const char kind = d.kind();
   const std::size_t size = std::size_t(d.itemsize());
   switch (t) {
@@ -55,7 +57,7 @@ buffer check_array(const py::handle& obj, const std::string& what, const std::st
   const dtype t = dtype_from(what, dtype_name_);
   if (!holds(arr.dtype(), t))
     throw py::type_error(what + ": numpy dtype " + std::string(py::str(arr.dtype())) + " does not hold " +
-                         std::string(dtype_name(t)) + " (expected " +
+                         std::string(dtype_name(t)) + " (expected native-endian " +
                          (t == dtype::f32 ? "float32" : t == dtype::f16 ? "float16" : "a uint16 view of bfloat16") + ")");
   if (!(arr.flags() & py::array::c_style))
     throw py::value_error(what + ": array is not C-contiguous; hostopt works in place and never copies silently "
@@ -69,42 +71,39 @@ buffer check_array(const py::handle& obj, const std::string& what, const std::st
   return b;
 }
 
-adam_config config_from(py::dict d) {
-  adam_config c;
+// Keys of a config dict: the C++ field names (adam_config's one field list). Only the
+// keys given change `base`.
+adam_config config_from(py::dict d, adam_config base = {}) {
   for (auto item : d) {
     const std::string k = py::str(item.first);
-    py::handle v = item.second;
-    if (k == "lr") c.lr = v.cast<double>();
-    else if (k == "beta1") c.beta1 = v.cast<double>();
-    else if (k == "beta2") c.beta2 = v.cast<double>();
-    else if (k == "eps") c.eps = v.cast<double>();
-    else if (k == "eps_root") c.eps_root = v.cast<double>();
-    else if (k == "weight_decay") c.weight_decay = v.cast<double>();
-    else if (k == "mode") {
-      const std::string m = py::str(v);
-      if (m == "adam") c.mode = adam_mode::adam;
-      else if (m == "adamw") c.mode = adam_mode::adamw;
-      else throw py::value_error("config['mode'] = '" + m + "': expected 'adam' or 'adamw'");
-    } else if (k == "bias_correction") c.bias_correction = v.cast<bool>();
-    else if (k == "nesterov") c.nesterov = v.cast<bool>();
-    else
+    bool known = false;
+    for_each_field(base, [&](const char* name, auto& v) {
+      if (k != name) return;
+      known = true;
+      using T = std::decay_t<decltype(v)>;
+      if constexpr (std::is_same_v<T, adam_mode>) {
+        try {
+          v = parse_mode(std::string(py::str(item.second)));
+        } catch (const std::invalid_argument& e) {
+          throw py::value_error(std::string("config: ") + e.what());
+        }
+      } else {
+        v = item.second.cast<T>();
+      }
+    });
+    if (!known)
       throw py::value_error("config: unknown key '" + k +
                             "', expected lr, beta1, beta2, eps, eps_root, weight_decay, mode, bias_correction, nesterov");
   }
-  return c;
+  return base;
 }
 
 py::dict config_to(const adam_config& c) {
   py::dict d;
-  d["lr"] = c.lr;
-  d["beta1"] = c.beta1;
-  d["beta2"] = c.beta2;
-  d["eps"] = c.eps;
-  d["eps_root"] = c.eps_root;
-  d["weight_decay"] = c.weight_decay;
-  d["mode"] = c.mode == adam_mode::adam ? "adam" : "adamw";
-  d["bias_correction"] = c.bias_correction;
-  d["nesterov"] = c.nesterov;
+  for_each_field(c, [&](const char* name, const auto& v) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(v)>, adam_mode>) d[name] = mode_name(v);
+    else d[name] = v;
+  });
   return d;
 }
 
@@ -174,50 +173,51 @@ PYBIND11_MODULE(_core, m) {
       py::arg("grad_scale") = 1.0f, py::arg("threads") = 0, py::arg("kernel") = "",
       "One fused Adam/AdamW step in place over float32 numpy arrays (see hostopt.adam_step).");
 
+  py::class_<adam_config>(m, "AdamConfig", "Hyper-parameters of a group (hostopt::adam_config), as a struct.")
+      .def(py::init([](py::kwargs kw) { return config_from(py::dict(kw)); }))
+      .def("as_dict", [](const adam_config& c) { return config_to(c); })
+      .def("__repr__", [](const adam_config& c) { return "AdamConfig(" + std::string(py::str(config_to(c))) + ")"; });
+
   m.def(
       "optax_update_leaves",
       [](py::list params, py::list exp_avg, py::list exp_avg_sq, py::list grads, const std::string& grad_dtype,
-         py::list updates, py::list configs, std::int64_t step, float grad_scale, int threads) {
+         py::list updates, const std::vector<adam_config>& configs, const std::vector<std::size_t>& config_of,
+         std::int64_t step, float grad_scale, int threads) {
         const std::size_t n = grads.size();
         if (params.size() != n || exp_avg.size() != n || exp_avg_sq.size() != n || updates.size() != n ||
-            configs.size() != n)
+            config_of.size() != n)
           throw py::value_error("optax_update_leaves: lists of different lengths");
-        struct leaf {
-          buffer p, m, v, g, u;
-          adam_config c;
-        };
-        std::vector<leaf> leaves(n);
+        std::vector<update_leaf> leaves(n);
         for (std::size_t i = 0; i < n; ++i) {
           const std::string at = "[" + std::to_string(i) + "]";
-          leaf& l = leaves[i];
-          if (!params[i].is_none()) l.p = check_array(params[i], "params" + at, "f32", false);
-          l.m = check_array(exp_avg[i], "mu" + at, "f32", true);
-          l.v = check_array(exp_avg_sq[i], "nu" + at, "f32", true);
-          l.g = check_array(grads[i], "updates" + at, grad_dtype, false);
-          l.u = check_array(updates[i], "out" + at, grad_dtype, true);
+          buffer p;
+          if (!params[i].is_none()) p = check_array(params[i], "params" + at, "f32", false);
+          const buffer mm = check_array(exp_avg[i], "mu" + at, "f32", true);
+          const buffer vv = check_array(exp_avg_sq[i], "nu" + at, "f32", true);
+          const buffer g = check_array(grads[i], "updates" + at, grad_dtype, false);
+          const buffer u = check_array(updates[i], "out" + at, grad_dtype, true);
           // Every array of a leaf has the gradient's size (optax: shapes must match).
           const auto same_size = [&](const buffer& b, const char* name) {
-            if (b.size != l.g.size)
+            if (b.size != g.size)
               throw py::value_error(std::string(name) + at + " has " + std::to_string(b.size) +
-                                    " elements: expected " + std::to_string(l.g.size) + " like updates" + at +
+                                    " elements: expected " + std::to_string(g.size) + " like updates" + at +
                                     " (mu, nu and params must have the shape of the updates)");
           };
-          if (l.p.data || !params[i].is_none()) same_size(l.p, "params");
-          same_size(l.m, "mu");
-          same_size(l.v, "nu");
-          same_size(l.u, "out");
-          l.c = config_from(configs[i].cast<py::dict>());
-          validate(l.c, "config" + at);
+          if (!params[i].is_none()) same_size(p, "params");
+          same_size(mm, "mu");
+          same_size(vv, "nu");
+          same_size(u, "out");
+          leaves[i] = {static_cast<const float*>(p.data), static_cast<float*>(mm.data), static_cast<float*>(vv.data),
+                       {g.data, g.size, g.type}, {u.data, u.size, u.type}, config_of[i]};
         }
         py::gil_scoped_release release;
-        for (auto& l : leaves)
-          adam_update(static_cast<const float*>(l.p.data), static_cast<float*>(l.m.data), static_cast<float*>(l.v.data),
-                      l.g.size, {l.g.data, l.g.size, l.g.type}, {l.u.data, l.u.size, l.u.type}, l.c, step, grad_scale,
-                      {threads, ""});
+        adam_update(leaves, configs, step, grad_scale, {threads, ""}); // one parallel region for all leaves
       },
       py::arg("params"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("grads"), py::arg("grad_dtype"),
-      py::arg("updates"), py::arg("configs"), py::arg("step"), py::arg("grad_scale") = 1.0f, py::arg("threads") = 0,
-      "The optax form over many leaves (hostopt::adam_update each), one call, GIL released.");
+      py::arg("updates"), py::arg("configs"), py::arg("config_of"), py::arg("step"), py::arg("grad_scale") = 1.0f,
+      py::arg("threads") = 0,
+      "The optax form over many leaves (hostopt::adam_update over update_leaf), one call, one parallel region, "
+      "GIL released; configs are AdamConfig structs, config_of[i] indexes leaf i's.");
 
   m.def(
       "convert",
@@ -262,7 +262,8 @@ PYBIND11_MODULE(_core, m) {
         return o.shard_stats({b.data, b.size, b.type}).sum_squares;
       }, py::arg("shard_grad"), py::arg("grad_dtype") = "f32")
       .def("step", [](sharded_optimizer& o, py::handle grad, const std::string& gdt, py::handle out,
-                      const std::string& odt, float grad_scale, double known_grad_norm, double max_grad_norm) {
+                      const std::string& odt, float grad_scale, double known_grad_norm, double max_grad_norm,
+                      bool skip_nonfinite) {
         const buffer g = check_array(grad, "shard_grad", gdt, false);
         buffer b;
         if (!out.is_none()) b = check_array(out, "shard_params", odt, true);
@@ -270,7 +271,7 @@ PYBIND11_MODULE(_core, m) {
         so.grad_scale = grad_scale;
         so.known_grad_norm = known_grad_norm;
         so.max_grad_norm = max_grad_norm;
-        so.skip_nonfinite = known_grad_norm >= 0 || std::isnan(known_grad_norm) || std::isinf(known_grad_norm);
+        so.skip_nonfinite = skip_nonfinite;
         step_result r;
         {
           py::gil_scoped_release release;
@@ -279,11 +280,22 @@ PYBIND11_MODULE(_core, m) {
         return py::make_tuple(r.applied, r.step);
       }, py::arg("shard_grad"), py::arg("grad_dtype") = "f32", py::arg("shard_params") = py::none(),
          py::arg("params_dtype") = "f32", py::arg("grad_scale") = 1.0f, py::arg("known_grad_norm") = -1.0,
-         py::arg("max_grad_norm") = 0.0)
+         py::arg("max_grad_norm") = 0.0, py::arg("skip_nonfinite") = true)
       .def("save", [](const sharded_optimizer& o, const std::string& dir, const std::string& save_id) {
              py::gil_scoped_release release;
              o.save(dir, save_id);
-           }, py::arg("dir"), py::arg("save_id") = "")
+           }, py::arg("dir"), py::arg("save_id"))
+      .def("commit_save", [](const sharded_optimizer& o, const std::string& dir, const std::string& save_id) {
+             py::gil_scoped_release release;
+             o.commit_save(dir, save_id);
+           }, py::arg("dir"), py::arg("save_id"))
+      .def("set_norm_reduction", [](sharded_optimizer& o, py::function reduce) {
+             // Called from the step with the GIL released: take it for the Python call.
+             o.set_norm_reduction([reduce](double local) {
+               py::gil_scoped_acquire acquire;
+               return reduce(local).cast<double>();
+             });
+           }, py::arg("sum_across_ranks"))
       .def("load", [](sharded_optimizer& o, const std::string& dir) {
              py::gil_scoped_release release;
              o.load(dir);
@@ -319,22 +331,7 @@ PYBIND11_MODULE(_core, m) {
       })
       .def("group_config", [](const optimizer& o, std::size_t g) { return config_to(o.group_config(g)); })
       .def("set_group_config", [](optimizer& o, std::size_t g, py::dict d) {
-        adam_config c = o.group_config(g);
-        adam_config update = config_from(d);
-        // Only the keys given change.
-        for (auto item : d) {
-          const std::string k = py::str(item.first);
-          if (k == "lr") c.lr = update.lr;
-          else if (k == "beta1") c.beta1 = update.beta1;
-          else if (k == "beta2") c.beta2 = update.beta2;
-          else if (k == "eps") c.eps = update.eps;
-          else if (k == "eps_root") c.eps_root = update.eps_root;
-          else if (k == "weight_decay") c.weight_decay = update.weight_decay;
-          else if (k == "mode") c.mode = update.mode;
-          else if (k == "bias_correction") c.bias_correction = update.bias_correction;
-          else if (k == "nesterov") c.nesterov = update.nesterov;
-        }
-        o.set_group_config(g, c);
+        o.set_group_config(g, config_from(d, o.group_config(g))); // only the keys given change
       })
       .def("save", [](const optimizer& o, const std::string& path) {
              py::gil_scoped_release release;

@@ -22,6 +22,14 @@ void require(bool ok, const std::string& where, const char* field, double value,
 
 } // namespace
 
+const char* mode_name(adam_mode mode) { return mode == adam_mode::adam ? "adam" : "adamw"; }
+
+adam_mode parse_mode(std::string_view name) {
+  if (name == "adam") return adam_mode::adam;
+  if (name == "adamw") return adam_mode::adamw;
+  throw std::invalid_argument("mode '" + std::string(name) + "': expected 'adam' or 'adamw'");
+}
+
 void validate(const adam_config& c, const std::string& where) {
   require(std::isfinite(c.lr) && c.lr >= 0, where, "lr", c.lr, "a finite value >= 0");
   require(c.beta1 >= 0 && c.beta1 < 1, where, "beta1", c.beta1, "a value in [0, 1)");

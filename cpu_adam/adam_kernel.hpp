@@ -256,7 +256,7 @@ constexpr void fill_delta_variants(adam_fn (&t)[num_decay_kinds][2]) {
 }
 
 template <class Arch, class G>
-constexpr void fill_grad_type(kernel_set& s, int gi) {
+constexpr void fill_grad_type(kernel_table& s, int gi) {
   fill_delta_variants<Arch, G>(s.delta[gi]);
   fill_adam_variants<Arch, G, no_out>(s.adam[gi][0]);
   fill_adam_variants<Arch, G, float>(s.adam[gi][1]);
@@ -269,10 +269,8 @@ constexpr void fill_grad_type(kernel_set& s, int gi) {
 }
 
 template <class Arch>
-constexpr kernel_set make_kernel_set(const char* name) {
-  kernel_set s{};
-  s.name = name;
-  s.simd_width = simd_ops<Arch>::width;
+constexpr kernel_set make_kernel_set(const char* name, const char* description, const char* required) {
+  kernel_table s{};
   fill_grad_type<Arch, float>(s, 0);
   fill_grad_type<Arch, bf16_t>(s, 1);
   fill_grad_type<Arch, f16_t>(s, 2);
@@ -284,7 +282,7 @@ constexpr kernel_set make_kernel_set(const char* name) {
   s.sumsq[0] = &sumsq_kernel<Arch, float>::run;
   s.sumsq[1] = &sumsq_kernel<Arch, bf16_t>::run;
   s.sumsq[2] = &sumsq_kernel<Arch, f16_t>::run;
-  return s;
+  return kernel_set(name, description, required, s);
 }
 
 } // namespace HOSTOPT_KERNEL_NS

@@ -1,4 +1,5 @@
 // hostopt::adam_step: the one-buffer step, validated and run through the update engine.
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -9,34 +10,47 @@
 #include "buffer_checks.hpp"
 #include "hostopt/kernels.hpp"
 #include "kernel_registry.hpp"
+#include "step_plan.hpp"
 #include "step_scalars.hpp"
 #include "update_engine.hpp"
 
 namespace hostopt {
 
+using namespace detail;
+
 namespace {
-// The checks both one-buffer steps share; returns the kernel set to run.
-const detail::kernel_set& check_step_arguments(const adam_config& config, std::int64_t step, float grad_scale,
-                                               const execution_options& exec) {
-  validate(config, "config");
-  detail::check_step_number(step);
-  detail::check_grad_scale(grad_scale);
-  detail::check_threads(exec.threads);
-  return detail::kernel_set_by_name(exec.kernel);
+
+// The plan of a one-buffer step: the same rules and scalars as the optimizer's.
+step_plan plan_of(const kernel_set& ks, std::span<const adam_config> configs, std::int64_t step, const step_io& io,
+                  float grad_scale, std::span<group_kernel> groups) {
+  check_step_number(step);
+  for (std::size_t g = 0; g < configs.size(); ++g)
+    validate(configs[g], configs.size() == 1 ? "config" : "configs[" + std::to_string(g) + "]");
+  return step_plan::make(ks, configs, step - 1, io, unchecked(grad_scale), [] { return 0.0; }, groups);
 }
+
+// The checks both one-buffer steps share; returns the kernel set to run.
+const kernel_set& check_execution(float grad_scale, const execution_options& exec) {
+  check_grad_scale(grad_scale);
+  check_threads(exec.threads);
+  return kernel_set_by_name(exec.kernel);
+}
+
 } // namespace
 
 void adam_step(float* params, float* exp_avg, float* exp_avg_sq, std::size_t n, const_view grad,
                mut_view out, const adam_config& config, std::int64_t step, float grad_scale,
                const execution_options& exec) {
-  using namespace detail;
-  const kernel_set& ks = check_step_arguments(config, step, grad_scale, exec);
+  const kernel_set& ks = check_execution(grad_scale, exec);
   check_view("params", params, n, dtype::f32, n);
   check_view("exp_avg", exp_avg, n, dtype::f32, n);
   check_view("exp_avg_sq", exp_avg_sq, n, dtype::f32, n);
   check_view("grad", grad.data, grad.size, grad.type, n);
   const bool has_out = out.data != nullptr || out.size != 0;
   if (has_out) check_view("out", out.data, out.size, out.type, n);
+  group_kernel gk;
+  const step_io io{grad.type, has_out ? std::optional<dtype>(out.type) : std::nullopt, false, false};
+  plan_of(ks, std::span<const adam_config>(&config, 1), step, io, grad_scale, std::span<group_kernel>(&gk, 1));
   if (n == 0) return;
 
   const char* names[] = {"params", "exp_avg", "exp_avg_sq", "grad", "out"};
@@ -46,10 +60,6 @@ void adam_step(float* params, float* exp_avg, float* exp_avg_sq, std::size_t n, 
   if (has_out) ranges.push_back(range_of(out.data, n * dtype_size(out.type), true, 4, 0));
   check_no_overlap(ranges, names);
 
-  const kernel_variant var = variant_of(config);
-  group_kernel gk;
-  gk.fn = ks.adam[int(grad.type)][out_column(has_out, int(out.type))][int(var.decay)][var.nesterov];
-  gk.scalars = make_step_scalars(config, step, grad_scale);
   update_piece piece{0, n, 0, grad.data, has_out ? out.data : nullptr};
   update_job job;
   job.params = params;
@@ -68,32 +78,68 @@ void adam_step(float* params, float* exp_avg, float* exp_avg_sq, std::size_t n, 
 void adam_update(const float* params, float* exp_avg, float* exp_avg_sq, std::size_t n, const_view grad,
                  mut_view update, const adam_config& config, std::int64_t step, float grad_scale,
                  const execution_options& exec) {
-  using namespace detail;
-  const kernel_set& ks = check_step_arguments(config, step, grad_scale, exec);
-  const kernel_variant var = variant_of(config);
-  if (var.decay != decay_kind::none || params) check_view("params", params, n, dtype::f32, n);
-  check_view("exp_avg", exp_avg, n, dtype::f32, n);
-  check_view("exp_avg_sq", exp_avg_sq, n, dtype::f32, n);
-  check_view("grad", grad.data, grad.size, grad.type, n);
-  check_view("update", update.data, update.size, update.type, n);
-  if (update.type != grad.type)
-    throw std::invalid_argument("update.type = " + std::string(dtype_name(update.type)) + ": expected " +
-                                std::string(dtype_name(grad.type)) + " like grad");
-  if (n == 0) return;
+  if (grad.size != n) check_view("grad", grad.data, grad.size, grad.type, n);
+  const update_leaf leaf{params, exp_avg, exp_avg_sq, grad, update, 0};
+  adam_update(std::span<const update_leaf>(&leaf, 1), std::span<const adam_config>(&config, 1), step, grad_scale,
+              exec);
+}
+
+void adam_update(std::span<const update_leaf> leaves, std::span<const adam_config> configs, std::int64_t step,
+                 float grad_scale, const execution_options& exec) {
+  const kernel_set& ks = check_execution(grad_scale, exec);
+  const dtype grad_type = leaves.empty() ? dtype::f32 : leaves[0].grad.type;
+  // Every leaf first: nothing is written unless all are good.
+  std::vector<std::size_t> first(leaves.size() + 1, 0); // leaf i covers [first[i], first[i+1])
+  std::vector<byte_range> ranges;
   const char* names[] = {"params", "exp_avg", "exp_avg_sq", "grad", "update"};
-  const std::size_t esz = dtype_size(grad.type);
-  std::vector<byte_range> ranges{range_of(exp_avg, n * 4, true, 1, 0), range_of(exp_avg_sq, n * 4, true, 2, 0),
-                                 range_of(grad.data, n * esz, false, 3, 0), range_of(update.data, n * esz, true, 4, 0)};
-  if (params) ranges.push_back(range_of(params, n * 4, false, 0, 0));
-  check_no_overlap(ranges, names);
-  const adam_fn fn = ks.delta[int(grad.type)][int(var.decay)][var.nesterov];
-  const step_scalars sc = make_step_scalars(config, step, grad_scale);
-  float* p = const_cast<float*>(params); // read only: the delta kernels never store to it
+  for (std::size_t i = 0; i < leaves.size(); ++i) {
+    const update_leaf& l = leaves[i];
+    const std::string at = leaves.size() == 1 ? std::string() : "leaves[" + std::to_string(i) + "].";
+    const std::size_t n = l.grad.size;
+    if (l.config >= configs.size())
+      throw std::invalid_argument(at + "config = " + std::to_string(l.config) + ": expected an index below " +
+                                  std::to_string(configs.size()));
+    const bool decays = variant_of(configs[l.config]).decay != decay_kind::none;
+    if (decays || l.params) check_view(at + "params", l.params, n, dtype::f32, n);
+    check_view(at + "exp_avg", l.exp_avg, n, dtype::f32, n);
+    check_view(at + "exp_avg_sq", l.exp_avg_sq, n, dtype::f32, n);
+    check_view(at + "grad", l.grad.data, n, l.grad.type, n);
+    check_view(at + "update", l.update.data, l.update.size, l.update.type, n);
+    if (l.grad.type != grad_type)
+      throw std::invalid_argument(at + "grad.type = " + std::string(dtype_name(l.grad.type)) + ": expected " +
+                                  std::string(dtype_name(grad_type)) + " (one gradient dtype per call)");
+    if (l.update.type != l.grad.type)
+      throw std::invalid_argument(at + "update.type = " + std::string(dtype_name(l.update.type)) + ": expected " +
+                                  std::string(dtype_name(l.grad.type)) + " like grad");
+    first[i + 1] = first[i] + n;
+    if (n == 0) continue;
+    const std::size_t esz = dtype_size(grad_type);
+    ranges.assign({range_of(l.exp_avg, n * 4, true, 1, 0), range_of(l.exp_avg_sq, n * 4, true, 2, 0),
+                   range_of(l.grad.data, n * esz, false, 3, 0), range_of(l.update.data, n * esz, true, 4, 0)});
+    if (l.params) ranges.push_back(range_of(l.params, n * 4, false, 0, 0));
+    check_no_overlap(ranges, names);
+  }
+  std::vector<group_kernel> groups(configs.size());
+  plan_of(ks, configs, step, {grad_type, std::nullopt, false, true}, grad_scale, groups);
+  const std::size_t total = first.back();
+  if (total == 0) return;
+  const std::size_t esz = dtype_size(grad_type);
+  // One region over all leaves' elements, as one range.
   auto body = [&](int tid, int nt) {
-    const auto [lo, hi] = partition(0, n, tid, nt);
+    const auto [lo, hi] = partition(0, total, tid, nt);
     if (lo >= hi) return;
-    fn(sc, p ? p + lo : nullptr, exp_avg + lo, exp_avg_sq + lo, static_cast<const char*>(grad.data) + lo * esz,
-       static_cast<char*>(update.data) + lo * esz, hi - lo);
+    std::size_t i = std::size_t(std::upper_bound(first.begin(), first.end(), lo) - first.begin()) - 1;
+    for (std::size_t at = lo; at < hi; ++i) {
+      const std::size_t a = at - first[i], b = std::min(hi, first[i + 1]) - first[i];
+      if (a < b) {
+        const update_leaf& l = leaves[i];
+        const group_kernel& g = groups[l.config];
+        float* p = const_cast<float*>(l.params); // read only: the delta kernels never store to it
+        g.fn(g.scalars, p ? p + a : nullptr, l.exp_avg + a, l.exp_avg_sq + a,
+             static_cast<const char*>(l.grad.data) + a * esz, static_cast<char*>(l.update.data) + a * esz, b - a);
+      }
+      at = first[i] + b;
+    }
   };
   run_parallel(exec.threads, body);
 }
@@ -110,7 +156,7 @@ void accumulate_gradient(float* acc, const_view grad, bool first, const executio
   std::vector<byte_range> ranges{range_of(acc, n * 4, true, 0, 0),
                                  range_of(grad.data, n * dtype_size(grad.type), false, 1, 0)};
   check_no_overlap(ranges, names);
-  const add_grad_fn add = ks.add_grad[int(grad.type)];
+  const add_grad_fn add = ks.add_grad(grad.type);
   const std::size_t gsz = dtype_size(grad.type);
   auto body = [&](int tid, int nt) {
     const auto [lo, hi] = partition(0, n, tid, nt);
@@ -135,7 +181,7 @@ void convert_params(const float* in, mut_view out, const execution_options& exec
   std::vector<byte_range> ranges{range_of(in, n * 4, false, 0, 0), range_of(out.data, n * dtype_size(out.type), true, 1, 0)};
   check_no_overlap(ranges, names);
   const std::size_t osz = dtype_size(out.type);
-  const cast_fn cast = ks.cast[out_column(true, int(out.type))];
+  const cast_fn cast = ks.cast(out.type);
   auto body = [&](int tid, int nt) {
     const auto [lo, hi] = partition(0, n, tid, nt);
     if (lo >= hi) return;

@@ -1,5 +1,7 @@
 #include "aligned_buffer.hpp"
 
+#include "hostopt/detail/huge_pages.hpp"
+
 #include <cstdlib>
 #include <new>
 #include <stdexcept>
@@ -12,22 +14,18 @@
 
 namespace hostopt::detail {
 
-namespace {
-constexpr std::size_t huge_page = std::size_t(2) << 20;
-}
-
 aligned_floats::aligned_floats(std::size_t count) : size_(count) {
   if (count == 0) return;
   const std::size_t bytes = count * sizeof(float);
-  const std::size_t align = bytes >= huge_page ? huge_page : 64;
-  const std::size_t rounded = (bytes + align - 1) / align * align;
+  const std::size_t align = allocation_alignment(bytes, 64);
+  const std::size_t rounded = round_up(bytes, align);
   void* p = nullptr;
   if (posix_memalign(&p, align, rounded) != 0 || p == nullptr)
     throw std::runtime_error("hostopt: cannot allocate " + std::to_string(rounded) +
                              " bytes of optimizer state (out of memory)");
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   // Fewer TLB misses on a streaming kernel; only advice, so a refusal is harmless.
-  if (align == huge_page) madvise(p, rounded, MADV_HUGEPAGE);
+  if (align == huge_page_bytes) madvise(p, rounded, MADV_HUGEPAGE);
 #endif
   data_ = static_cast<float*>(p);
 }

@@ -10,9 +10,11 @@
 #include <cstring>
 #include <dirent.h>
 #include <map>
-#include <signal.h>
+#include <random>
+#include <sys/file.h>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <fcntl.h>
@@ -98,35 +100,24 @@ std::string hex(std::uint64_t x) {
 const char* const kinds[] = {"param", "exp_avg", "exp_avg_sq"};
 
 json config_json(const adam_config& c) {
-  return {{"lr", c.lr},
-          {"beta1", c.beta1},
-          {"beta2", c.beta2},
-          {"eps", c.eps},
-          {"eps_root", c.eps_root},
-          {"weight_decay", c.weight_decay},
-          {"mode", c.mode == adam_mode::adam ? "adam" : "adamw"},
-          {"bias_correction", c.bias_correction},
-          {"nesterov", c.nesterov}};
+  json j = json::object();
+  for_each_field(c, [&](const char* name, const auto& v) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(v)>, adam_mode>) j[name] = mode_name(v);
+    else j[name] = v;
+  });
+  return j;
 }
 
 adam_config config_from(const json& j) {
   adam_config c;
-  auto number = [&](const char* key) {
-    const json& v = j.at(key);
-    if (!v.is_number()) throw std::invalid_argument(std::string(key) + " is not a number");
-    return v.get<double>();
-  };
-  c.lr = number("lr");
-  c.beta1 = number("beta1");
-  c.beta2 = number("beta2");
-  c.eps = number("eps");
-  c.eps_root = number("eps_root");
-  c.weight_decay = number("weight_decay");
-  const std::string mode = j.at("mode").get<std::string>();
-  if (mode != "adam" && mode != "adamw") throw std::invalid_argument("mode '" + mode + "'");
-  c.mode = mode == "adam" ? adam_mode::adam : adam_mode::adamw;
-  c.bias_correction = j.at("bias_correction").get<bool>();
-  c.nesterov = j.at("nesterov").get<bool>();
+  for_each_field(c, [&](const char* name, auto& v) {
+    using T = std::decay_t<decltype(v)>;
+    const json& x = j.at(name);
+    if constexpr (std::is_same_v<T, adam_mode>) v = parse_mode(x.get<std::string>());
+    else if constexpr (std::is_same_v<T, bool>) v = x.get<bool>();
+    else if (!x.is_number()) throw std::invalid_argument(std::string(name) + " is not a number");
+    else v = x.get<double>();
+  });
   return c;
 }
 
@@ -180,27 +171,26 @@ std::string base_of(const std::string& path) {
   return slash == std::string::npos ? path : path.substr(slash + 1);
 }
 
-std::string host_name() {
-  char buf[256] = {};
-  if (::gethostname(buf, sizeof buf - 1) != 0 || !buf[0]) return "localhost";
-  std::string h(buf);
-  for (char& c : h)
-    if (c == '/' || c == '.') c = '_';
-  return h;
-}
-
-// Temp files are "<name>.hostopt-tmp.<host>.<pid>.<n>": unique per call (pid and a
-// process-wide counter), and attributable, so a later save can remove a dead writer's.
-std::string temp_prefix(const std::string& path) { return base_of(path) + ".hostopt-tmp." + host_name() + "."; }
+// Temp files are "<name>.hostopt-tmp.<pid>.<16 random hex digits>": unique per call (a
+// restarted process may reuse a pid), and flock()ed by their writer for as long as it
+// writes, so a later save can tell a dead writer's leftovers (no lock) from a live one's.
+std::string temp_prefix(const std::string& path) { return base_of(path) + ".hostopt-tmp."; }
 
 std::string unique_temp_path(const std::string& path) {
   static std::atomic<std::uint64_t> counter{0};
-  return directory_of(path) + "/" + temp_prefix(path) + std::to_string(::getpid()) + "." +
-         std::to_string(counter.fetch_add(1));
+  static const std::uint64_t seed = [] {
+    std::random_device rd;
+    return (std::uint64_t(rd()) << 32) ^ rd();
+  }();
+  std::uint64_t x = seed + 0x9E3779B97F4A7C15ull * (counter.fetch_add(1) + 1);
+  x ^= x >> 31; // splitmix64's finalizer
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 27;
+  return directory_of(path) + "/" + temp_prefix(path) + std::to_string(::getpid()) + "." + hex(x);
 }
 
-// Removes temp files of this path left by writers on this host that no longer run (a
-// kill -9 mid-save). Best effort: a failure here never fails the save.
+// Removes temp files of this path whose writer is gone (a kill -9 mid-save): nobody holds
+// their lock. Best effort: a failure here never fails the save.
 void remove_stale_temps(const std::string& path) {
   const std::string dir = directory_of(path), prefix = temp_prefix(path);
   DIR* d = ::opendir(dir.c_str());
@@ -208,16 +198,12 @@ void remove_stale_temps(const std::string& path) {
   while (const dirent* e = ::readdir(d)) {
     const std::string name = e->d_name;
     if (name.compare(0, prefix.size(), prefix) != 0) continue;
-    const std::string rest = name.substr(prefix.size()); // "<pid>.<n>"
-    const auto dot = rest.find('.');
-    if (dot == 0 || dot == std::string::npos) continue;
-    const std::string pid_text = rest.substr(0, dot);
-    if (pid_text.size() > 9 || !std::all_of(pid_text.begin(), pid_text.end(), [](char c) { return c >= '0' && c <= '9'; }))
-      continue;
-    const pid_t pid = pid_t(std::stol(pid_text));
-    if (pid <= 0 || pid == ::getpid()) continue;
-    if (::kill(pid, 0) == 0 || errno != ESRCH) continue; // alive (or not ours to judge)
-    ::unlinkat(::dirfd(d), name.c_str(), 0);
+    const int fd = ::openat(::dirfd(d), name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) continue;
+    struct stat st {};
+    if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && ::flock(fd, LOCK_EX | LOCK_NB) == 0)
+      ::unlinkat(::dirfd(d), name.c_str(), 0); // unlocked: its writer is gone
+    ::close(fd);
   }
   ::closedir(d);
 }
@@ -253,9 +239,22 @@ void replace_atomically(const std::string& path, const std::string& what, Fill&&
   detail::check_path(path, what);
   check_replaceable(path, what);
   remove_stale_temps(path);
-  const std::string tmp = unique_temp_path(path);
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
-  if (fd < 0) fail_errno(tmp, "cannot create the temporary file");
+  std::string tmp;
+  int fd = -1;
+  for (int attempt = 0; fd < 0; ++attempt) {
+    tmp = unique_temp_path(path);
+    fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (fd < 0 && (errno != EEXIST || attempt == 8)) fail_errno(tmp, "cannot create the temporary file");
+    if (fd < 0) continue;
+    // Locked while written; a cleaner that removed it between open and flock is detected.
+    struct stat mine {}, named {};
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0 || ::fstat(fd, &mine) != 0 || ::stat(tmp.c_str(), &named) != 0 ||
+        mine.st_ino != named.st_ino || mine.st_dev != named.st_dev) {
+      ::close(fd);
+      fd = -1;
+      if (attempt == 8) fail(tmp, "cannot create and lock a temporary file");
+    }
+  }
   try {
     fill(fd, tmp);
     if (::fsync(fd) != 0) fail_errno(tmp, "fsync failed");
@@ -316,22 +315,62 @@ void write_file_atomically(const std::string& path, const std::string& text, con
   replace_atomically(path, what, [&](int fd, const std::string& tmp) { write_all(fd, text.data(), text.size(), tmp); });
 }
 
+namespace {
+
+// The part of tensor `s` that lies in arena range `r`, in tensor coordinates [a, b).
+struct piece_of {
+  std::size_t a = 0, b = 0;
+  bool held = false;  // the file or optimizer holds an entry for it
+  bool whole = false; // the entry is the whole tensor (its own shape)
+};
+
+// A file or optimizer holding range `r` of a layout whose arena ends at `end` holds an entry
+// for every tensor overlapping it; a whole one (r = [0, end)) for every tensor, empty ones too.
+piece_of piece_in(const segment& s, arena_range r, std::size_t end) {
+  piece_of p;
+  if (r.begin == 0 && r.end == end) return {0, s.size, true, true};
+  const std::size_t lo = std::max(r.begin, s.offset), hi = std::min(r.end, s.offset + s.size);
+  if (lo >= hi) return p;
+  p = {lo - s.offset, hi - s.offset, true, lo == s.offset && hi == s.offset + s.size};
+  return p;
+}
+
+std::string range_text(arena_range r) { return std::to_string(r.begin) + ":" + std::to_string(r.end); }
+
+} // namespace
+
 void save_checkpoint(const optimizer& opt, const std::string& path, const checkpoint_metadata& extra) {
   check_path(path, "checkpoint");
   // The whole save sees one state: no step, load or chunked step runs meanwhile.
   const exclusive_state st(opt, "save_checkpoint");
   const auto segs = st.segments();
+  const arena_range held = st.range();
+  const std::size_t end = arena_end(segs);
   json header = json::object();
   std::uint64_t offset = 0;
-  json groups = json::array(), tensor_groups = json::object();
+  json groups = json::array(), tensor_groups = json::object(), pieces = json::object();
+  struct chunk {
+    const float* src[3];
+    std::size_t n;
+  };
+  std::vector<chunk> chunks; // data in file order, per tensor
   for (const auto& c : st.configs()) groups.push_back(config_json(c));
   for (const auto& s : segs) {
     tensor_groups[s.name] = s.group;
+    const piece_of p = piece_in(s, held, end);
+    if (!p.held) continue;
+    const std::size_t n = p.b - p.a;
+    const json shape = p.whole ? json(s.shape) : json::array({n});
+    if (!p.whole) pieces[s.name] = {p.a, p.b};
+    chunk c{};
+    c.n = n;
     for (int k = 0; k < 3; ++k) {
-      const std::uint64_t bytes = std::uint64_t(s.size) * 4;
-      header[s.name + "." + kinds[k]] = {{"dtype", "F32"}, {"shape", s.shape}, {"data_offsets", {offset, offset + bytes}}};
+      const std::uint64_t bytes = std::uint64_t(n) * 4;
+      header[s.name + "." + kinds[k]] = {{"dtype", "F32"}, {"shape", shape}, {"data_offsets", {offset, offset + bytes}}};
       offset += bytes;
+      c.src[k] = st.array(k) + (n ? s.offset + p.a - held.begin : 0);
     }
+    chunks.push_back(c);
   }
   json meta = {{"format", format_name},
                {"version", format_version},
@@ -339,7 +378,10 @@ void save_checkpoint(const optimizer& opt, const std::string& path, const checkp
                {"skipped_steps", std::to_string(st.skipped_steps())},
                {"groups", groups.dump()},
                {"tensor_groups", tensor_groups.dump()},
+               {"arena", std::to_string(end)},
+               {"range", range_text(held)},
                {"checksum", checksum_placeholder}};
+  if (!pieces.empty()) meta["pieces"] = pieces.dump();
   for (const auto& [k, v] : extra) {
     if (meta.contains(k)) throw std::logic_error("checkpoint metadata key '" + k + "' is hostopt's own");
     meta[k] = v;
@@ -364,10 +406,10 @@ void save_checkpoint(const optimizer& opt, const std::string& path, const checkp
     // The data goes out through one staging block: the bytes checksummed are the bytes
     // written, whatever another thread does to the arena through a view.
     std::vector<unsigned char> block(std::min<std::uint64_t>(io_block, std::max<std::uint64_t>(offset, 1)));
-    for (const auto& s : segs)
+    for (const auto& c : chunks)
       for (int k = 0; k < 3; ++k) {
-        const auto* src = reinterpret_cast<const unsigned char*>(st.array(k) + s.offset);
-        for (std::size_t done = 0, n = s.size * 4; done < n;) {
+        const auto* src = reinterpret_cast<const unsigned char*>(c.src[k]);
+        for (std::size_t done = 0, n = c.n * 4; done < n;) {
           const std::size_t len_now = std::min(block.size(), n - done);
           std::memcpy(block.data(), src + done, len_now);
           sum.add(block.data(), len_now);
@@ -381,16 +423,70 @@ void save_checkpoint(const optimizer& opt, const std::string& path, const checkp
   });
 }
 
-void load_checkpoint(optimizer& opt, const std::string& path, const checkpoint_metadata& expected,
-                     checkpoint_metadata* read_back) {
+namespace {
+
+// One checkpoint file, opened and verified in structure (everything but the checksum).
+struct source_file {
+  std::string path;
+  int fd = -1;
+  std::uint64_t data_start = 0, data_size = 0;
+  checksum64 head; // over the length and the header with its checksum digits zeroed
+  std::string stored_checksum;
+  arena_range range;
+  std::vector<adam_config> configs;
+  std::int64_t step = 0, skipped = 0;
+  struct entry {
+    std::size_t tensor;
+    int kind;
+    std::size_t a, b;        // tensor elements [a, b)
+    std::uint64_t begin;     // byte offset in the data section
+  };
+  std::vector<entry> entries;
+
+  source_file() = default;
+  source_file(const source_file&) = delete;
+  source_file(source_file&& o) noexcept { *this = std::move(o); }
+  source_file& operator=(source_file&& o) noexcept {
+    std::swap(path, o.path);
+    std::swap(fd, o.fd);
+    data_start = o.data_start;
+    data_size = o.data_size;
+    head = o.head;
+    std::swap(stored_checksum, o.stored_checksum);
+    range = o.range;
+    std::swap(configs, o.configs);
+    step = o.step;
+    skipped = o.skipped;
+    std::swap(entries, o.entries);
+    return *this;
+  }
+  ~source_file() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+arena_range parse_range(const std::string& path, const std::string& text, std::size_t end) {
+  const auto colon = text.find(':');
+  auto digits = [](const std::string& x) {
+    return !x.empty() && x.size() <= 19 && std::all_of(x.begin(), x.end(), [](char c) { return c >= '0' && c <= '9'; });
+  };
+  if (colon == std::string::npos || !digits(text.substr(0, colon)) || !digits(text.substr(colon + 1)))
+    fail(path, "__metadata__ 'range' = \"" + text + "\": expected BEGIN:END");
+  const arena_range r{std::stoull(text.substr(0, colon)), std::stoull(text.substr(colon + 1))};
+  if (r.begin > r.end || r.end > end)
+    fail(path, "__metadata__ 'range' = \"" + text + "\" lies outside the arena [0, " + std::to_string(end) + ")");
+  return r;
+}
+
+source_file open_source(const std::string& path, std::span<const segment> segs, const checkpoint_metadata& expected,
+                        checkpoint_metadata* read_back) {
   check_path(path, "checkpoint");
+  source_file src;
+  src.path = path;
   // Non-blocking open: a fifo would otherwise block here forever; it is refused below.
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) fail_errno(path, "cannot open");
-  struct closer {
-    int fd;
-    ~closer() { ::close(fd); }
-  } guard{fd};
+  src.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (src.fd < 0) fail_errno(path, "cannot open");
+  const int fd = src.fd;
   struct stat st {};
   if (::fstat(fd, &st) != 0) fail_errno(path, "cannot stat");
   if (!S_ISREG(st.st_mode)) fail(path, "not a regular file (a device, fifo, socket or directory): refused");
@@ -431,63 +527,84 @@ void load_checkpoint(optimizer& opt, const std::string& path, const checkpoint_m
     if (meta_string(k) != v) fail(path, "__metadata__ '" + k + "' = \"" + meta_string(k) + "\": expected \"" + v + "\"");
   if (read_back)
     for (auto& [k, v] : *read_back) v = meta_string(k);
-
-  // Everything below runs with the optimizer locked; a load may replace a failed state.
-  detail::exclusive_state state(opt, "load_checkpoint", true);
-  const std::uint64_t data_start = 8 + header_len;
-  const std::uint64_t data_size = file_size - data_start;
-  const auto segs = state.segments();
-  // Every tensor of the optimizer, with the right dtype and shape, inside the file.
-  std::size_t expected_entries = 0;
-  struct piece {
-    std::uint64_t begin, end;
-    float* dst;
-  };
-  std::vector<piece> pieces;
-  std::uint64_t total = 0;
-  for (const auto& s : segs)
-    for (int k = 0; k < 3; ++k) {
-      const std::string name = s.name + "." + kinds[k];
-      ++expected_entries;
-      if (!header.contains(name)) fail(path, "tensor '" + name + "' is missing (the optimizer has '" + s.name + "')");
-      const json& t = header[name];
-      if (!t.is_object() || !t.contains("dtype") || !t.contains("shape") || !t.contains("data_offsets"))
-        fail(path, "tensor '" + name + "' has no dtype/shape/data_offsets");
-      if (t["dtype"] != "F32") fail(path, "tensor '" + name + "' has dtype " + t["dtype"].dump() + ": expected F32");
-      if (!t["shape"].is_array() || t["shape"] != json(s.shape))
-        fail(path, "tensor '" + name + "' has shape " + t["shape"].dump() + ": expected " + json(s.shape).dump());
-      const json& off = t["data_offsets"];
-      if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned())
-        fail(path, "tensor '" + name + "': data_offsets " + off.dump() + " are not two byte offsets");
-      const std::uint64_t b = off[0].get<std::uint64_t>(), e = off[1].get<std::uint64_t>();
-      if (b > e || e > data_size)
-        fail(path, "tensor '" + name + "': data_offsets [" + std::to_string(b) + ", " + std::to_string(e) +
-                       ") lie outside the " + std::to_string(data_size) + "-byte data section (truncated file?)");
-      if (e - b != std::uint64_t(s.size) * 4)
-        fail(path, "tensor '" + name + "': " + std::to_string(e - b) + " bytes for " + std::to_string(s.size) +
-                       " f32 elements");
-      pieces.push_back({b, e, state.array(k) + s.offset});
-      total += e - b;
+  const std::size_t end = arena_end(segs);
+  if (meta_string("arena") != std::to_string(end))
+    fail(path, "it holds an arena of " + meta_string("arena") + " elements, the optimizer's has " +
+                   std::to_string(end) + " (a different model)");
+  src.range = parse_range(path, meta_string("range"), end);
+  json pieces = json::object();
+  if (meta.contains("pieces")) {
+    try {
+      pieces = json::parse(meta_string("pieces"));
+    } catch (const std::exception& e) {
+      fail(path, std::string("__metadata__ 'pieces' is not valid JSON: ") + e.what());
     }
-  if (header.size() - 1 != expected_entries)
-    fail(path, "it holds " + std::to_string(header.size() - 1) + " tensors, the optimizer expects " +
-                   std::to_string(expected_entries) + " (different tensor names)");
-  std::vector<piece> by_offset = pieces;
-  std::sort(by_offset.begin(), by_offset.end(), [](const piece& a, const piece& b) { return a.begin < b.begin; });
-  for (std::size_t i = 1; i < by_offset.size(); ++i)
-    if (by_offset[i].begin < by_offset[i - 1].end) fail(path, "two tensors overlap in the data section");
-  // No overlap and a matching total: the tensors tile the data section exactly.
-  if (total != data_size)
-    fail(path, std::to_string(data_size - std::min(total, data_size)) +
+  }
+
+  src.data_start = 8 + header_len;
+  src.data_size = file_size - src.data_start;
+  // The entries this range must have: every tensor it overlaps, three kinds each.
+  std::map<std::string, std::pair<std::size_t, int>, std::less<>> wanted; // "name.kind" -> (tensor, kind)
+  for (std::size_t i = 0; i < segs.size(); ++i)
+    if (piece_in(segs[i], src.range, end).held)
+      for (int k = 0; k < 3; ++k) wanted.emplace(segs[i].name + "." + kinds[k], std::make_pair(i, k));
+  for (const auto& [name, t] : header.items()) {
+    if (name == "__metadata__") continue;
+    if (!wanted.count(name)) {
+      const bool known = std::any_of(segs.begin(), segs.end(), [&](const segment& s) {
+        for (const char* k : kinds)
+          if (name == s.name + "." + k) return true;
+        return false;
+      });
+      fail(path, "tensor '" + name + "' " +
+                     (known ? "lies outside the file's range " + range_text(src.range)
+                            : std::string("is not in the optimizer (different tensor names)")));
+    }
+  }
+  std::uint64_t total = 0;
+  for (const auto& [name, tk] : wanted) {
+    const segment& s = segs[tk.first];
+    if (!header.contains(name)) fail(path, "tensor '" + name + "' is missing (the optimizer has '" + s.name + "')");
+    const json& t = header[name];
+    if (!t.is_object() || !t.contains("dtype") || !t.contains("shape") || !t.contains("data_offsets"))
+      fail(path, "tensor '" + name + "' has no dtype/shape/data_offsets");
+    if (t["dtype"] != "F32") fail(path, "tensor '" + name + "' has dtype " + t["dtype"].dump() + ": expected F32");
+    const piece_of p = piece_in(s, src.range, end);
+    const json want_shape = p.whole ? json(s.shape) : json::array({p.b - p.a});
+    if (!t["shape"].is_array() || t["shape"] != want_shape)
+      fail(path, "tensor '" + name + "' has shape " + t["shape"].dump() + ": expected " + want_shape.dump());
+    const bool listed = pieces.is_object() && pieces.contains(s.name);
+    if (listed != !p.whole || (listed && pieces[s.name] != json::array({p.a, p.b})))
+      fail(path, "tensor '" + s.name + "': its piece does not match the file's range " + range_text(src.range));
+    const json& off = t["data_offsets"];
+    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned())
+      fail(path, "tensor '" + name + "': data_offsets " + off.dump() + " are not two byte offsets");
+    const std::uint64_t b = off[0].get<std::uint64_t>(), e = off[1].get<std::uint64_t>();
+    if (b > e || e > src.data_size)
+      fail(path, "tensor '" + name + "': data_offsets [" + std::to_string(b) + ", " + std::to_string(e) +
+                     ") lie outside the " + std::to_string(src.data_size) + "-byte data section (truncated file?)");
+    if (e - b != std::uint64_t(p.b - p.a) * 4)
+      fail(path, "tensor '" + name + "': " + std::to_string(e - b) + " bytes for " + std::to_string(p.b - p.a) +
+                     " f32 elements");
+    src.entries.push_back({tk.first, tk.second, p.a, p.b, b});
+    total += e - b;
+  }
+  // Non-empty entries must not overlap; with a matching total they tile the data exactly.
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> spans;
+  for (const auto& e : src.entries)
+    if (e.b > e.a) spans.push_back({e.begin, e.begin + std::uint64_t(e.b - e.a) * 4});
+  std::sort(spans.begin(), spans.end());
+  for (std::size_t i = 1; i < spans.size(); ++i)
+    if (spans[i].first < spans[i - 1].second) fail(path, "two tensors overlap in the data section");
+  if (total != src.data_size)
+    fail(path, std::to_string(src.data_size - std::min(total, src.data_size)) +
                    " bytes in the data section belong to no tensor (trailing or interleaved bytes): refused");
 
   // Groups, tensor groups, counts: parsed strictly.
-  std::vector<adam_config> configs;
-  std::int64_t step = 0, skipped = 0;
   try {
     const json groups = json::parse(meta_string("groups"));
     if (!groups.is_array()) fail(path, "__metadata__ 'groups' is not a list");
-    for (const auto& g : groups) configs.push_back(config_from(g));
+    for (const auto& g : groups) src.configs.push_back(config_from(g));
     const json tensor_groups = json::parse(meta_string("tensor_groups"));
     for (const auto& s : segs)
       if (!tensor_groups.contains(s.name) || !tensor_groups[s.name].is_number_unsigned() ||
@@ -498,60 +615,150 @@ void load_checkpoint(optimizer& opt, const std::string& path, const checkpoint_m
   } catch (const std::exception& e) {
     fail(path, std::string("bad metadata: ") + e.what());
   }
-  step = parse_count(path, "step", meta_string("step"));
-  skipped = parse_count(path, "skipped_steps", meta_string("skipped_steps"));
-  if (configs.size() != state.configs().size())
-    fail(path, std::to_string(configs.size()) + " parameter groups, the optimizer has " +
-                   std::to_string(state.configs().size()));
-  for (std::size_t g = 0; g < configs.size(); ++g) {
+  src.step = parse_count(path, "step", meta_string("step"));
+  src.skipped = parse_count(path, "skipped_steps", meta_string("skipped_steps"));
+  for (std::size_t g = 0; g < src.configs.size(); ++g) {
     try {
-      validate(configs[g], "groups[" + std::to_string(g) + "]");
+      validate(src.configs[g], "groups[" + std::to_string(g) + "]");
     } catch (const std::invalid_argument& e) {
       fail(path, e.what());
     }
   }
 
   // The checksum covers the length, the header (its own digits read as zeros) and the data.
-  const std::string stored = meta_string("checksum");
-  const std::string slot = "\"checksum\":\"" + stored + "\"";
+  src.stored_checksum = meta_string("checksum");
+  const std::string slot = "\"checksum\":\"" + src.stored_checksum + "\"";
   const std::size_t at = text.find(slot);
-  if (stored.size() != 16 || at == std::string::npos || text.find(slot, at + 1) != std::string::npos)
+  if (src.stored_checksum.size() != 16 || at == std::string::npos || text.find(slot, at + 1) != std::string::npos)
     fail(path, "the checksum entry is malformed");
-  std::string zeroed = text;
-  zeroed.replace(at + 12, 16, checksum_placeholder);
-  checksum64 head;
-  head.add(len, 8);
-  head.add(zeroed.data(), zeroed.size());
+  text.replace(at + 12, 16, checksum_placeholder);
+  src.head.add(len, 8);
+  src.head.add(text.data(), text.size());
+  return src;
+}
 
-  // Pass 1 verifies the file, streaming (no second copy of the state in memory).
-  {
-    checksum64 sum = head;
-    std::vector<unsigned char> block(std::min<std::uint64_t>(io_block, std::max<std::uint64_t>(data_size, 1)));
-    for (std::uint64_t done = 0; done < data_size;) {
-      const std::uint64_t n = std::min<std::uint64_t>(block.size(), data_size - done);
-      read_all_at(fd, block.data(), n, data_start + done, path);
-      sum.add(block.data(), std::size_t(n));
-      done += n;
-    }
-    if (hex(sum.finish()) != stored)
-      fail(path, "checksum mismatch (file " + stored + ", contents " + hex(sum.finish()) +
-                     "): the header or the data is corrupted");
-  }
-  // Pass 2 reads into place, checksumming again: a file changed between the passes leaves
-  // a half-loaded state, which is then marked failed (never used as if it were whole).
-  checksum64 sum = head;
+bool same_config(const adam_config& a, const adam_config& b) {
+  return a.lr == b.lr && a.beta1 == b.beta1 && a.beta2 == b.beta2 && a.eps == b.eps && a.eps_root == b.eps_root &&
+         a.weight_decay == b.weight_decay && a.mode == b.mode && a.bias_correction == b.bias_correction &&
+         a.nesterov == b.nesterov;
+}
+
+} // namespace
+
+void load_checkpoint(optimizer& opt, std::span<const std::string> paths, std::span<const checkpoint_metadata> expected,
+                     checkpoint_metadata* read_back) {
   try {
-    for (const auto& p : by_offset) {
-      read_all_at(fd, p.dst, p.end - p.begin, data_start + p.begin, path);
-      sum.add(p.dst, std::size_t(p.end - p.begin));
+    const std::vector<segment> layout(opt.segments().begin(), opt.segments().end()); // fixed at construction
+    std::vector<source_file> sources;
+    for (std::size_t f = 0; f < paths.size(); ++f)
+      sources.push_back(open_source(paths[f], layout, f < expected.size() ? expected[f] : checkpoint_metadata{},
+                                    f == 0 ? read_back : nullptr));
+    if (sources.empty()) throw std::invalid_argument("load_checkpoint: no file given");
+    const source_file& first = sources.front();
+    for (const auto& s : sources) { // one save: the same counts and hyper-parameters everywhere
+      bool same = s.step == first.step && s.skipped == first.skipped && s.configs.size() == first.configs.size();
+      for (std::size_t g = 0; same && g < s.configs.size(); ++g) same = same_config(s.configs[g], first.configs[g]);
+      if (!same)
+        fail(s.path, "its step, skipped steps or hyper-parameters differ from '" + first.path +
+                         "': files of different saves");
     }
-    if (hex(sum.finish()) != stored) fail(path, "the file changed while it was being loaded");
-  } catch (const std::exception& e) {
-    state.mark_failed(std::string("load_checkpoint stopped midway: ") + e.what());
-    throw;
+
+    // Everything below runs with the optimizer locked; a load may replace a failed state.
+    exclusive_state state(opt, "load_checkpoint", true);
+    if (first.configs.size() != state.configs().size())
+      fail(first.path, std::to_string(first.configs.size()) + " parameter groups, the optimizer has " +
+                           std::to_string(state.configs().size()));
+    const arena_range held = state.range();
+    // Which part of the held range each file provides: files in range order, each element
+    // from the first file that has it; together they must cover the held range.
+    std::vector<std::size_t> order(sources.size());
+    for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::sort(order.begin(), order.end(),
+              [&](std::size_t a, std::size_t b) { return sources[a].range.begin < sources[b].range.begin; });
+    std::vector<arena_range> provides(sources.size());
+    std::size_t reach = held.begin;
+    for (const std::size_t i : order) {
+      const arena_range r = sources[i].range;
+      if (r.begin > reach) break; // a gap
+      provides[i] = {reach, std::min(held.end, std::max(reach, r.end))};
+      reach = std::max(reach, std::min(held.end, r.end));
+    }
+    if (reach < held.end)
+      fail(first.path, "the files hold no state for arena elements [" + std::to_string(reach) + ", " +
+                           std::to_string(held.end) + ") that this optimizer holds (range " + range_text(held) + ")");
+    // Pass 1 verifies every file, streaming (no second copy of the state in memory).
+    std::vector<unsigned char> block(io_block);
+    for (auto& s : sources) {
+      checksum64 sum = s.head;
+      for (std::uint64_t done = 0; done < s.data_size;) {
+        const std::uint64_t n = std::min<std::uint64_t>(block.size(), s.data_size - done);
+        read_all_at(s.fd, block.data(), n, s.data_start + done, s.path);
+        sum.add(block.data(), std::size_t(n));
+        done += n;
+      }
+      if (hex(sum.finish()) != s.stored_checksum)
+        fail(s.path, "checksum mismatch (file " + s.stored_checksum + ", contents " + hex(sum.finish()) +
+                         "): the header or the data is corrupted");
+    }
+    // Pass 2 streams each file again, checksumming, and scatters what the optimizer holds
+    // (each element from the first file that has it). A file changed between the passes
+    // leaves a half-loaded state, which is marked failed, never used as if it were whole.
+    try {
+      for (std::size_t f = 0; f < sources.size(); ++f) {
+        source_file& s = sources[f];
+        struct copy {
+          std::uint64_t begin, end; // data-section bytes
+          float* dst;
+        };
+        std::vector<copy> copies;
+        for (const auto& e : s.entries) {
+          const segment& seg = layout[e.tensor];
+          // The arena elements this entry holds, clipped to what this file provides.
+          const std::size_t lo = std::max(provides[f].begin, seg.offset + e.a);
+          const std::size_t hi = std::min(provides[f].end, seg.offset + e.b);
+          if (lo >= hi) continue;
+          const std::uint64_t from = e.begin + std::uint64_t(lo - seg.offset - e.a) * 4;
+          copies.push_back({from, from + std::uint64_t(hi - lo) * 4, state.array(e.kind) + (lo - held.begin)});
+        }
+        std::sort(copies.begin(), copies.end(), [](const copy& a, const copy& b) { return a.begin < b.begin; });
+        checksum64 sum = s.head;
+        std::size_t next = 0;
+        for (std::uint64_t done = 0; done < s.data_size;) {
+          const std::uint64_t n = std::min<std::uint64_t>(block.size(), s.data_size - done);
+          read_all_at(s.fd, block.data(), n, s.data_start + done, s.path);
+          sum.add(block.data(), std::size_t(n));
+          // Copies overlapping [done, done + n).
+          for (std::size_t c = next; c < copies.size() && copies[c].begin < done + n; ++c) {
+            const std::uint64_t a = std::max(copies[c].begin, done), b = std::min(copies[c].end, done + n);
+            if (a < b)
+              std::memcpy(reinterpret_cast<char*>(copies[c].dst) + (a - copies[c].begin), block.data() + (a - done),
+                          std::size_t(b - a));
+            if (copies[c].end <= done + n && c == next) ++next;
+          }
+          done += n;
+        }
+        if (hex(sum.finish()) != s.stored_checksum) fail(s.path, "the file changed while it was being loaded");
+      }
+    } catch (const std::exception& e) {
+      state.mark_failed(std::string("load_checkpoint stopped midway: ") + e.what());
+      throw;
+    }
+    state.set_counters(first.configs, first.step, first.skipped);
+    state.clear_failure();
+  } catch (const std::bad_alloc&) {
+    throw std::runtime_error("checkpoint '" + (paths.empty() ? std::string() : paths[0]) +
+                             "': out of memory while loading it");
   }
-  state.set_counters(std::move(configs), step, skipped);
-  state.clear_failure();
+}
+
+void read_checkpoint_metadata(const std::string& path, std::span<const segment> layout, checkpoint_metadata& values) {
+  open_source(path, layout, {}, &values);
+}
+
+void load_checkpoint(optimizer& opt, const std::string& path, const checkpoint_metadata& expected,
+                     checkpoint_metadata* read_back) {
+  load_checkpoint(opt, std::span<const std::string>(&path, 1), std::span<const checkpoint_metadata>(&expected, 1),
+                  read_back);
 }
 
 } // namespace detail

@@ -36,14 +36,16 @@ unsigned max_leaf() { return cpuid(0, 0).a; }
 
 } // namespace
 
+// Everything arch_avx512.cpp is compiled with: AVX-512 F, BW, VL, DQ and AVX2, FMA, F16C.
 bool cpu_has_avx512() noexcept {
   if (max_leaf() < 7) return false;
   const cpuid_regs l7 = cpuid(7, 0);
-  const bool f = (l7.b >> 16) & 1u, bw = (l7.b >> 30) & 1u;
+  const bool f = (l7.b >> 16) & 1u, dq = (l7.b >> 17) & 1u, bw = (l7.b >> 30) & 1u, vl = (l7.b >> 31) & 1u;
   // XCR0: SSE (1), AVX (2), opmask (5), ZMM_Hi256 (6), Hi16_ZMM (7).
-  return f && bw && os_saves(0xE6u);
+  return f && dq && bw && vl && cpu_has_avx2() && os_saves(0xE6u);
 }
 
+// Everything arch_avx2.cpp is compiled with: AVX2, FMA, F16C (and AVX).
 bool cpu_has_avx2() noexcept {
   if (max_leaf() < 7) return false;
   const cpuid_regs l1 = cpuid(1, 0), l7 = cpuid(7, 0);

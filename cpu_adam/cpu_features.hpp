@@ -4,7 +4,7 @@
 
 namespace hostopt::detail {
 
-bool cpu_has_avx512() noexcept; // AVX-512 F + BW, with ZMM/opmask state enabled by the OS
+bool cpu_has_avx512() noexcept; // AVX-512 F, BW, VL, DQ + AVX2/FMA/F16C, ZMM/opmask state enabled by the OS
 bool cpu_has_avx2() noexcept;   // AVX2 + FMA + F16C, with YMM state enabled by the OS
 bool cpu_has_sse2() noexcept;
 bool cpu_has_neon() noexcept;

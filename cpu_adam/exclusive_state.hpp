@@ -24,6 +24,8 @@ public:
   exclusive_state& operator=(const exclusive_state&) = delete;
 
   std::span<const segment> segments() const;
+  /// The part of the layout the optimizer holds (its arrays start at range().begin).
+  arena_range range() const;
   /// Array k of the arena: 0 params, 1 exp_avg, 2 exp_avg_sq (arena_size() floats each).
   float* array(int k) const;
   std::size_t arena_size() const;

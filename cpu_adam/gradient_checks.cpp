@@ -38,7 +38,7 @@ grad_stats gradient_stats(std::span<const const_view> grads, const execution_opt
       const const_view& g = grads[buf];
       const std::size_t start = (b - first_block[buf]) * stats_block;
       const std::size_t n = std::min(stats_block, g.size - start);
-      sums[b] = ks.sumsq[int(g.type)](static_cast<const char*>(g.data) + start * dtype_size(g.type), n);
+      sums[b] = ks.sumsq(g.type)(static_cast<const char*>(g.data) + start * dtype_size(g.type), n);
     }
   };
   run_parallel(blocks < 64 ? 1 : exec.threads, body);

@@ -30,7 +30,7 @@ std::string known_names() {
   std::string s;
   for (const auto& e : entries) {
     if (!s.empty()) s += ", ";
-    s += e.kernels->name;
+    s += e.kernels->name();
   }
   return s;
 }
@@ -58,7 +58,7 @@ std::span<const registry_entry> kernel_registry() { return entries; }
 const kernel_set& kernel_set_by_name(std::string_view name) {
   if (name.empty()) return active_kernel_set();
   for (const auto& e : entries) {
-    if (name != e.kernels->name) continue;
+    if (name != e.kernels->name()) continue;
     if (!e.supported())
       throw std::runtime_error("kernel '" + std::string(name) +
                                "' is compiled in but this CPU or OS cannot run it");
@@ -80,10 +80,11 @@ namespace hostopt {
 
 std::vector<kernel_info> kernels() {
   std::vector<kernel_info> out;
-  for (const auto& e : detail::kernel_registry()) out.push_back({e.kernels->name, e.supported()});
+  for (const auto& e : detail::kernel_registry())
+    out.push_back({e.kernels->name(), e.supported(), e.kernels->description(), e.kernels->required_instruction_sets()});
   return out;
 }
 
-std::string active_kernel() { return detail::active_kernel_set().name; }
+std::string active_kernel() { return detail::active_kernel_set().name(); }
 
 } // namespace hostopt

@@ -3,6 +3,9 @@
 // optimizer and the benchmark see only plain function pointers.
 
 #include <cstddef>
+#include <optional>
+
+#include "hostopt/dtype.hpp"
 
 #include "step_scalars.hpp"
 
@@ -37,9 +40,9 @@ inline constexpr int num_grad_types = 3; // dtype f32, bf16, f16
 inline constexpr int num_out_types = 4;  // none, then dtype f32, bf16, f16
 inline constexpr int num_decay_kinds = 3;
 
-struct kernel_set {
-  const char* name;
-  std::size_t simd_width; // floats per vector
+/// The raw function table an instruction set fills (cpu_adam/adam_kernel.hpp). Nothing
+/// outside kernel_set indexes it: callers use kernel_set's typed accessors.
+struct kernel_table {
   adam_fn adam[num_grad_types][num_out_types][num_decay_kinds][2];
   // optax form: p read only (for weight decay; may be null without it), `out` in the
   // gradient's dtype receives the update new_p - p.
@@ -48,6 +51,44 @@ struct kernel_set {
   cast_fn cast[num_out_types]; // indexed like the out column; [0] and [1] are null
   add_grad_fn add_grad[num_grad_types];
   sumsq_fn sumsq[num_grad_types];
+};
+
+/// One instruction set's kernels, simdjson's `implementation`: a name, a description, the
+/// instruction sets the CPU (and OS) must support, and typed access to every kernel.
+class kernel_set {
+public:
+  constexpr kernel_set(const char* name, const char* description, const char* required, const kernel_table& table)
+      : name_(name), description_(description), required_(required), table_(table) {}
+
+  /// "avx512", "avx2", "sse2", "neon" or "scalar".
+  constexpr const char* name() const { return name_; }
+  constexpr const char* description() const { return description_; }
+  /// The CPU features its translation unit is compiled for (what the registry checks).
+  constexpr const char* required_instruction_sets() const { return required_; }
+
+  /// The fused step for gradients in `grad`, a copy-out in `out` (none when empty).
+  adam_fn adam(dtype grad, std::optional<dtype> out, decay_kind decay, bool nesterov) const noexcept {
+    return table_.adam[int(grad)][out_column(out)][int(decay)][nesterov];
+  }
+  /// The optax form (update = new_p - p, in the gradient's dtype).
+  adam_fn delta(dtype grad, decay_kind decay, bool nesterov) const noexcept {
+    return table_.delta[int(grad)][int(decay)][nesterov];
+  }
+  /// The roofline twin of adam(grad, out, ...): the same loads and stores, no arithmetic.
+  roofline_fn roofline(dtype grad, std::optional<dtype> out) const noexcept {
+    return table_.roofline[int(grad)][out_column(out)];
+  }
+  /// f32 -> a 16-bit dtype, round to nearest even (null for f32: a memcpy).
+  cast_fn cast(dtype out) const noexcept { return table_.cast[out_column(out)]; }
+  add_grad_fn add_grad(dtype grad) const noexcept { return table_.add_grad[int(grad)]; }
+  sumsq_fn sumsq(dtype grad) const noexcept { return table_.sumsq[int(grad)]; }
+
+private:
+  static constexpr int out_column(std::optional<dtype> out) { return out ? 1 + int(*out) : 0; }
+  const char* name_;
+  const char* description_;
+  const char* required_;
+  kernel_table table_;
 };
 
 // One per instruction set compiled in (defined in cpu_adam/arch_*.cpp).

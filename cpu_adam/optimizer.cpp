@@ -1,11 +1,12 @@
+// The optimizer: a flat arena of master params and moments (or a range of one: a shard),
+// steps run as step plans over it, every public operation serialized by one mutex.
 #include "hostopt/optimizer.hpp"
 
 #include <algorithm>
-#include <cfloat>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
 #include <map>
-#include <condition_variable>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
@@ -17,7 +18,7 @@
 #include "hostopt/gradient_checks.hpp"
 #include "kernel_registry.hpp"
 #include "parallel.hpp"
-#include "step_scalars.hpp"
+#include "step_plan.hpp"
 #include "update_engine.hpp"
 
 namespace hostopt {
@@ -41,15 +42,13 @@ constexpr std::size_t max_arena_elems = std::size_t(max_state_bytes / (3 * sizeo
 }
 
 std::size_t element_count(const tensor_spec& t) {
-  std::size_t n = 1;
-  for (std::size_t d = 0; d < t.shape.size(); ++d) {
-    const std::int64_t e = t.shape[d];
-    if (e < 0)
+  for (std::size_t d = 0; d < t.shape.size(); ++d)
+    if (t.shape[d] < 0)
       throw std::invalid_argument("tensor '" + t.name + "': shape[" + std::to_string(d) + "] = " +
-                                  std::to_string(e) + ": expected an extent >= 0");
-  }
+                                  std::to_string(t.shape[d]) + ": expected an extent >= 0");
   for (const std::int64_t e : t.shape) // any zero extent makes the tensor empty
     if (e == 0) return 0;
+  std::size_t n = 1;
   for (const std::int64_t e : t.shape) {
     if (std::uint64_t(e) > max_arena_elems / n) too_large("tensor '" + t.name + "'");
     n *= std::size_t(e);
@@ -57,175 +56,15 @@ std::size_t element_count(const tensor_spec& t) {
   return n;
 }
 
-} // namespace
-
-struct optimizer::impl {
-  // Serializes every public operation; `idle` is signalled when a chunked step closes.
-  mutable std::mutex mu;
-  std::condition_variable idle;
-  std::thread::id chunk_owner;
-  std::size_t chunk_updates = 0; // update_range calls of the open chunked step
-  std::string failure;           // non-empty: the state is half-updated (not usable)
-
-  std::vector<segment> segs;
-  std::vector<std::string> names; // segs[i].name, for error messages
-  std::map<std::string, std::size_t, std::less<>> by_name;
-  std::vector<adam_config> configs;
-  execution_options exec;
-  const kernel_set* kernels = nullptr;
-  std::size_t arena = 0, nparams = 0;
-  aligned_floats state; // params | exp_avg | exp_avg_sq, each `arena` floats
-  std::int64_t count = 0;
-  // Scratch sized at construction so that a step allocates nothing.
-  std::vector<update_piece> pieces;
-  std::vector<group_kernel> group_kernels;
-  std::vector<byte_range> ranges;
-
-  float* p() const { return state.data(); }
-  float* m() const { return state.data() + arena; }
-  float* v() const { return state.data() + 2 * arena; }
-
-  std::size_t index_of(std::string_view name) const {
-    const auto it = by_name.find(name);
-    if (it == by_name.end())
-      throw std::invalid_argument("tensor name '" + std::string(name) +
-                                  "': unknown, expected one of the " + std::to_string(segs.size()) +
-                                  " registered tensors");
-    return it->second;
-  }
-
-  void check_group(std::size_t g) const {
-    if (g >= configs.size())
-      throw std::invalid_argument("group = " + std::to_string(g) + ": expected an index below " +
-                                  std::to_string(configs.size()));
-  }
-
-  // An open chunked step (begin_step .. finish_step).
-  bool chunked_open = false;
-  chunk_step_options chunked{};
-
-  // Chooses each group's kernel and computes its constants for step count + 1. With an
-  // accumulator the kernels take the f32 sum that the engine builds per block.
-  void prepare(dtype grad_type, bool has_out, dtype out_type, float grad_scale, bool accumulator) {
-    const std::int64_t t = count + 1;
-    const int grad_col = accumulator ? int(dtype::f32) : int(grad_type);
-    for (std::size_t g = 0; g < configs.size(); ++g) {
-      const kernel_variant var = variant_of(configs[g]);
-      group_kernels[g].fn = kernels->adam[grad_col][out_column(has_out, int(out_type))][int(var.decay)][var.nesterov];
-      group_kernels[g].scalars = make_step_scalars(configs[g], t, grad_scale);
-    }
-  }
-
-  update_job job(dtype grad_type, bool has_out, dtype out_type) const {
-    update_job j;
-    j.params = p();
-    j.exp_avg = m();
-    j.exp_avg_sq = v();
-    j.pieces = pieces.data();
-    j.num_pieces = pieces.size();
-    j.groups = group_kernels.data();
-    j.grad_elem_bytes = dtype_size(grad_type);
-    j.out_elem_bytes = has_out ? dtype_size(out_type) : 0;
-    j.begin = 0;
-    j.end = arena;
-    return j;
-  }
-
-  std::int64_t skipped = 0;
-  std::vector<const_view> stat_views; // the step's gradients, per tensor, for the checks
-
-  // The checks of step_options, before anything is written: returns applied = false for a
-  // skipped step, else the scale to step with (grad_scale times the clip factor).
-  step_result check(const step_options& o) {
-    if (count >= max_step_count)
-      throw std::invalid_argument("step: the step count is at its limit (" + std::to_string(max_step_count) +
-                                  ", hostopt::max_step_count)");
-    const bool needs_norm = o.skip_nonfinite || o.max_grad_norm > 0;
-    double raw_norm = o.known_grad_norm; // negative: not known
-    if (needs_norm && raw_norm < 0) {
-      decide_step(o, 0.0); // validate the options before reading the gradients
-      raw_norm = gradient_stats(stat_views, exec).norm; // NaN/inf when non-finite
-    }
-    const step_decision d = decide_step(o, raw_norm);
-    step_result r;
-    r.step = count;
-    r.applied = d.apply;
-    r.applied_scale = d.scale;
-    r.grad_norm = d.grad_norm;
-    if (!d.apply) ++skipped;
-    r.skipped_steps = skipped;
-    return r;
-  }
-
-  step_result commit(step_result r = {}) {
-    ++count;
-    r.applied = true;
-    r.step = count;
-    r.skipped_steps = skipped;
-    return r;
-  }
-
-  // Takes the lock once no chunked step is open (another thread's chunked step is waited
-  // for; this thread's own is refused: it would wait for itself). With `state`, also
-  // refuses when the state is half-updated.
-  std::unique_lock<std::mutex> acquire(const char* what, bool state = true) const {
-    std::unique_lock<std::mutex> lock(mu);
-    if (chunked_open && chunk_owner == std::this_thread::get_id())
-      throw std::logic_error(std::string(what) + ": this thread has a chunked step open (begin_step without "
-                                                 "finish_step or abort_step)");
-    const_cast<std::condition_variable&>(idle).wait(lock, [&] { return !chunked_open; });
-    if (state) refuse_if_failed(what);
-    return lock;
-  }
-
-  void refuse_if_failed(const char* what) const {
-    if (!failure.empty())
-      throw std::runtime_error(std::string(what) + ": the optimizer is not usable: " + failure +
-                               " (load a checkpoint, or call reset_failure() once the state is whole)");
-  }
-
-  // The lock for update_range/finish_step/abort_step: the chunked step must be this thread's.
-  std::unique_lock<std::mutex> acquire_chunked(const char* what) {
-    std::unique_lock<std::mutex> lock(mu);
-    if (!chunked_open) throw std::logic_error(std::string(what) + ": no chunked step is open (call begin_step first)");
-    if (chunk_owner != std::this_thread::get_id())
-      throw std::logic_error(std::string(what) + ": the open chunked step belongs to another thread");
-    return lock;
-  }
-
-  // Array k (params, exp_avg, exp_avg_sq) of the arena, refused while the state is half-updated.
-  std::span<float> view(int k, const char* what) const {
-    const auto lock = acquire(what);
-    return {state.data() + std::size_t(k) * arena, arena};
-  }
-
-  void close_chunked() {
-    chunked_open = false;
-    chunk_updates = 0;
-    idle.notify_all();
-  }
-};
-
-step_decision decide_step(const step_options& o, double raw_norm) {
-  check_grad_scale(o.grad_scale);
-  if (!(o.max_grad_norm >= 0) || std::isinf(o.max_grad_norm))
-    throw std::invalid_argument("max_grad_norm = " + std::to_string(o.max_grad_norm) +
-                                ": expected a finite value >= 0 (0 = no clipping)");
-  step_decision d;
-  d.scale = o.grad_scale;
-  if (!o.skip_nonfinite && o.max_grad_norm == 0) return d;
-  const double norm = double(o.grad_scale) * raw_norm;
-  d.grad_norm = norm;
-  // The kernel scales in float: a norm beyond the float range means some scaled element
-  // may be inf there even when every input and the double norm are finite. Below it, every
-  // |scale * g_i| <= norm is a finite float.
-  if (!(norm <= double(FLT_MAX))) {
-    d.apply = !o.skip_nonfinite; // asked not to check: the step goes on, unclipped
-    return d;
-  }
-  if (o.max_grad_norm > 0) d.scale = float(double(o.grad_scale) * clip_coefficient(norm, o.max_grad_norm));
-  return d;
+void check_count(const char* what, std::int64_t count) {
+  if (count < 0 || count > max_step_count)
+    throw std::invalid_argument(std::string(what) + " = " + std::to_string(count) + ": expected a count in [0, " +
+                                std::to_string(max_step_count) + "] (hostopt::max_step_count)");
 }
+
+std::optional<dtype> out_of(bool has_out, dtype t) { return has_out ? std::optional<dtype>(t) : std::nullopt; }
+
+} // namespace
 
 std::vector<segment> arena_layout(const std::vector<param_group>& groups) {
   std::vector<segment> segs;
@@ -249,29 +88,195 @@ std::vector<segment> arena_layout(const std::vector<param_group>& groups) {
   return segs;
 }
 
+std::size_t arena_end(std::span<const segment> layout) {
+  return layout.empty() ? 0 : align_up(layout.back().offset + layout.back().size);
+}
+
+struct optimizer::impl {
+  // Serializes every public operation; `idle` is signalled when a chunked step closes.
+  mutable std::mutex mu;
+  mutable std::condition_variable idle;
+  std::thread::id chunk_owner;
+  std::size_t chunk_updates = 0; // update_range calls of the open chunked step
+  std::string failure;           // non-empty: the state is half-updated (not usable)
+
+  std::vector<segment> segs; // the whole layout
+  std::vector<std::string> names;
+  std::map<std::string, std::size_t, std::less<>> by_name;
+  std::vector<adam_config> configs;
+  execution_options exec;
+  const kernel_set* kernels = nullptr;
+  arena_range held;           // the part of the layout held; flat index i is element held.begin + i
+  std::size_t arena = 0;      // held.size()
+  std::size_t nparams = 0;
+  aligned_floats state;       // params | exp_avg | exp_avg_sq, each `arena` floats
+  std::int64_t count = 0, skipped = 0;
+  // Scratch sized at construction so that a step allocates nothing.
+  std::vector<update_piece> pieces;       // the held part of each tensor, in flat coordinates
+  std::vector<std::size_t> piece_tensor;  // which segment each piece belongs to
+  std::vector<group_kernel> group_kernels;
+  std::vector<byte_range> ranges;
+  std::vector<const_view> stat_views; // the step's gradients, per piece, for the checks
+
+  // An open chunked step (begin_step .. finish_step).
+  bool chunked_open = false;
+  chunk_step_options chunked{};
+  step_decision chunk_decision;
+
+  float* p() const { return state.data(); }
+  float* m() const { return state.data() + arena; }
+  float* v() const { return state.data() + 2 * arena; }
+  bool whole() const { return held.begin == 0 && held.end == arena_end(segs); }
+
+  std::size_t index_of(std::string_view name) const {
+    const auto it = by_name.find(name);
+    if (it == by_name.end())
+      throw std::invalid_argument("tensor name '" + std::string(name) + "': unknown, expected one of the " +
+                                  std::to_string(segs.size()) + " registered tensors");
+    return it->second;
+  }
+
+  void check_group(std::size_t g) const {
+    if (g >= configs.size())
+      throw std::invalid_argument("group = " + std::to_string(g) + ": expected an index below " +
+                                  std::to_string(configs.size()));
+  }
+
+  // Takes the lock once no chunked step is open (another thread's chunked step is waited
+  // for; this thread's own is refused: it would wait for itself). With `state`, also
+  // refuses when the state is half-updated.
+  std::unique_lock<std::mutex> acquire(const char* what, bool state = true) const {
+    std::unique_lock<std::mutex> lock(mu);
+    if (chunked_open && chunk_owner == std::this_thread::get_id())
+      throw std::logic_error(std::string(what) + ": this thread has a chunked step open (begin_step without "
+                                                 "finish_step or abort_step)");
+    idle.wait(lock, [&] { return !chunked_open; });
+    if (state) refuse_if_failed(what);
+    return lock;
+  }
+
+  void refuse_if_failed(const char* what) const {
+    if (!failure.empty())
+      throw std::runtime_error(std::string(what) + ": the optimizer is not usable: " + failure +
+                               " (load a checkpoint, or call reset_failure() once the state is whole)");
+  }
+
+  // The lock for update_range/finish_step: the chunked step must be this thread's.
+  std::unique_lock<std::mutex> acquire_chunked(const char* what) {
+    std::unique_lock<std::mutex> lock(mu);
+    if (!chunked_open) throw std::logic_error(std::string(what) + ": no chunked step is open (call begin_step first)");
+    if (chunk_owner != std::this_thread::get_id())
+      throw std::logic_error(std::string(what) + ": the open chunked step belongs to another thread");
+    return lock;
+  }
+
+  void close_chunked() {
+    chunked_open = false;
+    chunk_updates = 0;
+    idle.notify_all();
+  }
+
+  // Array k (params, exp_avg, exp_avg_sq), refused while the state is half-updated.
+  std::span<float> view(int k, const char* what) const {
+    const auto lock = acquire(what);
+    return {state.data() + std::size_t(k) * arena, arena};
+  }
+
+  // A tensor held whole: its segment (flat offset = segment offset - held.begin).
+  const segment& whole_tensor(std::string_view name) const {
+    const segment& s = segs[index_of(name)];
+    if (s.size && (s.offset < held.begin || s.offset + s.size > held.end))
+      throw std::invalid_argument("tensor '" + s.name + "' is not held whole by this optimizer (it holds [" +
+                                  std::to_string(held.begin) + ", " + std::to_string(held.end) +
+                                  ") of the arena): use the flat views");
+    return s;
+  }
+
+  update_job job(dtype grad_type, std::optional<dtype> out) const {
+    update_job j;
+    j.params = p();
+    j.exp_avg = m();
+    j.exp_avg_sq = v();
+    j.pieces = pieces.data();
+    j.num_pieces = pieces.size();
+    j.groups = group_kernels.data();
+    j.grad_elem_bytes = dtype_size(grad_type);
+    j.out_elem_bytes = out ? dtype_size(*out) : 0;
+    j.begin = 0;
+    j.end = arena;
+    return j;
+  }
+
+  // Makes the step's plan; a skipped step is counted here. The norm, when the options
+  // need one and none is known, comes from the statistics of stat_views.
+  step_plan plan(const step_io& io, const step_options& o) {
+    return plan(io, o, [&] { return gradient_stats(stat_views, exec).norm; });
+  }
+  template <class NormFn>
+  step_plan plan(const step_io& io, const step_options& o, NormFn&& norm) {
+    const step_plan pl = step_plan::make(*kernels, configs, count, io, o, norm, group_kernels);
+    if (!pl.decision().apply) {
+      check_count("skipped steps", skipped + 1);
+      ++skipped;
+    }
+    return pl;
+  }
+
+  step_result result_of(const step_plan& pl) const {
+    step_result r;
+    r.applied = pl.decision().apply;
+    r.step = count;
+    r.grad_norm = pl.decision().grad_norm;
+    r.applied_scale = pl.decision().scale;
+    r.skipped_steps = skipped;
+    return r;
+  }
+};
+
+namespace {
+void check_range(arena_range r, std::size_t end) {
+  if (r.begin > r.end || r.end > end || (r.begin % align_elems) || (r.end % align_elems && r.end != end))
+    throw std::invalid_argument("range [" + std::to_string(r.begin) + ", " + std::to_string(r.end) +
+                                "): expected a range of [0, " + std::to_string(end) +
+                                ") whose ends are multiples of 16 (or the arena's end)");
+}
+} // namespace
+
 optimizer::optimizer(std::vector<param_group> groups, execution_options exec)
+    : optimizer(groups, arena_range{0, arena_end(arena_layout(groups))}, std::move(exec)) {}
+
+optimizer::optimizer(std::vector<param_group> groups, arena_range range, execution_options exec)
     : impl_(std::make_unique<impl>()) {
   impl& s = *impl_;
   check_threads(exec.threads);
   s.kernels = &kernel_set_by_name(exec.kernel);
   s.exec = std::move(exec);
   s.segs = arena_layout(groups);
+  check_range(range, arena_end(s.segs));
+  s.held = range;
+  s.arena = range.size();
   for (const auto& g : groups) s.configs.push_back(g.config);
-  std::size_t offset = 0;
   for (std::size_t i = 0; i < s.segs.size(); ++i) {
-    s.by_name.emplace(s.segs[i].name, i);
-    s.names.push_back(s.segs[i].name);
-    s.nparams += s.segs[i].size;
-    offset = align_up(s.segs[i].offset + s.segs[i].size);
+    const segment& seg = s.segs[i];
+    s.by_name.emplace(seg.name, i);
+    s.names.push_back(seg.name);
+    // A whole optimizer has one piece per tensor (empty ones too: per-tensor steps index
+    // them); a range holds pieces of the tensors it overlaps.
+    const std::size_t lo = std::max(range.begin, seg.offset), hi = std::min(range.end, seg.offset + seg.size);
+    if (s.whole()) {
+      s.pieces.push_back({seg.offset, seg.size, seg.group, nullptr, nullptr});
+    } else if (lo < hi) {
+      s.pieces.push_back({lo - range.begin, hi - lo, seg.group, nullptr, nullptr});
+    } else {
+      continue;
+    }
+    s.piece_tensor.push_back(i);
+    s.nparams += s.pieces.back().size;
   }
-  s.arena = offset; // <= max_arena_elems (arena_layout): 3 * arena floats cannot overflow
-  s.state = aligned_floats(3 * s.arena);
-  s.pieces.resize(s.segs.size());
-  for (std::size_t i = 0; i < s.segs.size(); ++i)
-    s.pieces[i] = {s.segs[i].offset, s.segs[i].size, s.segs[i].group, nullptr, nullptr};
+  s.state = aligned_floats(3 * s.arena); // arena <= max_arena_elems: cannot overflow
   s.group_kernels.resize(s.configs.size());
   s.ranges.reserve(2 * s.segs.size() + 3);
-  s.stat_views.reserve(s.segs.size());
+  s.stat_views.reserve(s.pieces.size());
 
   // First touch by the threads (and the partition) that will update each slice.
   impl* self = &s;
@@ -288,12 +293,11 @@ optimizer::optimizer(optimizer&&) noexcept = default;
 optimizer& optimizer::operator=(optimizer&&) noexcept = default;
 
 std::size_t optimizer::arena_size() const { return impl_->arena; }
+arena_range optimizer::range() const { return impl_->held; }
 std::size_t optimizer::num_params() const { return impl_->nparams; }
 std::size_t optimizer::state_bytes() const { return 3 * impl_->arena * sizeof(float); }
 std::span<const segment> optimizer::segments() const { return impl_->segs; } // fixed at construction
-const segment& optimizer::tensor(std::string_view name) const {
-  return impl_->segs[impl_->index_of(name)];
-}
+const segment& optimizer::tensor(std::string_view name) const { return impl_->segs[impl_->index_of(name)]; }
 
 std::size_t optimizer::num_groups() const { return impl_->configs.size(); }
 adam_config optimizer::group_config(std::size_t group) const {
@@ -315,14 +319,6 @@ void optimizer::set_lr(std::size_t group, double lr) {
   validate(c, "groups[" + std::to_string(group) + "].config");
   impl_->configs[group] = c;
 }
-
-namespace {
-void check_count(const char* what, std::int64_t count) {
-  if (count < 0 || count > max_step_count)
-    throw std::invalid_argument(std::string(what) + " = " + std::to_string(count) + ": expected a count in [0, " +
-                                std::to_string(max_step_count) + "] (hostopt::max_step_count)");
-}
-} // namespace
 
 std::int64_t optimizer::step_count() const {
   const auto lock = impl_->acquire("step_count", false);
@@ -353,34 +349,37 @@ std::span<const float> optimizer::exp_avg() const { return impl_->view(1, "exp_a
 std::span<const float> optimizer::exp_avg_sq() const { return impl_->view(2, "exp_avg_sq"); }
 
 std::span<float> optimizer::params(std::string_view name) {
-  const segment& s = tensor(name);
-  return params().subspan(s.offset, s.size);
+  const segment& s = impl_->whole_tensor(name);
+  return params().subspan(s.size ? s.offset - impl_->held.begin : 0, s.size);
 }
 std::span<float> optimizer::exp_avg(std::string_view name) {
-  const segment& s = tensor(name);
-  return exp_avg().subspan(s.offset, s.size);
+  const segment& s = impl_->whole_tensor(name);
+  return exp_avg().subspan(s.size ? s.offset - impl_->held.begin : 0, s.size);
 }
 std::span<float> optimizer::exp_avg_sq(std::string_view name) {
-  const segment& s = tensor(name);
-  return exp_avg_sq().subspan(s.offset, s.size);
+  const segment& s = impl_->whole_tensor(name);
+  return exp_avg_sq().subspan(s.size ? s.offset - impl_->held.begin : 0, s.size);
 }
 
 void optimizer::set_params(std::string_view name, const_view values) {
   const segment& s = tensor(name);
   check_view("values", values.data, values.size, values.type, s.size);
   const auto lock = impl_->acquire("set_params");
-  float* dst = impl_->p() + s.offset;
-  if (s.size == 0) return; // an empty tensor: nothing to copy (and values.data may be null)
+  const arena_range held = impl_->held;
+  const std::size_t lo = std::max(held.begin, s.offset), hi = std::min(held.end, s.offset + s.size);
+  if (lo >= hi) return; // nothing of it held (or an empty tensor, whose data may be null)
+  float* dst = impl_->p() + (lo - held.begin);
+  const std::size_t from = lo - s.offset, n = hi - lo;
   switch (values.type) {
-  case dtype::f32: std::memmove(dst, values.data, s.size * sizeof(float)); break;
+  case dtype::f32: std::memmove(dst, static_cast<const float*>(values.data) + from, n * sizeof(float)); break;
   case dtype::bf16: {
-    const auto* src = static_cast<const std::uint16_t*>(values.data);
-    for (std::size_t i = 0; i < s.size; ++i) dst[i] = bf16_to_f32(src[i]);
+    const auto* src = static_cast<const std::uint16_t*>(values.data) + from;
+    for (std::size_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(src[i]);
     break;
   }
   case dtype::f16: {
-    const auto* src = static_cast<const std::uint16_t*>(values.data);
-    for (std::size_t i = 0; i < s.size; ++i) dst[i] = f16_to_f32(src[i]);
+    const auto* src = static_cast<const std::uint16_t*>(values.data) + from;
+    for (std::size_t i = 0; i < n; ++i) dst[i] = f16_to_f32(src[i]);
     break;
   }
   }
@@ -409,11 +408,6 @@ void optimizer::set_skipped_steps(std::int64_t count) {
   check_count("skipped steps", count);
   impl_->skipped = count;
 }
-std::int64_t optimizer::record_skipped_step() {
-  const auto lock = impl_->acquire("record_skipped_step");
-  check_count("skipped steps", impl_->skipped + 1);
-  return ++impl_->skipped;
-}
 
 bool optimizer::usable() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
@@ -431,8 +425,7 @@ void optimizer::reset_failure() {
 step_result optimizer::step(const_view flat_grad, mut_view flat_out, const step_options& opts) {
   impl& s = *impl_;
   const auto lock = s.acquire("step");
-  const float grad_scale = opts.grad_scale;
-  check_grad_scale(grad_scale);
+  check_grad_scale(opts.grad_scale);
   check_view("flat_grad", flat_grad.data, flat_grad.size, flat_grad.type, s.arena);
   const bool has_out = flat_out.data != nullptr || flat_out.size != 0;
   if (has_out) check_view("flat_out", flat_out.data, flat_out.size, flat_out.type, s.arena);
@@ -444,29 +437,31 @@ step_result optimizer::step(const_view flat_grad, mut_view flat_out, const step_
   check_no_overlap(s.ranges, view_kinds);
 
   s.stat_views.clear();
-  for (const auto& seg : s.segs) // per tensor: padding is never read
-    s.stat_views.push_back({static_cast<const char*>(flat_grad.data) + seg.offset * dtype_size(flat_grad.type),
-                            seg.size, flat_grad.type});
-  step_result checked = s.check(opts);
-  if (!checked.applied) return checked;
-  s.prepare(flat_grad.type, has_out, flat_out.type, checked.applied_scale, false);
-  update_job job = s.job(flat_grad.type, has_out, flat_out.type);
+  for (const auto& piece : s.pieces) // per tensor: padding is never read
+    s.stat_views.push_back({static_cast<const char*>(flat_grad.data) + piece.offset * dtype_size(flat_grad.type),
+                            piece.size, flat_grad.type});
+  const step_plan pl = s.plan({flat_grad.type, out_of(has_out, flat_out.type), false}, opts);
+  if (!pl.decision().apply) return s.result_of(pl);
+  update_job job = s.job(flat_grad.type, out_of(has_out, flat_out.type));
   job.flat_grad = flat_grad.data;
   job.flat_out = has_out ? flat_out.data : nullptr;
   run_update(job, s.exec.threads);
-  return s.commit(checked);
+  ++s.count;
+  return s.result_of(pl);
 }
 
 step_result optimizer::step(std::span<const const_view> grads, std::span<const mut_view> outs,
                             const step_options& opts) {
   impl& s = *impl_;
   const auto lock = s.acquire("step");
-  const float grad_scale = opts.grad_scale;
+  if (!s.whole())
+    throw std::invalid_argument("step with per-tensor views: this optimizer holds a range of the arena (a shard): "
+                                "step it with flat buffers of its range");
   const std::size_t n = s.segs.size();
-  check_grad_scale(grad_scale);
+  check_grad_scale(opts.grad_scale);
   if (grads.size() != n)
-    throw std::invalid_argument("grads: " + std::to_string(grads.size()) +
-                                " views: expected one per tensor (" + std::to_string(n) + ")");
+    throw std::invalid_argument("grads: " + std::to_string(grads.size()) + " views: expected one per tensor (" +
+                                std::to_string(n) + ")");
   const bool has_out = !outs.empty();
   if (has_out && outs.size() != n)
     throw std::invalid_argument("outs: " + std::to_string(outs.size()) +
@@ -488,50 +483,58 @@ step_result optimizer::step(std::span<const const_view> grads, std::span<const m
     if (bad(grads[i], s.segs[i].size, grad_type)) {
       const std::string where = "grads[" + std::to_string(i) + "] ('" + s.names[i] + "')";
       check_view(where, grads[i].data, grads[i].size, grads[i].type, s.segs[i].size);
-      throw std::invalid_argument(where + ".type = " + std::string(dtype_name(grads[i].type)) +
-                                  ": expected " + std::string(dtype_name(grad_type)) +
-                                  " like grads[" + std::to_string(first) + "] (one gradient dtype per step)");
+      throw std::invalid_argument(where + ".type = " + std::string(dtype_name(grads[i].type)) + ": expected " +
+                                  std::string(dtype_name(grad_type)) + " like grads[" + std::to_string(first) +
+                                  "] (one gradient dtype per step)");
     }
     s.ranges.push_back(range_of(grads[i].data, grads[i].size * dtype_size(grad_type), false, kind_grad, i));
     if (!has_out) continue;
     if (bad(outs[i], s.segs[i].size, out_type)) {
       const std::string where = "outs[" + std::to_string(i) + "] ('" + s.names[i] + "')";
       check_view(where, outs[i].data, outs[i].size, outs[i].type, s.segs[i].size);
-      throw std::invalid_argument(where + ".type = " + std::string(dtype_name(outs[i].type)) +
-                                  ": expected " + std::string(dtype_name(out_type)) +
-                                  " like outs[0] (one copy-out dtype per step)");
+      throw std::invalid_argument(where + ".type = " + std::string(dtype_name(outs[i].type)) + ": expected " +
+                                  std::string(dtype_name(out_type)) + " like outs[0] (one copy-out dtype per step)");
     }
     s.ranges.push_back(range_of(outs[i].data, outs[i].size * dtype_size(out_type), true, kind_out, i));
   }
   s.ranges.push_back(range_of(s.p(), 3 * s.arena * sizeof(float), true, kind_state, 0));
   check_no_overlap(s.ranges, view_kinds, &s.names);
 
-  for (std::size_t i = 0; i < n; ++i) {
-    s.pieces[i].grad = grads[i].data; // null: skipped by the engine
+  for (std::size_t i = 0; i < n; ++i) { // whole: piece i is tensor i
+    s.pieces[i].grad = grads[i].data;   // null: skipped by the engine
     s.pieces[i].out = has_out ? outs[i].data : nullptr;
   }
   s.stat_views.assign(grads.begin(), grads.end());
-  step_result checked = s.check(opts);
-  if (!checked.applied) return checked;
-  s.prepare(grad_type, has_out, out_type, checked.applied_scale, false);
-  run_update(s.job(grad_type, has_out, out_type), s.exec.threads);
-  return s.commit(checked);
+  const step_plan pl = s.plan({grad_type, out_of(has_out, out_type), false}, opts);
+  if (!pl.decision().apply) return s.result_of(pl);
+  run_update(s.job(grad_type, out_of(has_out, out_type)), s.exec.threads);
+  ++s.count;
+  return s.result_of(pl);
 }
 
-void optimizer::begin_step(const chunk_step_options& o) {
+step_result optimizer::begin_step(const chunk_step_options& o) {
   impl& s = *impl_;
   const auto lock = s.acquire("begin_step");
   check_dtype("grad_type", o.grad_type);
   if (o.copy_out) check_dtype("out_type", o.out_type);
-  check_grad_scale(o.grad_scale);
-  if (s.count >= max_step_count)
-    throw std::invalid_argument("begin_step: the step count is at its limit (" + std::to_string(max_step_count) +
-                                ", hostopt::max_step_count)");
-  s.prepare(o.grad_type, o.copy_out, o.out_type, o.grad_scale, o.accumulator);
+  // The gradients arrive later: a norm the checks need must be known already.
+  const step_plan pl = s.plan({o.grad_type, out_of(o.copy_out, o.out_type), o.accumulator}, o.checks,
+                              []() -> double { refuse_unknown_norm("begin_step"); });
+  if (!pl.decision().apply) return s.result_of(pl);
   s.chunked = o;
+  s.chunk_decision = pl.decision();
   s.chunked_open = true;
   s.chunk_owner = std::this_thread::get_id();
   s.chunk_updates = 0;
+  return s.result_of(pl);
+}
+
+void optimizer::check_options(const chunk_step_options& o) const {
+  check_dtype("grad_type", o.grad_type);
+  if (o.copy_out) check_dtype("out_type", o.out_type);
+  decide_step(o.checks, 0.0);
+  if ((o.checks.skip_nonfinite || o.checks.max_grad_norm > 0) && o.checks.known_grad_norm < 0)
+    refuse_unknown_norm("begin_step");
 }
 
 void optimizer::update_range(std::size_t begin, std::size_t end, const void* grad, void* out,
@@ -544,12 +547,12 @@ void optimizer::update_range(std::size_t begin, std::size_t end, const void* gra
   if (begin == end) return;
   if (!grad) throw std::invalid_argument("update_range: grad is null: expected a gradient chunk");
   if (s.chunked.copy_out != (out != nullptr))
-    throw std::invalid_argument(std::string("update_range: out is ") + (out ? "set" : "null") +
-                                ": expected " + (s.chunked.copy_out ? "an output chunk" : "none (begin_step had copy_out off)"));
+    throw std::invalid_argument(std::string("update_range: out is ") + (out ? "set" : "null") + ": expected " +
+                                (s.chunked.copy_out ? "an output chunk" : "none (begin_step had copy_out off)"));
   if (s.chunked.accumulator != (accumulator != nullptr))
     throw std::invalid_argument(std::string("update_range: accumulator is ") + (accumulator ? "set" : "null") +
                                 ": expected " + (s.chunked.accumulator ? "an accumulator chunk" : "none"));
-  update_job job = s.job(s.chunked.grad_type, s.chunked.copy_out, s.chunked.out_type);
+  update_job job = s.job(s.chunked.grad_type, out_of(s.chunked.copy_out, s.chunked.out_type));
   job.begin = begin;
   job.end = end;
   job.flat_grad = grad;
@@ -557,7 +560,7 @@ void optimizer::update_range(std::size_t begin, std::size_t end, const void* gra
   job.flat_origin = begin;
   if (accumulator) {
     job.flat_accumulator = accumulator;
-    job.add_grad = s.kernels->add_grad[int(s.chunked.grad_type)];
+    job.add_grad = s.kernels->add_grad(s.chunked.grad_type);
   }
   ++s.chunk_updates;
   run_update(job, s.exec.threads);
@@ -567,7 +570,14 @@ step_result optimizer::finish_step() {
   impl& s = *impl_;
   const auto lock = s.acquire_chunked("finish_step");
   s.close_chunked();
-  return s.commit();
+  ++s.count;
+  step_result r;
+  r.applied = true;
+  r.step = s.count;
+  r.applied_scale = s.chunk_decision.scale;
+  r.grad_norm = s.chunk_decision.grad_norm;
+  r.skipped_steps = s.skipped;
+  return r;
 }
 
 void optimizer::abort_step(const std::string& reason) noexcept {
@@ -590,6 +600,23 @@ bool optimizer::step_in_progress() const {
   return impl_->chunked_open;
 }
 
+void optimizer::accumulate_range(std::size_t begin, std::size_t end, float* acc, const void* grad, dtype grad_type,
+                                 bool first) {
+  if (begin > end || end > impl_->arena)
+    throw std::invalid_argument("accumulate_range: [" + std::to_string(begin) + ", " + std::to_string(end) +
+                                "): expected a range inside [0, " + std::to_string(impl_->arena) + ")");
+  accumulate_gradient(acc, {grad, end - begin, grad_type}, first, execution());
+}
+
+void optimizer::read_params(std::size_t begin, std::size_t end, void* out, dtype type) const {
+  impl& s = *impl_;
+  const auto lock = s.acquire("read_params");
+  if (begin > end || end > s.arena)
+    throw std::invalid_argument("read_params: [" + std::to_string(begin) + ", " + std::to_string(end) +
+                                "): expected a range inside [0, " + std::to_string(s.arena) + ")");
+  convert_params(s.p() + begin, {out, end - begin, type}, s.exec);
+}
+
 namespace detail {
 
 exclusive_state::exclusive_state(const optimizer& opt, const char* what, bool allow_failed)
@@ -597,6 +624,7 @@ exclusive_state::exclusive_state(const optimizer& opt, const char* what, bool al
 exclusive_state::~exclusive_state() = default;
 
 std::span<const segment> exclusive_state::segments() const { return impl_.segs; }
+arena_range exclusive_state::range() const { return impl_.held; }
 float* exclusive_state::array(int k) const { return impl_.state.data() + std::size_t(k) * impl_.arena; }
 std::size_t exclusive_state::arena_size() const { return impl_.arena; }
 const std::vector<adam_config>& exclusive_state::configs() const { return impl_.configs; }

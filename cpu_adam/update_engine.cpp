@@ -6,8 +6,6 @@
 
 namespace hostopt::detail {
 
-int out_column(bool has_out, int out_dtype) { return has_out ? 1 + out_dtype : 0; }
-
 namespace {
 
 // Elements per accumulator block: 16 KiB of f32, well inside L1/L2.

@@ -49,9 +49,6 @@ struct update_job {
   add_grad_fn add_grad = nullptr;
 };
 
-/// Index of the out-dtype column of kernel_set::adam (0 = no copy-out).
-int out_column(bool has_out, int out_dtype);
-
 /// Runs the job on `threads` workers (0 = default).
 void run_update(const update_job& job, int threads);
 

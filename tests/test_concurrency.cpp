@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 
 #include <atomic>
+#include <limits>
 #include <filesystem>
 #include <thread>
 
@@ -142,7 +143,11 @@ TEST_CASE("a half-updated state is refused everywhere until a checkpoint restore
   CHECK_THROWS_AS(opt.params(), std::runtime_error);
   CHECK_THROWS_AS(opt.exp_avg_sq("w"), std::runtime_error);
   CHECK_THROWS_AS(opt.set_params("b", {g.data(), 7, dtype::f32}), std::runtime_error);
-  CHECK_THROWS_AS(opt.record_skipped_step(), std::runtime_error);
+  chunk_step_options skip;
+  skip.checks.skip_nonfinite = true;
+  skip.checks.known_grad_norm = std::numeric_limits<double>::quiet_NaN();
+  CHECK_THROWS_AS(opt.begin_step(skip), std::runtime_error); // even a skip is not counted
+  CHECK(opt.skipped_steps() == 0);
   CHECK_THROWS_AS(opt.set_step_count(3), std::runtime_error);
   CHECK_THROWS_AS(opt.begin_step({}), std::runtime_error);
   CHECK(opt.step_count() == 1); // counters and hyper-parameters can still be read

@@ -7,6 +7,7 @@
 #include <random>
 
 #include "hostopt/offload_pipeline.hpp"
+#include "hostopt/optimizer.hpp"
 
 using namespace hostopt;
 

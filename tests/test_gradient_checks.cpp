@@ -163,18 +163,34 @@ TEST_CASE("gradients that overflow float once scaled are judged non-finite, as t
     CHECK_FALSE(r.applied);
     CHECK(r.skipped_steps == 1);
     CHECK(std::vector<float>(opt.params().begin(), opt.params().end()) == before);
-    // The same with the norm supplied by the caller, and with clipping asked for.
+    // The same with the norm supplied by the caller.
     o.known_grad_norm = 1e30;
-    o.max_grad_norm = 1.0;
     CHECK_FALSE(opt.step(const_view{g.data(), g.size(), dtype::f32}, {}, o).applied);
-    // The rule in isolation: below the float range the step goes on and params stay finite.
-    CHECK_FALSE(decide_step(o, 1e30).apply);
-    CHECK(decide_step(o, 1e27).apply);
-    o.known_grad_norm = -1.0;
-    o.max_grad_norm = 0.0;
-    o.grad_scale = 1e7f;
-    const auto ok = opt.step(const_view{g.data(), g.size(), dtype::f32}, {}, o);
-    CHECK(ok.applied);
-    for (float x : opt.params()) CHECK(std::isfinite(x));
+    // A gradient whose square overflows (1e20^2 > FLT_MAX) would leave v = inf for good.
+    o = {};
+    g[7] = 1e20f;
+    CHECK_FALSE(opt.step(const_view{g.data(), g.size(), dtype::f32}, {}, o).applied);
+    CHECK(opt.skipped_steps() == 3);
+    CHECK(std::vector<float>(opt.params().begin(), opt.params().end()) == before);
+    // Clipping brings what the kernel sees back into range: the step applies, finite,
+    // with or without the check (without it the clip must still happen).
+    g[7] = 1e30f;
+    o.grad_scale = 1e10f;
+    o.max_grad_norm = 1.0;
+    for (const bool check : {true, false}) {
+      o.skip_nonfinite = check;
+      const auto clipped = opt.step(const_view{g.data(), g.size(), dtype::f32}, {}, o);
+      CHECK(clipped.applied);
+      CHECK(clipped.applied_scale == Approx(1e-30).epsilon(1e-6));
+      for (float x : opt.params()) CHECK(std::isfinite(x));
+      for (float x : opt.exp_avg_sq()) CHECK(std::isfinite(x));
+    }
+    // The rule in isolation, at the bound sqrt(FLT_MAX) ~ 1.8447e19.
+    step_options plain;
+    CHECK(decide_step(plain, 1.8e19).apply);
+    CHECK_FALSE(decide_step(plain, 1.9e19).apply);
+    CHECK_FALSE(decide_step(plain, std::numeric_limits<double>::infinity()).apply);
+    plain.skip_nonfinite = false;
+    CHECK(decide_step(plain, 1.9e19).apply); // asked not to check
   }
 }

@@ -295,3 +295,43 @@ TEST_CASE("adam_update (optax form) gives adam_step's moments and the update new
           CHECK(bad == 0);
         }
 }
+
+TEST_CASE("adam_update over many leaves (one region) gives each leaf's own update, bit for bit", "[adam][per_arch]") {
+  std::mt19937 rng(23);
+  const std::size_t sizes[] = {0, 1, 17, 1000, 3, 64, 4097, 5};
+  std::vector<adam_config> configs = test_configs();
+  for (const auto& kernel : supported_kernels())
+    for (dtype gt : all_dtypes) {
+      std::vector<ref::state> whole, alone;
+      std::vector<ref::grad_buffer> grads;
+      std::vector<out_buffer> u_whole, u_alone;
+      for (std::size_t n : sizes) {
+        whole.push_back(ref::random_state(n, rng));
+        alone.push_back(whole.back());
+        grads.push_back(ref::random_grad(gt, n, rng));
+        u_whole.emplace_back(int(gt), n);
+        u_alone.emplace_back(int(gt), n);
+      }
+      std::vector<update_leaf> leaves;
+      for (std::size_t i = 0; i < whole.size(); ++i)
+        leaves.push_back({whole[i].p.data(), whole[i].m.data(), whole[i].v.data(), grads[i].view(), u_whole[i].view(),
+                          i % configs.size()});
+      adam_update(leaves, configs, 6, 0.5f, {3, kernel});
+      for (std::size_t i = 0; i < alone.size(); ++i) {
+        const std::size_t n = sizes[i];
+        adam_update(alone[i].p.data(), alone[i].m.data(), alone[i].v.data(), n, grads[i].view(), u_alone[i].view(),
+                    configs[i % configs.size()], 6, 0.5f, {1, kernel});
+        INFO("kernel " << kernel << " grad " << dtype_name(gt) << " leaf " << i);
+        CHECK(whole[i] == alone[i]);
+        CHECK(u_whole[i] == u_alone[i]);
+      }
+      // A bad leaf is named and nothing is written.
+      const auto before = whole;
+      leaves[3].update.size = 2;
+      CHECK_THROWS_WITH(adam_update(leaves, configs, 7, 1.0f, {1, kernel}), Catch::Contains("leaves[3].update.size = 2"));
+      leaves[3].update.size = sizes[3];
+      leaves[5].config = 99;
+      CHECK_THROWS_WITH(adam_update(leaves, configs, 7, 1.0f, {1, kernel}), Catch::Contains("leaves[5].config = 99"));
+      CHECK(whole == before);
+    }
+}

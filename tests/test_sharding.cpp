@@ -123,7 +123,8 @@ TEST_CASE("save with 2 ranks, load with 3 and with 1: training continues bit-ide
   std::vector<std::vector<float>> grads;
   for (int t = 0; t < 8; ++t) grads.push_back(ref::random_grad(dtype::f32, n, rng).f32);
   for (int t = 0; t < 4; ++t) step_world(two, grads[t], 1.0);
-  for (auto& r : two) r.save(dir.string());
+  for (auto& r : two) r.save(dir.string(), "step-4");
+  two.front().commit_save(dir.string(), "step-4");
   std::vector<float> straight;
   for (int t = 4; t < 8; ++t) straight = step_world(two, grads[t], 1.0);
   for (int w : {3, 1}) {
@@ -137,44 +138,115 @@ TEST_CASE("save with 2 ranks, load with 3 and with 1: training continues bit-ide
       CHECK(std::memcmp(resumed.data() + s.offset, straight.data() + s.offset, s.size * 4) == 0);
     }
   }
+  // One shard file alone does not cover a whole optimizer: refused, not half-loaded.
+  optimizer whole(model());
+  CHECK_THROWS_WITH(load_checkpoint(whole, (dir / "shard-1-of-2.step-4.safetensors").string()),
+                    Catch::Contains("hold no state for arena elements"));
+  CHECK(whole.step_count() == 0);
   fs::remove(dir / "index.json");
   auto world = make_world(2);
   CHECK_THROWS_WITH(world.front().load(dir.string()), Catch::Contains("index.json") && Catch::Contains("No such file"));
+  CHECK_THROWS_WITH(world.front().save(dir.string(), "../x"), Catch::Contains("save_id '../x'"));
+  CHECK_THROWS_WITH(world.back().commit_save(dir.string(), "step-4"), Catch::Contains("rank 0"));
   fs::remove_all(dir);
 }
 
 TEST_CASE("shard files of different saves are never loaded together", "[sharding][checkpoint]") {
   const fs::path base = fs::temp_directory_path() / ("hostopt_shard_mix_" + std::to_string(::getpid()));
-  const fs::path a = base / "a", b = base / "b";
-  fs::create_directories(a);
-  fs::create_directories(b);
+  const fs::path dir = base / "ckpt";
+  fs::create_directories(dir);
   std::mt19937 rng(9);
   auto late = make_world(2), early = make_world(2);
   const std::size_t n = late.front().arena_size();
-  for (int t = 0; t < 3; ++t) step_world(late, ref::random_grad(dtype::f32, n, rng).f32, 1.0);
   step_world(early, ref::random_grad(dtype::f32, n, rng).f32, 1.0);
-  for (auto& r : late) r.save(a.string());
-  for (auto& r : early) r.save(b.string());
-  // Every file of the save names its step and id; index.json was replaced atomically.
-  std::size_t files = 0;
-  for (auto it = fs::directory_iterator(a); it != fs::directory_iterator(); ++it) ++files;
-  CHECK(files == 3);
-  // Shard 1 at step 1 beside shard 0 at step 3: refused for every world size that reads it.
-  fs::copy_file(b / "shard-1-of-2.safetensors", a / "shard-1-of-2.safetensors", fs::copy_options::overwrite_existing);
+  for (auto& r : early) r.save(dir.string(), "run1");
+  early.front().commit_save(dir.string(), "run1");
+  for (int t = 0; t < 3; ++t) step_world(late, ref::random_grad(dtype::f32, n, rng).f32, 1.0);
+  // A save that crashed after rank 0 wrote its shard: the committed save stays current and whole.
+  late.front().save(dir.string(), "run2");
+  CHECK_THROWS_WITH(late.front().commit_save(dir.string(), "run2"), Catch::Contains("shard-1-of-2.run2"));
   for (int w : {1, 2, 3}) {
     auto world = make_world(w);
-    const auto before = std::vector<float>(world.back().local().params().begin(), world.back().local().params().end());
-    INFO("world " << w);
-    CHECK_THROWS_WITH(world.back().load(a.string()), Catch::Contains("shard-1-of-2") && Catch::Contains("expected"));
-    CHECK(world.back().local().step_count() == 0);
-    CHECK(std::vector<float>(world.back().local().params().begin(), world.back().local().params().end()) == before);
+    for (auto& r : world) r.load(dir.string());
+    CHECK(world.back().local().step_count() == 1);
   }
-  // The same step but a different save id is refused too.
-  for (auto& r : early) r.save(b.string(), "run-2");
-  auto world = make_world(1);
-  fs::copy_file(b / "index.json", a / "index.json", fs::copy_options::overwrite_existing);
-  CHECK_THROWS_WITH(world.front().load(a.string()), Catch::Contains("save_id"));
-  world.front().load(b.string());
-  CHECK(world.front().local().step_count() == 1);
+  // A shard of another save (or step) under this save's name: refused for every world size.
+  fs::copy_file(dir / "shard-0-of-2.run2.safetensors", dir / "shard-0-of-2.run1.safetensors",
+                fs::copy_options::overwrite_existing);
+  for (int w : {1, 2, 3}) {
+    auto world = make_world(w);
+    const auto before = std::vector<float>(world.front().local().params().begin(), world.front().local().params().end());
+    INFO("world " << w);
+    CHECK_THROWS_WITH(world.front().load(dir.string()),
+                      Catch::Contains("shard-0-of-2.run1") && Catch::Contains("expected \"run1\""));
+    CHECK(world.front().local().step_count() == 0);
+    CHECK(std::vector<float>(world.front().local().params().begin(), world.front().local().params().end()) == before);
+  }
+  // A completed save replaces it; commit removes the other saves' shard files.
+  late.back().save(dir.string(), "run2");
+  late.front().commit_save(dir.string(), "run2");
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  CHECK(names == std::vector<std::string>{"index.json", "shard-0-of-2.run2.safetensors", "shard-1-of-2.run2.safetensors"});
+  auto world = make_world(3);
+  for (auto& r : world) r.load(dir.string());
+  CHECK(world.front().local().step_count() == 3);
   fs::remove_all(base);
+}
+
+TEST_CASE("global decisions are global: a NaN on one rank makes every rank skip; clipping uses the global norm",
+          "[sharding][stats]") {
+  std::mt19937 rng(10);
+  for (int w : {2, 3}) {
+    INFO("world " << w);
+    auto world = make_world(w);
+    optimizer single(model());
+    const std::size_t n = single.arena_size();
+    auto g = ref::random_grad(dtype::f32, n, rng, 40.0f);
+    // Without a global norm a checked (default) or clipping step is refused on every rank.
+    for (auto& r : world) {
+      const shard_range s = r.shard();
+      CHECK_THROWS_WITH(r.step({g.f32.data() + s.begin, s.size(), dtype::f32}, {}, step_options{}),
+                        Catch::Contains("needs the global gradient norm"));
+    }
+    // The reduction every rank calls: here, in one process, the precomputed sum of all shards.
+    auto reduce_all = [&](const std::vector<float>& grad) {
+      double total = 0;
+      for (auto& r : world) {
+        const shard_range s = r.shard();
+        total += r.shard_stats({grad.data() + s.begin, s.size(), dtype::f32}).sum_squares;
+      }
+      for (auto& r : world) r.set_norm_reduction([total](double) { return total; });
+      return total;
+    };
+    step_options clip;
+    clip.max_grad_norm = 5.0;
+    // A clipped step: every rank scales by the global norm's factor.
+    const double total = reduce_all(g.f32);
+    std::vector<float> gathered(n, -1.0f), out(n, -1.0f);
+    for (auto& r : world) {
+      const shard_range s = r.shard();
+      const auto res = r.step({g.f32.data() + s.begin, s.size(), dtype::f32}, {gathered.data() + s.begin, s.size(), dtype::f32}, clip);
+      CHECK(res.applied);
+      CHECK(res.grad_norm == std::sqrt(total));
+    }
+    step_options known = clip;
+    known.known_grad_norm = std::sqrt(total);
+    single.step(g.view(), {out.data(), n, dtype::f32}, known);
+    for (const auto& s : single.segments())
+      CHECK(std::memcmp(gathered.data() + s.offset, out.data() + s.offset, s.size * 4) == 0);
+    // A NaN that only the last shard holds: every rank skips, step counts stay equal.
+    g.f32[world.back().shard().begin + 1] = std::nanf("");
+    reduce_all(g.f32);
+    for (auto& r : world) {
+      const shard_range s = r.shard();
+      const auto before = std::vector<float>(r.local().params().begin(), r.local().params().end());
+      const auto res = r.step({g.f32.data() + s.begin, s.size(), dtype::f32}, {}, clip);
+      CHECK_FALSE(res.applied);
+      CHECK(res.step == 1);
+      CHECK(std::vector<float>(r.local().params().begin(), r.local().params().end()) == before);
+    }
+    for (auto& r : world) CHECK(r.local().skipped_steps() == 1);
+  }
 }

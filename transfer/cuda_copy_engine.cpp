@@ -11,10 +11,13 @@
 #include <cuda_runtime_api.h>
 
 #include "hostopt/copy_engine.hpp"
+#include "steady_clock.hpp"
 
 namespace hostopt {
 
 namespace {
+
+using detail::now_ns;
 
 void check(cudaError_t rc, const char* what) {
   if (rc != cudaSuccess)
@@ -22,10 +25,6 @@ void check(cudaError_t rc, const char* what) {
                              cudaGetErrorString(rc));
 }
 
-std::int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 constexpr std::size_t history = 4096;
 constexpr std::size_t user_events = 64;
@@ -110,11 +109,6 @@ public:
   void wait(const copy_ticket& t) override {
     const slot& s = find(t);
     check(cudaEventSynchronize(s.end), ("copy #" + std::to_string(t.sequence)).c_str());
-  }
-
-  bool done(const copy_ticket& t) noexcept override {
-    const slot& s = slots_[int(t.direction)][t.sequence % history];
-    return cudaEventQuery(s.end) != cudaErrorNotReady;
   }
 
   copy_timing timing(const copy_ticket& t) const override {

@@ -15,16 +15,14 @@
 #include <thread>
 
 #include "host_memory.hpp"
+#include "steady_clock.hpp"
 #include "hostopt/copy_engine.hpp"
 
 namespace hostopt {
 
 namespace {
 
-std::int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
+using detail::now_ns;
 
 constexpr std::size_t history = 4096; // completed copies remembered per direction
 
@@ -66,8 +64,6 @@ public:
     const record& r = records_[seq % history];
     if (r.sequence == seq && r.error) std::rethrow_exception(r.error);
   }
-
-  bool done(std::uint64_t seq) noexcept { return completed_.load(std::memory_order_acquire) >= seq; }
 
   copy_timing timing(std::uint64_t seq) const {
     std::lock_guard<std::mutex> lock(mu_);
@@ -173,7 +169,6 @@ public:
     return {stream(dir).enqueue(dst, src, bytes), dir};
   }
   void wait(const copy_ticket& t) override { stream(t.direction).wait(t.sequence); }
-  bool done(const copy_ticket& t) noexcept override { return stream(t.direction).done(t.sequence); }
   copy_timing timing(const copy_ticket& t) const override {
     return const_cast<host_copy_engine*>(this)->stream(t.direction).timing(t.sequence);
   }

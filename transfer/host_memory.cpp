@@ -1,5 +1,7 @@
 #include "host_memory.hpp"
 
+#include "hostopt/detail/huge_pages.hpp"
+
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
@@ -15,21 +17,18 @@
 namespace hostopt::detail {
 
 namespace {
-constexpr std::size_t huge_page = std::size_t(2) << 20;
 std::atomic<bool> warned{false};
-
-std::size_t rounded(std::size_t bytes, std::size_t align) { return (bytes + align - 1) / align * align; }
 } // namespace
 
 pinned_allocation allocate_locked_host(std::size_t bytes) {
   if (bytes == 0) return {};
   const std::size_t page = std::size_t(sysconf(_SC_PAGESIZE));
-  const std::size_t align = bytes >= huge_page ? huge_page : page;
-  const std::size_t size = rounded(bytes, align);
+  const std::size_t align = allocation_alignment(bytes, page);
+  const std::size_t size = round_up(bytes, align);
   void* p = nullptr;
   if (const int rc = posix_memalign(&p, align, size); rc != 0)
     throw std::runtime_error("pinned buffer: cannot allocate " + std::to_string(bytes) + " bytes: " + std::strerror(rc));
-  if (align == huge_page) madvise(p, size, MADV_HUGEPAGE); // advice only
+  if (align == huge_page_bytes) madvise(p, size, MADV_HUGEPAGE); // advice only
   pinned_allocation a{p, false};
   if (mlock(p, size) == 0) {
     a.locked = true;
@@ -49,8 +48,7 @@ void free_locked_host(pinned_allocation a, std::size_t bytes) noexcept {
   if (!a.data) return;
   if (a.locked) {
     const std::size_t page = std::size_t(sysconf(_SC_PAGESIZE));
-    const std::size_t align = bytes >= huge_page ? huge_page : page;
-    munlock(a.data, rounded(bytes, align));
+    munlock(a.data, round_up(bytes, allocation_alignment(bytes, page)));
   }
   std::free(a.data);
 }

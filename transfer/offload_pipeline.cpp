@@ -8,8 +8,10 @@
 //
 // so copy-in of k+1, update of k and copy-out of k-1 run at the same time. A buffer is
 // reused only after the ticket of its last use completed. The pipeline knows nothing of
-// Adam: it drives the optimizer's chunked step (begin_step / update_range / finish_step).
+// Adam: it drives a chunk_updater (begin_step / update_range / finish_step), which decides
+// checks, clipping and skips, and counts steps.
 #include "hostopt/offload_pipeline.hpp"
+#include "steady_clock.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -22,16 +24,12 @@
 #include <string>
 #include <thread>
 
-#include "hostopt/kernels.hpp"
 
 namespace hostopt {
 
 namespace {
 
-std::int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
+using detail::now_ns;
 
 void check_device_view(const char* what, const void* data, std::size_t size, dtype type, std::size_t expected,
                        dtype expected_type) {
@@ -106,12 +104,12 @@ struct offload_pipeline::impl {
     op_kind kind;
     const void* grads;
     void* params;
-    float grad_scale;
+    step_options checks;
     void* ready_event;
     std::shared_ptr<pipeline_handle::state> handle;
   };
 
-  optimizer& opt;
+  chunk_updater& opt;
   copy_engine& engine;
   pipeline_options options;
   std::size_t arena = 0, chunk = 0, chunks = 0, gsz = 0, psz = 0;
@@ -131,10 +129,10 @@ struct offload_pipeline::impl {
   pipeline_timeline current, last;
   std::thread worker;
 
-  impl(optimizer& o, copy_engine& e, pipeline_options opts) : opt(o), engine(e), options(std::move(opts)) {
-    if (options.depth < 2)
+  impl(chunk_updater& o, copy_engine& e, pipeline_options opts) : opt(o), engine(e), options(std::move(opts)) {
+    if (options.depth < 2 || options.depth > 64)
       throw std::invalid_argument("pipeline_options.depth = " + std::to_string(options.depth) +
-                                  ": expected >= 2 (double buffering)");
+                                  ": expected 2 (double buffering) to 64 buffers per direction");
     if (options.chunk_elems == 0) throw std::invalid_argument("pipeline_options.chunk_elems = 0: expected > 0");
     dtype_size(options.grad_type); // throws for a value outside the enum
     dtype_size(options.param_type);
@@ -273,7 +271,11 @@ struct offload_pipeline::impl {
     std::int64_t before = 0;
     try {
       before = opt.step_count();
-      opt.begin_step({options.grad_type, true, options.param_type, op.grad_scale, use_acc});
+      const step_result begun = opt.begin_step({options.grad_type, true, options.param_type, use_acc, op.checks});
+      if (!begun.applied) { // skipped by the checks before anything moved
+        micro_batches = 0;  // a skipped step drops its accumulated micro-batches too
+        return {begun, nullptr};
+      }
       start_copy_in(op);
       for (k = 0; k < chunks; ++k) {
         const std::size_t slot = k % depth;
@@ -346,7 +348,6 @@ struct offload_pipeline::impl {
     pipeline_stage stage = pipeline_stage::copy_in;
     try {
       if (accumulator.size() != arena) accumulator.assign(arena, 0.0f); // once, on first use
-      const execution_options exec = opt.execution();
       start_copy_in(op);
       for (k = 0; k < chunks; ++k) {
         const std::size_t slot = k % depth;
@@ -355,8 +356,8 @@ struct offload_pipeline::impl {
         wait_copy(in_tickets[slot], k, stage, in_issued[slot]);
         stage = pipeline_stage::accumulate;
         const std::int64_t t0 = now_ns();
-        accumulate_gradient(accumulator.data() + lo, {grad_bufs[slot].data(), hi - lo, options.grad_type},
-                            micro_batches == 0, exec);
+        opt.accumulate_range(lo, hi, accumulator.data() + lo, grad_bufs[slot].data(), options.grad_type,
+                             micro_batches == 0);
         record(k, stage, t0, now_ns(), t0);
         if (k + depth < chunks) {
           stage = pipeline_stage::copy_in;
@@ -378,59 +379,36 @@ struct offload_pipeline::impl {
   }
 };
 
-offload_pipeline::offload_pipeline(optimizer& opt, copy_engine& engine, pipeline_options options)
-    : impl_(std::make_unique<impl>(opt, engine, std::move(options))) {}
+offload_pipeline::offload_pipeline(chunk_updater& updater, copy_engine& engine, pipeline_options options)
+    : impl_(std::make_unique<impl>(updater, engine, std::move(options))) {}
 
 offload_pipeline::~offload_pipeline() = default;
 
 pipeline_handle offload_pipeline::step_async(const_view device_grads, mut_view device_params, float grad_scale,
                                              void* grads_ready_event) {
-  impl& s = *impl_;
-  check_device_view("device_grads", device_grads.data, device_grads.size, device_grads.type, s.arena,
-                    s.options.grad_type);
-  check_device_view("device_params", device_params.data, device_params.size, device_params.type, s.arena,
-                    s.options.param_type);
-  if (!(grad_scale >= 0) || std::isinf(grad_scale))
-    throw std::invalid_argument("grad_scale = " + std::to_string(grad_scale) + ": expected a finite value >= 0");
-  return s.submit({impl::op_kind::step, device_grads.data, device_params.data, grad_scale, grads_ready_event, nullptr});
+  step_options unchecked;
+  unchecked.grad_scale = grad_scale;
+  unchecked.skip_nonfinite = false;
+  return step_async(device_grads, device_params, unchecked, grads_ready_event);
 }
 
 pipeline_handle offload_pipeline::step_async(const_view device_grads, mut_view device_params,
                                              const step_options& options, void* grads_ready_event) {
   impl& s = *impl_;
-  const bool needs_norm = options.skip_nonfinite || options.max_grad_norm > 0;
-  if (needs_norm && options.known_grad_norm < 0) {
-    decide_step(options, 0.0); // a bad option is named first
-    throw std::invalid_argument("offload step with skip_nonfinite or max_grad_norm needs known_grad_norm (the "
-                                "gradients' norm computed where they are, e.g. on the GPU); set skip_nonfinite = "
-                                "false to step unchecked");
-  }
-  const step_decision d = decide_step(options, options.known_grad_norm);
-  if (d.apply) return step_async(device_grads, device_params, d.scale, grads_ready_event);
-  // Skipped before anything moves: count it and hand back a finished handle.
   check_device_view("device_grads", device_grads.data, device_grads.size, device_grads.type, s.arena,
                     s.options.grad_type);
   check_device_view("device_params", device_params.data, device_params.size, device_params.type, s.arena,
                     s.options.param_type);
-  std::unique_lock<std::mutex> lock(s.mu);
-  s.cv.wait(lock, [&] { return !s.busy; });
-  s.refuse_if_unusable();
-  step_result r;
-  r.applied = false;
-  r.grad_norm = d.grad_norm;
-  r.skipped_steps = s.opt.record_skipped_step();
-  r.step = s.opt.step_count();
-  s.micro_batches = 0; // a skipped step drops its accumulated micro-batches too
-  auto st = std::make_shared<pipeline_handle::state>();
-  st->finish(r, nullptr);
-  return pipeline_handle(st);
+  // Bad options are refused here, on the caller's thread, before anything moves.
+  s.opt.check_options({s.options.grad_type, true, s.options.param_type, false, options});
+  return s.submit({impl::op_kind::step, device_grads.data, device_params.data, options, grads_ready_event, nullptr});
 }
 
 pipeline_handle offload_pipeline::accumulate_async(const_view device_grads, void* grads_ready_event) {
   impl& s = *impl_;
   check_device_view("device_grads", device_grads.data, device_grads.size, device_grads.type, s.arena,
                     s.options.grad_type);
-  return s.submit({impl::op_kind::accumulate, device_grads.data, nullptr, 1.0f, grads_ready_event, nullptr});
+  return s.submit({impl::op_kind::accumulate, device_grads.data, nullptr, step_options{}, grads_ready_event, nullptr});
 }
 
 step_result offload_pipeline::step(const_view device_grads, mut_view device_params, float grad_scale) {
@@ -444,11 +422,10 @@ void offload_pipeline::push_params(mut_view device_params) {
   std::unique_lock<std::mutex> lock(s.mu);
   s.cv.wait(lock, [&] { return !s.busy; });
   s.refuse_if_unusable();
-  const float* host = s.opt.params().data();
   for (std::size_t k = 0; k < s.chunks; ++k) {
     const auto [lo, hi] = s.range(k);
     void* buf = s.param_bufs[0].data();
-    convert_params(host + lo, {buf, hi - lo, s.options.param_type}, s.opt.execution());
+    s.opt.read_params(lo, hi, buf, s.options.param_type);
     s.engine.wait(s.engine.copy_async(copy_direction::to_device, static_cast<char*>(device_params.data) + lo * s.psz,
                                       buf, (hi - lo) * s.psz));
   }

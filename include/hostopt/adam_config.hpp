@@ -3,6 +3,7 @@
 /// Hyper-parameters of one parameter group.
 
 #include <string>
+#include <string_view>
 
 namespace hostopt {
 
@@ -25,6 +26,26 @@ struct adam_config {
   bool bias_correction = true; ///< divide the moments by 1 - beta^t
   bool nesterov = false;       ///< Nesterov momentum as optax.nadam/nadamw
 };
+
+/// Calls f(name, field) for every field, in a fixed order, with the names torch and optax
+/// users know (f receives double&, adam_mode& or bool&): how checkpoints and the Python
+/// bindings serialise a config, so the list of fields exists once.
+template <class Config, class F>
+void for_each_field(Config& c, F&& f) {
+  f("lr", c.lr);
+  f("beta1", c.beta1);
+  f("beta2", c.beta2);
+  f("eps", c.eps);
+  f("eps_root", c.eps_root);
+  f("weight_decay", c.weight_decay);
+  f("mode", c.mode);
+  f("bias_correction", c.bias_correction);
+  f("nesterov", c.nesterov);
+}
+
+/// "adam" or "adamw"; parse_mode is its inverse (std::invalid_argument naming the text).
+const char* mode_name(adam_mode mode);
+adam_mode parse_mode(std::string_view name);
 
 /// Throws std::invalid_argument naming the first bad field, its value and the expected
 /// range. `where` prefixes the message (e.g. "group 2").

@@ -54,8 +54,6 @@ public:
   virtual copy_ticket copy_async(copy_direction dir, void* dst, const void* src, std::size_t bytes) = 0;
   /// Blocks until the ticket's copy is done; throws std::runtime_error if it failed.
   virtual void wait(const copy_ticket& t) = 0;
-  /// Whether the ticket's copy is done (failed counts as done). Never throws.
-  virtual bool done(const copy_ticket& t) noexcept = 0;
   /// Timing of a completed copy (valid for the most recent 4096 copies per direction).
   virtual copy_timing timing(const copy_ticket& t) const = 0;
   /// Makes later copies of `dir` wait for a device event (cudaEvent_t passed as void*),

@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -15,8 +16,10 @@ namespace hostopt {
 
 /// One kernel (instruction set) compiled into this build.
 struct kernel_info {
-  std::string name; ///< "avx512", "avx2", "sse2", "neon" or "scalar"
-  bool supported;   ///< this CPU and OS can run it
+  std::string name;        ///< "avx512", "avx2", "sse2", "neon" or "scalar"
+  bool supported;          ///< this CPU and OS can run it
+  std::string description; ///< what it is, e.g. "AVX2: 8 floats per vector, F16C conversions"
+  std::string required;    ///< the CPU features it needs (what "supported" checked)
 };
 
 /// Every kernel compiled in, best first.
@@ -59,6 +62,24 @@ void adam_step(float* params, float* exp_avg, float* exp_avg_sq, std::size_t n,
 void adam_update(const float* params, float* exp_avg, float* exp_avg_sq, std::size_t n, const_view grad,
                  mut_view update, const adam_config& config, std::int64_t step, float grad_scale = 1.0f,
                  const execution_options& exec = {});
+
+/// One array of an optax-form update over many (a pytree's leaves): see adam_update.
+struct update_leaf {
+  const float* params = nullptr; ///< read for weight decay; may be null when its config has none
+  float* exp_avg = nullptr;      ///< updated in place
+  float* exp_avg_sq = nullptr;   ///< updated in place
+  const_view grad;               ///< the gradient (its size is the leaf's)
+  mut_view update;               ///< receives new_p - p, in the gradient's dtype
+  std::size_t config = 0;        ///< index of its hyper-parameters in `configs`
+};
+
+/// adam_update over many leaves in one call and one parallel region: the leaves' elements
+/// are split across threads as one range (a pytree of a thousand small leaves costs one
+/// region, not a thousand), each leaf with its config's kernel and per-step scalars,
+/// computed once per config. Every leaf is validated before anything is written
+/// (std::invalid_argument naming "leaves[i]"); one gradient dtype for all leaves.
+void adam_update(std::span<const update_leaf> leaves, std::span<const adam_config> configs, std::int64_t step,
+                 float grad_scale = 1.0f, const execution_options& exec = {});
 
 /// Gradient accumulation across micro-batches, in f32: acc = grad when `first`, else
 /// acc = grad + acc. grad may be f32, bf16 or f16; n = grad.size elements of acc.

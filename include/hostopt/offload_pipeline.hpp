@@ -11,16 +11,17 @@
 #include <string>
 #include <vector>
 
+#include "hostopt/chunk_updater.hpp"
 #include "hostopt/copy_engine.hpp"
 #include "hostopt/dtype.hpp"
-#include "hostopt/optimizer.hpp"
+#include "hostopt/step_options.hpp"
 
 namespace hostopt {
 
 /// How the pipeline cuts and stages the arena.
 struct pipeline_options {
   std::size_t chunk_elems = std::size_t(1) << 22; ///< elements per chunk (rounded up to 16), > 0
-  int depth = 2;                                  ///< pinned buffers per direction, >= 2
+  int depth = 2;                                  ///< pinned buffers per direction, in [2, 64]
   dtype grad_type = dtype::f32;                   ///< dtype of the device gradients
   dtype param_type = dtype::bf16;                 ///< dtype of the device parameters written back
   /// Test hook, called on the pipeline thread before chunk k is updated; an exception it
@@ -75,17 +76,19 @@ private:
   std::shared_ptr<state> state_;
 };
 
-/// Streams gradients in and parameters out around an optimizer's chunked step.
+/// Streams gradients in and parameters out around a chunked step (chunk_updater: an
+/// optimizer, or a shard's). The pipeline knows nothing of Adam: the updater decides,
+/// updates and counts; the pipeline moves the bytes.
 ///
-/// Device buffers are in the optimizer's arena layout (arena_size() elements): the
+/// Device buffers are in the updater's flat layout (arena_size() elements): the
 /// gradients in options.grad_type, the parameters in options.param_type. One operation
 /// runs at a time: a call made while one is in flight waits for it first. Allocates its
 /// pinned buffers once, at construction; a step allocates nothing else.
 class offload_pipeline {
 public:
   /// Throws std::invalid_argument for bad options; std::runtime_error when pinned memory
-  /// cannot be allocated. `opt` and `engine` must outlive the pipeline.
-  offload_pipeline(optimizer& opt, copy_engine& engine, pipeline_options options = {});
+  /// cannot be allocated. `updater` (e.g. an optimizer) and `engine` must outlive the pipeline.
+  offload_pipeline(chunk_updater& updater, copy_engine& engine, pipeline_options options = {});
   /// Waits for (drains) an operation in flight, then stops the pipeline thread.
   ~offload_pipeline();
   offload_pipeline(const offload_pipeline&) = delete;
@@ -98,12 +101,11 @@ public:
   pipeline_handle step_async(const_view device_grads, mut_view device_params, float grad_scale = 1.0f,
                              void* grads_ready_event = nullptr);
   /// The same with checks and clipping: options.known_grad_norm (the norm of the
-  /// unscaled gradients, computed where they are, e.g. on the GPU) decides before any
-  /// chunk moves — a non-finite norm skips the step (state and accumulator untouched
-  /// except that the accumulated micro-batches are dropped, as a skipped step's are), and
+  /// unscaled gradients, computed where they are, e.g. on the GPU) lets the updater decide
+  /// before any chunk moves — a non-finite norm skips the step (state untouched, the skip
+  /// counted, the accumulated micro-batches dropped as a skipped step's are), and
   /// max_grad_norm clips by folding the factor into the scale. Checks that need the norm
-  /// and get none (known_grad_norm < 0) are refused with std::invalid_argument: staging
-  /// every gradient on the host first to compute it is not implemented.
+  /// and get none (known_grad_norm < 0) are refused with std::invalid_argument at the call.
   pipeline_handle step_async(const_view device_grads, mut_view device_params, const step_options& options,
                              void* grads_ready_event = nullptr);
   /// Streams a non-final micro-batch's gradients into the f32 host accumulator, so the

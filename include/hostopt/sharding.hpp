@@ -6,6 +6,7 @@
 /// the shard, step it, all-gather the parameters.
 
 #include <cstddef>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -17,17 +18,24 @@ namespace hostopt {
 /// Arena range [begin, end) owned by `rank` of `world_size`: contiguous, boundaries at
 /// multiples of 16 elements (64 bytes) or at arena_size, sizes balanced to within one
 /// alignment unit. Throws std::invalid_argument for world_size < 1 or rank outside it.
-struct shard_range {
-  std::size_t begin = 0, end = 0;
-};
+using shard_range = arena_range;
 shard_range shard_of(std::size_t arena_size, int world_size, int rank);
 
+/// Sums a value across every rank and returns the total (e.g. MPI_Allreduce with
+/// MPI_SUM, or torch.distributed.all_reduce). Called collectively: every rank must step.
+using sum_across_ranks = std::function<double(double local)>;
 
-/// One rank's share of an optimizer: the state of arena range [shard().begin, shard().end)
-/// only (12 bytes per element of the range). Gradient and parameter buffers are the
+/// One rank's share of an optimizer: an optimizer holding arena range shard() of the
+/// layout (12 bytes per element of the range). Gradient and parameter buffers are the
 /// shard's slice of the full flat arena layout (what MPI_Reduce_scatter and
 /// MPI_Allgatherv exchange), so the results are bit-identical to the single-process
 /// optimizer on the same summed gradients.
+///
+/// Decisions that must be the same on every rank are made from global quantities: a step
+/// that checks for non-finite gradients or clips needs the global norm — passed as
+/// step_options::known_grad_norm (all-reduced by the caller), or computed through the
+/// reduction set with set_norm_reduction — and is refused otherwise (a rank-local decision
+/// would let one rank skip while the others apply, and clip by the wrong norm).
 class sharded_optimizer {
 public:
   sharded_optimizer(std::vector<param_group> groups, int world_size, int rank, execution_options exec = {});
@@ -38,48 +46,48 @@ public:
   std::size_t arena_size() const { return arena_; }
   shard_range shard() const { return shard_; }
   /// The full model's tensors (global arena offsets).
-  std::span<const segment> segments() const { return layout_; }
+  std::span<const segment> segments() const { return local_.segments(); }
 
   /// Sets the shard's part of tensor `name` from the full tensor's values (f32).
   void set_params(std::string_view name, std::span<const float> full_values);
   /// Statistics of this shard's gradients (tensor elements only); all-reduce the sums of
-  /// squares across ranks and pass sqrt(total) as step_options::known_grad_norm to clip.
+  /// squares across ranks and pass sqrt(total) as step_options::known_grad_norm.
   grad_stats shard_stats(const_view shard_grad) const;
+  /// How the global norm is computed when a checked or clipping step is given none: the
+  /// shard's sum of squares is summed across ranks by `reduce` (collective).
+  void set_norm_reduction(sum_across_ranks reduce);
   /// Steps the shard: `shard_grad` holds arena elements [shard().begin, shard().end) of
   /// the summed gradients; `shard_params` (optional) receives the new parameters of the
-  /// same range (padding never written).
-  step_result step(const_view shard_grad, mut_view shard_params, const step_options& options = {});
+  /// same range (padding never written). With checks or clipping, the global norm comes
+  /// from options.known_grad_norm or the norm reduction; with neither (and more than one
+  /// rank) the step is refused with std::invalid_argument.
+  step_result step(const_view shard_grad, mut_view shard_params, const step_options& options);
 
-  /// The shard's state (its tensors are the pieces of the model's tensors in the range).
+  /// The shard's optimizer (it holds range shard() of the layout).
   const optimizer& local() const { return local_; }
   optimizer& local() { return local_; }
 
-  /// Writes this rank's shard to DIR/shard-RANK-of-WORLD.safetensors (atomically) and, on
-  /// rank 0, DIR/index.json (atomically too) naming the world size, each rank's range, the
-  /// step and the save id. Every file of one save carries the same save id and step;
-  /// `save_id` defaults to "step-N". Pass an id every rank agrees on and that differs
-  /// between runs (e.g. a random number broadcast from rank 0) when a restarted job may
-  /// save the same step into the same directory again.
-  void save(const std::string& dir, const std::string& save_id = "") const;
-  /// Loads from a sharded checkpoint written with any world size: the ranges this rank
-  /// owns are read from the shard files that hold them (re-sharding). Everything is read
-  /// and checked before the state changes; shard files whose save id, step, world size,
-  /// rank or range differ from index.json (files of different saves) are refused.
+  /// Writes this rank's shard of save `save_id` to DIR/shard-RANK-of-WORLD.SAVE_ID.safetensors
+  /// (atomically). `save_id` names one save: the same on every rank and different for each
+  /// save (a step number, or a counter broadcast from rank 0); letters, digits, '.', '_'
+  /// and '-', at most 64. Earlier saves in DIR stay intact until commit_save.
+  void save(const std::string& dir, const std::string& save_id) const;
+  /// Rank 0, after every rank's save of `save_id` returned (a barrier): checks that every
+  /// shard file of it is there, points DIR/index.json at it (written atomically: a crash
+  /// leaves the previous save current), then removes the shard files of other saves.
+  void commit_save(const std::string& dir, const std::string& save_id) const;
+  /// Loads the save index.json names, written with any world size: each rank reads only
+  /// the ranges it owns from the shard files that hold them (re-sharding, no old shard
+  /// materialised). Everything is verified before the state changes; shard files whose
+  /// save id, step, world size, rank or range differ from the index are refused.
   void load(const std::string& dir);
 
 private:
-  sharded_optimizer(std::vector<param_group> groups, int world_size, int rank, execution_options exec,
-                    std::vector<segment> layout);
-
-  std::vector<param_group> groups_;
   int world_, rank_;
-  std::vector<segment> layout_; // the full model's layout (no state)
   std::size_t arena_;
   shard_range shard_;
-  std::vector<std::size_t> piece_global_; // global arena offset of each local tensor piece (filled by local_'s init)
   optimizer local_;
-  std::vector<const_view> grad_views_;
-  std::vector<mut_view> out_views_;
+  sum_across_ranks reduce_;
 };
 
 } // namespace hostopt

@@ -176,6 +176,11 @@ def test_dtype_kind_is_checked_not_only_the_size():
   p, m, v = (np.zeros(16, np.float32) for _ in range(3))
   with pytest.raises(TypeError, match="int32"):
     hostopt._core.adam_step(p, m, v, np.ones(16, np.int32), "f32")
+  # Byte order too: big-endian floats would be read as garbage.
+  with pytest.raises(TypeError, match="native-endian"):
+    hostopt._core.adam_step(p, m, v, np.ones(16, ">f4"), "f32")
+  with pytest.raises(TypeError, match="native-endian"):
+    hostopt._core.adam_step(np.zeros(16, ">f4"), m, v, np.ones(16, np.float32), "f32")
   assert opt.step_count == 0
   np.testing.assert_array_equal(opt.params(), 0.0)
 

@@ -191,16 +191,27 @@ def test_mismatched_state_leaves_are_refused_naming_the_leaf(leaf, size):
     moments = dict(getattr(adam, leaf), b=np.zeros(size, np.float32))
     state = (adam._replace(**{leaf: moments}),) + tuple(state[1:])
   snapshot = jax.tree_util.tree_map(np.copy, state)
-  with pytest.raises(ValueError, match=rf"{leaf}\[1\] has {size} elements: expected 10 like updates\[1\]"):
+  with pytest.raises(ValueError, match=rf"{leaf}\[1\] has shape \({size},\): expected \(10,\) like updates\[1\]"):
     opt.update(grads, state, params)
   jax.tree_util.tree_map(np.testing.assert_array_equal, state, snapshot)
+
+
+def test_same_size_but_another_shape_is_refused():
+  opt = hoptax.adam(1e-2)
+  params = {"w": np.ones((2, 3), np.float32)}
+  state = opt.init(params)
+  state = (state[0]._replace(mu={"w": np.zeros((3, 2), np.float32)}),) + tuple(state[1:])
+  with pytest.raises(ValueError, match=r"mu\[0\] has shape \(3, 2\): expected \(2, 3\)"):
+    opt.update({"w": np.ones((2, 3), np.float32)}, state, params)
 
 
 def test_core_leaf_call_checks_every_array():
   g = np.ones(8, np.float32)
   ok = lambda n: np.zeros(n, np.float32)
-  cfg = [{"lr": 1e-2, "weight_decay": 0.0}]
+  cfg = [_core.AdamConfig(lr=1e-2, weight_decay=0.0)]
   with pytest.raises(ValueError, match=r"out\[0\] has 4 elements"):
-    _core.optax_update_leaves([None], [ok(8)], [ok(8)], [g], "f32", [ok(4)], cfg, 1)
+    _core.optax_update_leaves([None], [ok(8)], [ok(8)], [g], "f32", [ok(4)], cfg, [0], 1)
   with pytest.raises(TypeError, match="int32 does not hold f32"):
-    _core.optax_update_leaves([None], [np.zeros(8, np.int32)], [ok(8)], [g], "f32", [ok(8)], cfg, 1)
+    _core.optax_update_leaves([None], [np.zeros(8, np.int32)], [ok(8)], [g], "f32", [ok(8)], cfg, [0], 1)
+  with pytest.raises(ValueError, match="config = 3"):
+    _core.optax_update_leaves([None], [ok(8)], [ok(8)], [g], "f32", [ok(8)], cfg, [3], 1)

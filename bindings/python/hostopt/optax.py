@@ -56,18 +56,25 @@ def _f32_work(x, reuse: bool) -> np.ndarray:
 
 def _host_update(grads, mus, nus, params, count, lr, b1, b2, eps, eps_root, wd, decay_mask, nesterov, threads,
                  reuse=False):
-  """The update on host arrays: (updates, new mu, new nu), leaf by leaf, in one fused pass
-  each (hostopt::adam_update): the update is written in the gradient's dtype, params are
-  only read for the weight decay."""
+  """The update on host arrays: (updates, new mu, new nu), all leaves of one gradient dtype
+  in one call and one parallel region (hostopt::adam_update over leaves), one fused pass per
+  element: the update is written in the gradient's dtype, params are only read for the
+  weight decay. Hyper-parameters cross as two structs (with and without decay)."""
   t = int(count) + 1
-  base = {"lr": float(lr), "beta1": float(b1), "beta2": float(b2), "eps": float(eps), "eps_root": float(eps_root),
-          "mode": "adamw", "nesterov": bool(nesterov)}
+  common = dict(lr=float(lr), beta1=float(b1), beta2=float(b2), eps=float(eps), eps_root=float(eps_root),
+                mode="adamw", nesterov=bool(nesterov))
   wd = float(wd)
+  configs = [_core.AdamConfig(**common, weight_decay=0.0), _core.AdamConfig(**common, weight_decay=wd)]
   by_tag = {}
   out_u, out_m, out_v = [], [], []
   for i, g in enumerate(grads):
     g = np.asarray(g)
     shape = g.shape
+    # optax's contract: mu, nu (and params) have the update's shape, leaf by leaf.
+    for name, leaves in (("mu", mus), ("nu", nus), ("params", params)):
+      if leaves is not None and leaves[i] is not None and tuple(np.shape(leaves[i])) != tuple(shape):
+        raise ValueError(f"{name}[{i}] has shape {tuple(np.shape(leaves[i]))}: expected {tuple(shape)} like "
+                         f"updates[{i}] (mu, nu and params must have the shape of the updates)")
     if g.dtype not in (np.float32, np.float16) and g.dtype.name != "bfloat16":
       g = g.astype(np.float32)  # e.g. float64 leaves: computed in float32
     gbuf, tag = as_buffer(np.ascontiguousarray(g), f"updates[{i}]")
@@ -81,13 +88,13 @@ def _host_update(grads, mus, nus, params, count, lr, b1, b2, eps, eps_root, wd, 
     m, v = _f32_work(mus[i], reuse), _f32_work(nus[i], reuse)
     u = np.empty(gbuf.size, gbuf.dtype)
     entry = by_tag.setdefault(tag, ([], [], [], [], [], []))
-    for lst, x in zip(entry, (p, m, v, gbuf.reshape(-1), u, dict(base, weight_decay=wd if decays else 0.0))):
+    for lst, x in zip(entry, (p, m, v, gbuf.reshape(-1), u, 1 if decays else 0)):
       lst.append(x)
     out_u.append(u.view(g.dtype).reshape(shape))
     out_m.append(m)
     out_v.append(v)
-  for tag, (ps, ms, vs, gs, us, cfgs) in by_tag.items():  # one call per gradient dtype
-    _core.optax_update_leaves(ps, ms, vs, gs, tag, us, cfgs, t, 1.0, threads)
+  for tag, (ps, ms, vs, gs, us, config_of) in by_tag.items():  # one call per gradient dtype
+    _core.optax_update_leaves(ps, ms, vs, gs, tag, us, configs, config_of, t, 1.0, threads)
   # Moments go back in their own dtype (mu_dtype), after the update.
   back = lambda w, x: x if np.shares_memory(w, x) else w.reshape(np.shape(x)).astype(np.asarray(x).dtype, copy=False)
   out_m = [back(m, x) for m, x in zip(out_m, mus)]

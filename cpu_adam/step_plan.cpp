@@ -1,0 +1,76 @@
+#include "step_plan.hpp"
+
+#include <cfloat>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "buffer_checks.hpp"
+#include "hostopt/gradient_checks.hpp"
+#include "hostopt/optimizer.hpp"
+#include "step_scalars.hpp"
+
+namespace hostopt {
+
+namespace {
+// The largest gradient magnitude whose square is a finite float.
+const double max_float_gradient = std::sqrt(double(FLT_MAX));
+} // namespace
+
+step_decision decide_step(const step_options& o, double raw_norm) {
+  detail::check_grad_scale(o.grad_scale);
+  if (!(o.max_grad_norm >= 0) || std::isinf(o.max_grad_norm))
+    throw std::invalid_argument("max_grad_norm = " + std::to_string(o.max_grad_norm) +
+                                ": expected a finite value >= 0 (0 = no clipping)");
+  step_decision d;
+  d.scale = o.grad_scale;
+  if (!o.skip_nonfinite && o.max_grad_norm == 0) return d;
+  const double norm = double(o.grad_scale) * raw_norm;
+  d.grad_norm = norm;
+  if (!std::isfinite(norm)) {    // a NaN or inf gradient
+    d.apply = !o.skip_nonfinite; // asked not to check: the step goes on, unclipped
+    return d;
+  }
+  double seen = norm; // the norm of the gradients the kernel will see
+  if (o.max_grad_norm > 0) {
+    const double clip = clip_coefficient(norm, o.max_grad_norm);
+    d.scale = float(double(o.grad_scale) * clip);
+    seen = norm * clip;
+  }
+  // The kernel works in float and squares each scaled gradient for v: an element above
+  // sqrt(FLT_MAX) ~ 1.8e19 makes v inf for good (and 1e30 * 1e10 overflows outright) even
+  // when every input and the double norm are finite. Each |g_i| <= seen, so a seen norm
+  // within that bound keeps every g and g*g finite in float.
+  if (o.skip_nonfinite && !(seen <= max_float_gradient)) d.apply = false;
+  return d;
+}
+
+namespace detail {
+
+void step_plan::check_count(std::int64_t count) {
+  if (count >= max_step_count)
+    throw std::invalid_argument("step: the step count is at its limit (" + std::to_string(max_step_count) +
+                                ", hostopt::max_step_count)");
+}
+
+void step_plan::prepare(const kernel_set& ks, std::span<const adam_config> configs, const step_io& io,
+                        std::span<group_kernel> groups) const {
+  // With an accumulator the kernels take the f32 sum that the engine builds per block.
+  const dtype kernel_grad = io.accumulator ? dtype::f32 : io.grad_type;
+  for (std::size_t g = 0; g < configs.size(); ++g) {
+    const kernel_variant var = variant_of(configs[g]);
+    groups[g].fn = io.delta ? ks.delta(io.grad_type, var.decay, var.nesterov)
+                            : ks.adam(kernel_grad, io.out, var.decay, var.nesterov);
+    groups[g].scalars = make_step_scalars(configs[g], t_, decision_.scale);
+  }
+}
+
+void refuse_unknown_norm(const char* what) {
+  throw std::invalid_argument(std::string(what) +
+                              ": checks or clipping need the gradients' norm before any chunk arrives: pass "
+                              "known_grad_norm (computed where the gradients are, e.g. on the GPU), or step "
+                              "unchecked (skip_nonfinite = false, max_grad_norm = 0)");
+}
+
+} // namespace detail
+} // namespace hostopt

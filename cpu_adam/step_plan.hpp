@@ -1,0 +1,77 @@
+#pragma once
+// The step policy, written once: a plan decides everything about one step — validation of
+// the options, the non-finite skip, the clip factor, the step number, each group's kernel
+// and per-step scalars — and is then executed over any range of the arena. The synchronous
+// step, the chunked step (the pipeline's) and a shard's step all make and run plans.
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+
+#include "hostopt/adam_config.hpp"
+#include "hostopt/dtype.hpp"
+#include "hostopt/step_options.hpp"
+#include "kernel_set.hpp"
+#include "update_engine.hpp"
+
+namespace hostopt::detail {
+
+/// What a step reads and writes.
+struct step_io {
+  dtype grad_type = dtype::f32;
+  std::optional<dtype> out;  // copy-out dtype, none when empty
+  bool accumulator = false;  // the gradient is grad + an f32 accumulator (kernels read f32)
+  bool delta = false;        // the optax form: the update new_p - p in the gradient's dtype
+};
+
+/// Options of a step that trusts its gradients: scaled, never checked or clipped.
+inline step_options unchecked(float grad_scale) {
+  step_options o;
+  o.grad_scale = grad_scale;
+  o.skip_nonfinite = false;
+  return o;
+}
+
+class step_plan {
+public:
+  /// Validates `options` and the step count (std::invalid_argument) and decides the step.
+  /// `norm_of_grads()` is called only when the options need a norm and none is known; it
+  /// returns the unscaled gradients' norm (NaN/inf when one is non-finite). When the step
+  /// applies, `groups[g]` receives group g's kernel and scalars for t = count + 1.
+  template <class NormFn>
+  static step_plan make(const kernel_set& ks, std::span<const adam_config> configs, std::int64_t count,
+                        const step_io& io, const step_options& options, NormFn&& norm_of_grads,
+                        std::span<group_kernel> groups) {
+    check_count(count);
+    const bool needs_norm = options.skip_nonfinite || options.max_grad_norm > 0;
+    double raw = options.known_grad_norm; // negative: not known
+    if (needs_norm && raw < 0) {
+      decide_step(options, 0.0); // name a bad option before reading any gradient
+      raw = norm_of_grads();
+    }
+    step_plan plan(decide_step(options, raw), count + 1);
+    if (plan.decision_.apply) plan.prepare(ks, configs, io, groups);
+    return plan;
+  }
+
+  /// Whether the step applies, its scale and the norm it was judged by.
+  const step_decision& decision() const { return decision_; }
+  /// The step number t the kernels use.
+  std::int64_t step() const { return t_; }
+
+private:
+  step_plan(step_decision d, std::int64_t t) : decision_(d), t_(t) {}
+  static void check_count(std::int64_t count);
+  void prepare(const kernel_set& ks, std::span<const adam_config> configs, const step_io& io,
+               std::span<group_kernel> groups) const;
+
+  step_decision decision_;
+  std::int64_t t_;
+};
+
+/// A chunked step cannot read its gradients before they arrive: the norm provider of its
+/// plan refuses, naming what to pass instead.
+[[noreturn]] void refuse_unknown_norm(const char* what);
+
+} // namespace hostopt::detail

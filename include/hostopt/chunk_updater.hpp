@@ -1,0 +1,71 @@
+#pragma once
+/// \file chunk_updater.hpp
+/// A step whose gradients arrive chunk by chunk: what the offload pipeline (transfer/)
+/// drives, and all it knows of the optimizer. hostopt::optimizer implements it (so does a
+/// shard's optimizer, over its range); the update rule, the step policy (checks, clipping,
+/// skips) and the state stay behind this interface.
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "hostopt/dtype.hpp"
+#include "hostopt/step_options.hpp"
+
+namespace hostopt {
+
+/// How a chunked step reads its inputs and how it is checked.
+struct chunk_step_options {
+  dtype grad_type = dtype::f32; ///< dtype of the gradient chunks
+  bool copy_out = false;        ///< write the new parameters to an output chunk
+  dtype out_type = dtype::f32;  ///< dtype of the output chunks
+  bool accumulator = false;     ///< add an f32 accumulator chunk to each gradient chunk
+  /// Scale, clipping and the non-finite check. The gradients arrive only later, so checks
+  /// that need their norm need checks.known_grad_norm (computed where they are, e.g. on
+  /// the GPU); without it such a begin_step is refused. Unchecked by default.
+  step_options checks = {1.0f, 0.0, false, -1.0};
+};
+
+/// The chunked step's contract. Elements are those of the updater's flat layout
+/// [0, arena_size()); chunks are ranges of it, in any order, never overlapping in a step.
+class chunk_updater {
+public:
+  virtual ~chunk_updater() = default;
+
+  /// Elements of the flat layout (gradient, output and accumulator buffers).
+  virtual std::size_t arena_size() const = 0;
+
+  /// Throws what begin_step would for these options (std::invalid_argument), without
+  /// starting anything: lets a caller refuse bad options before it moves any data.
+  virtual void check_options(const chunk_step_options& options) const = 0;
+  /// Starts a step: validates the options and decides it (the same rule as a synchronous
+  /// step). When the checks skip it (non-finite known_grad_norm), the skip is counted and
+  /// the result says applied = false: no step is open and no chunk may be updated.
+  /// Otherwise the step is open (result.applied, result.applied_scale) for this thread.
+  virtual step_result begin_step(const chunk_step_options& options) = 0;
+  /// Updates elements [begin, end): `grad`, `out` and `accumulator` point at element
+  /// `begin` of buffers in the flat layout (out and accumulator as begin_step said).
+  virtual void update_range(std::size_t begin, std::size_t end, const void* grad, void* out = nullptr,
+                            const float* accumulator = nullptr) = 0;
+  /// Ends the step (the caller covered every element): the step count grows by one.
+  virtual step_result finish_step() = 0;
+  /// Closes an open step without counting it; if ranges were updated the state is
+  /// half-updated and the updater becomes not usable with `reason`.
+  virtual void abort_step(const std::string& reason) noexcept = 0;
+
+  /// acc[i] = grad[i] (+ acc[i] unless `first`) for elements [begin, end), in f32: a
+  /// micro-batch added to the accumulator. Touches no optimizer state.
+  virtual void accumulate_range(std::size_t begin, std::size_t end, float* acc, const void* grad, dtype grad_type,
+                                bool first) = 0;
+  /// The current parameters of [begin, end), rounded to `type`, into `out` (padding
+  /// written as zeros): what a device copy of the parameters must hold.
+  virtual void read_params(std::size_t begin, std::size_t end, void* out, dtype type) const = 0;
+
+  /// False while the state is half-updated (see abort_step).
+  virtual bool usable() const = 0;
+  virtual std::string failure_reason() const = 0;
+  /// Completed steps.
+  virtual std::int64_t step_count() const = 0;
+};
+
+} // namespace hostopt
