@@ -88,7 +88,8 @@ int main(int argc, char** argv) {
     if (list->parsed()) {
       for (const auto& k : hostopt::kernels())
         std::cout << k.name << (k.supported ? "" : " (not supported here)")
-                  << (k.supported && k.name == hostopt::active_kernel() ? "  <- active" : "") << "\n";
+                  << (k.supported && k.name == hostopt::active_kernel() ? "  <- active" : "") << "\n    "
+                  << k.description << "; needs " << k.required << "\n";
       return finish_output(0);
     }
     bench::report r("");
