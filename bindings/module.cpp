@@ -267,11 +267,7 @@ PYBIND11_MODULE(_core, m) {
         const buffer g = check_array(grad, "shard_grad", gdt, false);
         buffer b;
         if (!out.is_none()) b = check_array(out, "shard_params", odt, true);
-        step_options so;
-        so.grad_scale = grad_scale;
-        so.known_grad_norm = known_grad_norm;
-        so.max_grad_norm = max_grad_norm;
-        so.skip_nonfinite = skip_nonfinite;
+        const step_options so = options_of(grad_scale, max_grad_norm, skip_nonfinite, known_grad_norm);
         step_result r;
         {
           py::gil_scoped_release release;

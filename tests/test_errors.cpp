@@ -36,6 +36,17 @@ void expect_refused(const bad_case& c, const std::function<bool()>& unchanged) {
   CHECK(unchanged());
 }
 
+// Whether constructing an optimizer of `g` is refused with a message containing `part`.
+bool refused(std::vector<param_group> g, const std::string& part) {
+  try {
+    optimizer opt(std::move(g));
+  } catch (const std::invalid_argument& e) {
+    INFO(e.what());
+    return std::string(e.what()).find(part) != std::string::npos;
+  }
+  return false;
+}
+
 adam_config with(void (*edit)(adam_config&)) {
   adam_config c;
   edit(c);
@@ -164,15 +175,6 @@ TEST_CASE("the optimizer refuses bad input and leaves its state untouched", "[er
 }
 
 TEST_CASE("the constructor names bad tensors and groups", "[errors][optimizer]") {
-  auto refused = [](std::vector<param_group> g, const std::string& part) {
-    try {
-      optimizer opt(std::move(g));
-    } catch (const std::invalid_argument& e) {
-      INFO(e.what());
-      return std::string(e.what()).find(part) != std::string::npos;
-    }
-    return false;
-  };
   CHECK(refused({{adam_config{}, {{"a", {2}}, {"a", {3}}}}}, "tensor name 'a': registered twice"));
   CHECK(refused({{adam_config{}, {{"", {2}}}}}, "empty name"));
   CHECK(refused({{adam_config{}, {{"neg", {2, -1}}}}}, "tensor 'neg': shape[1] = -1"));
@@ -190,15 +192,6 @@ TEST_CASE("dtype helpers name bad values", "[errors]") {
 
 TEST_CASE("sizes that overflow or exceed addressable memory are refused before allocating", "[errors][optimizer]") {
   const std::int64_t big = (std::int64_t(1) << 58) - 1;
-  auto refused = [](std::vector<param_group> g, const std::string& part) {
-    try {
-      optimizer opt(std::move(g));
-    } catch (const std::invalid_argument& e) {
-      INFO(e.what());
-      return std::string(e.what()).find(part) != std::string::npos;
-    }
-    return false;
-  };
   // The sum of five such tensors wrapped around size_t and crashed the constructor.
   std::vector<tensor_spec> five;
   for (int i = 0; i < 5; ++i) five.push_back({"t" + std::to_string(i), {big}});

@@ -31,7 +31,7 @@ def kernels() -> List[Tuple[str, bool]]:
   return list(_core.kernels())
 
 
-_CONFIG_KEYS = ("lr", "beta1", "beta2", "eps", "eps_root", "weight_decay", "mode", "bias_correction", "nesterov")
+_CONFIG_KEYS = tuple(_core.AdamConfig().as_dict())  # the C++ field list: lr, beta1, ..., nesterov
 
 
 def _config(d: Mapping) -> dict:
