@@ -15,6 +15,9 @@ HOSTOPT_DEBIAN_PACKAGES=(
   libopenmpi-dev openmpi-bin
 )
 
+# The aarch64 lane of .ci/test: Debian's cross toolchain and qemu-user (installed there).
+HOSTOPT_CROSS_PACKAGES=(g++-aarch64-linux-gnu qemu-user)
+
 hostopt_install_packages() {
   local missing=()
   local p

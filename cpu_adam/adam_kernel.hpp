@@ -60,8 +60,8 @@ struct adam_kernel {
     const vec denom = ops::sqrt(vv * c.inv_bc2 + c.eps_root) + c.eps;
     if constexpr (Delta) {
       vec step;
-      if constexpr (Nesterov) step = (c.lr * (c.nesterov_m * mm + c.nesterov_g * g)) / denom;
-      else step = (c.step_size * mm) / denom;
+      if constexpr (Nesterov) step = ops::div(c.lr * (c.nesterov_m * mm + c.nesterov_g * g), denom);
+      else step = ops::div(c.step_size * mm, denom);
       vec u = ops::splat(0.0f) - step;
       if constexpr (D == decay_kind::decoupled) u = u - c.lr_wd * pp;
       ops::store(out, u);
@@ -69,9 +69,9 @@ struct adam_kernel {
     }
     if constexpr (D == decay_kind::decoupled) pp = pp * c.decay;
     if constexpr (Nesterov) {
-      pp = pp - (c.lr * (c.nesterov_m * mm + c.nesterov_g * g)) / denom;
+      pp = pp - ops::div(c.lr * (c.nesterov_m * mm + c.nesterov_g * g), denom);
     } else {
-      pp = pp - (c.step_size * mm) / denom;
+      pp = pp - ops::div(c.step_size * mm, denom);
     }
     ops::store(p, pp);
     if constexpr (!std::is_same_v<O, no_out>) ops::store(out, pp);

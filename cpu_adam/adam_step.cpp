@@ -90,7 +90,7 @@ void adam_update(std::span<const update_leaf> leaves, std::span<const adam_confi
   const dtype grad_type = leaves.empty() ? dtype::f32 : leaves[0].grad.type;
   // Every leaf first: nothing is written unless all are good.
   std::vector<std::size_t> first(leaves.size() + 1, 0); // leaf i covers [first[i], first[i+1])
-  std::vector<byte_range> ranges;
+  std::vector<byte_range> ranges; // of every leaf: one region runs them all at once
   const char* names[] = {"params", "exp_avg", "exp_avg_sq", "grad", "update"};
   for (std::size_t i = 0; i < leaves.size(); ++i) {
     const update_leaf& l = leaves[i];
@@ -114,10 +114,18 @@ void adam_update(std::span<const update_leaf> leaves, std::span<const adam_confi
     first[i + 1] = first[i] + n;
     if (n == 0) continue;
     const std::size_t esz = dtype_size(grad_type);
-    ranges.assign({range_of(l.exp_avg, n * 4, true, 1, 0), range_of(l.exp_avg_sq, n * 4, true, 2, 0),
-                   range_of(l.grad.data, n * esz, false, 3, 0), range_of(l.update.data, n * esz, true, 4, 0)});
-    if (l.params) ranges.push_back(range_of(l.params, n * 4, false, 0, 0));
+    ranges.insert(ranges.end(), {range_of(l.exp_avg, n * 4, true, 1, i), range_of(l.exp_avg_sq, n * 4, true, 2, i),
+                                 range_of(l.grad.data, n * esz, false, 3, i),
+                                 range_of(l.update.data, n * esz, true, 4, i)});
+    if (l.params) ranges.push_back(range_of(l.params, n * 4, false, 0, i));
+  }
+  if (leaves.size() == 1) {
     check_no_overlap(ranges, names);
+  } else if (!ranges.empty()) {
+    std::vector<std::string> leaf_names(leaves.size());
+    for (std::size_t i = 0; i < leaves.size(); ++i) leaf_names[i] = "leaf " + std::to_string(i);
+    const char* kinds[] = {"params", "exp_avg", "exp_avg_sq", "grad", "update"};
+    check_no_overlap(ranges, kinds, &leaf_names, /*index_every_kind=*/true);
   }
   std::vector<group_kernel> groups(configs.size());
   plan_of(ks, configs, step, {grad_type, std::nullopt, false, true}, grad_scale, groups);

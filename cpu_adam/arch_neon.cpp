@@ -1,5 +1,6 @@
-// AArch64 NEON instantiation of the kernels (only built on aarch64, where NEON's vector
-// division and square root are correctly rounded; 32-bit NEON's are estimates).
+// AArch64 NEON instantiation of the kernels (only built on aarch64, whose vector division
+// and square root — vdivq_f32, vsqrtq_f32, used directly in simd_ops.hpp because xsimd
+// 8.1 would use 32-bit NEON's estimates — are correctly rounded).
 #include "adam_kernel.hpp"
 
 namespace hostopt::detail {

@@ -60,16 +60,16 @@ void check_threads(int threads) {
 
 namespace {
 std::string describe(const byte_range& r, const char* const* kind_names,
-                     const std::vector<std::string>* tensor_names) {
+                     const std::vector<std::string>* tensor_names, bool every_kind) {
   std::string s = kind_names[r.kind];
-  if (tensor_names && r.index < tensor_names->size() && r.kind != 2)
+  if (tensor_names && r.index < tensor_names->size() && (every_kind || r.kind != 2))
     s += "[" + std::to_string(r.index) + "] ('" + (*tensor_names)[r.index] + "')";
   return s;
 }
 } // namespace
 
 void check_no_overlap(std::vector<byte_range>& ranges, const char* const* kind_names,
-                      const std::vector<std::string>* tensor_names) {
+                      const std::vector<std::string>* tensor_names, bool index_every_kind) {
   std::sort(ranges.begin(), ranges.end(),
             [](const byte_range& a, const byte_range& b) { return a.lo < b.lo; });
   // Sweep: keep the open range reaching furthest, and the furthest written one.
@@ -81,8 +81,8 @@ void check_no_overlap(std::vector<byte_range>& ranges, const char* const* kind_n
     if (reach_written && reach_written->hi > r.lo) clash = reach_written;
     else if (r.written && reach && reach->hi > r.lo) clash = reach;
     if (clash)
-      throw std::invalid_argument(describe(*clash, kind_names, tensor_names) + " and " +
-                                  describe(r, kind_names, tensor_names) +
+      throw std::invalid_argument(describe(*clash, kind_names, tensor_names, index_every_kind) + " and " +
+                                  describe(r, kind_names, tensor_names, index_every_kind) +
                                   " overlap in memory: expected separate buffers");
     if (!reach || r.hi > reach->hi) reach = &r;
     if (r.written && (!reach_written || r.hi > reach_written->hi)) reach_written = &r;

@@ -40,6 +40,6 @@ inline byte_range range_of(const void* p, std::size_t bytes, bool written, int k
 /// overlaps where at least one side is written. kind_names[kind] names each kind
 /// ("grad", "out", "optimizer state"). Empty ranges never overlap.
 void check_no_overlap(std::vector<byte_range>& ranges, const char* const* kind_names,
-                      const std::vector<std::string>* tensor_names = nullptr);
+                      const std::vector<std::string>* tensor_names = nullptr, bool index_every_kind = false);
 
 } // namespace hostopt::detail

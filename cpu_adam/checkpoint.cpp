@@ -637,6 +637,20 @@ source_file open_source(const std::string& path, std::span<const segment> segs, 
   return src;
 }
 
+// Pass 1: the whole file against its checksum, streamed through `block`.
+void verify_checksum(const source_file& s, std::vector<unsigned char>& block) {
+  checksum64 sum = s.head;
+  for (std::uint64_t done = 0; done < s.data_size;) {
+    const std::uint64_t n = std::min<std::uint64_t>(block.size(), s.data_size - done);
+    read_all_at(s.fd, block.data(), n, s.data_start + done, s.path);
+    sum.add(block.data(), std::size_t(n));
+    done += n;
+  }
+  if (hex(sum.finish()) != s.stored_checksum)
+    fail(s.path, "checksum mismatch (file " + s.stored_checksum + ", contents " + hex(sum.finish()) +
+                     "): the header or the data is corrupted");
+}
+
 bool same_config(const adam_config& a, const adam_config& b) {
   return a.lr == b.lr && a.beta1 == b.beta1 && a.beta2 == b.beta2 && a.eps == b.eps && a.eps_root == b.eps_root &&
          a.weight_decay == b.weight_decay && a.mode == b.mode && a.bias_correction == b.bias_correction &&
@@ -688,18 +702,7 @@ void load_checkpoint(optimizer& opt, std::span<const std::string> paths, std::sp
                            std::to_string(held.end) + ") that this optimizer holds (range " + range_text(held) + ")");
     // Pass 1 verifies every file, streaming (no second copy of the state in memory).
     std::vector<unsigned char> block(io_block);
-    for (auto& s : sources) {
-      checksum64 sum = s.head;
-      for (std::uint64_t done = 0; done < s.data_size;) {
-        const std::uint64_t n = std::min<std::uint64_t>(block.size(), s.data_size - done);
-        read_all_at(s.fd, block.data(), n, s.data_start + done, s.path);
-        sum.add(block.data(), std::size_t(n));
-        done += n;
-      }
-      if (hex(sum.finish()) != s.stored_checksum)
-        fail(s.path, "checksum mismatch (file " + s.stored_checksum + ", contents " + hex(sum.finish()) +
-                         "): the header or the data is corrupted");
-    }
+    for (auto& s : sources) verify_checksum(s, block);
     // Pass 2 streams each file again, checksumming, and scatters what the optimizer holds
     // (each element from the first file that has it). A file changed between the passes
     // leaves a half-loaded state, which is marked failed, never used as if it were whole.
@@ -751,8 +754,13 @@ void load_checkpoint(optimizer& opt, std::span<const std::string> paths, std::sp
   }
 }
 
-void read_checkpoint_metadata(const std::string& path, std::span<const segment> layout, checkpoint_metadata& values) {
-  open_source(path, layout, {}, &values);
+void read_checkpoint_metadata(const std::string& path, std::span<const segment> layout, checkpoint_metadata& values,
+                              bool verify) {
+  source_file s = open_source(path, layout, {}, &values);
+  if (verify) {
+    std::vector<unsigned char> block(io_block);
+    verify_checksum(s, block);
+  }
 }
 
 void load_checkpoint(optimizer& opt, const std::string& path, const checkpoint_metadata& expected,

@@ -31,9 +31,10 @@ void load_checkpoint(optimizer& opt, const std::string& path, const checkpoint_m
 void load_checkpoint(optimizer& opt, std::span<const std::string> paths, std::span<const checkpoint_metadata> expected,
                      checkpoint_metadata* read_back = nullptr);
 
-/// Verifies the structure of a checkpoint of `layout` (not its checksum: no data is read)
-/// and returns the __metadata__ values of the keys in `values`.
-void read_checkpoint_metadata(const std::string& path, std::span<const segment> layout, checkpoint_metadata& values);
+/// Verifies the structure of a checkpoint of `layout` (and with `verify` its checksum,
+/// streaming the data) and returns the __metadata__ values of the keys in `values`.
+void read_checkpoint_metadata(const std::string& path, std::span<const segment> layout, checkpoint_metadata& values,
+                              bool verify = false);
 
 /// Writes `text` to `path` atomically (unique temp file, fsync, rename, fsync of the
 /// directory), refusing to replace anything but a regular file. `what` names the file in errors.

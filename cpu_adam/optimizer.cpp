@@ -98,6 +98,7 @@ struct optimizer::impl {
   mutable std::condition_variable idle;
   std::thread::id chunk_owner;
   std::size_t chunk_updates = 0; // update_range calls of the open chunked step
+  std::size_t chunk_covered = 0; // the chunks so far covered [0, chunk_covered), in order
   std::string failure;           // non-empty: the state is half-updated (not usable)
 
   std::vector<segment> segs; // the whole layout
@@ -173,6 +174,7 @@ struct optimizer::impl {
   void close_chunked() {
     chunked_open = false;
     chunk_updates = 0;
+    chunk_covered = 0;
     idle.notify_all();
   }
 
@@ -214,6 +216,15 @@ struct optimizer::impl {
   }
   template <class NormFn>
   step_plan plan(const step_io& io, const step_options& o, NormFn&& norm) {
+    // A range (a shard) sees only its part of the gradients: a skip or clip decided from
+    // them would differ between ranks. Such decisions need the global norm.
+    if (!whole() && (o.skip_nonfinite || o.max_grad_norm > 0) && o.known_grad_norm < 0) {
+      decide_step(o, 0.0); // a bad option is named first
+      throw std::invalid_argument(
+          "step: this optimizer holds a range of the arena (a shard): skip_nonfinite and max_grad_norm need the "
+          "global gradient norm (known_grad_norm: sqrt of the all-reduced shard sums of squares, or "
+          "sharded_optimizer::set_norm_reduction); a norm of the shard alone would let ranks decide differently");
+    }
     const step_plan pl = step_plan::make(*kernels, configs, count, io, o, norm, group_kernels);
     if (!pl.decision().apply) {
       check_count("skipped steps", skipped + 1);
@@ -535,6 +546,10 @@ void optimizer::check_options(const chunk_step_options& o) const {
   decide_step(o.checks, 0.0);
   if ((o.checks.skip_nonfinite || o.checks.max_grad_norm > 0) && o.checks.known_grad_norm < 0)
     refuse_unknown_norm("begin_step");
+  const auto lock = impl_->acquire("begin_step"); // a failed state, a step count at its limit
+  if (impl_->count >= max_step_count)
+    throw std::invalid_argument("begin_step: the step count is at its limit (" + std::to_string(max_step_count) +
+                                ", hostopt::max_step_count)");
 }
 
 void optimizer::update_range(std::size_t begin, std::size_t end, const void* grad, void* out,
@@ -544,6 +559,10 @@ void optimizer::update_range(std::size_t begin, std::size_t end, const void* gra
   if (begin > end || end > s.arena)
     throw std::invalid_argument("update_range: [" + std::to_string(begin) + ", " + std::to_string(end) +
                                 "): expected a range inside [0, " + std::to_string(s.arena) + ")");
+  if (begin != s.chunk_covered)
+    throw std::invalid_argument("update_range: [" + std::to_string(begin) + ", " + std::to_string(end) +
+                                "): expected the next chunk, starting at " + std::to_string(s.chunk_covered) +
+                                " (chunks cover the arena in order, once each)");
   if (begin == end) return;
   if (!grad) throw std::invalid_argument("update_range: grad is null: expected a gradient chunk");
   if (s.chunked.copy_out != (out != nullptr))
@@ -552,6 +571,14 @@ void optimizer::update_range(std::size_t begin, std::size_t end, const void* gra
   if (s.chunked.accumulator != (accumulator != nullptr))
     throw std::invalid_argument(std::string("update_range: accumulator is ") + (accumulator ? "set" : "null") +
                                 ": expected " + (s.chunked.accumulator ? "an accumulator chunk" : "none"));
+  // The chunk's buffers are the caller's, never the state (nor each other where written).
+  const std::size_t n = end - begin;
+  s.ranges.clear();
+  s.ranges.push_back(range_of(grad, n * dtype_size(s.chunked.grad_type), false, kind_grad, 0));
+  if (out) s.ranges.push_back(range_of(out, n * dtype_size(s.chunked.out_type), true, kind_out, 0));
+  if (accumulator) s.ranges.push_back(range_of(accumulator, n * sizeof(float), false, kind_grad, 1));
+  s.ranges.push_back(range_of(s.p(), 3 * s.arena * sizeof(float), true, kind_state, 0));
+  check_no_overlap(s.ranges, view_kinds);
   update_job job = s.job(s.chunked.grad_type, out_of(s.chunked.copy_out, s.chunked.out_type));
   job.begin = begin;
   job.end = end;
@@ -563,12 +590,16 @@ void optimizer::update_range(std::size_t begin, std::size_t end, const void* gra
     job.add_grad = s.kernels->add_grad(s.chunked.grad_type);
   }
   ++s.chunk_updates;
+  s.chunk_covered = end;
   run_update(job, s.exec.threads);
 }
 
 step_result optimizer::finish_step() {
   impl& s = *impl_;
   const auto lock = s.acquire_chunked("finish_step");
+  if (s.chunk_covered != s.arena)
+    throw std::logic_error("finish_step: the chunks cover [0, " + std::to_string(s.chunk_covered) + ") of the " +
+                           std::to_string(s.arena) + " elements: update the rest first, or abort_step()");
   s.close_chunked();
   ++s.count;
   step_result r;

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <mutex>
 #include <dirent.h>
 #include <stdexcept>
 #include <string>
@@ -66,19 +67,23 @@ grad_stats sharded_optimizer::shard_stats(const_view shard_grad) const {
   return gradient_stats(views, local_.execution());
 }
 
-void sharded_optimizer::set_norm_reduction(sum_across_ranks reduce) { reduce_ = std::move(reduce); }
+void sharded_optimizer::set_norm_reduction(sum_across_ranks reduce) {
+  std::lock_guard<std::mutex> lock(*reduce_mu_);
+  reduce_ = std::move(reduce);
+}
 
 step_result sharded_optimizer::step(const_view shard_grad, mut_view shard_params, const step_options& options) {
+  // The global norm, when the checks need one and the caller has a reduction for it; the
+  // shard's optimizer refuses such a step without one (its plan's rule for ranges).
   step_options o = options;
-  const bool needs_norm = o.skip_nonfinite || o.max_grad_norm > 0;
-  if (needs_norm && o.known_grad_norm < 0 && world_ > 1) {
-    if (!reduce_)
-      throw std::invalid_argument(
-          "sharded step with skip_nonfinite or max_grad_norm needs the global gradient norm: pass "
-          "known_grad_norm (sqrt of the all-reduced shard_stats sums) or set_norm_reduction; a rank-local norm "
-          "would let ranks decide differently");
+  sum_across_ranks reduce;
+  {
+    std::lock_guard<std::mutex> lock(*reduce_mu_);
+    reduce = reduce_;
+  }
+  if ((o.skip_nonfinite || o.max_grad_norm > 0) && o.known_grad_norm < 0 && reduce) {
     decide_step(o, 0.0); // a bad option is named before the collective
-    o.known_grad_norm = std::sqrt(reduce_(shard_stats(shard_grad).sum_squares));
+    o.known_grad_norm = std::sqrt(reduce(shard_stats(shard_grad).sum_squares));
   }
   return local_.step(shard_grad, shard_params, o);
 }
@@ -86,6 +91,16 @@ step_result sharded_optimizer::step(const_view shard_grad, mut_view shard_params
 void sharded_optimizer::save(const std::string& dir, const std::string& save_id) const {
   detail::check_path(dir, "sharded checkpoint directory");
   check_save_id(save_id);
+  // Overwriting the committed save's files would break the one save a crash falls back to.
+  try {
+    const auto index = nlohmann::json::parse(detail::read_small_file(dir + "/index.json", "sharded checkpoint index"));
+    if (index.is_object() && index.value("save_id", "") == save_id)
+      throw std::invalid_argument("save_id '" + save_id + "' is the committed save in '" + dir +
+                                  "': give every save a new id (a counter), so a crash mid-save keeps it");
+  } catch (const std::invalid_argument&) {
+    throw;
+  } catch (const std::exception&) { // no index yet (or unreadable): nothing committed to protect
+  }
   detail::save_checkpoint(local_, shard_file(dir, rank_, world_, save_id),
                           {{"save_id", save_id},
                            {"shard_world", std::to_string(world_)},
@@ -100,7 +115,7 @@ void sharded_optimizer::commit_save(const std::string& dir, const std::string& s
   for (int r = 0; r < world_; ++r) { // every shard of the save is there and names it
     const std::string file = shard_file(dir, r, world_, save_id);
     detail::checkpoint_metadata meta{{"save_id", ""}, {"step", ""}, {"range", ""}};
-    detail::read_checkpoint_metadata(file, local_.segments(), meta);
+    detail::read_checkpoint_metadata(file, local_.segments(), meta, /*verify=*/true); // whole before old saves go
     const shard_range s = shard_of(arena_, world_, r);
     if (meta["save_id"] != save_id || meta["range"] != std::to_string(s.begin) + ":" + std::to_string(s.end) ||
         (r > 0 && meta["step"] != step))

@@ -17,6 +17,9 @@
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
 
 #ifndef HOSTOPT_KERNEL_NS
 #error "HOSTOPT_KERNEL_NS must name this translation unit's instruction set"
@@ -41,6 +44,7 @@ struct simd_ops<scalar_arch> {
   static vec load(const float* p) noexcept { return *p; }
   static void store(float* p, vec x) noexcept { *p = x; }
   static vec sqrt(vec x) noexcept { return std::sqrt(x); }
+  static vec div(vec a, vec b) noexcept { return a / b; }
   static vec load(const bf16_t* p) noexcept { return bf16_to_f32(p->bits); }
   static vec load(const f16_t* p) noexcept { return f16_to_f32(p->bits); }
   static void store(bf16_t* p, vec x) noexcept { p->bits = f32_to_bf16(x); }
@@ -57,6 +61,7 @@ struct xsimd_ops {
   static vec load(const float* p) noexcept { return vec::load_unaligned(p); }
   static void store(float* p, vec x) noexcept { x.store_unaligned(p); }
   static vec sqrt(vec x) noexcept { return xsimd::sqrt(x); }
+  static vec div(vec a, vec b) noexcept { return a / b; }
   static vec load(const bf16_t* p) noexcept {
     alignas(64) float tmp[width];
     for (std::size_t i = 0; i < width; ++i) tmp[i] = bf16_to_f32(p[i].bits);
@@ -163,6 +168,17 @@ struct simd_ops<xsimd::sse2> : xsimd_ops<xsimd::sse2> {
     r = _mm_srai_epi32(_mm_slli_epi32(r, 16), 16);
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi32(r, r));
   }
+};
+#endif
+
+#if defined(HOSTOPT_USE_XSIMD) && defined(__aarch64__)
+// xsimd 8.1 gives neon64 no float division or square root of its own: it falls back to
+// 32-bit NEON's reciprocal estimates refined by Newton steps, which are not correctly
+// rounded (and so differ from every other kernel). AArch64 has the IEEE instructions.
+template <>
+struct simd_ops<xsimd::neon64> : xsimd_ops<xsimd::neon64> {
+  static vec sqrt(vec x) noexcept { return vsqrtq_f32(x); }
+  static vec div(vec a, vec b) noexcept { return vdivq_f32(a, b); }
 };
 #endif
 

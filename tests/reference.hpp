@@ -32,15 +32,21 @@ inline float from_bits(std::uint32_t u) {
   return x;
 }
 
-// f16 through the compiler's _Float16 (IEEE conversion, round to nearest even).
+// f16 through the compiler's half type (IEEE conversion, round to nearest even): _Float16
+// on x86-64, __fp16 (IEEE format) on aarch64, where g++ 12's C++ has no _Float16.
+#if defined(__aarch64__)
+using compiler_half = __fp16;
+#else
+using compiler_half = _Float16;
+#endif
 inline std::uint16_t to_f16(float x) {
-  _Float16 h = static_cast<_Float16>(x);
+  compiler_half h = static_cast<compiler_half>(x);
   std::uint16_t u;
   std::memcpy(&u, &h, 2);
   return u;
 }
 inline float from_f16(std::uint16_t u) {
-  _Float16 h;
+  compiler_half h;
   std::memcpy(&h, &u, 2);
   return static_cast<float>(h);
 }
@@ -102,10 +108,11 @@ inline grad_buffer random_grad(hostopt::dtype t, std::size_t n, std::mt19937& rn
 struct state {
   std::vector<float> p, m, v;
   explicit state(std::size_t n = 0) : p(n), m(n), v(n) {}
-  bool operator==(const state& o) const {
-    return std::memcmp(p.data(), o.p.data(), p.size() * 4) == 0 &&
-           std::memcmp(m.data(), o.m.data(), m.size() * 4) == 0 &&
-           std::memcmp(v.data(), o.v.data(), v.size() * 4) == 0 && p.size() == o.p.size();
+  bool operator==(const state& o) const { // bitwise (NaNs compare by their bits); empty states too
+    auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
+      return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * 4) == 0);
+    };
+    return same(p, o.p) && same(m, o.m) && same(v, o.v);
   }
 };
 

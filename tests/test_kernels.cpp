@@ -335,3 +335,19 @@ TEST_CASE("adam_update over many leaves (one region) gives each leaf's own updat
       CHECK(whole == before);
     }
 }
+
+TEST_CASE("leaves that share memory are refused: one region runs them all at once", "[adam][errors]") {
+  std::vector<float> p(64, 1.0f), m(64), v(64), g(64, 0.5f), u(64), u2(64);
+  const std::vector<adam_config> cs{adam_config{}};
+  // Two leaves sharing their moments (or one's update being another's gradient) would give
+  // results that depend on the thread count.
+  std::vector<update_leaf> shared{{p.data(), m.data(), v.data(), {g.data(), 32, dtype::f32}, {u.data(), 32, dtype::f32}, 0},
+                                  {p.data() + 32, m.data() + 16, v.data() + 32, {g.data() + 32, 32, dtype::f32},
+                                   {u.data() + 32, 32, dtype::f32}, 0}};
+  CHECK_THROWS_WITH(adam_update(shared, cs, 1), Catch::Contains("exp_avg[0] ('leaf 0') and exp_avg[1] ('leaf 1') overlap"));
+  std::vector<update_leaf> chained{{p.data(), m.data(), v.data(), {g.data(), 32, dtype::f32}, {u.data(), 32, dtype::f32}, 0},
+                                   {p.data() + 32, m.data() + 32, v.data() + 32, {u.data(), 32, dtype::f32},
+                                    {u2.data(), 32, dtype::f32}, 0}};
+  CHECK_THROWS_WITH(adam_update(chained, cs, 1), Catch::Contains("overlap"));
+  CHECK(m == std::vector<float>(64, 0.0f));
+}

@@ -239,3 +239,25 @@ TEST_CASE("a tensor without a gradient is left untouched", "[optimizer]") {
     CHECK(out_frozen[i] == -1.0f);
   }
 }
+
+TEST_CASE("a chunked step covers the arena in order, once, with the caller's buffers", "[optimizer][errors]") {
+  optimizer opt({{adam_config{}, {{"w", {64}}}}});
+  std::vector<float> g(64, 0.5f), out(64);
+  float* state = opt.exp_avg().data(); // taken before: views are refused while a chunked step is open
+  opt.begin_step({});
+  CHECK_THROWS_WITH(opt.update_range(16, 32, g.data()), Catch::Contains("expected the next chunk, starting at 0"));
+  opt.update_range(0, 32, g.data());
+  CHECK_THROWS_WITH(opt.update_range(0, 32, g.data()), Catch::Contains("starting at 32")); // twice
+  CHECK_THROWS_WITH(opt.finish_step(), Catch::Contains("cover [0, 32) of the 64"));        // half
+  // A chunk's gradient may not be the optimizer's own state.
+  CHECK_THROWS_WITH(opt.update_range(32, 64, state + 32), Catch::Contains("optimizer state and grads overlap"));
+  opt.abort_step();
+  CHECK_FALSE(opt.usable()); // half of it was updated
+  opt.reset_failure();
+  chunk_step_options with_out;
+  with_out.copy_out = true;
+  opt.begin_step(with_out);
+  CHECK_THROWS_WITH(opt.update_range(0, 64, g.data(), state), Catch::Contains("optimizer state and outs overlap"));
+  opt.update_range(0, 64, g.data(), out.data());
+  CHECK(opt.finish_step().step == 1);
+}

@@ -460,3 +460,36 @@ TEST_CASE("the pipeline checks and clips with a norm computed where the gradient
   CHECK(piped.skipped_steps() == 1);
   CHECK(std::memcmp(piped.params().data(), sync.params().data(), n * 4) == 0);
 }
+
+TEST_CASE("the pipeline drives a shard's optimizer (a range of the arena) like any chunk updater", "[pipeline][sharding]") {
+  auto engine = make_host_copy_engine();
+  std::mt19937 rng(31);
+  const auto groups = random_model(rng, 9, 3000);
+  for (int rank = 0; rank < 2; ++rank) {
+    sharded_optimizer piped(groups, 2, rank, {1, ""}), sync(groups, 2, rank, {2, ""});
+    const std::size_t n = piped.shard().size();
+    pipeline_options po;
+    po.chunk_elems = 1000;
+    po.param_type = dtype::f32;
+    offload_pipeline pipe(piped.local(), *engine, po);
+    device_buffer g(*engine, n * 4), p(*engine, n * 4);
+    std::vector<float> out(n);
+    step_options unchecked;
+    unchecked.skip_nonfinite = false;
+    for (int t = 0; t < 3; ++t) {
+      const auto grad = ref::random_grad(dtype::f32, n, rng);
+      std::memcpy(g.data, grad.f32.data(), n * 4);
+      pipe.step({g.data, n, dtype::f32}, {p.data, n, dtype::f32});
+      sync.step(grad.view(), {out.data(), n, dtype::f32}, unchecked);
+    }
+    INFO("rank " << rank);
+    CHECK(same_state(piped.local(), sync.local()));
+    // Padding is never written; every tensor element is the synchronous step's.
+    for (const auto& s : piped.segments()) {
+      const std::size_t lo = std::max(s.offset, piped.shard().begin), hi = std::min(s.offset + s.size, piped.shard().end);
+      if (lo < hi)
+        CHECK(std::memcmp(static_cast<float*>(p.data) + (lo - piped.shard().begin),
+                          out.data() + (lo - piped.shard().begin), (hi - lo) * 4) == 0);
+    }
+  }
+}

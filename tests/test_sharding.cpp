@@ -147,6 +147,9 @@ TEST_CASE("save with 2 ranks, load with 3 and with 1: training continues bit-ide
   auto world = make_world(2);
   CHECK_THROWS_WITH(world.front().load(dir.string()), Catch::Contains("index.json") && Catch::Contains("No such file"));
   CHECK_THROWS_WITH(world.front().save(dir.string(), "../x"), Catch::Contains("save_id '../x'"));
+  // The committed save's id is never written over (a crash would then leave no whole save).
+  two.front().commit_save(dir.string(), "step-4");
+  CHECK_THROWS_WITH(two.back().save(dir.string(), "step-4"), Catch::Contains("is the committed save"));
   CHECK_THROWS_WITH(world.back().commit_save(dir.string(), "step-4"), Catch::Contains("rank 0"));
   fs::remove_all(dir);
 }
@@ -204,11 +207,18 @@ TEST_CASE("global decisions are global: a NaN on one rank makes every rank skip;
     optimizer single(model());
     const std::size_t n = single.arena_size();
     auto g = ref::random_grad(dtype::f32, n, rng, 40.0f);
-    // Without a global norm a checked (default) or clipping step is refused on every rank.
+    // Without a global norm a checked (default) or clipping step is refused on every rank,
+    // through the sharded optimizer or its shard's optimizer directly.
     for (auto& r : world) {
       const shard_range s = r.shard();
       CHECK_THROWS_WITH(r.step({g.f32.data() + s.begin, s.size(), dtype::f32}, {}, step_options{}),
-                        Catch::Contains("needs the global gradient norm"));
+                        Catch::Contains("need the global gradient norm"));
+      step_options clipping;
+      clipping.skip_nonfinite = false;
+      clipping.max_grad_norm = 1.0;
+      CHECK_THROWS_WITH(r.local().step({g.f32.data() + s.begin, s.size(), dtype::f32}, {}, clipping),
+                        Catch::Contains("holds a range of the arena"));
+      CHECK(r.local().step_count() == 0);
     }
     // The reduction every rank calls: here, in one process, the precomputed sum of all shards.
     auto reduce_all = [&](const std::vector<float>& grad) {
@@ -236,8 +246,14 @@ TEST_CASE("global decisions are global: a NaN on one rank makes every rank skip;
     single.step(g.view(), {out.data(), n, dtype::f32}, known);
     for (const auto& s : single.segments())
       CHECK(std::memcmp(gathered.data() + s.offset, out.data() + s.offset, s.size * 4) == 0);
-    // A NaN that only the last shard holds: every rank skips, step counts stay equal.
-    g.f32[world.back().shard().begin + 1] = std::nanf("");
+    // A NaN that only the last shard holds (in a tensor, not in padding): every rank skips,
+    // step counts stay equal.
+    const shard_range last = world.back().shard();
+    std::size_t at = last.end;
+    for (const auto& s : single.segments())
+      if (s.size && s.offset + s.size > last.begin && at == last.end) at = std::max(s.offset, last.begin);
+    REQUIRE(at < last.end);
+    g.f32[at] = std::nanf("");
     reduce_all(g.f32);
     for (auto& r : world) {
       const shard_range s = r.shard();

@@ -27,7 +27,8 @@ struct chunk_step_options {
 };
 
 /// The chunked step's contract. Elements are those of the updater's flat layout
-/// [0, arena_size()); chunks are ranges of it, in any order, never overlapping in a step.
+/// [0, arena_size()); a step's chunks cover it in order, once each (chunk k starts where
+/// chunk k-1 ended), and finish_step refuses a step whose chunks did not reach the end.
 class chunk_updater {
 public:
   virtual ~chunk_updater() = default;
@@ -43,8 +44,9 @@ public:
   /// the result says applied = false: no step is open and no chunk may be updated.
   /// Otherwise the step is open (result.applied, result.applied_scale) for this thread.
   virtual step_result begin_step(const chunk_step_options& options) = 0;
-  /// Updates elements [begin, end): `grad`, `out` and `accumulator` point at element
-  /// `begin` of buffers in the flat layout (out and accumulator as begin_step said).
+  /// Updates elements [begin, end), the next chunk: `grad`, `out` and `accumulator` point
+  /// at element `begin` of the caller's buffers in the flat layout (out and accumulator as
+  /// begin_step said); they may not overlap the updater's state.
   virtual void update_range(std::size_t begin, std::size_t end, const void* grad, void* out = nullptr,
                             const float* accumulator = nullptr) = 0;
   /// Ends the step (the caller covered every element): the step count grows by one.

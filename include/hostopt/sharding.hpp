@@ -7,6 +7,8 @@
 
 #include <cstddef>
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -60,7 +62,12 @@ public:
   /// the summed gradients; `shard_params` (optional) receives the new parameters of the
   /// same range (padding never written). With checks or clipping, the global norm comes
   /// from options.known_grad_norm or the norm reduction; with neither (and more than one
-  /// rank) the step is refused with std::invalid_argument.
+  /// rank) the step is refused with std::invalid_argument. Every rank must call it (the
+  /// reduction is collective) with valid buffers: a call refused on one rank before the
+  /// reduction leaves the others waiting in it. The global norm sums per-shard block sums:
+  /// its last bits can differ from one process's statistics pass (a tensor crossing a
+  /// shard boundary is summed in other blocks); pass the all-reduced norm to a
+  /// single-process reference for bit-identical comparisons, as the examples do.
   step_result step(const_view shard_grad, mut_view shard_params, const step_options& options);
 
   /// The shard's optimizer (it holds range shard() of the layout).
@@ -69,17 +76,22 @@ public:
 
   /// Writes this rank's shard of save `save_id` to DIR/shard-RANK-of-WORLD.SAVE_ID.safetensors
   /// (atomically). `save_id` names one save: the same on every rank and different for each
-  /// save (a step number, or a counter broadcast from rank 0); letters, digits, '.', '_'
-  /// and '-', at most 64. Earlier saves in DIR stay intact until commit_save.
+  /// save (a counter, or one broadcast from rank 0; not the step count, which a skipped
+  /// step leaves unchanged); letters, digits, '.', '_' and '-', at most 64. The committed
+  /// save's id is refused; earlier saves in DIR stay intact until commit_save.
   void save(const std::string& dir, const std::string& save_id) const;
-  /// Rank 0, after every rank's save of `save_id` returned (a barrier): checks that every
-  /// shard file of it is there, points DIR/index.json at it (written atomically: a crash
-  /// leaves the previous save current), then removes the shard files of other saves.
+  /// Rank 0, after every rank's save of `save_id` returned (a barrier): verifies every shard
+  /// file of it completely (checksums included), points DIR/index.json at it (written
+  /// atomically: a crash leaves the previous save current), then removes the shard files
+  /// of other saves.
   void commit_save(const std::string& dir, const std::string& save_id) const;
-  /// Loads the save index.json names, written with any world size: each rank reads only
-  /// the ranges it owns from the shard files that hold them (re-sharding, no old shard
-  /// materialised). Everything is verified before the state changes; shard files whose
-  /// save id, step, world size, rank or range differ from the index are refused.
+  /// Loads the save index.json names, written with any world size (re-sharding): each rank
+  /// opens the old shard files that hold part of its range, verifies each completely in a
+  /// streaming pass (the checksum covers the whole file), then streams it again and copies
+  /// out only the ranges it owns — memory stays a few MiB of buffers, no old shard is
+  /// materialised, and each overlapping file is read twice. Shard files whose save id,
+  /// step, world size, rank or range differ from the index are refused before the state
+  /// changes.
   void load(const std::string& dir);
 
 private:
@@ -87,6 +99,7 @@ private:
   std::size_t arena_;
   shard_range shard_;
   optimizer local_;
+  std::unique_ptr<std::mutex> reduce_mu_ = std::make_unique<std::mutex>(); // movable
   sum_across_ranks reduce_;
 };
 

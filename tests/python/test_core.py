@@ -242,3 +242,26 @@ def test_saves_refuse_special_files_and_nul_paths(tmp_path):
   with pytest.raises(ValueError, match="NUL"):
     opt.save(str(tmp_path / "a") + "\0b")
   assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo"]
+
+
+def test_sharded_optimizer_from_python(tmp_path, rng):
+  groups = [{"config": {"lr": 1e-2}, "tensors": [("w", [100]), ("b", [7])]}]
+  ranks = [hostopt._core.ShardedOptimizer(groups, 2, r, threads=1) for r in range(2)]
+  n = ranks[0].arena_size
+  g = rng.standard_normal(n).astype(np.float32)
+  # A checked step needs the global norm: refused without one, fine with a reduction.
+  b, e = ranks[0].shard
+  with pytest.raises(ValueError, match="global gradient norm"):
+    ranks[0].step(g[b:e].copy())
+  total = sum(r.shard_sum_squares(g[r.shard[0]:r.shard[1]].copy()) for r in ranks)
+  for r in ranks:
+    r.set_norm_reduction(lambda local: total)  # stands in for an all-reduce
+    assert r.step(g[r.shard[0]:r.shard[1]].copy(), max_grad_norm=1.0) == (True, 1)
+  for r in ranks:
+    r.save(str(tmp_path), "s1")
+  ranks[0].commit_save(str(tmp_path), "s1")
+  with pytest.raises(ValueError, match="committed save"):
+    ranks[1].save(str(tmp_path), "s1")
+  one = hostopt._core.ShardedOptimizer(groups, 1, 0, threads=1)
+  one.load(str(tmp_path))
+  assert one.step_count == 1
