@@ -548,7 +548,8 @@ source_file open_source(const std::string& path, std::span<const segment> segs, 
   for (std::size_t i = 0; i < segs.size(); ++i)
     if (piece_in(segs[i], src.range, end).held)
       for (int k = 0; k < 3; ++k) wanted.emplace(segs[i].name + "." + kinds[k], std::make_pair(i, k));
-  for (const auto& [name, t] : header.items()) {
+  for (const auto& item : header.items()) {
+    const std::string& name = item.key(); // (a plain reference: clang 14 cannot capture bindings)
     if (name == "__metadata__") continue;
     if (!wanted.count(name)) {
       const bool known = std::any_of(segs.begin(), segs.end(), [&](const segment& s) {
