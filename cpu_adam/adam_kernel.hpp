@@ -55,8 +55,8 @@ struct adam_kernel {
     if constexpr (D == decay_kind::coupled) g = g + c.l2 * pp;
     const vec mm = c.beta1 * ops::load(m) + c.one_minus_beta1 * g;
     const vec vv = c.beta2 * ops::load(v) + c.one_minus_beta2 * (g * g);
-    ops::store(m, mm);
-    ops::store(v, vv);
+    ops::store(m, ops::canon(mm)); // NaNs stored canonical: the same bits on every CPU
+    ops::store(v, ops::canon(vv));
     const vec denom = ops::sqrt(vv * c.inv_bc2 + c.eps_root) + c.eps;
     if constexpr (Delta) {
       vec step;
@@ -64,7 +64,7 @@ struct adam_kernel {
       else step = ops::div(c.step_size * mm, denom);
       vec u = ops::splat(0.0f) - step;
       if constexpr (D == decay_kind::decoupled) u = u - c.lr_wd * pp;
-      ops::store(out, u);
+      ops::store(out, ops::canon(u));
       return;
     }
     if constexpr (D == decay_kind::decoupled) pp = pp * c.decay;
@@ -73,6 +73,7 @@ struct adam_kernel {
     } else {
       pp = pp - ops::div(c.step_size * mm, denom);
     }
+    pp = ops::canon(pp);
     ops::store(p, pp);
     if constexpr (!std::is_same_v<O, no_out>) ops::store(out, pp);
   }
@@ -195,13 +196,13 @@ struct add_grad_kernel {
     const G* grad = static_cast<const G*>(grad_raw);
     std::size_t i = 0;
     if (acc) {
-      for (; i + W <= n; i += W) ops::store(dst + i, ops::load(grad + i) + ops::load(acc + i));
+      for (; i + W <= n; i += W) ops::store(dst + i, ops::canon(ops::load(grad + i) + ops::load(acc + i)));
     } else {
       for (; i + W <= n; i += W) ops::store(dst + i, ops::load(grad + i));
     }
     for (; i < n; ++i) { // exact either way: a decode and one IEEE add
       const float g = simd_ops<scalar_arch>::load(grad + i);
-      dst[i] = acc ? g + acc[i] : g;
+      dst[i] = acc ? simd_ops<scalar_arch>::canon(g + acc[i]) : g;
     }
   }
 };

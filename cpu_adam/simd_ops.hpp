@@ -6,8 +6,10 @@
 //
 // Only included by the per-instruction-set translation units (cpu_adam/arch_*.cpp).
 
-#include <cstddef>
+#include <bit>
 #include <cmath>
+#include <cstddef>
+#include <cstdint>
 
 #include "half_conversion.hpp"
 
@@ -33,6 +35,13 @@ namespace HOSTOPT_KERNEL_NS {
 /// The portable scalar "instruction set": one float per vector.
 struct scalar_arch {};
 
+/// The one NaN every kernel stores (positive, quiet, no payload). Operations that create a
+/// NaN give x86's "indefinite" 0xFFC00000 but AArch64's 0x7FC00000, and NaN operands
+/// propagate by rules that differ too: stores canonicalise, so the bits are the same on
+/// every CPU.
+inline constexpr std::uint32_t canonical_nan_bits = 0x7FC00000u;
+inline float canonical_nan() noexcept { return std::bit_cast<float>(canonical_nan_bits); }
+
 template <class Arch>
 struct simd_ops;
 
@@ -45,6 +54,7 @@ struct simd_ops<scalar_arch> {
   static void store(float* p, vec x) noexcept { *p = x; }
   static vec sqrt(vec x) noexcept { return std::sqrt(x); }
   static vec div(vec a, vec b) noexcept { return a / b; }
+  static vec canon(vec x) noexcept { return x != x ? canonical_nan() : x; }
   static vec load(const bf16_t* p) noexcept { return bf16_to_f32(p->bits); }
   static vec load(const f16_t* p) noexcept { return f16_to_f32(p->bits); }
   static void store(bf16_t* p, vec x) noexcept { p->bits = f32_to_bf16(x); }
@@ -62,6 +72,8 @@ struct xsimd_ops {
   static void store(float* p, vec x) noexcept { x.store_unaligned(p); }
   static vec sqrt(vec x) noexcept { return xsimd::sqrt(x); }
   static vec div(vec a, vec b) noexcept { return a / b; }
+  // isnan, not x != x: AVX compares "not equal" ordered, false for NaN.
+  static vec canon(vec x) noexcept { return xsimd::select(xsimd::isnan(x), vec(canonical_nan()), x); }
   static vec load(const bf16_t* p) noexcept {
     alignas(64) float tmp[width];
     for (std::size_t i = 0; i < width; ++i) tmp[i] = bf16_to_f32(p[i].bits);

@@ -4,11 +4,26 @@
 
 namespace hostopt::detail {
 
+namespace {
+
+// b^t by binary exponentiation: a fixed sequence of IEEE multiplies, so the same bits on
+// every CPU and C library (glibc's pow is not correctly rounded, and its FMA and non-FMA
+// versions differ in the last bit). Error: a few ulp of double, far below float's.
+double power(double b, std::int64_t t) {
+  double result = 1.0, x = b;
+  for (std::uint64_t e = std::uint64_t(t); e; e >>= 1) {
+    if (e & 1) result *= x;
+    x *= x;
+  }
+  return result;
+}
+
+} // namespace
+
 step_scalars make_step_scalars(const adam_config& c, std::int64_t step, float grad_scale) {
-  const double t = double(step);
-  const double bc1 = c.bias_correction ? 1.0 - std::pow(c.beta1, t) : 1.0;
-  const double bc2 = c.bias_correction ? 1.0 - std::pow(c.beta2, t) : 1.0;
-  const double bc1_next = c.bias_correction ? 1.0 - std::pow(c.beta1, t + 1.0) : 1.0;
+  const double bc1 = c.bias_correction ? 1.0 - power(c.beta1, step) : 1.0;
+  const double bc2 = c.bias_correction ? 1.0 - power(c.beta2, step) : 1.0;
+  const double bc1_next = c.bias_correction ? 1.0 - power(c.beta1, step + 1) : 1.0;
   step_scalars s{};
   s.grad_scale = grad_scale;
   s.l2 = float(c.weight_decay);

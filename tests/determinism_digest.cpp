@@ -9,6 +9,7 @@
 //
 // Inputs come from a counter-based generator written here (no std distributions, whose
 // algorithms are the standard library's choice), so every platform sees the same bits.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -18,6 +19,8 @@
 #include <map>
 #include <string>
 #include <vector>
+
+#include <unistd.h>
 
 #include "hostopt/hostopt.hpp"
 
@@ -87,6 +90,13 @@ std::vector<adam_config> configs() {
   c.beta1 = 0.5;
   c.beta2 = 0.75;
   cs.push_back(c); // no bias correction
+  adam_config plain;
+  plain.lr = 3e-3;
+  cs.push_back(plain); // adamw without decay: no decay, no nesterov
+  plain.mode = adam_mode::adam;
+  plain.weight_decay = 0.02;
+  plain.nesterov = true;
+  cs.push_back(plain); // adam, coupled decay, nesterov
   return cs;
 }
 
@@ -97,7 +107,9 @@ const std::vector<param_group>& model() {
                                     {cs[1], {{"b", {17}}, {"empty", {0}}}},
                                     {cs[2], {{"s", {}}}},
                                     {cs[3], {{"v", {101}}}},
-                                    {cs[4], {{"u", {64}}}}};
+                                    {cs[4], {{"u", {64}}}},
+                                    {cs[5], {{"x", {19}}}},
+                                    {cs[6], {{"y", {40}}}}};
   }();
   return groups;
 }
@@ -131,7 +143,15 @@ std::string kernel_digest(const std::string& kernel) {
         step_options so;
         so.max_grad_norm = t % 2 ? 3.0 : 0.0;
         so.grad_scale = 0.75f;
-        opt.step(g, o, so);
+        if (t == 2) so.known_grad_norm = std::nan(""); // the skip path: nothing may change
+        if (t == 4) { // unchecked, with an inf gradient: NaN results, canonical on every CPU
+          so.skip_nonfinite = false;
+          so.max_grad_norm = 0.0;
+          if (types[gt] == dtype::f32) g32[5] = INFINITY;
+          else g16[5] = types[gt] == dtype::bf16 ? 0x7F80 : 0x7C00;
+        }
+        const bool applied = opt.step(g, o, so).applied;
+        h.add(&applied, 1);
         if (out == 0) h.add(o32.data(), n * 4);
         if (out > 0) h.add(o16.data(), n * 2);
       }
@@ -139,6 +159,42 @@ std::string kernel_digest(const std::string& kernel) {
       h.add(opt.exp_avg().data(), n * 4);
       h.add(opt.exp_avg_sq().data(), n * 4);
     }
+  // The chunked step with an accumulator (the pipeline's path): two micro-batches summed
+  // by accumulate_range, then the step over chunks of 48; and convert_params' rounding.
+  for (int gt = 0; gt < 3; ++gt) {
+    optimizer opt(model(), {2, kernel});
+    const std::size_t n = opt.arena_size();
+    std::vector<float> acc(n), g32(n), out(n);
+    std::vector<std::uint16_t> g16(n), conv(n);
+    for (int mb = 0; mb < 2; ++mb) {
+      for (std::size_t i = 0; i < n; ++i) {
+        g32[i] = value(900 + std::uint64_t(mb) + 10 * std::uint64_t(gt), i, 1.5f);
+        g16[i] = to_half(g32[i], types[gt]);
+      }
+      const void* g = types[gt] == dtype::f32 ? static_cast<const void*>(g32.data()) : g16.data();
+      if (mb == 0) opt.accumulate_range(0, n, acc.data(), g, types[gt], true);
+      else {
+        chunk_step_options co;
+        co.grad_type = types[gt];
+        co.copy_out = true;
+        co.accumulator = true;
+        opt.begin_step(co);
+        const std::size_t es = dtype_size(types[gt]);
+        for (std::size_t lo = 0; lo < n; lo += 48) {
+          const std::size_t hi = std::min(n, lo + 48);
+          opt.update_range(lo, hi, static_cast<const char*>(g) + lo * es, out.data() + lo, acc.data() + lo);
+        }
+        opt.finish_step();
+      }
+    }
+    h.add(acc.data(), n * 4);
+    h.add(out.data(), n * 4);
+    h.add(opt.exp_avg_sq().data(), n * 4);
+    if (types[gt] != dtype::f32) {
+      convert_params(opt.params().data(), {conv.data(), n, types[gt]}, {1, kernel});
+      h.add(conv.data(), n * 2);
+    }
+  }
   // The optax form over leaves of different sizes and configs, in one call.
   const auto cs = configs();
   for (int gt = 0; gt < 3; ++gt) {
@@ -231,6 +287,12 @@ int main(int argc, char** argv) {
   }
   const bool write = std::string(argv[1]) == "--write";
   const std::string dir = argv[2];
+#if !defined(__x86_64__)
+  if (write) {
+    std::printf("--write: the golden files are made on x86-64 (the reference architecture)\n");
+    return 2;
+  }
+#endif
   const std::string golden_ckpt = dir + "/x86_64_checkpoint.safetensors";
   const std::string digest_file = dir + "/determinism_digest.txt";
   const std::string scratch = "determinism_digest_scratch_" + std::to_string(::getpid()) + ".safetensors";

@@ -351,3 +351,31 @@ TEST_CASE("leaves that share memory are refused: one region runs them all at onc
   CHECK_THROWS_WITH(adam_update(chained, cs, 1), Catch::Contains("overlap"));
   CHECK(m == std::vector<float>(64, 0.0f));
 }
+
+TEST_CASE("NaN results have one bit pattern on every kernel (and CPU architecture)", "[adam][per_arch][determinism]") {
+  // x86 creates the NaN 0xFFC00000, AArch64 0x7FC00000, and operands propagate by different
+  // rules: every kernel stores the canonical 0x7FC00000 (bf16 0x7FC0, f16 0x7E00).
+  for (const auto& kernel : supported_kernels())
+    for (int out = 0; out < 3; ++out) {
+      const std::size_t n = 37;
+      std::vector<float> p(n, 1.0f), m(n), v(n), g(n, 0.5f), acc(n, 1.0f);
+      g[3] = std::numeric_limits<float>::infinity(); // inf * inf - ... : a created NaN
+      g[20] = -std::numeric_limits<float>::quiet_NaN();
+      out_buffer o(out, n);
+      adam_step(p.data(), m.data(), v.data(), n, {g.data(), n, dtype::f32}, o.view(), {}, 1, 1.0f, {1, kernel});
+      INFO("kernel " << kernel << " out " << out);
+      CHECK(ref::bits(v[3]) == 0x7F800000u); // inf gradient: v = inf, p = inf/inf = a created NaN
+      CHECK(ref::bits(v[20]) == 0x7FC00000u); // a NaN gradient (negative sign): propagated, canonical
+      CHECK(ref::bits(m[20]) == 0x7FC00000u);
+      for (std::size_t i : {std::size_t(3), std::size_t(20)}) {
+        CHECK(ref::bits(p[i]) == 0x7FC00000u);
+        if (out == 0) CHECK(ref::bits(o.f32[i]) == 0x7FC00000u);
+        if (out == 1) CHECK(o.half[i] == 0x7FC0);
+        if (out == 2) CHECK(o.half[i] == 0x7E00);
+      }
+      acc[5] = -std::numeric_limits<float>::infinity();
+      g[5] = std::numeric_limits<float>::infinity();
+      accumulate_gradient(acc.data(), {g.data(), n, dtype::f32}, false, {1, kernel});
+      CHECK(ref::bits(acc[5]) == 0x7FC00000u); // inf + -inf
+    }
+}
