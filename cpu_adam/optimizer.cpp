@@ -218,7 +218,7 @@ struct optimizer::impl {
   step_plan plan(const step_io& io, const step_options& o, NormFn&& norm) {
     // A range (a shard) sees only its part of the gradients: a skip or clip decided from
     // them would differ between ranks. Such decisions need the global norm.
-    if (!whole() && (o.skip_nonfinite || o.max_grad_norm > 0) && o.known_grad_norm < 0) {
+    if (!whole() && needs_unknown_norm(o)) {
       decide_step(o, 0.0); // a bad option is named first
       throw std::invalid_argument(
           "step: this optimizer holds a range of the arena (a shard): skip_nonfinite and max_grad_norm need the "
@@ -544,8 +544,7 @@ void optimizer::check_options(const chunk_step_options& o) const {
   check_dtype("grad_type", o.grad_type);
   if (o.copy_out) check_dtype("out_type", o.out_type);
   decide_step(o.checks, 0.0);
-  if ((o.checks.skip_nonfinite || o.checks.max_grad_norm > 0) && o.checks.known_grad_norm < 0)
-    refuse_unknown_norm("begin_step");
+  if (needs_unknown_norm(o.checks)) refuse_unknown_norm("begin_step");
   const auto lock = impl_->acquire("begin_step"); // a failed state, a step count at its limit
   if (impl_->count >= max_step_count)
     throw std::invalid_argument("begin_step: the step count is at its limit (" + std::to_string(max_step_count) +

@@ -81,7 +81,7 @@ step_result sharded_optimizer::step(const_view shard_grad, mut_view shard_params
     std::lock_guard<std::mutex> lock(*reduce_mu_);
     reduce = reduce_;
   }
-  if ((o.skip_nonfinite || o.max_grad_norm > 0) && o.known_grad_norm < 0 && reduce) {
+  if (needs_unknown_norm(o) && reduce) {
     decide_step(o, 0.0); // a bad option is named before the collective
     o.known_grad_norm = std::sqrt(reduce(shard_stats(shard_grad).sum_squares));
   }

@@ -44,9 +44,8 @@ public:
                         const step_io& io, const step_options& options, NormFn&& norm_of_grads,
                         std::span<group_kernel> groups) {
     check_count(count);
-    const bool needs_norm = options.skip_nonfinite || options.max_grad_norm > 0;
     double raw = options.known_grad_norm; // negative: not known
-    if (needs_norm && raw < 0) {
+    if (needs_unknown_norm(options)) {
       decide_step(options, 0.0); // name a bad option before reading any gradient
       raw = norm_of_grads();
     }

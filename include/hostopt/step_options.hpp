@@ -25,6 +25,13 @@ struct step_options {
   double known_grad_norm = -1.0;
 };
 
+/// Whether the options decide from the gradients' norm (a check or a clip) and none is
+/// known yet: the step must then read the gradients — or, where it cannot (a chunked step,
+/// a shard), be given the norm.
+inline bool needs_unknown_norm(const step_options& o) {
+  return (o.skip_nonfinite || o.max_grad_norm > 0) && o.known_grad_norm < 0;
+}
+
 /// What a checked step does, decided from the norm of the unscaled gradients (NaN or inf
 /// when one is non-finite): the one rule every step path (optimizer::step, the sharded
 /// step, the offload pipeline) applies.
