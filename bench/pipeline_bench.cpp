@@ -78,15 +78,19 @@ report run_pipeline_bench(const pipeline_options_cli& o, const common_options& c
         void* p;
         ~device_mem() { e.free_device(p); }
       } dgrad{*engine, engine->allocate_device(arena * gsz)}, dparams{*engine, engine->allocate_device(arena * psz)};
+      // The trainer's stream: it wrote the gradients, so every step is ordered after it.
+      const hostopt::device_stream trainer = engine->create_stream();
       {
         hostopt::pinned_buffer staging(*engine, arena * gsz);
         std::memcpy(staging.data(), host_grad.data, arena * gsz);
-        engine->wait(engine->copy_async(hostopt::copy_direction::to_device, dgrad.p, staging.data(), arena * gsz));
+        engine->copy_async(trainer, hostopt::copy_direction::to_device, dgrad.p, staging.data(), arena * gsz);
+        engine->synchronize_stream(trainer);
       }
+      const hostopt::device_order after_trainer = hostopt::device_order::after(trainer);
       std::vector<double> wall, sync, ratio, in_s, up_s, out_s;
       hostopt::pipeline_timeline last;
       for (int it = 0; it < o.iterations + 1; ++it) {
-        pipe.step({dgrad.p, arena, gt}, {dparams.p, arena, pt});
+        pipe.step({dgrad.p, arena, gt}, {dparams.p, arena, pt}, after_trainer);
         const hostopt::pipeline_timeline tl = pipe.last_timeline();
         const double t0 = now_seconds();
         opt.step(hostopt::const_view{host_grad.data, arena, gt}, hostopt::mut_view{host_out.data, arena, pt});

@@ -48,4 +48,25 @@ if(NOT HOSTOPT_WITH_CUDA STREQUAL "OFF")
     message(FATAL_ERROR "HOSTOPT_WITH_CUDA=ON but the CUDA toolkit was not found (set CUDAToolkit_ROOT)")
   endif()
 endif()
-message(STATUS "hostopt: threading=${HOSTOPT_THREADING} cuda=${HOSTOPT_HAVE_CUDA}")
+# Device code (the examples' toy model, hostopt-gpu-bench, the CUDA tests' kernels) needs a
+# CUDA compiler; the library does not (runtime API only, built by the host compiler). The
+# language is enabled here, at the top level, so every directory sees it.
+set(HOSTOPT_HAVE_CUDA_COMPILER OFF)
+if(HOSTOPT_HAVE_CUDA AND NOT CMAKE_CROSSCOMPILING)
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES AND NOT DEFINED ENV{CUDAARCHS})
+      # A100 and H100/H200 natively, PTX for anything newer.
+      set(CMAKE_CUDA_ARCHITECTURES "80-real;90" CACHE STRING "CUDA architectures of hostopt's device code")
+    endif()
+    enable_language(CUDA)
+    # C++17: CMake before 3.26 knows no C++20 flag for nvcc, so .cu files hold kernels and
+    # C++17 headers only (copy_engine.hpp, not optimizer.hpp).
+    set(CMAKE_CUDA_STANDARD 17)
+    set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+    set(CMAKE_CUDA_EXTENSIONS OFF)
+    set(HOSTOPT_HAVE_CUDA_COMPILER ON)
+  endif()
+endif()
+message(STATUS "hostopt: threading=${HOSTOPT_THREADING} cuda=${HOSTOPT_HAVE_CUDA} cuda compiler=${HOSTOPT_HAVE_CUDA_COMPILER}")

@@ -79,6 +79,7 @@ float decode(const unsigned char* bytes, dtype t, std::size_t i) {
 TEST_CASE("pipelined steps are bit-identical to synchronous steps", "[pipeline][determinism]") {
   std::mt19937 rng(21);
   auto engine = make_host_copy_engine();
+  const device_order ready = device_order::after(engine->create_stream());
   const dtype types[] = {dtype::f32, dtype::bf16, dtype::f16};
   for (int trial = 0; trial < 12; ++trial) {
     const auto groups = random_model(rng, 2 + int(rng() % 40), 3000);
@@ -104,9 +105,9 @@ TEST_CASE("pipelined steps are bit-identical to synchronous steps", "[pipeline][
         std::memcpy(dgrad.data, g.data(), g.size());
         for (std::size_t i = 0; i < n; ++i) acc[i] = mb == 0 ? decode(g.data(), po.grad_type, i)
                                                              : decode(g.data(), po.grad_type, i) + acc[i];
-        if (mb < micro) pipe.accumulate_async({dgrad.data, n, po.grad_type}).wait();
+        if (mb < micro) pipe.accumulate_async({dgrad.data, n, po.grad_type}, ready).wait();
       }
-      const auto r = pipe.step({dgrad.data, n, po.grad_type}, {dparams.data, n, po.param_type}, 0.5f);
+      const auto r = pipe.step({dgrad.data, n, po.grad_type}, {dparams.data, n, po.param_type}, ready, 0.5f);
       CHECK(r.applied);
       if (micro == 0) {
         const auto g = std::vector<unsigned char>(static_cast<unsigned char*>(dgrad.data),
@@ -130,6 +131,7 @@ TEST_CASE("copy-in of chunk k+1 overlaps the update of chunk k (from the timelin
   host_engine_options eo;
   eo.bandwidth_gbps = 1.0; // 256 KiB copies take ~260 us: long enough to see overlap
   auto engine = make_host_copy_engine(eo);
+  const device_order ready = device_order::after(engine->create_stream());
   optimizer opt({{adam_config{}, {{"w", {1 << 20}}}}}, {1, ""});
   pipeline_options po;
   po.chunk_elems = 1 << 16;
@@ -139,7 +141,7 @@ TEST_CASE("copy-in of chunk k+1 overlaps the update of chunk k (from the timelin
   REQUIRE(pipe.num_chunks() == 16);
   const std::size_t n = opt.arena_size();
   device_buffer g(*engine, n * 4), p(*engine, n * 4);
-  pipe.step({g.data, n, dtype::f32}, {p.data, n, dtype::f32});
+  pipe.step({g.data, n, dtype::f32}, {p.data, n, dtype::f32}, ready);
   const pipeline_timeline tl = pipe.last_timeline();
   REQUIRE(tl.spans.size() == 3 * 16);
   auto span_of = [&](std::size_t k, pipeline_stage s) {
@@ -185,13 +187,14 @@ TEST_CASE("copy-in of chunk k+1 overlaps the update of chunk k (from the timelin
   CHECK(trace["traceEvents"][4]["ph"] == "X");
 }
 
-TEST_CASE("a failed copy-in before any update leaves the state unchanged and the pipeline usable", "[pipeline][faults]") {
+TEST_CASE("a failed copy-in is a sticky device error: the state is unchanged and the pipeline refuses work", "[pipeline][faults]") {
   std::atomic<int> fail_at{1}; // the first copy to host
   host_engine_options eo;
   eo.before_copy = [&](copy_direction d, std::uint64_t seq) {
     if (d == copy_direction::to_host && int(seq) == fail_at.load()) throw std::runtime_error("injected DMA error");
   };
   auto engine = make_host_copy_engine(eo);
+  const device_order ready = device_order::after(engine->create_stream());
   const std::vector<param_group> groups{{adam_config{}, {{"w", {5000}}}}};
   optimizer opt(groups), ref_opt(groups);
   pipeline_options po;
@@ -202,17 +205,30 @@ TEST_CASE("a failed copy-in before any update leaves the state unchanged and the
   device_buffer g(*engine, n * 4), p(*engine, n * 4);
   std::fill_n(static_cast<float*>(g.data), n, 0.25f);
   try {
-    pipe.step({g.data, n, dtype::f32}, {p.data, n, dtype::f32});
+    pipe.step({g.data, n, dtype::f32}, {p.data, n, dtype::f32}, ready);
     FAIL("the injected copy failure was not reported");
   } catch (const std::runtime_error& e) {
     const std::string msg = e.what();
-    CHECK_THAT(msg, Catch::Contains("chunk 0") && Catch::Contains("copy-in") && Catch::Contains("injected DMA error") &&
-                        Catch::Contains("state is unchanged"));
+    // Seen by the pipeline thread at chunk 0's copy-in, or already while the call enqueued.
+    CHECK_THAT(msg, Catch::Contains("injected DMA error") && Catch::Contains("state is unchanged") &&
+                        (Catch::Contains("chunk 0 of") || Catch::Contains("while enqueueing")));
   }
-  CHECK(pipe.usable());
+  // As on CUDA, the device error is sticky: the pipeline says so and refuses more work.
+  CHECK_THAT(engine->sticky_error(), Catch::Contains("injected DMA error"));
+  CHECK_FALSE(pipe.usable());
+  CHECK_THAT(pipe.failure_reason(), Catch::Contains("device error") && Catch::Contains("injected DMA error"));
+  CHECK_THROWS_WITH(pipe.step_async({g.data, n, dtype::f32}, {p.data, n, dtype::f32}, ready),
+                    Catch::Contains("not usable") && Catch::Contains("injected DMA error"));
+  CHECK_THROWS_WITH(engine->create_stream(), Catch::Contains("sticky") || Catch::Contains("injected"));
+  // The optimizer was never touched: it goes on with a new device.
+  CHECK(opt.usable());
   CHECK(same_state(opt, ref_opt));
   fail_at = -1;
-  pipe.step({g.data, n, dtype::f32}, {p.data, n, dtype::f32});
+  auto engine2 = make_host_copy_engine();
+  offload_pipeline pipe2(opt, *engine2, po);
+  device_buffer g2(*engine2, n * 4), p2(*engine2, n * 4);
+  std::fill_n(static_cast<float*>(g2.data), n, 0.25f);
+  pipe2.step({g2.data, n, dtype::f32}, {p2.data, n, dtype::f32}, device_order::after(engine2->create_stream()));
   ref_opt.step({g.data, n, dtype::f32});
   CHECK(same_state(opt, ref_opt));
 }
@@ -225,6 +241,7 @@ TEST_CASE("a failure after some chunks were updated makes the pipeline say it is
         if (d == copy_direction::to_host && seq == 4) throw std::runtime_error("injected DMA error");
       };
     auto engine = make_host_copy_engine(eo);
+    const device_order ready = device_order::after(engine->create_stream());
     optimizer opt({{adam_config{}, {{"w", {8000}}}}});
     pipeline_options po;
     po.chunk_elems = 1024;
@@ -236,21 +253,22 @@ TEST_CASE("a failure after some chunks were updated makes the pipeline say it is
     const std::size_t n = opt.arena_size();
     device_buffer g(*engine, n * 4), p(*engine, n * 2);
     INFO((fail_update ? "failing update" : "failing copy"));
-    auto h = pipe.step_async({g.data, n, dtype::f32}, {p.data, n, dtype::bf16});
-    CHECK_THROWS_WITH(h.wait(), Catch::Contains(fail_update ? "chunk 2" : "chunk 3") &&
+    auto h = pipe.step_async({g.data, n, dtype::f32}, {p.data, n, dtype::bf16}, ready);
+    // A copy failure is seen at the first wait after it: chunk 2 or 3, by timing.
+    CHECK_THROWS_WITH(h.wait(), (fail_update ? Catch::Contains("chunk 2 of") : Catch::Contains("injected DMA error")) &&
                                     Catch::Contains(fail_update ? "stage update" : "stage copy-in") &&
                                     Catch::Contains("not usable"));
     CHECK_FALSE(pipe.usable());
     CHECK(opt.step_count() == 0);
     CHECK_FALSE(opt.step_in_progress());
-    CHECK_THROWS_WITH(pipe.step_async({g.data, n, dtype::f32}, {p.data, n, dtype::bf16}), Catch::Contains("not usable"));
+    CHECK_THROWS_WITH(pipe.step_async({g.data, n, dtype::f32}, {p.data, n, dtype::bf16}, ready), Catch::Contains("not usable"));
     // The optimizer itself is poisoned: nothing reads or writes the half-updated state.
     CHECK_FALSE(opt.usable());
-    CHECK_THAT(opt.failure_reason(), Catch::Contains(fail_update ? "chunk 2" : "chunk 3"));
+    CHECK_THAT(opt.failure_reason(), Catch::Contains(fail_update ? "injected update error" : "injected DMA error"));
     CHECK_THROWS_WITH(pipe.push_params({p.data, n, dtype::bf16}), Catch::Contains("not usable"));
     step_options skip;
     skip.known_grad_norm = std::numeric_limits<double>::quiet_NaN();
-    CHECK_THROWS_WITH(pipe.step_async({g.data, n, dtype::f32}, {p.data, n, dtype::bf16}, skip).wait(),
+    CHECK_THROWS_WITH(pipe.step_async({g.data, n, dtype::f32}, {p.data, n, dtype::bf16}, ready, skip).wait(),
                       Catch::Contains("not usable"));
     CHECK(opt.skipped_steps() == 0);
     CHECK_THROWS_WITH(opt.step(const_view{g.data, n, dtype::f32}), Catch::Contains("not usable"));
@@ -262,6 +280,7 @@ TEST_CASE("a failure after some chunks were updated makes the pipeline say it is
 
 TEST_CASE("restoring a checkpoint makes a poisoned optimizer and its pipeline usable again", "[pipeline][faults]") {
   auto engine = make_host_copy_engine();
+  const device_order ready = device_order::after(engine->create_stream());
   const std::vector<param_group> groups{{adam_config{}, {{"w", {5000}}}}};
   optimizer opt(groups), ref_opt(groups);
   pipeline_options po;
@@ -278,12 +297,14 @@ TEST_CASE("restoring a checkpoint makes a poisoned optimizer and its pipeline us
   const std::string path = (std::filesystem::temp_directory_path() /
                             ("hostopt_pipeline_restore_" + std::to_string(::getpid()) + ".safetensors")).string();
   save_checkpoint(opt, path);
-  CHECK_THROWS_WITH(pipe.step({g.data, n, dtype::f32}, {p.data, n, dtype::f32}), Catch::Contains("not usable"));
+  CHECK_THROWS_WITH(pipe.step({g.data, n, dtype::f32}, {p.data, n, dtype::f32}, ready), Catch::Contains("not usable"));
   CHECK_FALSE(pipe.usable());
   load_checkpoint(opt, path);
   CHECK(pipe.usable());
+  pipe.push_params({p.data, n, dtype::f32}); // the device buffer may hold a half-written step
+  CHECK(std::memcmp(p.data, opt.params().data(), n * 4) == 0);
   fail = false;
-  pipe.step({g.data, n, dtype::f32}, {p.data, n, dtype::f32});
+  pipe.step({g.data, n, dtype::f32}, {p.data, n, dtype::f32}, ready);
   ref_opt.step({g.data, n, dtype::f32});
   CHECK(same_state(opt, ref_opt));
   std::remove(path.c_str());
@@ -293,6 +314,7 @@ TEST_CASE("a save while a pipeline step is in flight waits for it and writes a w
   host_engine_options eo;
   eo.bandwidth_gbps = 0.5; // slow copies: the save really lands while the step runs
   auto engine = make_host_copy_engine(eo);
+  const device_order ready = device_order::after(engine->create_stream());
   const std::vector<param_group> groups{{adam_config{}, {{"w", {1 << 18}}}}};
   optimizer opt(groups), ref_opt(groups), loaded(groups);
   pipeline_options po;
@@ -306,7 +328,7 @@ TEST_CASE("a save while a pipeline step is in flight waits for it and writes a w
   std::fill_n(static_cast<float*>(g.data), n, 0.25f);
   const std::string path = (std::filesystem::temp_directory_path() /
                             ("hostopt_pipeline_save_" + std::to_string(::getpid()) + ".safetensors")).string();
-  auto h = pipe.step_async({g.data, n, dtype::f32}, {p.data, n, dtype::f32});
+  auto h = pipe.step_async({g.data, n, dtype::f32}, {p.data, n, dtype::f32}, ready);
   while (!updating) std::this_thread::yield();
   save_checkpoint(opt, path); // waits for the chunked step to finish
   h.wait();
@@ -316,15 +338,14 @@ TEST_CASE("a save while a pipeline step is in flight waits for it and writes a w
   std::remove(path.c_str());
 }
 
-TEST_CASE("a failed parameter copy keeps the step and says to push the parameters again", "[pipeline][faults]") {
-  std::atomic<bool> fail{true};
+TEST_CASE("a failed parameter copy is a sticky device error named by the pipeline", "[pipeline][faults]") {
   host_engine_options eo;
   eo.before_copy = [&](copy_direction d, std::uint64_t seq) {
-    if (fail && d == copy_direction::to_device && seq == 2) throw std::runtime_error("injected H2D error");
+    if (d == copy_direction::to_device && seq == 2) throw std::runtime_error("injected H2D error");
   };
   auto engine = make_host_copy_engine(eo);
-  const std::vector<param_group> groups{{adam_config{}, {{"w", {5000}}}}};
-  optimizer opt(groups), ref_opt(groups);
+  const device_order ready = device_order::after(engine->create_stream());
+  optimizer opt({{adam_config{}, {{"w", {5000}}}}});
   pipeline_options po;
   po.chunk_elems = 1024;
   po.param_type = dtype::f32;
@@ -332,12 +353,25 @@ TEST_CASE("a failed parameter copy keeps the step and says to push the parameter
   const std::size_t n = opt.arena_size();
   device_buffer g(*engine, n * 4), p(*engine, n * 4);
   std::fill_n(static_cast<float*>(g.data), n, 1.0f);
-  CHECK_THROWS_WITH(pipe.step({g.data, n, dtype::f32}, {p.data, n, dtype::f32}),
-                    Catch::Contains("chunk 1") && Catch::Contains("push_params"));
-  CHECK(pipe.usable());
-  ref_opt.step({g.data, n, dtype::f32});
-  CHECK(same_state(opt, ref_opt));
-  fail = false;
+  CHECK_THROWS_WITH(pipe.step({g.data, n, dtype::f32}, {p.data, n, dtype::f32}, ready),
+                    Catch::Contains("injected H2D error"));
+  CHECK_FALSE(pipe.usable());
+  CHECK_THAT(pipe.failure_reason(), Catch::Contains("injected H2D error"));
+  CHECK_THROWS_WITH(pipe.push_params({p.data, n, dtype::f32}), Catch::Contains("not usable"));
+}
+
+TEST_CASE("push_params writes the master parameters to the device", "[pipeline]") {
+  auto engine = make_host_copy_engine();
+  optimizer opt({{adam_config{}, {{"w", {5000}}, {"b", {3}}}}});
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  for (auto& x : opt.params()) x = nd(rng);
+  pipeline_options po;
+  po.chunk_elems = 1000;
+  po.param_type = dtype::f32;
+  offload_pipeline pipe(opt, *engine, po);
+  const std::size_t n = opt.arena_size();
+  device_buffer p(*engine, n * 4);
   pipe.push_params({p.data, n, dtype::f32});
   CHECK(std::memcmp(p.data, opt.params().data(), n * 4) == 0);
 }
@@ -346,6 +380,7 @@ TEST_CASE("destroying a pipeline with a step in flight drains it", "[pipeline]")
   host_engine_options eo;
   eo.bandwidth_gbps = 0.5;
   auto engine = make_host_copy_engine(eo);
+  const device_order ready = device_order::after(engine->create_stream());
   optimizer opt({{adam_config{}, {{"w", {1 << 18}}}}});
   const std::size_t n = opt.arena_size();
   device_buffer g(*engine, n * 4), p(*engine, n * 2);
@@ -354,17 +389,18 @@ TEST_CASE("destroying a pipeline with a step in flight drains it", "[pipeline]")
     pipeline_options po;
     po.chunk_elems = 1 << 14;
     offload_pipeline pipe(opt, *engine, po);
-    h = pipe.step_async({g.data, n, dtype::f32}, {p.data, n, dtype::bf16});
+    h = pipe.step_async({g.data, n, dtype::f32}, {p.data, n, dtype::bf16}, ready);
   } // destructor runs with the step in flight
   CHECK(h.done());
   CHECK(h.wait().step == 1);
   CHECK(opt.step_count() == 1);
 }
 
-TEST_CASE("a second step while one is in flight waits for it", "[pipeline]") {
+TEST_CASE("steps called while one is in flight are queued behind it, in order", "[pipeline]") {
   host_engine_options eo;
   eo.bandwidth_gbps = 2.0;
   auto engine = make_host_copy_engine(eo);
+  const device_order ready = device_order::after(engine->create_stream());
   const std::vector<param_group> groups{{adam_config{}, {{"w", {100000}}}}};
   optimizer opt(groups), ref_opt(groups);
   pipeline_options po;
@@ -374,35 +410,50 @@ TEST_CASE("a second step while one is in flight waits for it", "[pipeline]") {
   const std::size_t n = opt.arena_size();
   device_buffer g(*engine, n * 4), p(*engine, n * 4);
   std::fill_n(static_cast<float*>(g.data), n, 0.5f);
-  auto h1 = pipe.step_async({g.data, n, dtype::f32}, {p.data, n, dtype::f32});
-  auto h2 = pipe.step_async({g.data, n, dtype::f32}, {p.data, n, dtype::f32}); // waits for h1 first
-  CHECK(h1.done());
-  CHECK(h2.wait().step == 2);
-  ref_opt.step({g.data, n, dtype::f32});
-  ref_opt.step({g.data, n, dtype::f32});
+  std::vector<pipeline_handle> h;
+  for (int i = 0; i < 20; ++i) // more than the 16 that may be queued: the 17th call waits
+    h.push_back(pipe.step_async({g.data, n, dtype::f32}, {p.data, n, dtype::f32}, ready));
+  for (int i = 0; i < 20; ++i) CHECK(h[std::size_t(i)].wait().step == i + 1);
+  for (int i = 0; i < 20; ++i) ref_opt.step({g.data, n, dtype::f32});
   CHECK(same_state(opt, ref_opt));
-  CHECK(h1.device_event() == nullptr); // host engine
+  CHECK(std::memcmp(p.data, opt.params().data(), n * 4) == 0);
+  CHECK(h[0].params_ready());
+  CHECK(h[0].grads_consumed());
+  CHECK(engine->event_done(h[19].params_ready()));
 }
 
 TEST_CASE("mismatched device buffers are refused before anything moves", "[pipeline][errors]") {
   auto engine = make_host_copy_engine();
+  const device_order ready = device_order::after(engine->create_stream());
   optimizer opt({{adam_config{}, {{"w", {100}}}}});
   pipeline_options po; // f32 grads, bf16 params
   offload_pipeline pipe(opt, *engine, po);
   const std::size_t n = opt.arena_size();
   std::vector<float> g(n);
   std::vector<std::uint16_t> p(n);
-  CHECK_THROWS_WITH(pipe.step_async({g.data(), n - 1, dtype::f32}, {p.data(), n, dtype::bf16}),
+  CHECK_THROWS_WITH(pipe.step_async({g.data(), n - 1, dtype::f32}, {p.data(), n, dtype::bf16}, ready),
                     Catch::Contains("device_grads.size = 111: expected 112"));
-  CHECK_THROWS_WITH(pipe.step_async({g.data(), n, dtype::bf16}, {p.data(), n, dtype::bf16}),
+  CHECK_THROWS_WITH(pipe.step_async({g.data(), n, dtype::bf16}, {p.data(), n, dtype::bf16}, ready),
                     Catch::Contains("device_grads.type = 1: expected f32"));
-  CHECK_THROWS_WITH(pipe.step_async({g.data(), n, dtype::f32}, {p.data(), n, dtype::f16}),
+  CHECK_THROWS_WITH(pipe.step_async({g.data(), n, dtype::f32}, {p.data(), n, dtype::f16}, ready),
                     Catch::Contains("device_params.type = 2: expected bf16"));
-  CHECK_THROWS_WITH(pipe.step_async({nullptr, n, dtype::f32}, {p.data(), n, dtype::bf16}),
+  CHECK_THROWS_WITH(pipe.step_async({nullptr, n, dtype::f32}, {p.data(), n, dtype::bf16}, ready),
                     Catch::Contains("device_grads.data is null"));
-  CHECK_THROWS_WITH(pipe.step_async({g.data(), n, dtype::f32}, {p.data(), n, dtype::bf16}, std::nanf("")),
+  CHECK_THROWS_WITH(pipe.step_async({g.data(), n, dtype::f32}, {p.data(), n, dtype::bf16}, ready, std::nanf("")),
                     Catch::Contains("grad_scale"));
+  CHECK_THROWS_WITH(pipe.step_async({g.data(), n, dtype::f32}, {p.data(), n, dtype::bf16}, device_order{}),
+                    Catch::Contains("no gradient dependency"));
+  CHECK_THROWS_WITH(pipe.accumulate_async({g.data(), n, dtype::f32}, device_order{}),
+                    Catch::Contains("no gradient dependency"));
+  int not_an_event = 0;
+  device_order foreign;
+  foreign.grads_ready = device_event{&not_an_event}; // not an event of this engine
+  CHECK_THROWS_WITH(pipe.step_async({g.data(), n, dtype::f32}, {p.data(), n, dtype::bf16}, foreign),
+                    Catch::Contains("not an event of this engine"));
   CHECK(opt.step_count() == 0);
+  CHECK(pipe.usable());
+  pipe.step({g.data(), n, dtype::f32}, {p.data(), n, dtype::bf16}, ready); // nothing was left half-queued
+  CHECK(opt.step_count() == 1);
   pipeline_options bad;
   bad.depth = 1;
   CHECK_THROWS_WITH(offload_pipeline(opt, *engine, bad), Catch::Contains("depth = 1: expected 2"));
@@ -434,6 +485,7 @@ TEST_CASE("pinned buffers and the CUDA engine's absence are reported clearly", "
 
 TEST_CASE("the pipeline checks and clips with a norm computed where the gradients are", "[pipeline][stats]") {
   auto engine = make_host_copy_engine();
+  const device_order ready = device_order::after(engine->create_stream());
   const std::vector<param_group> groups{{adam_config{}, {{"w", {3000}}}}};
   optimizer piped(groups), sync(groups);
   pipeline_options po;
@@ -446,23 +498,30 @@ TEST_CASE("the pipeline checks and clips with a norm computed where the gradient
   const double norm = gradient_stats(const_view{g.data, 3000, dtype::f32}).norm;
   step_options o;
   o.max_grad_norm = 1.0;
-  CHECK_THROWS_WITH(pipe.step_async({g.data, n, dtype::f32}, {p.data, n, dtype::f32}, o),
+  CHECK_THROWS_WITH(pipe.step_async({g.data, n, dtype::f32}, {p.data, n, dtype::f32}, ready, o),
                     Catch::Contains("pass known_grad_norm"));
   o.known_grad_norm = norm;
-  const auto r = pipe.step_async({g.data, n, dtype::f32}, {p.data, n, dtype::f32}, o).wait();
+  const auto r = pipe.step_async({g.data, n, dtype::f32}, {p.data, n, dtype::f32}, ready, o).wait();
   CHECK(r.applied);
   sync.step(const_view{g.data, n, dtype::f32}, {}, o);
   CHECK(std::memcmp(piped.params().data(), sync.params().data(), n * 4) == 0);
   o.known_grad_norm = std::numeric_limits<double>::infinity();
-  const auto skipped = pipe.step_async({g.data, n, dtype::f32}, {p.data, n, dtype::f32}, o).wait();
+  const auto skipped = pipe.step_async({g.data, n, dtype::f32}, {p.data, n, dtype::f32}, ready, o).wait();
   CHECK_FALSE(skipped.applied);
   CHECK(skipped.step == 1);
   CHECK(piped.skipped_steps() == 1);
   CHECK(std::memcmp(piped.params().data(), sync.params().data(), n * 4) == 0);
+  // The skipped step's enqueued parameter copies carried the unchanged parameters.
+  std::fill_n(static_cast<float*>(p.data), n, -7.0f);
+  o.known_grad_norm = std::numeric_limits<double>::quiet_NaN();
+  CHECK_FALSE(pipe.step_async({g.data, n, dtype::f32}, {p.data, n, dtype::f32}, ready, o).wait().applied);
+  for (const auto& seg : piped.segments())
+    CHECK(std::memcmp(static_cast<float*>(p.data) + seg.offset, piped.params().data() + seg.offset, seg.size * 4) == 0);
 }
 
 TEST_CASE("the pipeline drives a shard's optimizer (a range of the arena) like any chunk updater", "[pipeline][sharding]") {
   auto engine = make_host_copy_engine();
+  const device_order ready = device_order::after(engine->create_stream());
   std::mt19937 rng(31);
   const auto groups = random_model(rng, 9, 3000);
   for (int rank = 0; rank < 2; ++rank) {
@@ -479,7 +538,7 @@ TEST_CASE("the pipeline drives a shard's optimizer (a range of the arena) like a
     for (int t = 0; t < 3; ++t) {
       const auto grad = ref::random_grad(dtype::f32, n, rng);
       std::memcpy(g.data, grad.f32.data(), n * 4);
-      pipe.step({g.data, n, dtype::f32}, {p.data, n, dtype::f32});
+      pipe.step({g.data, n, dtype::f32}, {p.data, n, dtype::f32}, ready);
       sync.step(grad.view(), {out.data(), n, dtype::f32}, unchecked);
     }
     INFO("rank " << rank);

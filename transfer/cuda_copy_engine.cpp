@@ -1,13 +1,46 @@
-// The CUDA copy engine: one non-blocking stream per direction, cudaMemcpyAsync, CUDA
-// events for completion and timing, pinned memory from cudaHostAlloc. Only the runtime
-// API is used, so this file builds with the host compiler. Every CUDA call goes through
-// check(), which turns an error into std::runtime_error with cudaGetErrorString's text.
-#include <array>
+// The CUDA engine: copy_engine's stream model on the CUDA runtime. Handles are the CUDA
+// objects themselves (device_stream = cudaStream_t, device_event = cudaEvent_t), so a
+// trainer passes its own streams and events. Only the runtime API is linked (this file is
+// built by the host compiler against CUDA::cudart); the one driver function we need,
+// cuStreamWaitValue32, is reached through cudaGetDriverEntryPointByVersion, and cuda.h is
+// included for its types only.
+//
+// Devices: every call that reaches CUDA makes the engine's device current and gives the
+// caller back its own current device on return (device_scope).
+//
+// Errors: every CUDA call goes through check(). Misuse that CUDA reports without touching
+// the device (an invalid argument or handle, an event not completed yet, out of memory)
+// throws std::invalid_argument / std::logic_error / std::runtime_error and leaves the
+// engine usable. Any other error (a device fault such as cudaErrorIllegalAddress, reported
+// by whichever call comes next, a failed launch, a host function that threw) is sticky:
+// its text is kept, sticky_error() returns it, and every later call that enqueues,
+// synchronizes or creates throws std::runtime_error with exactly that text.
+//
+// Flags: a 32-bit word of mapped page-locked memory. The device waits on it with a stream
+// memory operation (cuStreamWaitValue32, CU_STREAM_WAIT_VALUE_GEQ: (int32_t)(*addr - value)
+// >= 0), so the host releases device work with a plain store. Where the driver refuses
+// stream memory operations (or HOSTOPT_CUDA_FLAG_WAIT=host_function forces it) a wait is a
+// host function that blocks until the flag is reached. CUDA runs host functions on its own
+// callback thread: a blocked one holds back the host functions of every stream of the
+// process, not only its own stream's work, so this fallback is for correctness, not speed.
+#include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <functional>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
+#include <unordered_set>
 
+#include <cuda.h> // types and enums only: nothing here links libcuda
+#include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
 
 #include "hostopt/copy_engine.hpp"
@@ -19,149 +52,603 @@ namespace {
 
 using detail::now_ns;
 
-void check(cudaError_t rc, const char* what) {
-  if (rc != cudaSuccess)
-    throw std::runtime_error(std::string("cuda: ") + what + " failed: " + cudaGetErrorName(rc) + ": " +
-                             cudaGetErrorString(rc));
+/// Errors CUDA reports for a bad call without any device work having failed: the call is
+/// refused and the context stays healthy, so the engine stays usable.
+bool is_usage_error(cudaError_t rc) {
+  switch (rc) {
+  case cudaErrorInvalidValue:
+  case cudaErrorInvalidResourceHandle:
+  case cudaErrorInvalidDevicePointer:
+  case cudaErrorInvalidMemcpyDirection:
+  case cudaErrorInvalidDevice:
+  case cudaErrorMemoryAllocation:
+  case cudaErrorNotReady: return true;
+  default: return false;
+  }
 }
 
+/// A flag: one word of mapped, portable page-locked memory, and its device address.
+struct flag_state {
+  std::uint32_t* host = nullptr;
+  CUdeviceptr device = 0;
+};
 
-constexpr std::size_t history = 4096;
-constexpr std::size_t user_events = 64;
+bool flag_reached(const flag_state& f, std::uint32_t value) {
+  const std::uint32_t now = std::atomic_ref<std::uint32_t>(*f.host).load(std::memory_order_acquire);
+  return std::int32_t(now - value) >= 0; // CU_STREAM_WAIT_VALUE_GEQ's wrap-safe test
+}
+
+class cuda_copy_engine;
+
+/// Argument of the fallback's blocking host function.
+struct flag_wait {
+  cuda_copy_engine* engine;
+  flag_state* flag;
+  std::uint32_t value;
+};
 
 class cuda_copy_engine final : public copy_engine {
 public:
   explicit cuda_copy_engine(int device) : device_(device) {
     int count = 0;
-    check(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
+    const cudaError_t rc = cudaGetDeviceCount(&count);
+    if (rc != cudaSuccess) {
+      cudaGetLastError();
+      throw std::runtime_error(std::string("cuda copy engine: cudaGetDeviceCount failed: ") +
+                               cudaGetErrorName(rc) + ": " + cudaGetErrorString(rc));
+    }
     if (device < 0 || device >= count)
       throw std::runtime_error("cuda copy engine: device " + std::to_string(device) + " does not exist (" +
                                std::to_string(count) + " visible)");
-    check(cudaSetDevice(device), "cudaSetDevice");
-    for (auto& s : streams_) check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
-    for (auto& dir : slots_)
-      for (auto& slot : dir) {
-        check(cudaEventCreate(&slot.start), "cudaEventCreate");
-        check(cudaEventCreate(&slot.end), "cudaEventCreate");
-      }
-    for (auto& dir : user_events_)
-      for (auto& e : dir) check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
-    // The time base: an event and the host clock taken together.
-    check(cudaEventCreate(&base_), "cudaEventCreate");
-    check(cudaEventRecord(base_, streams_[0]), "cudaEventRecord");
-    check(cudaEventSynchronize(base_), "cudaEventSynchronize");
-    base_ns_ = now_ns();
+    try {
+      device_scope scope(*this);
+      check(cudaStreamCreateWithFlags(&private_stream_, cudaStreamNonBlocking),
+            "cudaStreamCreateWithFlags (private)");
+      // Default flags (spin on synchronize): the host sees the calibration event complete
+      // within a microsecond or so, which is the whole error of the time base.
+      check(cudaEventCreateWithFlags(&calib_, cudaEventDefault), "cudaEventCreate (calibration)");
+      calibrate();
+      choose_flag_mechanism();
+    } catch (...) {
+      release();
+      throw;
+    }
   }
 
-  ~cuda_copy_engine() override {
+  ~cuda_copy_engine() override { release(); }
+
+  /// Waits for the engine's streams, then frees everything it created.
+  void release() noexcept {
+    int previous = 0;
+    const bool restore = cudaGetDevice(&previous) == cudaSuccess;
     cudaSetDevice(device_);
+    // Our work first, then what we own. A stream still waiting for a flag nobody writes
+    // makes this wait forever, as cudaStreamSynchronize would.
     for (auto s : streams_) cudaStreamSynchronize(s);
-    for (auto& dir : slots_)
-      for (auto& slot : dir) {
-        cudaEventDestroy(slot.start);
-        cudaEventDestroy(slot.end);
-      }
-    for (auto& dir : user_events_)
-      for (auto e : dir) cudaEventDestroy(e);
-    cudaEventDestroy(base_);
+    if (private_stream_) cudaStreamSynchronize(private_stream_);
+    for (auto e : events_) cudaEventDestroy(e);
     for (auto s : streams_) cudaStreamDestroy(s);
+    for (auto* f : flags_) {
+      cudaFreeHost(f->host);
+      delete f;
+    }
+    for (auto* p : device_allocations_) cudaFree(p);
+    for (auto* p : pinned_allocations_) cudaFreeHost(p);
+    if (calib_) cudaEventDestroy(calib_);
+    if (private_stream_) cudaStreamDestroy(private_stream_);
+    streams_.clear();
+    events_.clear();
+    flags_.clear();
+    device_allocations_.clear();
+    pinned_allocations_.clear();
+    calib_ = nullptr;
+    private_stream_ = nullptr;
+    cudaGetLastError();
+    if (restore) cudaSetDevice(previous);
   }
 
   std::string_view name() const override { return "cuda"; }
 
+  // --- memory ------------------------------------------------------------------------------
   void* allocate_device(std::size_t bytes) override {
-    void* p = nullptr;
+    throw_if_sticky();
     if (bytes == 0) return nullptr;
-    check(cudaSetDevice(device_), "cudaSetDevice");
-    const cudaError_t rc = cudaMalloc(&p, bytes);
-    if (rc != cudaSuccess)
-      throw std::runtime_error("cuda: cudaMalloc of " + std::to_string(bytes) + " bytes failed: " + cudaGetErrorString(rc));
+    device_scope scope(*this);
+    void* p = nullptr;
+    check(cudaMalloc(&p, bytes), ("cudaMalloc of " + std::to_string(bytes) + " bytes").c_str());
+    std::lock_guard<std::mutex> lock(owned_mu_);
+    device_allocations_.insert(p);
     return p;
   }
-  void free_device(void* p) noexcept override { cudaFree(p); }
+  void free_device(void* p) noexcept override {
+    if (!p) return;
+    {
+      std::lock_guard<std::mutex> lock(owned_mu_);
+      if (device_allocations_.erase(p) == 0) return; // not ours, or freed already
+    }
+    device_scope scope(*this, std::nothrow);
+    cudaFree(p);
+    cudaGetLastError();
+  }
 
   pinned_allocation allocate_pinned(std::size_t bytes) override {
-    void* p = nullptr;
+    throw_if_sticky();
     if (bytes == 0) return {};
-    const cudaError_t rc = cudaHostAlloc(&p, bytes, cudaHostAllocPortable);
-    if (rc != cudaSuccess)
-      throw std::runtime_error("pinned buffer: cudaHostAlloc of " + std::to_string(bytes) +
-                               " bytes failed: " + cudaGetErrorString(rc));
+    device_scope scope(*this);
+    void* p = nullptr;
+    check(cudaHostAlloc(&p, bytes, cudaHostAllocPortable),
+          ("cudaHostAlloc of " + std::to_string(bytes) + " bytes").c_str());
+    std::lock_guard<std::mutex> lock(owned_mu_);
+    pinned_allocations_.insert(p);
     return {p, true};
   }
-  void free_pinned(pinned_allocation a, std::size_t) noexcept override { cudaFreeHost(a.data); }
-
-  copy_ticket copy_async(copy_direction dir, void* dst, const void* src, std::size_t bytes) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    const int d = int(dir);
-    const std::uint64_t seq = ++issued_[d];
-    slot& s = slots_[d][seq % history];
-    s.sequence = seq;
-    check(cudaSetDevice(device_), "cudaSetDevice");
-    check(cudaEventRecord(s.start, streams_[d]), "cudaEventRecord");
-    check(cudaMemcpyAsync(dst, src, bytes, dir == copy_direction::to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice,
-                          streams_[d]),
-          dir == copy_direction::to_host ? "cudaMemcpyAsync (device to host)" : "cudaMemcpyAsync (host to device)");
-    check(cudaEventRecord(s.end, streams_[d]), "cudaEventRecord");
-    return {seq, dir};
+  void free_pinned(pinned_allocation a, std::size_t) noexcept override {
+    if (!a.data) return;
+    {
+      std::lock_guard<std::mutex> lock(owned_mu_);
+      if (pinned_allocations_.erase(a.data) == 0) return;
+    }
+    device_scope scope(*this, std::nothrow);
+    cudaFreeHost(a.data);
+    cudaGetLastError();
   }
 
-  void wait(const copy_ticket& t) override {
-    const slot& s = find(t);
-    check(cudaEventSynchronize(s.end), ("copy #" + std::to_string(t.sequence)).c_str());
+  // --- streams and events --------------------------------------------------------------------
+  device_stream create_stream() override {
+    throw_if_sticky();
+    device_scope scope(*this);
+    cudaStream_t s = nullptr;
+    check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    std::lock_guard<std::mutex> lock(owned_mu_);
+    streams_.insert(s);
+    return {s};
+  }
+  // A stream the engine did not create (the trainer's) is synchronized, never destroyed.
+  void destroy_stream(device_stream s) noexcept override {
+    if (!s) return;
+    const auto cs = stream(s);
+    bool owned = false;
+    {
+      std::lock_guard<std::mutex> lock(owned_mu_);
+      owned = streams_.erase(cs) != 0;
+    }
+    device_scope scope(*this, std::nothrow);
+    cudaStreamSynchronize(cs);
+    if (owned) cudaStreamDestroy(cs);
+    cudaGetLastError();
   }
 
-  copy_timing timing(const copy_ticket& t) const override {
-    const slot& s = find(t);
-    float start_ms = 0, end_ms = 0;
-    check(cudaEventElapsedTime(&start_ms, base_, s.start), "cudaEventElapsedTime");
-    check(cudaEventElapsedTime(&end_ms, base_, s.end), "cudaEventElapsedTime");
-    return {base_ns_ + std::int64_t(double(start_ms) * 1e6), base_ns_ + std::int64_t(double(end_ms) * 1e6)};
+  device_event create_event() override {
+    throw_if_sticky();
+    device_scope scope(*this);
+    cudaEvent_t e = nullptr;
+    check(cudaEventCreateWithFlags(&e, cudaEventBlockingSync),
+          "cudaEventCreateWithFlags (blocking sync, timing)");
+    std::lock_guard<std::mutex> lock(owned_mu_);
+    events_.insert(e);
+    return {e};
+  }
+  // As destroy_stream: an event the engine did not create is left to its owner.
+  void destroy_event(device_event e) noexcept override {
+    if (!e) return;
+    const auto ce = event(e);
+    {
+      std::lock_guard<std::mutex> lock(owned_mu_);
+      if (events_.erase(ce) == 0) return;
+    }
+    device_scope scope(*this, std::nothrow);
+    cudaEventDestroy(ce); // CUDA releases it once its pending record completes
+    cudaGetLastError();
   }
 
-  void wait_device_event(copy_direction dir, void* event) override {
-    if (event) check(cudaStreamWaitEvent(streams_[int(dir)], static_cast<cudaEvent_t>(event), 0), "cudaStreamWaitEvent");
+  void record_event(device_event e, device_stream s) override {
+    enter("record_event", e, s);
+    device_scope scope(*this);
+    check(cudaEventRecord(event(e), stream(s)), "cudaEventRecord");
   }
 
-  void* record_device_event(copy_direction dir) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    const int d = int(dir);
-    cudaEvent_t e = user_events_[d][next_user_[d]++ % user_events];
-    check(cudaEventRecord(e, streams_[d]), "cudaEventRecord");
-    return e;
+  void stream_wait_event(device_stream s, device_event e) override {
+    enter("stream_wait_event", e, s);
+    device_scope scope(*this);
+    check(cudaStreamWaitEvent(stream(s), event(e), 0), "cudaStreamWaitEvent");
+  }
+
+  void synchronize_event(device_event e) override {
+    enter("synchronize_event", e);
+    device_scope scope(*this);
+    check(cudaEventSynchronize(event(e)), "cudaEventSynchronize");
+  }
+
+  bool event_done(device_event e) override {
+    enter("event_done", e);
+    device_scope scope(*this);
+    const cudaError_t rc = cudaEventQuery(event(e));
+    if (rc == cudaErrorNotReady) return false;
+    check(rc, "cudaEventQuery");
+    return true;
+  }
+
+  // cudaEventElapsedTime from a calibration event whose steady_clock time we know. Its
+  // float milliseconds keep ~60 ns within 1 s of the base, so the base moves to "now"
+  // when an event lies further than that from it (and the base is over a second old).
+  std::int64_t event_time_ns(device_event e) override {
+    enter("event_time_ns", e);
+    device_scope scope(*this);
+    std::lock_guard<std::mutex> lock(calib_mu_);
+    float ms = elapsed_since_calibration(event(e));
+    if (std::fabs(ms) > 1000.0f && now_ns() - calib_ns_ > 1'000'000'000) {
+      calibrate();
+      ms = elapsed_since_calibration(event(e));
+    }
+    return calib_ns_ + std::llround(double(ms) * 1e6);
+  }
+
+  void synchronize_stream(device_stream s) override {
+    enter("synchronize_stream", s);
+    device_scope scope(*this);
+    check(cudaStreamSynchronize(stream(s)), "cudaStreamSynchronize");
+  }
+
+  // --- work -----------------------------------------------------------------------------------
+  void copy_async(device_stream s, copy_direction dir, void* dst, const void* src,
+                  std::size_t bytes) override {
+    enter("copy_async", s);
+    if (bytes == 0) return;
+    if (!dst || !src)
+      throw std::invalid_argument("cuda copy engine: copy_async of " + std::to_string(bytes) +
+                                  " bytes with a null " + (dst ? "source" : "destination"));
+    device_scope scope(*this);
+    if (dir == copy_direction::to_host)
+      check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream(s)),
+            "cudaMemcpyAsync (device to host)");
+    else if (dir == copy_direction::to_device)
+      check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream(s)),
+            "cudaMemcpyAsync (host to device)");
+    else
+      throw std::invalid_argument("cuda copy engine: copy direction " + std::to_string(int(dir)) +
+                                  " is neither to_host (0) nor to_device (1)");
+  }
+
+  void launch_host_function(device_stream s, std::function<void()> fn) override {
+    enter("launch_host_function", s);
+    if (!fn) throw std::invalid_argument("cuda copy engine: launch_host_function with an empty function");
+    device_scope scope(*this);
+    auto* call = new host_call{this, std::move(fn)};
+    const cudaError_t rc = cudaLaunchHostFunc(stream(s), &host_call_trampoline, call);
+    if (rc != cudaSuccess) delete call; // not enqueued: the trampoline will never free it
+    check(rc, "cudaLaunchHostFunc");
+  }
+
+  // --- flags ----------------------------------------------------------------------------------
+  device_flag allocate_flag() override {
+    throw_if_sticky();
+    device_scope scope(*this);
+    void* host = nullptr;
+    check(cudaHostAlloc(&host, sizeof(std::uint32_t), cudaHostAllocMapped | cudaHostAllocPortable),
+          "cudaHostAlloc (mapped flag word)");
+    void* dev = nullptr;
+    const cudaError_t rc = cudaHostGetDevicePointer(&dev, host, 0);
+    if (rc != cudaSuccess) cudaFreeHost(host);
+    check(rc, "cudaHostGetDevicePointer (flag word)");
+    std::memset(host, 0, sizeof(std::uint32_t));
+    auto* f = new flag_state{static_cast<std::uint32_t*>(host), reinterpret_cast<CUdeviceptr>(dev)};
+    std::lock_guard<std::mutex> lock(owned_mu_);
+    flags_.insert(f);
+    return {f};
+  }
+  // No wait on `f` may be pending: its word is freed at once.
+  void free_flag(device_flag f) noexcept override {
+    if (!f) return;
+    auto* fs = static_cast<flag_state*>(f.handle);
+    {
+      std::lock_guard<std::mutex> lock(owned_mu_);
+      if (flags_.erase(fs) == 0) return;
+    }
+    device_scope scope(*this, std::nothrow);
+    cudaFreeHost(fs->host);
+    cudaGetLastError();
+    delete fs;
+  }
+
+  void stream_wait_flag(device_stream s, device_flag f, std::uint32_t value) override {
+    enter("stream_wait_flag", s);
+    flag_state& fs = flag(f);
+    device_scope scope(*this);
+    if (wait_value32_) {
+      const CUresult rc =
+          wait_value32_(reinterpret_cast<CUstream>(stream(s)), fs.device, value, CU_STREAM_WAIT_VALUE_GEQ);
+      if (rc != CUDA_SUCCESS) driver_failed(rc, "cuStreamWaitValue32");
+      return;
+    }
+    // Fallback. A flag already at `value` stays there (flags are counters that only move
+    // forward, as the pipeline's do), so that wait costs no host function: fewer blocked
+    // callbacks holding CUDA's host-function thread.
+    if (flag_reached(fs, value)) return;
+    auto* w = new flag_wait{this, &fs, value};
+    const cudaError_t rc = cudaLaunchHostFunc(stream(s), &flag_wait_trampoline, w);
+    if (rc != cudaSuccess) delete w;
+    check(rc, "cudaLaunchHostFunc (flag wait)");
+  }
+
+  // A host store, no CUDA call: the release orders the host's writes before it (e.g. the
+  // parameters of a chunk) before the device work the flag lets go.
+  void write_flag(device_flag f, std::uint32_t value) override {
+    flag_state& fs = flag(f);
+    if (wait_value32_) {
+      std::atomic_ref<std::uint32_t>(*fs.host).store(value, std::memory_order_release);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(flag_mu_);
+      std::atomic_ref<std::uint32_t>(*fs.host).store(value, std::memory_order_release);
+    }
+    flag_cv_.notify_all();
+  }
+
+  std::string flag_mechanism() const override {
+    return wait_value32_ ? "stream memory operations (cuStreamWaitValue32)"
+                         : "host function (cudaLaunchHostFunc) blocking the stream";
+  }
+
+  std::string sticky_error() const override {
+    std::lock_guard<std::mutex> lock(error_mu_);
+    return sticky_;
+  }
+
+  // --- used by the host-function trampolines (CUDA's callback thread) --------------------------
+  void host_function_failed(const std::string& what) noexcept {
+    try {
+      make_sticky("cuda device " + std::to_string(device_) +
+                  ": a host function (cudaLaunchHostFunc) threw: " + what);
+    } catch (...) {
+    }
+  }
+  void wait_for_flag(const flag_state& f, std::uint32_t value) {
+    std::unique_lock<std::mutex> lock(flag_mu_);
+    // The timeout re-reads the word: a write that did not go through write_flag (the
+    // device's, or another process's) still lets the wait go.
+    while (!flag_reached(f, value)) flag_cv_.wait_for(lock, std::chrono::milliseconds(1));
   }
 
 private:
-  struct slot {
-    std::uint64_t sequence = 0;
-    cudaEvent_t start = nullptr, end = nullptr;
+  /// Makes the engine's device current; the destructor restores the caller's.
+  class device_scope {
+  public:
+    explicit device_scope(cuda_copy_engine& e) {
+      e.check(cudaGetDevice(&previous_), "cudaGetDevice");
+      if (previous_ != e.device_) {
+        e.check(cudaSetDevice(e.device_), "cudaSetDevice");
+        restore_ = true;
+      }
+    }
+    device_scope(cuda_copy_engine& e, std::nothrow_t) noexcept {
+      if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != e.device_)
+        restore_ = cudaSetDevice(e.device_) == cudaSuccess;
+    }
+    ~device_scope() {
+      if (restore_) cudaSetDevice(previous_);
+    }
+    device_scope(const device_scope&) = delete;
+    device_scope& operator=(const device_scope&) = delete;
+
+  private:
+    int previous_ = 0;
+    bool restore_ = false;
   };
 
-  const slot& find(const copy_ticket& t) const {
-    const slot& s = slots_[int(t.direction)][t.sequence % history];
-    if (t.sequence == 0 || s.sequence != t.sequence)
-      throw std::invalid_argument("copy_engine: ticket " + std::to_string(t.sequence) +
-                                  " is unknown or older than the last 4096 copies of its direction");
-    return s;
+  struct host_call {
+    cuda_copy_engine* engine;
+    std::function<void()> fn;
+  };
+
+  static void CUDART_CB host_call_trampoline(void* p) {
+    auto* call = static_cast<host_call*>(p);
+    try {
+      call->fn();
+    } catch (const std::exception& e) {
+      call->engine->host_function_failed(e.what());
+    } catch (...) {
+      call->engine->host_function_failed("an exception that is not a std::exception");
+    }
+    delete call;
   }
 
-  int device_;
-  std::mutex mu_;
-  std::array<cudaStream_t, 2> streams_{};
-  std::array<std::array<slot, history>, 2> slots_{};
-  std::array<std::array<cudaEvent_t, user_events>, 2> user_events_{};
-  std::array<std::uint64_t, 2> issued_{}, next_user_{};
-  cudaEvent_t base_ = nullptr;
-  std::int64_t base_ns_ = 0;
+  static void CUDART_CB flag_wait_trampoline(void* p) {
+    auto* w = static_cast<flag_wait*>(p);
+    try {
+      w->engine->wait_for_flag(*w->flag, w->value);
+    } catch (...) {
+      w->engine->host_function_failed("waiting for a flag");
+    }
+    delete w;
+  }
+
+  static cudaStream_t stream(device_stream s) { return static_cast<cudaStream_t>(s.handle); }
+  static cudaEvent_t event(device_event e) { return static_cast<cudaEvent_t>(e.handle); }
+  static flag_state& flag(device_flag f) {
+    if (!f) throw std::invalid_argument("cuda copy engine: empty device_flag (use allocate_flag)");
+    return *static_cast<flag_state*>(f.handle);
+  }
+
+  /// The checks every enqueuing or synchronizing call starts with: not poisoned, and no
+  /// empty handle (CUDA would read a null stream as the legacy default stream; pass
+  /// cudaStreamLegacy for that on purpose).
+  void enter(const char* call, device_stream s) {
+    throw_if_sticky();
+    if (!s)
+      throw std::invalid_argument(std::string("cuda copy engine: ") + call + " with an empty device_stream");
+  }
+  void enter(const char* call, device_event e) {
+    throw_if_sticky();
+    if (!e)
+      throw std::invalid_argument(std::string("cuda copy engine: ") + call + " with an empty device_event");
+  }
+  void enter(const char* call, device_event e, device_stream s) {
+    enter(call, s);
+    enter(call, e);
+  }
+
+  void throw_if_sticky() const {
+    if (!sticky_set_.load(std::memory_order_acquire)) return;
+    std::lock_guard<std::mutex> lock(error_mu_);
+    throw std::runtime_error(sticky_);
+  }
+
+  void make_sticky(const std::string& text) {
+    std::lock_guard<std::mutex> lock(error_mu_);
+    if (sticky_.empty()) {
+      sticky_ = text;
+      sticky_set_.store(true, std::memory_order_release);
+    }
+  }
+
+  /// The one checking helper: a usage error throws and leaves the engine usable; any other
+  /// error becomes the sticky error (the first one wins) and throws its text.
+  void check(cudaError_t rc, const char* what) {
+    if (rc == cudaSuccess) return;
+    const std::string text = "cuda device " + std::to_string(device_) + ": " + what +
+                             " failed: " + cudaGetErrorName(rc) + ": " + cudaGetErrorString(rc);
+    if (is_usage_error(rc)) {
+      cudaGetLastError(); // refused calls leave no trace for the caller's own checks
+      if (rc == cudaErrorMemoryAllocation) throw std::runtime_error(text);
+      if (rc == cudaErrorNotReady) throw std::logic_error(text);
+      throw std::invalid_argument(text);
+    }
+    make_sticky(text);
+    throw std::runtime_error(sticky_error());
+  }
+
+  [[noreturn]] void driver_failed(CUresult rc, const char* what) {
+    const char* name = "CUDA_ERROR_?";
+    const char* desc = "unknown driver error";
+    if (get_error_name_) get_error_name_(rc, &name);
+    if (get_error_string_) get_error_string_(rc, &desc);
+    const std::string text =
+        "cuda device " + std::to_string(device_) + ": " + what + " failed: " + name + ": " + desc;
+    if (rc == CUDA_ERROR_INVALID_VALUE || rc == CUDA_ERROR_INVALID_HANDLE) throw std::invalid_argument(text);
+    make_sticky(text);
+    throw std::runtime_error(sticky_error());
+  }
+
+  float elapsed_since_calibration(cudaEvent_t e) {
+    float ms = 0;
+    const cudaError_t rc = cudaEventElapsedTime(&ms, calib_, e);
+    if (rc == cudaErrorNotReady) {
+      cudaGetLastError();
+      throw std::logic_error("cuda copy engine: event_time_ns of an event whose record has not completed");
+    }
+    if (rc == cudaErrorInvalidResourceHandle) {
+      cudaGetLastError();
+      throw std::invalid_argument(
+          "cuda copy engine: event_time_ns of an event never recorded, or created with "
+          "cudaEventDisableTiming");
+    }
+    check(rc, "cudaEventElapsedTime");
+    return ms;
+  }
+
+  /// The time base: `calib_` recorded on an idle private stream, and steady_clock read as
+  /// soon as the host sees it complete. A try the OS interrupted (over 50 us between
+  /// recording and seeing it) is taken again, up to 5 times.
+  void calibrate() {
+    for (int attempt = 0; attempt < 5; ++attempt) {
+      const std::int64_t before = now_ns();
+      check(cudaEventRecord(calib_, private_stream_), "cudaEventRecord (calibration)");
+      check(cudaEventSynchronize(calib_), "cudaEventSynchronize (calibration)");
+      calib_ns_ = now_ns();
+      if (calib_ns_ - before < 50'000) break;
+    }
+  }
+
+  /// Stream memory operations when the driver has cuStreamWaitValue32 and accepts one on
+  /// this device (a wait on a word that already holds the value, on the private stream);
+  /// otherwise the host-function fallback. HOSTOPT_CUDA_FLAG_WAIT=host_function forces
+  /// the fallback, =stream_memory_operations makes its absence an error.
+  void choose_flag_mechanism() {
+    const char* env = std::getenv("HOSTOPT_CUDA_FLAG_WAIT");
+    const std::string forced = env ? env : "";
+    if (!forced.empty() && forced != "host_function" && forced != "stream_memory_operations")
+      throw std::invalid_argument("HOSTOPT_CUDA_FLAG_WAIT='" + forced +
+                                  "': expected host_function or stream_memory_operations");
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuGetErrorName", &fn, 6000, cudaEnableDefault, &found) ==
+            cudaSuccess &&
+        found == cudaDriverEntryPointSuccess)
+      get_error_name_ = reinterpret_cast<PFN_cuGetErrorName_v6000>(fn);
+    if (cudaGetDriverEntryPointByVersion("cuGetErrorString", &fn, 6000, cudaEnableDefault, &found) ==
+            cudaSuccess &&
+        found == cudaDriverEntryPointSuccess)
+      get_error_string_ = reinterpret_cast<PFN_cuGetErrorString_v6000>(fn);
+    cudaGetLastError();
+    if (forced == "host_function") return;
+
+    PFN_cuStreamWaitValue32_v11070 wait = nullptr;
+    std::string why;
+    if (cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &fn, 11070, cudaEnableDefault, &found) ==
+            cudaSuccess &&
+        found == cudaDriverEntryPointSuccess)
+      wait = reinterpret_cast<PFN_cuStreamWaitValue32_v11070>(fn);
+    else
+      why = "the driver has no cuStreamWaitValue32 (v2)";
+    cudaGetLastError();
+    if (wait) {
+      // The probe: a flag at 0 and a wait for >= 0, which the device passes at once.
+      device_flag probe = allocate_flag();
+      const CUresult rc =
+          wait(reinterpret_cast<CUstream>(private_stream_), flag(probe).device, 0, CU_STREAM_WAIT_VALUE_GEQ);
+      const cudaError_t sync = cudaStreamSynchronize(private_stream_);
+      free_flag(probe);
+      check(sync, "cudaStreamSynchronize (stream memory operation probe)");
+      if (rc == CUDA_SUCCESS) {
+        wait_value32_ = wait;
+        return;
+      }
+      const char* name = "?";
+      if (get_error_name_) get_error_name_(rc, &name);
+      why = std::string("cuStreamWaitValue32 returned ") + name;
+    }
+    if (forced == "stream_memory_operations")
+      throw std::runtime_error("cuda copy engine: HOSTOPT_CUDA_FLAG_WAIT=stream_memory_operations, but " +
+                               why);
+  }
+
+  const int device_;
+
+  mutable std::mutex error_mu_;
+  std::string sticky_;
+  std::atomic<bool> sticky_set_{false};
+
+  std::mutex owned_mu_; // what the destructor frees
+  std::unordered_set<cudaStream_t> streams_;
+  std::unordered_set<cudaEvent_t> events_;
+  std::unordered_set<flag_state*> flags_;
+  std::unordered_set<void*> device_allocations_;
+  std::unordered_set<void*> pinned_allocations_;
+
+  cudaStream_t private_stream_ = nullptr; // idle but for calibration and the probe
+  std::mutex calib_mu_;
+  cudaEvent_t calib_ = nullptr;
+  std::int64_t calib_ns_ = 0;
+
+  PFN_cuStreamWaitValue32_v11070 wait_value32_ = nullptr; // null: the host-function fallback
+  PFN_cuGetErrorName_v6000 get_error_name_ = nullptr;
+  PFN_cuGetErrorString_v6000 get_error_string_ = nullptr;
+  std::mutex flag_mu_; // the fallback's waits and write_flag's notify
+  std::condition_variable flag_cv_;
 };
 
 } // namespace
 
 bool cuda_device_available() noexcept {
   int count = 0;
-  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+  const bool ok = cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+  cudaGetLastError(); // "no device" or "no driver" is an answer, not an error to keep
+  return ok;
 }
 
-std::unique_ptr<copy_engine> make_cuda_copy_engine(int device) { return std::make_unique<cuda_copy_engine>(device); }
+std::unique_ptr<copy_engine> make_cuda_copy_engine(int device) {
+  return std::make_unique<cuda_copy_engine>(device);
+}
 
 } // namespace hostopt

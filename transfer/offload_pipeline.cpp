@@ -1,15 +1,23 @@
-// The offload pipeline. One pipeline thread runs each operation as a schedule over the
-// chunks of the arena, with `depth` pinned buffers per direction used as rings:
+// The offload pipeline. A call enqueues all of its device work at once and returns; the
+// CPU side runs on the pipeline thread. With `depth` pinned buffers per direction used as
+// rings and one host-written flag `released` counting chunks the CPU is done with (chunks
+// are numbered g = 0, 1, 2, ... across operations):
 //
-//   issue copy-in of chunks 0 .. depth-1
-//   for k: wait copy-in(k); wait copy-out(k - depth) (its parameter buffer is reused);
-//          update(k) on the CPU into parameter buffer k % depth; issue copy-out(k);
-//          issue copy-in(k + depth) into gradient buffer k % depth (update(k) released it)
+//   copy-in stream:  [wait the gradients' producer]
+//                    for g: wait released >= g - depth + 1 (its buffer is free); copy g in
+//                    record "gradients consumed"
+//   copy-out stream: [wait the parameters' last reader]
+//                    for g: wait released >= g + 1 (the CPU wrote it); copy g out
+//                    record "parameters ready"
+//   pipeline thread: for g: wait copy-in(g); wait copy-out(g - depth) (its parameter
+//                    buffer is reused); update g into parameter buffer g % depth;
+//                    released = g + 1
 //
-// so copy-in of k+1, update of k and copy-out of k-1 run at the same time. A buffer is
-// reused only after the ticket of its last use completed. The pipeline knows nothing of
-// Adam: it drives a chunk_updater (begin_step / update_range / finish_step), which decides
-// checks, clipping and skips, and counts steps.
+// so copy-in of g+1, update of g and copy-out of g-1 overlap, and the device never waits
+// on the host except through the flag and the handle's events. A chunk the CPU does not
+// update (a skipped or failed step) gets the unchanged parameters, so every enqueued copy
+// still carries valid data. The pipeline knows nothing of Adam: it drives a chunk_updater
+// (begin_step / update_range / finish_step), which decides checks, clipping and skips.
 #include "hostopt/offload_pipeline.hpp"
 #include "steady_clock.hpp"
 
@@ -18,6 +26,8 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <deque>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <stdexcept>
@@ -55,6 +65,67 @@ const char* stage_name(pipeline_stage s) {
   return "?";
 }
 
+// --- device events, pooled per operation ----------------------------------------------
+
+// One operation's events: per chunk, copy start and end in each direction (the CPU waits on
+// the ends; the timeline reads all four), and the two the handle hands out.
+struct op_events {
+  std::vector<device_event> in_start, in_end, out_start, out_end;
+  device_event consumed, ready;
+};
+
+// Event sets are made once and reused: a set goes back to the pool when its operation is
+// done and the last handle of it is gone (a trainer may still wait on its events).
+class event_pool : public std::enable_shared_from_this<event_pool> {
+public:
+  event_pool(copy_engine& e, std::size_t chunks) : engine_(e), chunks_(chunks) {}
+  ~event_pool() {
+    for (auto& set : free_) destroy(*set);
+  }
+  std::shared_ptr<op_events> acquire() {
+    std::unique_ptr<op_events> set;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!free_.empty()) {
+        set = std::move(free_.back());
+        free_.pop_back();
+      }
+    }
+    if (!set) set = make();
+    auto self = shared_from_this();
+    return std::shared_ptr<op_events>(set.release(), [self](op_events* p) {
+      std::lock_guard<std::mutex> lock(self->mu_);
+      self->free_.emplace_back(p);
+    });
+  }
+
+private:
+  std::unique_ptr<op_events> make() {
+    auto set = std::make_unique<op_events>();
+    try {
+      for (auto* v : {&set->in_start, &set->in_end, &set->out_start, &set->out_end})
+        for (std::size_t k = 0; k < chunks_; ++k) v->push_back(engine_.create_event());
+      set->consumed = engine_.create_event();
+      set->ready = engine_.create_event();
+    } catch (...) {
+      destroy(*set);
+      throw;
+    }
+    return set;
+  }
+  void destroy(op_events& set) noexcept {
+    for (auto* v : {&set.in_start, &set.in_end, &set.out_start, &set.out_end})
+      for (auto e : *v) engine_.destroy_event(e);
+    if (set.consumed) engine_.destroy_event(set.consumed);
+    if (set.ready) engine_.destroy_event(set.ready);
+  }
+
+  copy_engine& engine_;
+  std::size_t chunks_;
+  std::mutex mu_;
+  std::vector<std::unique_ptr<op_events>> free_;
+};
+
 // --- the handle --------------------------------------------------------------------------
 
 struct pipeline_handle::state {
@@ -63,7 +134,8 @@ struct pipeline_handle::state {
   bool finished = false;
   step_result result{};
   std::exception_ptr error;
-  void* event = nullptr;
+  std::shared_ptr<op_events> events;
+  bool writes_params = false;
 
   void finish(step_result r, std::exception_ptr e) {
     {
@@ -90,42 +162,46 @@ bool pipeline_handle::done() const {
   return state_->finished;
 }
 
-void* pipeline_handle::device_event() const {
-  if (!state_) return nullptr;
-  std::lock_guard<std::mutex> lock(state_->mu);
-  return state_->event;
+device_event pipeline_handle::grads_consumed() const { return state_ ? state_->events->consumed : device_event{}; }
+
+device_event pipeline_handle::params_ready() const {
+  return state_ && state_->writes_params ? state_->events->ready : device_event{};
 }
 
 // --- the pipeline ------------------------------------------------------------------------
 
 struct offload_pipeline::impl {
+  static constexpr std::size_t max_queued = 16;
   enum class op_kind { step, accumulate };
   struct operation {
     op_kind kind;
     const void* grads;
     void* params;
     step_options checks;
-    void* ready_event;
+    std::uint64_t first_chunk; // g of chunk 0
+    std::int64_t issued_ns;
     std::shared_ptr<pipeline_handle::state> handle;
   };
 
   chunk_updater& opt;
   copy_engine& engine;
   pipeline_options options;
-  std::size_t arena = 0, chunk = 0, chunks = 0, gsz = 0, psz = 0;
+  std::size_t arena = 0, chunk = 0, chunks = 0, gsz = 0, psz = 0, depth = 0;
   std::vector<pinned_buffer> grad_bufs, param_bufs;
   std::vector<float> accumulator; // arena floats, made on the first accumulate
-  int micro_batches = 0;
+  int micro_batches = 0;          // pipeline thread only (read by callers when idle)
 
-  // Ring bookkeeping, sized once.
-  std::vector<copy_ticket> in_tickets, out_tickets;
-  std::vector<std::size_t> out_chunk; // which chunk each parameter buffer last held
-  std::vector<std::int64_t> in_issued, out_issued; // when each slot's copy was issued
+  device_stream in_stream, out_stream;
+  device_event order_event, push_event; // private: a caller's stream turned into a wait; push_params
+  device_flag released;
+  std::shared_ptr<event_pool> pool;
 
   mutable std::mutex mu;
-  std::condition_variable cv;
-  std::optional<operation> pending;
-  bool busy = false, stop = false;
+  mutable std::condition_variable cv;
+  std::deque<operation> queue; // front: the one running
+  std::uint64_t next_chunk = 0;
+  bool stop = false;
+  std::string device_failure; // sticky: the engine failed
   pipeline_timeline current, last;
   std::thread worker;
 
@@ -137,51 +213,129 @@ struct offload_pipeline::impl {
     dtype_size(options.grad_type); // throws for a value outside the enum
     dtype_size(options.param_type);
     arena = opt.arena_size();
+    depth = std::size_t(options.depth);
     // A chunk larger than the arena is the arena (rounded up to 16): no overflow near SIZE_MAX.
     chunk = (std::min(options.chunk_elems, std::max<std::size_t>(arena, 1)) + 15) / 16 * 16;
     chunks = (arena + chunk - 1) / chunk;
     gsz = dtype_size(options.grad_type);
     psz = dtype_size(options.param_type);
     const std::size_t buf_elems = std::min(chunk, std::max<std::size_t>(arena, 1));
-    for (int i = 0; i < options.depth; ++i) {
+    for (std::size_t i = 0; i < depth; ++i) {
       grad_bufs.emplace_back(engine, buf_elems * gsz);
       param_bufs.emplace_back(engine, buf_elems * psz);
     }
-    in_tickets.resize(std::size_t(options.depth));
-    out_tickets.resize(std::size_t(options.depth));
-    out_chunk.resize(std::size_t(options.depth));
-    in_issued.resize(std::size_t(options.depth));
-    out_issued.resize(std::size_t(options.depth));
     current.spans.reserve(3 * chunks + 8);
     last.spans.reserve(3 * chunks + 8);
+    try {
+      in_stream = engine.create_stream();
+      out_stream = engine.create_stream();
+      order_event = engine.create_event();
+      push_event = engine.create_event();
+      released = engine.allocate_flag();
+      pool = std::make_shared<event_pool>(engine, chunks);
+      pool->acquire(); // the first set, made now rather than on the first step
+    } catch (...) {
+      release_device_objects();
+      throw;
+    }
     worker = std::thread([this] { run(); });
+  }
+
+  void release_device_objects() noexcept {
+    if (in_stream) engine.destroy_stream(in_stream);
+    if (out_stream) engine.destroy_stream(out_stream);
+    if (order_event) engine.destroy_event(order_event);
+    if (push_event) engine.destroy_event(push_event);
+    if (released) engine.free_flag(released);
   }
 
   ~impl() {
     {
       std::unique_lock<std::mutex> lock(mu);
-      cv.wait(lock, [&] { return !busy; }); // drain the operation in flight
+      cv.wait(lock, [&] { return queue.empty(); }); // drain the operations in flight
       stop = true;
     }
     cv.notify_all();
     worker.join();
+    release_device_objects();
   }
 
-  pipeline_handle submit(operation op) {
+  void refuse_if_unusable() const { // with mu held
+    if (!device_failure.empty()) throw std::logic_error("offload_pipeline is not usable: " + device_failure);
+    if (!opt.usable()) throw std::logic_error("offload_pipeline is not usable: " + opt.failure_reason());
+  }
+
+  // The order's waits, enqueued first: a bad handle is refused before any work is queued.
+  void enqueue_order(const device_order& order, bool params) {
+    const auto wait_on = [&](device_stream copy_stream, device_event ev, device_stream after) {
+      if (ev) {
+        engine.stream_wait_event(copy_stream, ev);
+      } else {
+        engine.record_event(order_event, after);
+        engine.stream_wait_event(copy_stream, order_event);
+      }
+    };
+    wait_on(in_stream, order.grads_ready, order.grads_stream);
+    if (!params) return;
+    if (order.params_free || order.params_stream) wait_on(out_stream, order.params_free, order.params_stream);
+    else wait_on(out_stream, order.grads_ready, order.grads_stream);
+  }
+
+  pipeline_handle submit(operation op, const device_order& order) {
+    if (!order.grads_ready && !order.grads_stream)
+      throw std::invalid_argument("device_order: no gradient dependency: pass grads_ready (an event recorded after "
+                                  "the work that wrote the gradients) or grads_stream (the stream that wrote them)");
     std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [&] { return !busy; }); // documented: one operation at a time
+    cv.wait(lock, [&] { return queue.size() < max_queued; }); // documented: a fifth call waits
     refuse_if_unusable();
+    if (const std::string e = engine.sticky_error(); !e.empty()) {
+      device_failure = "device error: " + e;
+      refuse_if_unusable();
+    }
     op.handle = std::make_shared<pipeline_handle::state>();
-    pending = op;
-    busy = true;
+    op.handle->events = pool->acquire();
+    op.handle->writes_params = op.kind == op_kind::step;
+    op.first_chunk = next_chunk;
+    op.issued_ns = now_ns();
+    enqueue_order(order, op.kind == op_kind::step); // may throw: nothing else is queued yet
+    try {
+      enqueue_device_work(op);
+    } catch (const std::exception& e) { // only a device failure gets here: the device is lost
+      device_failure = std::string("device error while enqueueing: ") + e.what();
+      throw std::runtime_error("offload_pipeline: " + device_failure +
+                               "; nothing was updated: the optimizer state is unchanged");
+    }
+    next_chunk += chunks;
+    queue.push_back(op);
     cv.notify_all();
     return pipeline_handle(op.handle);
   }
 
-  // A failed step poisons the optimizer (optimizer::abort_step): the pipeline refuses
-  // to run on it until it is restored.
-  void refuse_if_unusable() const {
-    if (!opt.usable()) throw std::logic_error("offload_pipeline is not usable: " + opt.failure_reason());
+  std::pair<std::size_t, std::size_t> range(std::size_t k) const { return {k * chunk, std::min(arena, (k + 1) * chunk)}; }
+
+  void enqueue_device_work(const operation& op) {
+    const op_events& ev = *op.handle->events;
+    for (std::size_t k = 0; k < chunks; ++k) {
+      const std::uint64_t g = op.first_chunk + k;
+      const auto [lo, hi] = range(k);
+      if (g >= depth) engine.stream_wait_flag(in_stream, released, std::uint32_t(g - depth + 1));
+      engine.record_event(ev.in_start[k], in_stream);
+      engine.copy_async(in_stream, copy_direction::to_host, grad_bufs[g % depth].data(),
+                        static_cast<const char*>(op.grads) + lo * gsz, (hi - lo) * gsz);
+      engine.record_event(ev.in_end[k], in_stream);
+    }
+    engine.record_event(ev.consumed, in_stream);
+    if (op.kind != op_kind::step) return;
+    for (std::size_t k = 0; k < chunks; ++k) {
+      const std::uint64_t g = op.first_chunk + k;
+      const auto [lo, hi] = range(k);
+      engine.stream_wait_flag(out_stream, released, std::uint32_t(g + 1));
+      engine.record_event(ev.out_start[k], out_stream);
+      engine.copy_async(out_stream, copy_direction::to_device, static_cast<char*>(op.params) + lo * psz,
+                        param_bufs[g % depth].data(), (hi - lo) * psz);
+      engine.record_event(ev.out_end[k], out_stream);
+    }
+    engine.record_event(ev.ready, out_stream);
   }
 
   void run() {
@@ -189,60 +343,34 @@ struct offload_pipeline::impl {
       operation op;
       {
         std::unique_lock<std::mutex> lock(mu);
-        cv.wait(lock, [&] { return stop || pending.has_value(); });
-        if (!pending) return;
-        op = *pending;
-        pending.reset();
+        cv.wait(lock, [&] { return stop || !queue.empty(); });
+        if (queue.empty()) return;
+        op = queue.front();
       }
       const outcome out = execute(op);
       {
         std::lock_guard<std::mutex> lock(mu);
         std::swap(last, current); // published before the handle finishes
+        if (const std::string e = engine.sticky_error(); !e.empty() && device_failure.empty())
+          device_failure = "device error: " + e;
       }
       op.handle->finish(out.result, out.error);
       {
         std::lock_guard<std::mutex> lock(mu);
-        busy = false; // after: an operation submitted next finds the previous handle done
+        queue.pop_front(); // after: a call made next finds the previous handle done
       }
       cv.notify_all();
     }
   }
 
-  std::pair<std::size_t, std::size_t> range(std::size_t k) const { return {k * chunk, std::min(arena, (k + 1) * chunk)}; }
-
   void record(std::size_t k, pipeline_stage s, std::int64_t a, std::int64_t b, std::int64_t issued) {
     if (current.spans.size() < current.spans.capacity()) current.spans.push_back({k, s, a, b, issued});
   }
 
-  void issue_copy_in(const operation& op, std::size_t k) {
-    const auto [lo, hi] = range(k);
-    const std::size_t slot = k % std::size_t(options.depth);
-    in_issued[slot] = now_ns();
-    in_tickets[slot] = engine.copy_async(copy_direction::to_host, grad_bufs[slot].data(),
-                                         static_cast<const char*>(op.grads) + lo * gsz, (hi - lo) * gsz);
-  }
-
-  // Fills the gradient ring: copy-in of the first `depth` chunks, after the gradients are ready.
-  void start_copy_in(const operation& op) {
-    if (op.ready_event) engine.wait_device_event(copy_direction::to_host, op.ready_event);
-    for (std::size_t i = 0; i < std::min(std::size_t(options.depth), chunks); ++i) issue_copy_in(op, i);
-  }
-
-  void wait_copy(const copy_ticket& t, std::size_t k, pipeline_stage s, std::int64_t issued) {
-    engine.wait(t);
-    const copy_timing tm = engine.timing(t);
-    record(k, s, tm.start_ns, tm.end_ns, issued);
-  }
-
-  // Waits for every copy still in flight, ignoring their errors (after a failure, before
-  // the buffers can be reused).
-  void drain() noexcept {
-    for (const auto* tickets : {&in_tickets, &out_tickets})
-      for (const auto& t : *tickets)
-        if (t.sequence) try {
-            engine.wait(t);
-          } catch (...) {
-          }
+  // Waits for a copy's end event and records its span from the engine's clock.
+  void wait_copy(const operation& op, device_event start, device_event end, std::size_t k, pipeline_stage s) {
+    engine.synchronize_event(end);
+    record(k, s, engine.event_time_ns(start), engine.event_time_ns(end), op.issued_ns);
   }
 
   struct outcome {
@@ -252,9 +380,7 @@ struct offload_pipeline::impl {
 
   outcome execute(const operation& op) {
     current.spans.clear();
-    current.start_ns = now_ns();
-    std::fill(in_tickets.begin(), in_tickets.end(), copy_ticket{});
-    std::fill(out_tickets.begin(), out_tickets.end(), copy_ticket{});
+    current.start_ns = op.issued_ns;
     const outcome out = op.kind == op_kind::step ? execute_step(op) : execute_accumulate(op);
     current.end_ns = now_ns();
     return out;
@@ -262,110 +388,135 @@ struct offload_pipeline::impl {
 
   static outcome failed(const std::string& msg) { return {{}, std::make_exception_ptr(std::runtime_error(msg))}; }
 
+  // Chunk k's turn on the CPU: its gradients are in, its parameter buffer is free; `fill`
+  // writes the parameter buffer, then the flag lets both streams go on.
+  template <class Fill>
+  void process_chunk(const operation& op, std::size_t k, Fill&& fill) {
+    const op_events& ev = *op.handle->events;
+    const std::uint64_t g = op.first_chunk + k;
+    wait_copy(op, ev.in_start[k], ev.in_end[k], k, pipeline_stage::copy_in);
+    if (op.kind == op_kind::step && k >= depth)
+      wait_copy(op, ev.out_start[k - depth], ev.out_end[k - depth], k - depth, pipeline_stage::copy_out);
+    fill(k, g % depth);
+    engine.write_flag(released, std::uint32_t(g + 1));
+  }
+
+  // After a skip or a failure: the remaining chunks [from, chunks) get the unchanged
+  // parameters (so the device buffer holds the optimizer's parameters, never a stale
+  // buffer) and are released. Stops at a device error: the device is lost anyway.
+  void release_rest(const operation& op, std::size_t from) noexcept {
+    try {
+      for (std::size_t k = from; k < chunks; ++k)
+        process_chunk(op, k, [&](std::size_t c, std::size_t slot) {
+          if (op.kind != op_kind::step) return;
+          const auto [lo, hi] = range(c);
+          try {
+            opt.read_params(lo, hi, param_bufs[slot].data(), options.param_type);
+          } catch (...) { // a poisoned optimizer: the message tells the caller to push_params
+          }
+        });
+    } catch (...) {
+    }
+    finish_copies(op, nullptr);
+  }
+
+  // Waits for the last parameter copies (their buffers are reused by the next operation).
+  void finish_copies(const operation& op, std::optional<std::string>* error) noexcept {
+    if (op.kind != op_kind::step) return;
+    const op_events& ev = *op.handle->events;
+    for (std::size_t i = 0; i < std::min(depth, chunks); ++i) {
+      const std::size_t c = chunks - 1 - i;
+      try {
+        wait_copy(op, ev.out_start[c], ev.out_end[c], c, pipeline_stage::copy_out);
+      } catch (const std::exception& e) {
+        if (error && !*error) *error = "chunk " + std::to_string(c) + ": " + e.what();
+        return;
+      }
+    }
+  }
+
   outcome execute_step(const operation& op) {
-    const auto depth = std::size_t(options.depth);
     const bool use_acc = micro_batches > 0;
     std::size_t updated = 0, k = 0;
     pipeline_stage stage = pipeline_stage::copy_in;
-    std::optional<std::string> copy_out_error;
     std::int64_t before = 0;
+    bool begun_step = false;
     try {
       before = opt.step_count();
       const step_result begun = opt.begin_step({options.grad_type, true, options.param_type, use_acc, op.checks});
-      if (!begun.applied) { // skipped by the checks before anything moved
+      if (!begun.applied) { // skipped by the checks: the device still gets (unchanged) parameters
         micro_batches = 0;  // a skipped step drops its accumulated micro-batches too
+        release_rest(op, 0);
+        if (const std::string e = engine.sticky_error(); !e.empty()) return failed("offload step: device error: " + e);
         return {begun, nullptr};
       }
-      start_copy_in(op);
+      begun_step = true;
       for (k = 0; k < chunks; ++k) {
-        const std::size_t slot = k % depth;
-        const auto [lo, hi] = range(k);
         stage = pipeline_stage::copy_in;
-        wait_copy(in_tickets[slot], k, stage, in_issued[slot]);
-        if (out_tickets[slot].sequence) { // the parameter buffer's previous chunk
-          try {
-            wait_copy(out_tickets[slot], out_chunk[slot], pipeline_stage::copy_out, out_issued[slot]);
-          } catch (const std::exception& e) {
-            if (!copy_out_error) copy_out_error = "chunk " + std::to_string(out_chunk[slot]) + ": " + e.what();
-          }
-        }
-        stage = pipeline_stage::update;
-        if (options.before_update) options.before_update(k);
-        const std::int64_t t0 = now_ns();
-        opt.update_range(lo, hi, grad_bufs[slot].data(), param_bufs[slot].data(),
-                         use_acc ? accumulator.data() + lo : nullptr);
-        record(k, stage, t0, now_ns(), t0);
-        ++updated;
-        stage = pipeline_stage::copy_out;
-        out_issued[slot] = now_ns();
-        out_tickets[slot] = engine.copy_async(copy_direction::to_device, static_cast<char*>(op.params) + lo * psz,
-                                              param_bufs[slot].data(), (hi - lo) * psz);
-        out_chunk[slot] = k;
-        if (k + depth < chunks) {
-          stage = pipeline_stage::copy_in;
-          issue_copy_in(op, k + depth);
-        }
+        process_chunk(op, k, [&](std::size_t c, std::size_t slot) {
+          const auto [lo, hi] = range(c);
+          stage = pipeline_stage::update;
+          if (options.before_update) options.before_update(c);
+          const std::int64_t t0 = now_ns();
+          opt.update_range(lo, hi, grad_bufs[slot].data(), param_bufs[slot].data(),
+                           use_acc ? accumulator.data() + lo : nullptr);
+          record(c, pipeline_stage::update, t0, now_ns(), t0);
+          ++updated;
+        });
       }
-      if (void* ev = engine.record_device_event(copy_direction::to_device)) {
-        std::lock_guard<std::mutex> lock(op.handle->mu);
-        op.handle->event = ev;
-      }
-      for (std::size_t i = 0; i < std::min(depth, chunks); ++i) {
-        const std::size_t c = chunks - 1 - i;
-        try {
-          wait_copy(out_tickets[c % depth], c, pipeline_stage::copy_out, out_issued[c % depth]);
-        } catch (const std::exception& e) {
-          if (!copy_out_error) copy_out_error = "chunk " + std::to_string(c) + ": " + e.what();
-        }
-      }
+      stage = pipeline_stage::copy_out;
+      std::optional<std::string> copy_out_error;
+      finish_copies(op, &copy_out_error);
+      if (copy_out_error) throw std::runtime_error(*copy_out_error);
     } catch (const std::exception& e) {
-      drain();
+      const std::string device = engine.sticky_error();
       std::string msg = "offload step failed at chunk " + std::to_string(k) + " of " + std::to_string(chunks) +
                         " (stage " + stage_name(stage) + "): " + e.what();
-      if (updated == 0) {
+      if (!begun_step) {
+        msg += "; the optimizer state is unchanged";
+      } else if (updated == 0) {
         msg += "; no chunk was updated: the optimizer state is unchanged";
+      } else if (updated == chunks) {
+        msg += "; every chunk was updated: the optimizer state holds step " + std::to_string(before + 1) +
+               " but the device parameters may be stale: call push_params()";
       } else {
         msg += "; chunks [0, " + std::to_string(updated) + ") hold step " + std::to_string(before + 1) +
                " and the rest step " + std::to_string(before) +
-               ": the pipeline and the optimizer are not usable until the state is restored (load a checkpoint)";
+               ": the pipeline and the optimizer are not usable until the state is restored (load a checkpoint, "
+               "then push_params())";
       }
-      opt.abort_step(msg); // poisons the optimizer when chunks were updated
+      if (begun_step && updated == chunks && device.empty()) {
+        micro_batches = 0;
+        return {opt.finish_step(), std::make_exception_ptr(std::runtime_error(msg))};
+      }
+      if (begun_step) opt.abort_step(msg); // poisons the optimizer when chunks were updated
+      if (device.empty()) release_rest(op, std::min(k, chunks));
+      micro_batches = 0;
       return failed(msg);
     }
     const step_result r = opt.finish_step();
     micro_batches = 0;
-    if (copy_out_error)
-      return {r, std::make_exception_ptr(std::runtime_error(
-                     "offload step " + std::to_string(r.step) + ": copying parameters to the device failed (" +
-                     *copy_out_error + "); the optimizer state holds the new step, but device parameters "
-                     "may be stale: call push_params()"))};
     return {r, nullptr};
   }
 
   outcome execute_accumulate(const operation& op) {
-    const auto depth = std::size_t(options.depth);
     std::size_t k = 0;
     pipeline_stage stage = pipeline_stage::copy_in;
     try {
       if (accumulator.size() != arena) accumulator.assign(arena, 0.0f); // once, on first use
-      start_copy_in(op);
       for (k = 0; k < chunks; ++k) {
-        const std::size_t slot = k % depth;
-        const auto [lo, hi] = range(k);
         stage = pipeline_stage::copy_in;
-        wait_copy(in_tickets[slot], k, stage, in_issued[slot]);
-        stage = pipeline_stage::accumulate;
-        const std::int64_t t0 = now_ns();
-        opt.accumulate_range(lo, hi, accumulator.data() + lo, grad_bufs[slot].data(), options.grad_type,
-                             micro_batches == 0);
-        record(k, stage, t0, now_ns(), t0);
-        if (k + depth < chunks) {
-          stage = pipeline_stage::copy_in;
-          issue_copy_in(op, k + depth);
-        }
+        process_chunk(op, k, [&](std::size_t c, std::size_t slot) {
+          const auto [lo, hi] = range(c);
+          stage = pipeline_stage::accumulate;
+          const std::int64_t t0 = now_ns();
+          opt.accumulate_range(lo, hi, accumulator.data() + lo, grad_bufs[slot].data(), options.grad_type,
+                               micro_batches == 0);
+          record(c, pipeline_stage::accumulate, t0, now_ns(), t0);
+        });
       }
     } catch (const std::exception& e) {
-      drain();
+      if (engine.sticky_error().empty()) release_rest(op, std::min(k, chunks)); // chunk k was not released
       const int lost = micro_batches;
       micro_batches = 0;
       return failed("offload accumulation failed at chunk " + std::to_string(k) + " (stage " + stage_name(stage) +
@@ -384,35 +535,36 @@ offload_pipeline::offload_pipeline(chunk_updater& updater, copy_engine& engine, 
 
 offload_pipeline::~offload_pipeline() = default;
 
-pipeline_handle offload_pipeline::step_async(const_view device_grads, mut_view device_params, float grad_scale,
-                                             void* grads_ready_event) {
+pipeline_handle offload_pipeline::step_async(const_view device_grads, mut_view device_params,
+                                             const device_order& order, float grad_scale) {
   step_options unchecked;
   unchecked.grad_scale = grad_scale;
   unchecked.skip_nonfinite = false;
-  return step_async(device_grads, device_params, unchecked, grads_ready_event);
+  return step_async(device_grads, device_params, order, unchecked);
 }
 
 pipeline_handle offload_pipeline::step_async(const_view device_grads, mut_view device_params,
-                                             const step_options& options, void* grads_ready_event) {
+                                             const device_order& order, const step_options& options) {
   impl& s = *impl_;
   check_device_view("device_grads", device_grads.data, device_grads.size, device_grads.type, s.arena,
                     s.options.grad_type);
   check_device_view("device_params", device_params.data, device_params.size, device_params.type, s.arena,
                     s.options.param_type);
-  // Bad options are refused here, on the caller's thread, before anything moves.
+  // Bad options are refused here, on the caller's thread, before anything is enqueued.
   s.opt.check_options({s.options.grad_type, true, s.options.param_type, false, options});
-  return s.submit({impl::op_kind::step, device_grads.data, device_params.data, options, grads_ready_event, nullptr});
+  return s.submit({impl::op_kind::step, device_grads.data, device_params.data, options, 0, 0, nullptr}, order);
 }
 
-pipeline_handle offload_pipeline::accumulate_async(const_view device_grads, void* grads_ready_event) {
+pipeline_handle offload_pipeline::accumulate_async(const_view device_grads, const device_order& order) {
   impl& s = *impl_;
   check_device_view("device_grads", device_grads.data, device_grads.size, device_grads.type, s.arena,
                     s.options.grad_type);
-  return s.submit({impl::op_kind::accumulate, device_grads.data, nullptr, step_options{}, grads_ready_event, nullptr});
+  return s.submit({impl::op_kind::accumulate, device_grads.data, nullptr, step_options{}, 0, 0, nullptr}, order);
 }
 
-step_result offload_pipeline::step(const_view device_grads, mut_view device_params, float grad_scale) {
-  return step_async(device_grads, device_params, grad_scale).wait();
+step_result offload_pipeline::step(const_view device_grads, mut_view device_params, const device_order& order,
+                                   float grad_scale) {
+  return step_async(device_grads, device_params, order, grad_scale).wait();
 }
 
 void offload_pipeline::push_params(mut_view device_params) {
@@ -420,26 +572,43 @@ void offload_pipeline::push_params(mut_view device_params) {
   check_device_view("device_params", device_params.data, device_params.size, device_params.type, s.arena,
                     s.options.param_type);
   std::unique_lock<std::mutex> lock(s.mu);
-  s.cv.wait(lock, [&] { return !s.busy; });
+  s.cv.wait(lock, [&] { return s.queue.empty(); });
   s.refuse_if_unusable();
-  for (std::size_t k = 0; k < s.chunks; ++k) {
-    const auto [lo, hi] = s.range(k);
-    void* buf = s.param_bufs[0].data();
-    s.opt.read_params(lo, hi, buf, s.options.param_type);
-    s.engine.wait(s.engine.copy_async(copy_direction::to_device, static_cast<char*>(device_params.data) + lo * s.psz,
-                                      buf, (hi - lo) * s.psz));
+  try {
+    for (std::size_t k = 0; k < s.chunks; ++k) {
+      const auto [lo, hi] = s.range(k);
+      void* buf = s.param_bufs[0].data();
+      s.opt.read_params(lo, hi, buf, s.options.param_type);
+      s.engine.copy_async(s.out_stream, copy_direction::to_device, static_cast<char*>(device_params.data) + lo * s.psz,
+                          buf, (hi - lo) * s.psz);
+      s.engine.record_event(s.push_event, s.out_stream);
+      s.engine.synchronize_event(s.push_event); // the buffer is reused by the next chunk
+    }
+  } catch (...) {
+    if (const std::string e = s.engine.sticky_error(); !e.empty()) s.device_failure = "device error: " + e;
+    throw;
   }
 }
 
+device_stream offload_pipeline::copy_in_stream() const { return impl_->in_stream; }
+
+device_stream offload_pipeline::copy_out_stream() const { return impl_->out_stream; }
+
 int offload_pipeline::accumulated_micro_batches() const {
   std::unique_lock<std::mutex> lock(impl_->mu);
-  impl_->cv.wait(lock, [&] { return !impl_->busy; });
+  impl_->cv.wait(lock, [&] { return impl_->queue.empty(); });
   return impl_->micro_batches;
 }
 
-bool offload_pipeline::usable() const { return impl_->opt.usable(); }
+bool offload_pipeline::usable() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->device_failure.empty() && impl_->opt.usable();
+}
 
-std::string offload_pipeline::failure_reason() const { return impl_->opt.failure_reason(); }
+std::string offload_pipeline::failure_reason() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->device_failure.empty() ? impl_->opt.failure_reason() : impl_->device_failure;
+}
 
 std::size_t offload_pipeline::num_chunks() const { return impl_->chunks; }
 

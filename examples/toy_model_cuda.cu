@@ -1,0 +1,144 @@
+// The toy model as CUDA kernels, for the CUDA engine. Micro-batch `mb` of the toy loss
+//   L_mb(w) = 1/n * sum_i 0.5 * d_i^2,   d_i = (w_i - target_i) + 0.01 * ((mb mod 3) - 1),
+//   target_i = sinf(0.001 * i),  dL/dw_i written as g_i = d_i,
+// with w the bf16 parameters. The gradients are bit-identical to toy_model_host.cpp's: the
+// targets are computed once on the host (the host's sinf, not the device's) and uploaded,
+// the offset is computed on the host, and d_i is two correctly rounded float operations
+// (__fsub_rn/__fadd_rn, which the compiler may not fuse). The loss is only printed: each
+// block sums in double and adds its sum with atomicAdd, so its last bits vary run to run.
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include <cuda_runtime.h>
+
+#include "toy_model.hpp"
+
+namespace example {
+
+namespace {
+
+constexpr int block_size = 256;
+
+__global__ void forward_backward_kernel(const std::uint16_t* __restrict__ w, const float* __restrict__ target,
+                                        float* __restrict__ g, std::size_t n, float offset,
+                                        double* loss_sum) {
+  __shared__ double partial[block_size];
+  double local = 0.0;
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
+       i += std::size_t(gridDim.x) * blockDim.x) {
+    const float wi = __uint_as_float(std::uint32_t(w[i]) << 16); // bf16 -> f32 is exact
+    const float d = __fadd_rn(__fsub_rn(wi, target[i]), offset);
+    g[i] = d;
+    local += 0.5 * double(d) * double(d);
+  }
+  partial[threadIdx.x] = local;
+  __syncthreads();
+  for (int stride = block_size / 2; stride > 0; stride /= 2) {
+    if (int(threadIdx.x) < stride) partial[threadIdx.x] += partial[threadIdx.x + stride];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) atomicAdd(loss_sum, partial[0]);
+}
+
+void check(cudaError_t rc, const char* what) {
+  if (rc != cudaSuccess)
+    throw std::runtime_error(std::string("toy model (cuda): ") + what + " failed: " + cudaGetErrorName(rc) +
+                             ": " + cudaGetErrorString(rc));
+}
+
+/// The engine's device current for a launch, the caller's back afterwards (as the engine does).
+class device_scope {
+public:
+  explicit device_scope(int device) {
+    check(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) {
+      check(cudaSetDevice(device), "cudaSetDevice");
+      restore_ = true;
+    }
+  }
+  ~device_scope() {
+    if (restore_) cudaSetDevice(previous_);
+  }
+  device_scope(const device_scope&) = delete;
+  device_scope& operator=(const device_scope&) = delete;
+
+private:
+  int previous_ = 0;
+  bool restore_ = false;
+};
+
+class cuda_toy_model final : public toy_model {
+public:
+  cuda_toy_model(hostopt::copy_engine& engine, std::size_t n)
+      : engine_(engine), n_(n), host_loss_(engine, sizeof(double)) {
+    if (n == 0) throw std::invalid_argument("toy model (cuda): n must be > 0");
+    target_ = static_cast<float*>(engine.allocate_device(n * sizeof(float)));
+    loss_sum_ = static_cast<double*>(engine.allocate_device(sizeof(double)));
+    // The device the engine allocates on is the one its streams and our launches use.
+    cudaPointerAttributes attr{};
+    check(cudaPointerGetAttributes(&attr, target_), "cudaPointerGetAttributes");
+    device_ = attr.device;
+    int sms = 0;
+    check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_), "cudaDeviceGetAttribute");
+    max_blocks_ = std::max(1, sms) * 8;
+    // Targets from the host's sinf, so the host model and this one agree bit for bit.
+    hostopt::pinned_buffer staging(engine, n * sizeof(float));
+    auto* t = static_cast<float*>(staging.data());
+    for (std::size_t i = 0; i < n; ++i) t[i] = std::sin(0.001f * float(i));
+    const hostopt::device_stream s = engine.create_stream();
+    engine.copy_async(s, hostopt::copy_direction::to_device, target_, t, n * sizeof(float));
+    reset_loss(s);
+    engine.synchronize_stream(s);
+    engine.destroy_stream(s);
+  }
+
+  ~cuda_toy_model() override {
+    engine_.free_device(target_);
+    engine_.free_device(loss_sum_);
+  }
+
+  void forward_backward(hostopt::device_stream s, const std::uint16_t* params, float* grads,
+                        int mb) override {
+    const float offset = 0.01f * float(mb % 3 - 1);
+    const auto blocks =
+        unsigned(std::min<std::size_t>((n_ + block_size - 1) / block_size, std::size_t(max_blocks_)));
+    device_scope scope(device_);
+    forward_backward_kernel<<<blocks, block_size, 0, static_cast<cudaStream_t>(s.handle)>>>(
+        params, target_, grads, n_, offset, loss_sum_);
+    check(cudaGetLastError(), "launching forward_backward_kernel");
+  }
+
+  void reset_loss(hostopt::device_stream s) override {
+    device_scope scope(device_);
+    check(cudaMemsetAsync(loss_sum_, 0, sizeof(double), static_cast<cudaStream_t>(s.handle)),
+          "cudaMemsetAsync");
+  }
+
+  double read_loss(hostopt::device_stream s) override {
+    engine_.copy_async(s, hostopt::copy_direction::to_host, host_loss_.data(), loss_sum_, sizeof(double));
+    engine_.synchronize_stream(s);
+    return *static_cast<const double*>(host_loss_.data()) / double(n_);
+  }
+
+private:
+  hostopt::copy_engine& engine_;
+  std::size_t n_;
+  hostopt::pinned_buffer host_loss_;
+  float* target_ = nullptr;
+  double* loss_sum_ = nullptr;
+  int device_ = 0;
+  int max_blocks_ = 1;
+};
+
+} // namespace
+
+std::unique_ptr<toy_model> make_cuda_toy_model(hostopt::copy_engine& engine, std::size_t n) {
+  if (engine.name() != "cuda")
+    throw std::invalid_argument("make_cuda_toy_model: needs the cuda engine, got '" +
+                                std::string(engine.name()) + "'");
+  return std::make_unique<cuda_toy_model>(engine, n);
+}
+
+} // namespace example

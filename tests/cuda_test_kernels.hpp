@@ -1,0 +1,29 @@
+#pragma once
+// Device work for test_cuda (cuda_test_kernels.cu, built when a CUDA compiler is found):
+// a kernel that takes a given time, a "backward" that writes known gradients late, and a
+// kernel that faults. Streams are cudaStream_t passed as void*, as device_stream holds them.
+#include <cstddef>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define HOSTOPT_TEST_HOST_DEVICE __host__ __device__
+#else
+#define HOSTOPT_TEST_HOST_DEVICE
+#endif
+
+namespace hostopt_test {
+
+/// Gradient i of test step `seed`: integers scaled once, so host and device agree exactly.
+HOSTOPT_TEST_HOST_DEVICE inline float test_gradient(std::size_t i, int seed) {
+  const std::uint32_t h = std::uint32_t(i) * 2654435761u + std::uint32_t(seed) * 40503u;
+  return float(int(h % 2001u) - 1000) * 1e-3f;
+}
+
+/// Enqueues one thread that spins for `ns` nanoseconds of the device's global timer.
+void launch_spin(void* stream, std::uint64_t ns);
+/// Enqueues a spin of `delay_ns`, then g[i] = test_gradient(i, seed) for i < n.
+void launch_late_gradients(void* stream, float* g, std::size_t n, int seed, std::uint64_t delay_ns);
+/// Enqueues a store to an unmapped address: cudaErrorIllegalAddress, sticky for the process.
+void launch_fault(void* stream);
+
+} // namespace hostopt_test
