@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
 # Installs the Debian packages hostopt needs that are missing (sourced by .ci/bench,
-# .ci/test and .ci/run). Needs root, or sudo. Safe to run again: it installs nothing
+# .ci/test, .ci/run and .ci/gpu). Needs root, or sudo. Safe to run again: it installs nothing
 # when everything is there.
 set -euo pipefail
 
-HOSTOPT_DEBIAN_PACKAGES=(
+# What building the C++ library, tests, examples and benchmarks needs (.ci/gpu installs
+# only these).
+HOSTOPT_BUILD_PACKAGES=(
   # build
   g++ cmake ninja-build pkg-config
   # C++ libraries (header-only or shared; never vendored)
   libxsimd-dev libtbb-dev catch2 libcli11-dev nlohmann-json3-dev
+)
+
+HOSTOPT_DEBIAN_PACKAGES=(
+  "${HOSTOPT_BUILD_PACKAGES[@]}"
   # Python package and its tests (torch stays Debian's: PyPI's wheels pull CUDA libraries)
   python3-dev python3-venv pybind11-dev python3-numpy python3-pytest python3-torch
   # distributed: the MPI example and its tests
@@ -35,4 +41,7 @@ hostopt_install_packages() {
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 }
 
-hostopt_install_packages "${HOSTOPT_DEBIAN_PACKAGES[@]}"
+# HOSTOPT_DEPS_INSTALL=none: define the lists and the function, install nothing yet.
+if [ "${HOSTOPT_DEPS_INSTALL:-all}" != none ]; then
+  hostopt_install_packages "${HOSTOPT_DEBIAN_PACKAGES[@]}"
+fi
