@@ -93,7 +93,7 @@ adam_config config_from(py::dict d, adam_config base = {}) {
     });
     if (!known)
       throw py::value_error("config: unknown key '" + k +
-                            "', expected lr, beta1, beta2, eps, eps_root, weight_decay, mode, bias_correction, nesterov");
+                            "', expected lr, beta1, beta2, eps, eps_root, weight_decay, mode, bias_correction, nesterov, maximize");
   }
   return base;
 }
@@ -319,6 +319,10 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("state_bytes", &optimizer::state_bytes)
       .def_property_readonly("num_groups", &optimizer::num_groups)
       .def_property("step_count", &optimizer::step_count, &optimizer::set_step_count)
+      .def_property(
+          "tensor_steps", &optimizer::tensor_steps,
+          [](optimizer& o, const std::vector<std::int64_t>& steps) { o.set_tensor_steps(steps); },
+          "Each tensor's own step count (torch's per-parameter step), in segments() order")
       .def_property_readonly("threads", [](const optimizer& o) { return o.execution().threads; })
       .def("segments", [](const optimizer& o) {
         py::list out;

@@ -105,6 +105,7 @@ json config_json(const adam_config& c) {
     if constexpr (std::is_same_v<std::decay_t<decltype(v)>, adam_mode>) j[name] = mode_name(v);
     else j[name] = v;
   });
+  if (!c.maximize) j.erase("maximize"); // added later: written only when set, so older files stay valid
   return j;
 }
 
@@ -112,6 +113,7 @@ adam_config config_from(const json& j) {
   adam_config c;
   for_each_field(c, [&](const char* name, auto& v) {
     using T = std::decay_t<decltype(v)>;
+    if (std::string_view(name) == "maximize" && !j.contains(name)) return; // absent: false
     const json& x = j.at(name);
     if constexpr (std::is_same_v<T, adam_mode>) v = parse_mode(x.get<std::string>());
     else if constexpr (std::is_same_v<T, bool>) v = x.get<bool>();
@@ -382,6 +384,12 @@ void save_checkpoint(const optimizer& opt, const std::string& path, const checkp
                {"range", range_text(held)},
                {"checksum", checksum_placeholder}};
   if (!pieces.empty()) meta["pieces"] = pieces.dump();
+  if (const auto lags = st.tensor_lags(); !lags.empty()) { // tensors behind the count (torch's per-param steps)
+    json own = json::object();
+    for (std::size_t i = 0; i < segs.size(); ++i)
+      if (lags[i]) own[segs[i].name] = std::to_string(st.step_count() - lags[i]);
+    meta["tensor_steps"] = own.dump();
+  }
   for (const auto& [k, v] : extra) {
     if (meta.contains(k)) throw std::logic_error("checkpoint metadata key '" + k + "' is hostopt's own");
     meta[k] = v;
@@ -435,6 +443,7 @@ struct source_file {
   arena_range range;
   std::vector<adam_config> configs;
   std::int64_t step = 0, skipped = 0;
+  std::vector<std::int64_t> lags; // per layout tensor, behind `step`; empty: none
   struct entry {
     std::size_t tensor;
     int kind;
@@ -457,6 +466,7 @@ struct source_file {
     std::swap(configs, o.configs);
     step = o.step;
     skipped = o.skipped;
+    std::swap(lags, o.lags);
     std::swap(entries, o.entries);
     return *this;
   }
@@ -618,6 +628,27 @@ source_file open_source(const std::string& path, std::span<const segment> segs, 
   }
   src.step = parse_count(path, "step", meta_string("step"));
   src.skipped = parse_count(path, "skipped_steps", meta_string("skipped_steps"));
+  if (meta.contains("tensor_steps")) {
+    json own;
+    try {
+      own = json::parse(meta_string("tensor_steps"));
+    } catch (const std::exception& e) {
+      fail(path, std::string("__metadata__ 'tensor_steps' is not valid JSON: ") + e.what());
+    }
+    if (!own.is_object()) fail(path, "__metadata__ 'tensor_steps' is not an object of tensor names");
+    src.lags.assign(segs.size(), 0);
+    std::size_t found = 0;
+    for (std::size_t i = 0; i < segs.size(); ++i) {
+      if (!own.contains(segs[i].name)) continue;
+      ++found;
+      if (!own[segs[i].name].is_string()) fail(path, "tensor_steps['" + segs[i].name + "'] is not a string");
+      const std::string key = "tensor_steps['" + segs[i].name + "']";
+      const std::int64_t t = parse_count(path, key.c_str(), own[segs[i].name].get<std::string>());
+      if (t > src.step) fail(path, "tensor_steps['" + segs[i].name + "'] = " + std::to_string(t) + " exceeds the step count " + std::to_string(src.step));
+      src.lags[i] = src.step - t;
+    }
+    if (found != own.size()) fail(path, "__metadata__ 'tensor_steps' names a tensor the layout does not have");
+  }
   for (std::size_t g = 0; g < src.configs.size(); ++g) {
     try {
       validate(src.configs[g], "groups[" + std::to_string(g) + "]");
@@ -655,7 +686,7 @@ void verify_checksum(const source_file& s, std::vector<unsigned char>& block) {
 bool same_config(const adam_config& a, const adam_config& b) {
   return a.lr == b.lr && a.beta1 == b.beta1 && a.beta2 == b.beta2 && a.eps == b.eps && a.eps_root == b.eps_root &&
          a.weight_decay == b.weight_decay && a.mode == b.mode && a.bias_correction == b.bias_correction &&
-         a.nesterov == b.nesterov;
+         a.nesterov == b.nesterov && a.maximize == b.maximize;
 }
 
 } // namespace
@@ -671,7 +702,8 @@ void load_checkpoint(optimizer& opt, std::span<const std::string> paths, std::sp
     if (sources.empty()) throw std::invalid_argument("load_checkpoint: no file given");
     const source_file& first = sources.front();
     for (const auto& s : sources) { // one save: the same counts and hyper-parameters everywhere
-      bool same = s.step == first.step && s.skipped == first.skipped && s.configs.size() == first.configs.size();
+      bool same = s.step == first.step && s.skipped == first.skipped && s.configs.size() == first.configs.size() &&
+                  s.lags == first.lags;
       for (std::size_t g = 0; same && g < s.configs.size(); ++g) same = same_config(s.configs[g], first.configs[g]);
       if (!same)
         fail(s.path, "its step, skipped steps or hyper-parameters differ from '" + first.path +
@@ -684,6 +716,9 @@ void load_checkpoint(optimizer& opt, std::span<const std::string> paths, std::sp
       fail(first.path, std::to_string(first.configs.size()) + " parameter groups, the optimizer has " +
                            std::to_string(state.configs().size()));
     const arena_range held = state.range();
+    if (!first.lags.empty() && (held.begin != 0 || held.end != arena_end(layout)))
+      fail(first.path, "its tensors have step counts of their own (tensor_steps: a per-tensor step skipped some), "
+                       "which an optimizer holding a range of the arena (a shard) cannot take");
     // Which part of the held range each file provides: files in range order, each element
     // from the first file that has it; together they must cover the held range.
     std::vector<std::size_t> order(sources.size());
@@ -748,6 +783,7 @@ void load_checkpoint(optimizer& opt, std::span<const std::string> paths, std::sp
       throw;
     }
     state.set_counters(first.configs, first.step, first.skipped);
+    state.set_tensor_lags(first.lags);
     state.clear_failure();
   } catch (const std::bad_alloc&) {
     throw std::runtime_error("checkpoint '" + (paths.empty() ? std::string() : paths[0]) +

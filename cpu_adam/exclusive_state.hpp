@@ -33,8 +33,15 @@ public:
   std::int64_t step_count() const;
   std::int64_t skipped_steps() const;
 
-  /// Replaces hyper-parameters and counters, validated first (std::invalid_argument).
+  /// Per tensor, how many steps it is behind step_count() (its own count is the
+  /// difference); empty when none is behind.
+  std::vector<std::int64_t> tensor_lags() const;
+
+  /// Replaces hyper-parameters and counters, validated first (std::invalid_argument);
+  /// every tensor's own count becomes `step`.
   void set_counters(std::vector<adam_config> configs, std::int64_t step, std::int64_t skipped);
+  /// After set_counters: the tensors' lags (empty: none), validated first.
+  void set_tensor_lags(std::span<const std::int64_t> lags);
   /// Marks the state half-updated (a load that failed after it began writing).
   void mark_failed(const std::string& reason);
   /// Marks the state whole (a load that completed).

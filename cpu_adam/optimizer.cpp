@@ -19,6 +19,7 @@
 #include "kernel_registry.hpp"
 #include "parallel.hpp"
 #include "step_plan.hpp"
+#include "step_scalars.hpp"
 #include "update_engine.hpp"
 
 namespace hostopt {
@@ -112,6 +113,11 @@ struct optimizer::impl {
   std::size_t nparams = 0;
   aligned_floats state;       // params | exp_avg | exp_avg_sq, each `arena` floats
   std::int64_t count = 0, skipped = 0;
+  // Per tensor (segments order): how many of the last `count` steps it missed (no
+  // gradient in a per-tensor step); its own step count is count - lag. All zero unless
+  // `lagging`, which keeps the common step at one kernel entry per group.
+  std::vector<std::int64_t> lag;
+  bool lagging = false;
   // Scratch sized at construction so that a step allocates nothing.
   std::vector<update_piece> pieces;       // the held part of each tensor, in flat coordinates
   std::vector<std::size_t> piece_tensor;  // which segment each piece belongs to
@@ -225,12 +231,36 @@ struct optimizer::impl {
           "global gradient norm (known_grad_norm: sqrt of the all-reduced shard sums of squares, or "
           "sharded_optimizer::set_norm_reduction); a norm of the shard alone would let ranks decide differently");
     }
-    const step_plan pl = step_plan::make(*kernels, configs, count, io, o, norm, group_kernels);
+    const step_plan pl = step_plan::make(*kernels, configs, count, io, o, norm,
+                                         std::span<group_kernel>(group_kernels.data(), configs.size()));
     if (!pl.decision().apply) {
       check_count("skipped steps", skipped + 1);
       ++skipped;
+    } else if (lagging) {
+      point_pieces_at_own_steps(pl);
     }
     return pl;
+  }
+
+  // A tensor behind the shared count gets its own kernel entry (after the groups'), with
+  // the bias correction of its own step t - lag; the others use their group's entry.
+  void point_pieces_at_own_steps(const step_plan& pl) {
+    const std::size_t groups = configs.size();
+    for (std::size_t k = 0; k < pieces.size(); ++k) {
+      const std::size_t t = piece_tensor[k], g = segs[t].group;
+      pieces[k].group = g;
+      if (lag[t] == 0) continue;
+      group_kernel& own = group_kernels[groups + t];
+      own.fn = group_kernels[g].fn;
+      own.scalars = make_step_scalars(configs[g], pl.step() - lag[t], pl.decision().scale);
+      pieces[k].group = groups + t;
+    }
+  }
+
+  void clear_lags() {
+    std::fill(lag.begin(), lag.end(), 0);
+    lagging = false;
+    for (std::size_t k = 0; k < pieces.size(); ++k) pieces[k].group = segs[piece_tensor[k]].group;
   }
 
   step_result result_of(const step_plan& pl) const {
@@ -285,7 +315,8 @@ optimizer::optimizer(std::vector<param_group> groups, arena_range range, executi
     s.nparams += s.pieces.back().size;
   }
   s.state = aligned_floats(3 * s.arena); // arena <= max_arena_elems: cannot overflow
-  s.group_kernels.resize(s.configs.size());
+  s.group_kernels.resize(s.configs.size() + s.segs.size()); // groups, then tensors behind the count
+  s.lag.assign(s.segs.size(), 0);
   s.ranges.reserve(2 * s.segs.size() + 3);
   s.stat_views.reserve(s.pieces.size());
 
@@ -339,6 +370,38 @@ void optimizer::set_step_count(std::int64_t count) {
   const auto lock = impl_->acquire("set_step_count");
   check_count("step count", count);
   impl_->count = count;
+  impl_->clear_lags();
+}
+
+std::vector<std::int64_t> optimizer::tensor_steps() const {
+  const auto lock = impl_->acquire("tensor_steps", false);
+  std::vector<std::int64_t> steps(impl_->segs.size());
+  for (std::size_t i = 0; i < steps.size(); ++i) steps[i] = impl_->count - impl_->lag[i];
+  return steps;
+}
+
+void optimizer::set_tensor_steps(std::span<const std::int64_t> steps) {
+  impl& s = *impl_;
+  const auto lock = s.acquire("set_tensor_steps");
+  if (steps.size() != s.segs.size())
+    throw std::invalid_argument("set_tensor_steps: " + std::to_string(steps.size()) +
+                                " counts: expected one per tensor (" + std::to_string(s.segs.size()) + ")");
+  std::int64_t top = 0;
+  for (std::size_t i = 0; i < steps.size(); ++i) {
+    if (steps[i] < 0 || steps[i] > max_step_count)
+      throw std::invalid_argument("set_tensor_steps: tensor '" + s.names[i] + "' step count = " +
+                                  std::to_string(steps[i]) + ": expected [0, " + std::to_string(max_step_count) +
+                                  "] (hostopt::max_step_count)");
+    top = std::max(top, steps[i]);
+  }
+  const bool differ = std::any_of(steps.begin(), steps.end(), [&](std::int64_t x) { return x != top; });
+  if (differ && !s.whole())
+    throw std::invalid_argument("set_tensor_steps: this optimizer holds a range of the arena (a shard), whose "
+                                "tensors share one step count; the counts given differ");
+  s.count = top;
+  s.clear_lags();
+  for (std::size_t i = 0; i < steps.size(); ++i) s.lag[i] = top - steps[i];
+  s.lagging = differ;
 }
 
 execution_options optimizer::execution() const {
@@ -520,6 +583,11 @@ step_result optimizer::step(std::span<const const_view> grads, std::span<const m
   if (!pl.decision().apply) return s.result_of(pl);
   run_update(s.job(grad_type, out_of(has_out, out_type)), s.exec.threads);
   ++s.count;
+  for (std::size_t i = 0; i < n; ++i)
+    if (grads[i].data == nullptr && grads[i].size == 0) { // not stepped: its own count stays
+      ++s.lag[i];
+      s.lagging = true;
+    }
   return s.result_of(pl);
 }
 
@@ -625,6 +693,18 @@ void optimizer::abort_step(const std::string& reason) noexcept {
   s.close_chunked();
 }
 
+void optimizer::mark_unusable(const std::string& reason) noexcept {
+  impl& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (s.chunked_open && s.chunk_owner == std::this_thread::get_id()) s.close_chunked();
+  if (!s.failure.empty()) return; // the first reason stays
+  try {
+    s.failure = reason;
+  } catch (...) {
+    s.failure = "!";
+  }
+}
+
 bool optimizer::step_in_progress() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->chunked_open;
@@ -640,7 +720,12 @@ void optimizer::accumulate_range(std::size_t begin, std::size_t end, float* acc,
 
 void optimizer::read_params(std::size_t begin, std::size_t end, void* out, dtype type) const {
   impl& s = *impl_;
-  const auto lock = s.acquire("read_params");
+  std::unique_lock<std::mutex> lock;
+  {
+    std::unique_lock<std::mutex> own(s.mu); // this thread's open chunked step may read
+    if (s.chunked_open && s.chunk_owner == std::this_thread::get_id()) lock = std::move(own);
+  }
+  if (!lock.owns_lock()) lock = s.acquire("read_params");
   if (begin > end || end > s.arena)
     throw std::invalid_argument("read_params: [" + std::to_string(begin) + ", " + std::to_string(end) +
                                 "): expected a range inside [0, " + std::to_string(s.arena) + ")");
@@ -660,6 +745,23 @@ std::size_t exclusive_state::arena_size() const { return impl_.arena; }
 const std::vector<adam_config>& exclusive_state::configs() const { return impl_.configs; }
 std::int64_t exclusive_state::step_count() const { return impl_.count; }
 std::int64_t exclusive_state::skipped_steps() const { return impl_.skipped; }
+std::vector<std::int64_t> exclusive_state::tensor_lags() const {
+  return impl_.lagging ? impl_.lag : std::vector<std::int64_t>();
+}
+
+void exclusive_state::set_tensor_lags(std::span<const std::int64_t> lags) {
+  impl_.clear_lags();
+  if (lags.empty()) return;
+  if (lags.size() != impl_.lag.size() || !impl_.whole())
+    throw std::invalid_argument("per-tensor step counts: expected one per tensor, on an optimizer holding the whole "
+                                "layout");
+  for (std::size_t i = 0; i < lags.size(); ++i) {
+    if (lags[i] < 0 || lags[i] > impl_.count)
+      throw std::invalid_argument("tensor '" + impl_.names[i] + "': step count outside [0, step count]");
+    impl_.lag[i] = lags[i];
+    impl_.lagging = impl_.lagging || lags[i] != 0;
+  }
+}
 
 void exclusive_state::set_counters(std::vector<adam_config> configs, std::int64_t step, std::int64_t skipped) {
   check_count("step count", step);
@@ -671,6 +773,7 @@ void exclusive_state::set_counters(std::vector<adam_config> configs, std::int64_
   impl_.configs = std::move(configs);
   impl_.count = step;
   impl_.skipped = skipped;
+  impl_.clear_lags();
 }
 
 void exclusive_state::mark_failed(const std::string& reason) { impl_.failure = reason; }

@@ -25,7 +25,7 @@ step_scalars make_step_scalars(const adam_config& c, std::int64_t step, float gr
   const double bc2 = c.bias_correction ? 1.0 - power(c.beta2, step) : 1.0;
   const double bc1_next = c.bias_correction ? 1.0 - power(c.beta1, step + 1) : 1.0;
   step_scalars s{};
-  s.grad_scale = grad_scale;
+  s.grad_scale = c.maximize ? -grad_scale : grad_scale; // torch: grad = -grad, before weight decay
   s.l2 = float(c.weight_decay);
   s.beta1 = float(c.beta1);
   s.one_minus_beta1 = float(1.0 - c.beta1);

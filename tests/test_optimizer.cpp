@@ -3,6 +3,8 @@
 #include <catch2/catch.hpp>
 
 #include <cstring>
+#include <filesystem>
+#include <unistd.h>
 #include <map>
 #include <numeric>
 
@@ -237,6 +239,94 @@ TEST_CASE("a tensor without a gradient is left untouched", "[optimizer]") {
     CHECK(opt.params("frozen")[i] == float(i));
     CHECK(opt.exp_avg("frozen")[i] == 0.0f);
     CHECK(out_frozen[i] == -1.0f);
+  }
+}
+
+TEST_CASE("each tensor keeps its own step count: a late first gradient is bias-corrected from t = 1", "[optimizer]") {
+  std::mt19937 rng(17);
+  adam_config c;
+  c.lr = 0.1;
+  c.weight_decay = 0.01;
+  optimizer opt({{c, {{"a", {40}}, {"late", {9}}}}});
+  ref::state a(40), late(9);
+  for (std::size_t i = 0; i < 9; ++i) opt.params("late")[i] = late.p[i] = 0.9f;
+  // Five steps without a gradient for "late", then both: "late" is at its own step 1.
+  for (int t = 1; t <= 7; ++t) {
+    const auto ga = ref::random_grad(dtype::f32, 40, rng);
+    const auto gl = ref::random_grad(dtype::f32, 9, rng);
+    opt.step(std::vector<const_view>{ga.view(), t <= 5 ? const_view{} : gl.view()});
+    adam_step(a.p.data(), a.m.data(), a.v.data(), 40, ga.view(), {}, c, t);
+    if (t > 5) adam_step(late.p.data(), late.m.data(), late.v.data(), 9, gl.view(), {}, c, t - 5);
+  }
+  CHECK(opt.step_count() == 7);
+  CHECK(opt.tensor_steps() == std::vector<std::int64_t>{7, 2});
+  CHECK(same_bits(opt.params("a"), a.p));
+  CHECK(same_bits(opt.params("late"), late.p));
+  CHECK(same_bits(opt.exp_avg_sq("late"), late.v));
+  // A flat step advances every tensor from its own count; set_step_count aligns them.
+  std::vector<float> flat(opt.arena_size(), 0.25f);
+  opt.step(const_view{flat.data(), flat.size(), dtype::f32});
+  adam_step(a.p.data(), a.m.data(), a.v.data(), 40, const_view{flat.data(), 40, dtype::f32}, {}, c, 8);
+  adam_step(late.p.data(), late.m.data(), late.v.data(), 9, const_view{flat.data(), 9, dtype::f32}, {}, c, 3);
+  CHECK(opt.tensor_steps() == std::vector<std::int64_t>{8, 3});
+  CHECK(same_bits(opt.params("a"), a.p));
+  CHECK(same_bits(opt.params("late"), late.p));
+  opt.set_step_count(4);
+  CHECK(opt.tensor_steps() == std::vector<std::int64_t>{4, 4});
+}
+
+TEST_CASE("per-tensor step counts load as torch gives them and survive a checkpoint", "[optimizer][checkpoint]") {
+  std::mt19937 rng(19);
+  adam_config c;
+  const std::vector<param_group> groups{{c, {{"w", {33}}, {"b", {5}}}}};
+  optimizer opt(groups);
+  const std::vector<std::int64_t> torch_steps{5, 2};
+  opt.set_tensor_steps(torch_steps);
+  CHECK(opt.step_count() == 5);
+  CHECK(opt.tensor_steps() == torch_steps);
+  ref::state w(33), b(5);
+  const auto gw = ref::random_grad(dtype::f32, 33, rng), gb = ref::random_grad(dtype::f32, 5, rng);
+  opt.step(std::vector<const_view>{gw.view(), gb.view()});
+  adam_step(w.p.data(), w.m.data(), w.v.data(), 33, gw.view(), {}, c, 6);
+  adam_step(b.p.data(), b.m.data(), b.v.data(), 5, gb.view(), {}, c, 3);
+  CHECK(same_bits(opt.params("w"), w.p));
+  CHECK(same_bits(opt.params("b"), b.p));
+
+  const std::string path = (std::filesystem::temp_directory_path() /
+                            ("hostopt_tensor_steps_" + std::to_string(::getpid()) + ".safetensors")).string();
+  save_checkpoint(opt, path);
+  optimizer loaded(groups);
+  load_checkpoint(loaded, path);
+  CHECK(loaded.tensor_steps() == std::vector<std::int64_t>{6, 3});
+  opt.step(std::vector<const_view>{gw.view(), gb.view()});
+  loaded.step(std::vector<const_view>{gw.view(), gb.view()});
+  CHECK(std::memcmp(loaded.params().data(), opt.params().data(), opt.arena_size() * 4) == 0);
+  // A shard's tensors share one count: such a file is refused before anything changes.
+  optimizer shard(groups, arena_range{0, 48});
+  CHECK_THROWS_WITH(load_checkpoint(shard, path), Catch::Contains("step counts of their own"));
+  CHECK_THROWS_WITH(shard.set_tensor_steps(torch_steps), Catch::Contains("share one step count"));
+  CHECK_THROWS_WITH(opt.set_tensor_steps(std::vector<std::int64_t>{1}), Catch::Contains("expected one per tensor"));
+  CHECK_THROWS_WITH(opt.set_tensor_steps(std::vector<std::int64_t>{1, -1}), Catch::Contains("'b' step count = -1"));
+  std::remove(path.c_str());
+}
+
+TEST_CASE("maximize ascends: the bits of a step on the negated gradient, weight decay unchanged", "[optimizer]") {
+  std::mt19937 rng(23);
+  for (const adam_mode mode : {adam_mode::adam, adam_mode::adamw}) {
+    adam_config up, down;
+    up.mode = down.mode = mode;
+    up.weight_decay = down.weight_decay = 0.1;
+    up.maximize = true;
+    optimizer a({{up, {{"w", {37}}}}}), b({{down, {{"w", {37}}}}});
+    for (std::size_t i = 0; i < 37; ++i) a.params()[i] = b.params()[i] = 0.5f + 0.01f * float(i);
+    for (int t = 0; t < 3; ++t) {
+      auto g = ref::random_grad(dtype::f32, 37, rng);
+      a.step(std::vector<const_view>{const_view{g.f32.data(), 37, dtype::f32}});
+      for (auto& x : g.f32) x = -x;
+      b.step(std::vector<const_view>{const_view{g.f32.data(), 37, dtype::f32}});
+    }
+    CHECK(same_bits(a.params("w"), std::vector<float>(b.params().begin(), b.params().begin() + 37)));
+    CHECK(a.group_config(0).maximize);
   }
 }
 

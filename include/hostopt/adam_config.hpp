@@ -25,6 +25,7 @@ struct adam_config {
   adam_mode mode = adam_mode::adamw;
   bool bias_correction = true; ///< divide the moments by 1 - beta^t
   bool nesterov = false;       ///< Nesterov momentum as optax.nadam/nadamw
+  bool maximize = false;       ///< ascend (torch's maximize): the gradient is negated first
 };
 
 /// Calls f(name, field) for every field, in a fixed order, with the names torch and optax
@@ -41,6 +42,7 @@ void for_each_field(Config& c, F&& f) {
   f("mode", c.mode);
   f("bias_correction", c.bias_correction);
   f("nesterov", c.nesterov);
+  f("maximize", c.maximize);
 }
 
 /// "adam" or "adamw"; parse_mode is its inverse (std::invalid_argument naming the text).

@@ -60,8 +60,14 @@ public:
   virtual void accumulate_range(std::size_t begin, std::size_t end, float* acc, const void* grad, dtype grad_type,
                                 bool first) = 0;
   /// The current parameters of [begin, end), rounded to `type`, into `out` (padding
-  /// written as zeros): what a device copy of the parameters must hold.
+  /// written as zeros): what a device copy of the parameters must hold. The thread with
+  /// a chunked step open may call it (the pipeline fills the chunks a failed step did not
+  /// update with their unchanged values).
   virtual void read_params(std::size_t begin, std::size_t end, void* out, dtype type) const = 0;
+  /// Makes the updater not usable with `reason` (e.g. the device its pipeline drives
+  /// failed), closing this thread's open chunked step if any. Restoring a checkpoint
+  /// makes it usable again.
+  virtual void mark_unusable(const std::string& reason) noexcept = 0;
 
   /// False while the state is half-updated (see abort_step).
   virtual bool usable() const = 0;

@@ -130,8 +130,19 @@ public:
   void set_lr(std::size_t group, double lr);
   /// Completed steps; the next step uses t = step_count() + 1.
   std::int64_t step_count() const override;
-  /// For resuming; must be in [0, max_step_count].
+  /// For resuming; must be in [0, max_step_count]. Every tensor's own count becomes `count`.
   void set_step_count(std::int64_t count);
+  /// Each tensor's own step count, in segments() order: the steps in which it received a
+  /// gradient (torch's per-parameter "step"). A step with flat buffers or the chunked
+  /// step advances every tensor; a per-tensor step advances only the tensors given a
+  /// gradient. Bias correction uses the tensor's own count, so a tensor whose first
+  /// gradient arrives late (unfrozen, added) starts at t = 1 as in torch. On an optimizer
+  /// holding a range, the tensors it overlaps share its step_count().
+  std::vector<std::int64_t> tensor_steps() const;
+  /// For resuming (e.g. from torch's per-parameter steps): one count per tensor, each in
+  /// [0, max_step_count]; step_count() becomes the largest. Refused on an optimizer that
+  /// holds a range of the layout when the counts differ.
+  void set_tensor_steps(std::span<const std::int64_t> steps);
 
   // --- execution ----------------------------------------------------------------------
   execution_options execution() const;
@@ -166,8 +177,8 @@ public:
   /// One step with one gradient view per tensor (arena order, one dtype for all) and
   /// optionally one copy-out view per tensor (one dtype for all). An empty view
   /// (`const_view{}`) means the tensor has no gradient this step: its parameters, moments
-  /// and copy-out are left untouched (torch skips parameters whose .grad is None). The
-  /// step count is shared, so such a tensor's next step uses the shared count. Refused on
+  /// and copy-out are left untouched and its own step count stays (torch skips parameters
+  /// whose .grad is None); step_count() counts the step. Refused on
   /// an optimizer that holds a range of the layout (use the flat overloads).
   step_result step(std::span<const const_view> grads, std::span<const mut_view> outs = {},
                    float grad_scale = 1.0f);
@@ -198,6 +209,7 @@ public:
   step_result finish_step() override;
   void abort_step(const std::string& reason = "a chunked step was aborted after updating part of the arena") noexcept
       override;
+  void mark_unusable(const std::string& reason) noexcept override;
   void accumulate_range(std::size_t begin, std::size_t end, float* acc, const void* grad, dtype grad_type,
                         bool first) override;
   void read_params(std::size_t begin, std::size_t end, void* out, dtype type) const override;
