@@ -57,8 +57,9 @@ if(HOSTOPT_HAVE_CUDA AND NOT CMAKE_CROSSCOMPILING)
   check_language(CUDA)
   if(CMAKE_CUDA_COMPILER)
     if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES AND NOT DEFINED ENV{CUDAARCHS})
-      # A100 and H100/H200 natively, PTX for anything newer.
-      set(CMAKE_CUDA_ARCHITECTURES "80-real;90" CACHE STRING "CUDA architectures of hostopt's device code")
+      # T4 (sm_75), A100 and H100/H200 natively, PTX for anything newer. Nothing older:
+      # CUDA 13 dropped sm_70 (V100), and a list must build with every toolkit we accept.
+      set(CMAKE_CUDA_ARCHITECTURES "75-real;80-real;90" CACHE STRING "CUDA architectures of hostopt's device code")
     endif()
     enable_language(CUDA)
     # C++17: CMake before 3.26 knows no C++20 flag for nvcc, so .cu files hold kernels and

@@ -38,7 +38,11 @@ int main(int argc, char** argv) {
     config.lr = 0.05;
     hostopt::optimizer opt({{config, {{"w", {4096}}}}});
     const std::size_t n = opt.arena_size();
-    auto engine = hostopt::make_default_copy_engine();
+#if defined(HOSTOPT_EXAMPLE_HAVE_CUDA)
+    auto engine = hostopt::make_default_copy_engine(); // CUDA when a device exists
+#else
+    auto engine = hostopt::make_host_copy_engine(); // no CUDA model kernels were compiled in
+#endif
     const hostopt::device_stream compute = engine->create_stream();
     auto model = example::make_toy_model(*engine, n, 200);
 

@@ -104,6 +104,26 @@ TEST_CASE("the host engine models CUDA streams: FIFO, events as of the wait, fla
   CHECK(dst == 3.5f);
   CHECK(engine->event_time_ns(e) > 0);
 
+  // One event recorded on two streams: a wait for the first record is not released by the
+  // second one completing first.
+  gate slow;
+  const device_stream c = engine->create_stream();
+  std::atomic<bool> slow_done{false};
+  engine->launch_host_function(a, [&] {
+    slow.wait();
+    slow_done = true;
+  });
+  engine->record_event(e, a);      // record 1: after the slow work
+  engine->stream_wait_event(c, e); // waits for record 1
+  std::atomic<bool> saw_slow_done{false};
+  engine->launch_host_function(c, [&] { saw_slow_done = slow_done.load(); });
+  engine->record_event(e, b); // record 2, on an idle stream: completes at once
+  engine->synchronize_stream(b);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  slow.release();
+  engine->synchronize_stream(c);
+  CHECK(saw_slow_done);
+
   // Bad handles are refused by name; a failing kernel is sticky.
   int x = 0;
   CHECK_THROWS_WITH(engine->record_event(device_event{&x}, a), Catch::Contains("not an event of this engine"));
@@ -188,6 +208,50 @@ TEST_CASE("a trainer that omits or misplaces the gradient dependency is refused 
       for (const auto& seg : opt.segments()) // the tensors' elements (padding is written as zeros)
         CHECK(std::memcmp(dparams + seg.offset, opt.params().data() + seg.offset, seg.size * 4) == 0);
       engine->destroy_event(done);
+    }
+  }
+  engine->free_device(dgrad);
+  engine->free_device(dparams);
+}
+
+TEST_CASE("parameter copies wait for the parameters' last reader when the order names it", "[contract][pipeline]") {
+  auto engine = make_host_copy_engine();
+  const device_stream compute = engine->create_stream(), forward = engine->create_stream();
+  const std::vector<param_group> groups{{adam_config{}, {{"w", {4000}}}}};
+  const std::size_t n = optimizer(groups).arena_size();
+  float* dgrad = static_cast<float*>(engine->allocate_device(n * 4));
+  float* dparams = static_cast<float*>(engine->allocate_device(n * 4));
+  std::fill_n(dgrad, n, 0.5f);
+  pipeline_options po;
+  po.chunk_elems = 1024;
+  po.param_type = dtype::f32;
+  for (const bool named : {true, false}) {
+    INFO((named ? "params_stream named" : "params dependency omitted"));
+    optimizer opt(groups);
+    offload_pipeline pipe(opt, *engine, po);
+    pipe.push_params({dparams, n, dtype::f32});
+    const std::vector<float> before(dparams, dparams + n);
+    // A forward on another stream reads the parameters late.
+    gate g;
+    std::vector<float> seen;
+    engine->launch_host_function(forward, [&] {
+      g.wait();
+      seen.assign(dparams, dparams + n);
+    });
+    device_order order = device_order::after(compute);
+    if (named) order.params_stream = forward;
+    auto h = pipe.step_async({dgrad, n, dtype::f32}, {dparams, n, dtype::f32}, order);
+    if (named) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(30));
+      CHECK_FALSE(engine->event_done(h.params_ready())); // held back by the forward
+      g.release();
+      h.wait();
+      CHECK(seen == before); // the forward read the parameters it was meant to
+    } else {
+      h.wait(); // the copies did not wait for the forward
+      g.release();
+      engine->synchronize_stream(forward);
+      CHECK(seen != before);
     }
   }
   engine->free_device(dgrad);

@@ -1,20 +1,31 @@
 // The CUDA engine: copy_engine's stream model on the CUDA runtime. Handles are the CUDA
 // objects themselves (device_stream = cudaStream_t, device_event = cudaEvent_t), so a
 // trainer passes its own streams and events. Only the runtime API is linked (this file is
-// built by the host compiler against CUDA::cudart); the one driver function we need,
-// cuStreamWaitValue32, is reached through cudaGetDriverEntryPointByVersion, and cuda.h is
-// included for its types only.
+// built by the host compiler against CUDA::cudart); the few driver functions we need
+// (contexts, cuStreamWaitValue32, error names) are reached through the runtime's driver
+// entry point (cudaGetDriverEntryPointByVersion from CUDA 12.5, cudaGetDriverEntryPoint
+// before), and cuda.h is included for its types only.
 //
-// Devices: every call that reaches CUDA makes the engine's device current and gives the
-// caller back its own current device on return (device_scope).
+// Contexts: the engine works in its device's primary context, retained at construction
+// (cuDevicePrimaryCtxRetain, the context the runtime itself uses for that device) and
+// released with the engine. Every call that reaches CUDA remembers the calling thread's
+// current context (possibly none), makes the engine's current only when it is not already,
+// and restores exactly the remembered one on return (device_scope, cuCtxGetCurrent /
+// cuCtxSetCurrent). Never cudaGetDevice / cudaSetDevice: on a thread with no current
+// context cudaGetDevice answers 0, and "restoring" device 0 with cudaSetDevice creates
+// device 0's primary context (CUDA 12+), so every rank on device N > 0 would put a context
+// on GPU 0 from the pipeline's worker thread. A thread without a context keeps none.
 //
 // Errors: every CUDA call goes through check(). Misuse that CUDA reports without touching
 // the device (an invalid argument or handle, an event not completed yet, out of memory)
 // throws std::invalid_argument / std::logic_error / std::runtime_error and leaves the
 // engine usable. Any other error (a device fault such as cudaErrorIllegalAddress, reported
-// by whichever call comes next, a failed launch, a host function that threw) is sticky:
-// its text is kept, sticky_error() returns it, and every later call that enqueues,
-// synchronizes or creates throws std::runtime_error with exactly that text.
+// by whichever call comes next, a failed launch, a host function that threw, a call CUDA
+// refuses on a capturing stream) is sticky: its text is kept, sticky_error() returns it,
+// and every later call that enqueues, synchronizes or creates throws std::runtime_error
+// with exactly that text. The runtime's per-thread "last error" belongs to the trainer:
+// the engine never calls cudaGetLastError except right after one of its own calls failed
+// (forget_own_error), so a trainer's pending launch error survives every engine call.
 //
 // Flags: a 32-bit word of mapped page-locked memory. The device waits on it with a stream
 // memory operation (cuStreamWaitValue32, CU_STREAM_WAIT_VALUE_GEQ: (int32_t)(*addr - value)
@@ -23,6 +34,10 @@
 // host function that blocks until the flag is reached. CUDA runs host functions on its own
 // callback thread: a blocked one holds back the host functions of every stream of the
 // process, not only its own stream's work, so this fallback is for correctness, not speed.
+// Nothing the engine enqueued blocks forever: a fallback wait also returns once the engine
+// is sticky-failed or being destroyed, and the destructor first writes every flag to the
+// largest value any wait on it asked for (which, the waits being >= with wrap, lets every
+// one of them go), then synchronizes its streams.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -34,6 +49,7 @@
 #include <exception>
 #include <functional>
 #include <mutex>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -45,6 +61,10 @@
 
 #include "hostopt/copy_engine.hpp"
 #include "steady_clock.hpp"
+
+#if CUDART_VERSION < 11070
+#error "hostopt's CUDA engine needs CUDA 11.7 or later (cuStreamWaitValue32 v2, cudaGetDriverEntryPoint)"
+#endif
 
 namespace hostopt {
 
@@ -67,10 +87,53 @@ bool is_usage_error(cudaError_t rc) {
   }
 }
 
+/// After one of the engine's own runtime calls failed (and only then): that call also left
+/// its error as the thread's "last error", where a trainer's next cudaGetLastError /
+/// cudaPeekAtLastError would find it and blame its own kernel launch. The engine reports
+/// the error itself (the return code or an exception), so it takes it back — only when the
+/// pending error is that very code: where the runtime returned an error without recording
+/// it (as a query's cudaErrorNotReady may be), a trainer's pending error stays where it
+/// was. A sticky error (a lost context) is not cleared by cudaGetLastError and stays
+/// visible, as it must.
+void forget_own_error(cudaError_t rc) noexcept {
+  if (rc != cudaSuccess && cudaPeekAtLastError() == rc) (void)cudaGetLastError();
+}
+
+/// A driver function by name, in the ABI of CUDA `version` (the version of the PFN_..._v
+/// typedef it is cast to); null when the driver has none.
+void* driver_entry_point(const char* symbol, unsigned version) noexcept {
+  void* fn = nullptr;
+#if CUDART_VERSION >= 12050
+  cudaDriverEntryPointQueryResult found{};
+  const cudaError_t rc = cudaGetDriverEntryPointByVersion(symbol, &fn, version, cudaEnableDefault, &found);
+  forget_own_error(rc);
+  return rc == cudaSuccess && found == cudaDriverEntryPointSuccess ? fn : nullptr;
+#elif CUDART_VERSION >= 12000
+  // No ByVersion before 12.5: the symbol comes in the ABI of the runtime's own CUDA version,
+  // which for every function used here is the typedef's (cuStreamWaitValue32 is v2 from
+  // 11.7, cuDevicePrimaryCtxRelease v2 from 11.0, the rest never changed).
+  (void)version;
+  cudaDriverEntryPointQueryResult found{};
+  const cudaError_t rc = cudaGetDriverEntryPoint(symbol, &fn, cudaEnableDefault, &found);
+  forget_own_error(rc);
+  return rc == cudaSuccess && found == cudaDriverEntryPointSuccess ? fn : nullptr;
+#else
+  // CUDA 11.x: no query result; a missing symbol is a null pointer or an error.
+  (void)version;
+  const cudaError_t rc = cudaGetDriverEntryPoint(symbol, &fn, cudaEnableDefault);
+  forget_own_error(rc);
+  return rc == cudaSuccess ? fn : nullptr;
+#endif
+}
+
 /// A flag: one word of mapped, portable page-locked memory, and its device address.
 struct flag_state {
   std::uint32_t* host = nullptr;
   CUdeviceptr device = 0;
+  /// The largest value (in the waits' wrap-around order) any stream_wait_flag asked for,
+  /// under flag_mu_: the value that lets every wait on this flag go.
+  std::uint32_t highest_wait = 0;
+  bool waited = false;
 };
 
 bool flag_reached(const flag_state& f, std::uint32_t value) {
@@ -93,13 +156,15 @@ public:
     int count = 0;
     const cudaError_t rc = cudaGetDeviceCount(&count);
     if (rc != cudaSuccess) {
-      cudaGetLastError();
+      forget_own_error(rc); // "no device" or "no driver": reported by the exception
       throw std::runtime_error(std::string("cuda copy engine: cudaGetDeviceCount failed: ") +
                                cudaGetErrorName(rc) + ": " + cudaGetErrorString(rc));
     }
     if (device < 0 || device >= count)
       throw std::runtime_error("cuda copy engine: device " + std::to_string(device) + " does not exist (" +
                                std::to_string(count) + " visible)");
+    resolve_driver_functions();
+    retain_primary_context();
     try {
       device_scope scope(*this);
       check(cudaStreamCreateWithFlags(&private_stream_, cudaStreamNonBlocking),
@@ -117,25 +182,28 @@ public:
 
   ~cuda_copy_engine() override { release(); }
 
-  /// Waits for the engine's streams, then frees everything it created.
+  /// Lets every flag wait go, waits for the engine's streams, then frees everything it
+  /// created and releases its hold on the primary context.
   void release() noexcept {
-    int previous = 0;
-    const bool restore = cudaGetDevice(&previous) == cudaSuccess;
-    cudaSetDevice(device_);
-    // Our work first, then what we own. A stream still waiting for a flag nobody writes
-    // makes this wait forever, as cudaStreamSynchronize would.
-    for (auto s : streams_) cudaStreamSynchronize(s);
-    if (private_stream_) cudaStreamSynchronize(private_stream_);
-    for (auto e : events_) cudaEventDestroy(e);
-    for (auto s : streams_) cudaStreamDestroy(s);
-    for (auto* f : flags_) {
-      cudaFreeHost(f->host);
-      delete f;
+    if (!ctx_) return;
+    closing_.store(true, std::memory_order_release);
+    release_flag_waits(); // and the fallback's blocked host functions see closing_
+    {
+      device_scope scope(*this, std::nothrow);
+      // Errors here cannot be reported (noexcept); each one is our own call's.
+      for (auto s : streams_) forget_own_error(cudaStreamSynchronize(s));
+      if (private_stream_) forget_own_error(cudaStreamSynchronize(private_stream_));
+      for (auto e : events_) forget_own_error(cudaEventDestroy(e));
+      for (auto s : streams_) forget_own_error(cudaStreamDestroy(s));
+      for (auto* f : flags_) {
+        forget_own_error(cudaFreeHost(f->host));
+        delete f;
+      }
+      for (auto* p : device_allocations_) forget_own_error(cudaFree(p));
+      for (auto* p : pinned_allocations_) forget_own_error(cudaFreeHost(p));
+      if (calib_) forget_own_error(cudaEventDestroy(calib_));
+      if (private_stream_) forget_own_error(cudaStreamDestroy(private_stream_));
     }
-    for (auto* p : device_allocations_) cudaFree(p);
-    for (auto* p : pinned_allocations_) cudaFreeHost(p);
-    if (calib_) cudaEventDestroy(calib_);
-    if (private_stream_) cudaStreamDestroy(private_stream_);
     streams_.clear();
     events_.clear();
     flags_.clear();
@@ -143,8 +211,8 @@ public:
     pinned_allocations_.clear();
     calib_ = nullptr;
     private_stream_ = nullptr;
-    cudaGetLastError();
-    if (restore) cudaSetDevice(previous);
+    if (primary_ctx_release_) primary_ctx_release_(cu_device_);
+    ctx_ = nullptr;
   }
 
   std::string_view name() const override { return "cuda"; }
@@ -167,8 +235,7 @@ public:
       if (device_allocations_.erase(p) == 0) return; // not ours, or freed already
     }
     device_scope scope(*this, std::nothrow);
-    cudaFree(p);
-    cudaGetLastError();
+    forget_own_error(cudaFree(p));
   }
 
   pinned_allocation allocate_pinned(std::size_t bytes) override {
@@ -189,8 +256,7 @@ public:
       if (pinned_allocations_.erase(a.data) == 0) return;
     }
     device_scope scope(*this, std::nothrow);
-    cudaFreeHost(a.data);
-    cudaGetLastError();
+    forget_own_error(cudaFreeHost(a.data));
   }
 
   // --- streams and events --------------------------------------------------------------------
@@ -212,10 +278,12 @@ public:
       std::lock_guard<std::mutex> lock(owned_mu_);
       owned = streams_.erase(cs) != 0;
     }
+    // After a sticky error nobody can count on flag-gated work any more, and a stream
+    // waiting on a flag that will not be written would make this wait forever.
+    if (sticky_set_.load(std::memory_order_acquire)) release_flag_waits();
     device_scope scope(*this, std::nothrow);
-    cudaStreamSynchronize(cs);
-    if (owned) cudaStreamDestroy(cs);
-    cudaGetLastError();
+    forget_own_error(cudaStreamSynchronize(cs));
+    if (owned) forget_own_error(cudaStreamDestroy(cs));
   }
 
   device_event create_event() override {
@@ -237,8 +305,7 @@ public:
       if (events_.erase(ce) == 0) return;
     }
     device_scope scope(*this, std::nothrow);
-    cudaEventDestroy(ce); // CUDA releases it once its pending record completes
-    cudaGetLastError();
+    forget_own_error(cudaEventDestroy(ce)); // CUDA releases it once its pending record completes
   }
 
   void record_event(device_event e, device_stream s) override {
@@ -263,7 +330,10 @@ public:
     enter("event_done", e);
     device_scope scope(*this);
     const cudaError_t rc = cudaEventQuery(event(e));
-    if (rc == cudaErrorNotReady) return false;
+    if (rc == cudaErrorNotReady) {
+      forget_own_error(rc); // an answer, not an error: cudaEventQuery records it all the same
+      return false;
+    }
     check(rc, "cudaEventQuery");
     return true;
   }
@@ -328,8 +398,10 @@ public:
           "cudaHostAlloc (mapped flag word)");
     void* dev = nullptr;
     const cudaError_t rc = cudaHostGetDevicePointer(&dev, host, 0);
-    if (rc != cudaSuccess) cudaFreeHost(host);
-    check(rc, "cudaHostGetDevicePointer (flag word)");
+    if (rc != cudaSuccess) {
+      forget_own_error(cudaFreeHost(host));
+      check(rc, "cudaHostGetDevicePointer (flag word)"); // throws
+    }
     std::memset(host, 0, sizeof(std::uint32_t));
     auto* f = new flag_state{static_cast<std::uint32_t*>(host), reinterpret_cast<CUdeviceptr>(dev)};
     std::lock_guard<std::mutex> lock(owned_mu_);
@@ -345,14 +417,14 @@ public:
       if (flags_.erase(fs) == 0) return;
     }
     device_scope scope(*this, std::nothrow);
-    cudaFreeHost(fs->host);
-    cudaGetLastError();
+    forget_own_error(cudaFreeHost(fs->host));
     delete fs;
   }
 
   void stream_wait_flag(device_stream s, device_flag f, std::uint32_t value) override {
     enter("stream_wait_flag", s);
     flag_state& fs = flag(f);
+    note_wait(fs, value);
     device_scope scope(*this);
     if (wait_value32_) {
       const CUresult rc =
@@ -403,36 +475,47 @@ public:
     } catch (...) {
     }
   }
+  /// The fallback's wait. Also returns when the engine failed (sticky) or is being
+  /// destroyed: CUDA has one callback thread for the whole process, and a wait nobody will
+  /// release must not hold it (and every stream's host functions) forever. The work after
+  /// it then runs on data the flag did not vouch for, which is what a failed engine's
+  /// remaining work is worth anyway.
   void wait_for_flag(const flag_state& f, std::uint32_t value) {
     std::unique_lock<std::mutex> lock(flag_mu_);
     // The timeout re-reads the word: a write that did not go through write_flag (the
     // device's, or another process's) still lets the wait go.
-    while (!flag_reached(f, value)) flag_cv_.wait_for(lock, std::chrono::milliseconds(1));
+    while (!flag_reached(f, value) && !closing_.load(std::memory_order_acquire) &&
+           !sticky_set_.load(std::memory_order_acquire))
+      flag_cv_.wait_for(lock, std::chrono::milliseconds(1));
   }
 
 private:
-  /// Makes the engine's device current; the destructor restores the caller's.
+  /// Makes the engine's context current when it is not; the destructor makes the caller's
+  /// previous context (possibly none) current again.
   class device_scope {
   public:
-    explicit device_scope(cuda_copy_engine& e) {
-      e.check(cudaGetDevice(&previous_), "cudaGetDevice");
-      if (previous_ != e.device_) {
-        e.check(cudaSetDevice(e.device_), "cudaSetDevice");
+    explicit device_scope(cuda_copy_engine& e) : engine_(e) {
+      CUresult rc = e.ctx_get_(&previous_);
+      if (rc != CUDA_SUCCESS) e.driver_failed(rc, "cuCtxGetCurrent");
+      if (previous_ != e.ctx_) {
+        rc = e.ctx_set_(e.ctx_);
+        if (rc != CUDA_SUCCESS) e.driver_failed(rc, "cuCtxSetCurrent (the device's primary context)");
         restore_ = true;
       }
     }
-    device_scope(cuda_copy_engine& e, std::nothrow_t) noexcept {
-      if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != e.device_)
-        restore_ = cudaSetDevice(e.device_) == cudaSuccess;
+    device_scope(cuda_copy_engine& e, std::nothrow_t) noexcept : engine_(e) {
+      if (!e.ctx_ || e.ctx_get_(&previous_) != CUDA_SUCCESS) return;
+      if (previous_ != e.ctx_) restore_ = e.ctx_set_(e.ctx_) == CUDA_SUCCESS;
     }
     ~device_scope() {
-      if (restore_) cudaSetDevice(previous_);
+      if (restore_) engine_.ctx_set_(previous_);
     }
     device_scope(const device_scope&) = delete;
     device_scope& operator=(const device_scope&) = delete;
 
   private:
-    int previous_ = 0;
+    cuda_copy_engine& engine_;
+    CUcontext previous_ = nullptr;
     bool restore_ = false;
   };
 
@@ -470,6 +553,28 @@ private:
     return *static_cast<flag_state*>(f.handle);
   }
 
+  /// Writes every flag that some wait asked for more than it holds to the largest value
+  /// asked for: with >= waits (wrap-safe), that lets every one of them go. For streams that
+  /// may wait on flags nobody will write any more (a pipeline that failed, an engine used
+  /// alone): the engine's destruction, and a stream destroyed after a sticky error.
+  void release_flag_waits() noexcept {
+    {
+      std::lock_guard<std::mutex> owned(owned_mu_);
+      std::lock_guard<std::mutex> lock(flag_mu_);
+      for (auto* f : flags_)
+        if (f->waited && !flag_reached(*f, f->highest_wait))
+          std::atomic_ref<std::uint32_t>(*f->host).store(f->highest_wait, std::memory_order_release);
+    }
+    flag_cv_.notify_all();
+  }
+
+  /// Remembers the largest value waited for on `f` (wrap-around order, as the wait's).
+  void note_wait(flag_state& f, std::uint32_t value) {
+    std::lock_guard<std::mutex> lock(flag_mu_);
+    if (!f.waited || std::int32_t(value - f.highest_wait) > 0) f.highest_wait = value;
+    f.waited = true;
+  }
+
   /// The checks every enqueuing or synchronizing call starts with: not poisoned, and no
   /// empty handle (CUDA would read a null stream as the legacy default stream; pass
   /// cudaStreamLegacy for that on purpose).
@@ -495,21 +600,26 @@ private:
   }
 
   void make_sticky(const std::string& text) {
-    std::lock_guard<std::mutex> lock(error_mu_);
-    if (sticky_.empty()) {
-      sticky_ = text;
-      sticky_set_.store(true, std::memory_order_release);
+    {
+      std::lock_guard<std::mutex> lock(error_mu_);
+      if (sticky_.empty()) {
+        sticky_ = text;
+        sticky_set_.store(true, std::memory_order_release);
+      }
     }
+    flag_cv_.notify_all(); // the fallback's waits give up (wait_for_flag)
   }
 
   /// The one checking helper: a usage error throws and leaves the engine usable; any other
-  /// error becomes the sticky error (the first one wins) and throws its text.
+  /// error becomes the sticky error (the first one wins) and throws its text. Either way
+  /// the error was this call's own and is reported by the exception, so it is taken back
+  /// from the thread's last error (forget_own_error).
   void check(cudaError_t rc, const char* what) {
     if (rc == cudaSuccess) return;
+    forget_own_error(rc);
     const std::string text = "cuda device " + std::to_string(device_) + ": " + what +
                              " failed: " + cudaGetErrorName(rc) + ": " + cudaGetErrorString(rc);
     if (is_usage_error(rc)) {
-      cudaGetLastError(); // refused calls leave no trace for the caller's own checks
       if (rc == cudaErrorMemoryAllocation) throw std::runtime_error(text);
       if (rc == cudaErrorNotReady) throw std::logic_error(text);
       throw std::invalid_argument(text);
@@ -518,13 +628,16 @@ private:
     throw std::runtime_error(sticky_error());
   }
 
-  [[noreturn]] void driver_failed(CUresult rc, const char* what) {
+  std::string driver_error_text(CUresult rc, const char* what) const {
     const char* name = "CUDA_ERROR_?";
     const char* desc = "unknown driver error";
     if (get_error_name_) get_error_name_(rc, &name);
     if (get_error_string_) get_error_string_(rc, &desc);
-    const std::string text =
-        "cuda device " + std::to_string(device_) + ": " + what + " failed: " + name + ": " + desc;
+    return "cuda device " + std::to_string(device_) + ": " + what + " failed: " + name + ": " + desc;
+  }
+
+  [[noreturn]] void driver_failed(CUresult rc, const char* what) {
+    const std::string text = driver_error_text(rc, what);
     if (rc == CUDA_ERROR_INVALID_VALUE || rc == CUDA_ERROR_INVALID_HANDLE) throw std::invalid_argument(text);
     make_sticky(text);
     throw std::runtime_error(sticky_error());
@@ -534,11 +647,11 @@ private:
     float ms = 0;
     const cudaError_t rc = cudaEventElapsedTime(&ms, calib_, e);
     if (rc == cudaErrorNotReady) {
-      cudaGetLastError();
+      forget_own_error(rc);
       throw std::logic_error("cuda copy engine: event_time_ns of an event whose record has not completed");
     }
     if (rc == cudaErrorInvalidResourceHandle) {
-      cudaGetLastError();
+      forget_own_error(rc);
       throw std::invalid_argument(
           "cuda copy engine: event_time_ns of an event never recorded, or created with "
           "cudaEventDisableTiming");
@@ -560,6 +673,43 @@ private:
     }
   }
 
+  /// The driver functions the engine calls directly. Contexts and the device's primary
+  /// context have been in every driver since CUDA 4 / 7: their absence is an error.
+  void resolve_driver_functions() {
+    get_error_name_ = reinterpret_cast<PFN_cuGetErrorName_v6000>(driver_entry_point("cuGetErrorName", 6000));
+    get_error_string_ =
+        reinterpret_cast<PFN_cuGetErrorString_v6000>(driver_entry_point("cuGetErrorString", 6000));
+    ctx_get_ = reinterpret_cast<PFN_cuCtxGetCurrent_v4000>(driver_entry_point("cuCtxGetCurrent", 4000));
+    ctx_set_ = reinterpret_cast<PFN_cuCtxSetCurrent_v4000>(driver_entry_point("cuCtxSetCurrent", 4000));
+    device_get_ = reinterpret_cast<PFN_cuDeviceGet_v2000>(driver_entry_point("cuDeviceGet", 2000));
+    primary_ctx_retain_ = reinterpret_cast<PFN_cuDevicePrimaryCtxRetain_v7000>(
+        driver_entry_point("cuDevicePrimaryCtxRetain", 7000));
+    primary_ctx_release_ = reinterpret_cast<PFN_cuDevicePrimaryCtxRelease_v11000>(
+        driver_entry_point("cuDevicePrimaryCtxRelease", 11000));
+    const char* missing = !ctx_get_               ? "cuCtxGetCurrent"
+                          : !ctx_set_             ? "cuCtxSetCurrent"
+                          : !device_get_          ? "cuDeviceGet"
+                          : !primary_ctx_retain_  ? "cuDevicePrimaryCtxRetain"
+                          : !primary_ctx_release_ ? "cuDevicePrimaryCtxRelease"
+                                                  : nullptr;
+    if (missing)
+      throw std::runtime_error(std::string("cuda copy engine: the driver's entry point has no ") + missing);
+  }
+
+  /// The device's primary context (the runtime's for that device), held until release().
+  /// Retained, not made current: the constructor's caller keeps its own context, or none.
+  void retain_primary_context() {
+    CUresult rc = device_get_(&cu_device_, device_);
+    if (rc != CUDA_SUCCESS)
+      throw std::runtime_error(
+          driver_error_text(rc, ("cuDeviceGet(" + std::to_string(device_) + ")").c_str()));
+    CUcontext ctx = nullptr;
+    rc = primary_ctx_retain_(&ctx, cu_device_);
+    if (rc != CUDA_SUCCESS || !ctx)
+      throw std::runtime_error(driver_error_text(rc, "cuDevicePrimaryCtxRetain"));
+    ctx_ = ctx;
+  }
+
   /// Stream memory operations when the driver has cuStreamWaitValue32 and accepts one on
   /// this device (a wait on a word that already holds the value, on the private stream);
   /// otherwise the host-function fallback. HOSTOPT_CUDA_FLAG_WAIT=host_function forces
@@ -570,28 +720,12 @@ private:
     if (!forced.empty() && forced != "host_function" && forced != "stream_memory_operations")
       throw std::invalid_argument("HOSTOPT_CUDA_FLAG_WAIT='" + forced +
                                   "': expected host_function or stream_memory_operations");
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuGetErrorName", &fn, 6000, cudaEnableDefault, &found) ==
-            cudaSuccess &&
-        found == cudaDriverEntryPointSuccess)
-      get_error_name_ = reinterpret_cast<PFN_cuGetErrorName_v6000>(fn);
-    if (cudaGetDriverEntryPointByVersion("cuGetErrorString", &fn, 6000, cudaEnableDefault, &found) ==
-            cudaSuccess &&
-        found == cudaDriverEntryPointSuccess)
-      get_error_string_ = reinterpret_cast<PFN_cuGetErrorString_v6000>(fn);
-    cudaGetLastError();
     if (forced == "host_function") return;
 
-    PFN_cuStreamWaitValue32_v11070 wait = nullptr;
     std::string why;
-    if (cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &fn, 11070, cudaEnableDefault, &found) ==
-            cudaSuccess &&
-        found == cudaDriverEntryPointSuccess)
-      wait = reinterpret_cast<PFN_cuStreamWaitValue32_v11070>(fn);
-    else
-      why = "the driver has no cuStreamWaitValue32 (v2)";
-    cudaGetLastError();
+    auto wait =
+        reinterpret_cast<PFN_cuStreamWaitValue32_v11070>(driver_entry_point("cuStreamWaitValue32", 11070));
+    if (!wait) why = "the driver has no cuStreamWaitValue32 (v2)";
     if (wait) {
       // The probe: a flag at 0 and a wait for >= 0, which the device passes at once.
       device_flag probe = allocate_flag();
@@ -614,10 +748,13 @@ private:
   }
 
   const int device_;
+  CUdevice cu_device_ = 0;
+  CUcontext ctx_ = nullptr; // the device's primary context, retained; null once released
 
   mutable std::mutex error_mu_;
   std::string sticky_;
   std::atomic<bool> sticky_set_{false};
+  std::atomic<bool> closing_{false}; // release() has begun: fallback waits give up
 
   std::mutex owned_mu_; // what the destructor frees
   std::unordered_set<cudaStream_t> streams_;
@@ -634,7 +771,12 @@ private:
   PFN_cuStreamWaitValue32_v11070 wait_value32_ = nullptr; // null: the host-function fallback
   PFN_cuGetErrorName_v6000 get_error_name_ = nullptr;
   PFN_cuGetErrorString_v6000 get_error_string_ = nullptr;
-  std::mutex flag_mu_; // the fallback's waits and write_flag's notify
+  PFN_cuCtxGetCurrent_v4000 ctx_get_ = nullptr;
+  PFN_cuCtxSetCurrent_v4000 ctx_set_ = nullptr;
+  PFN_cuDeviceGet_v2000 device_get_ = nullptr;
+  PFN_cuDevicePrimaryCtxRetain_v7000 primary_ctx_retain_ = nullptr;
+  PFN_cuDevicePrimaryCtxRelease_v11000 primary_ctx_release_ = nullptr;
+  std::mutex flag_mu_; // the fallback's waits, write_flag's notify, each flag's highest_wait
   std::condition_variable flag_cv_;
 };
 
@@ -642,9 +784,9 @@ private:
 
 bool cuda_device_available() noexcept {
   int count = 0;
-  const bool ok = cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
-  cudaGetLastError(); // "no device" or "no driver" is an answer, not an error to keep
-  return ok;
+  const cudaError_t rc = cudaGetDeviceCount(&count);
+  forget_own_error(rc); // "no device" or "no driver" is an answer, not an error to keep
+  return rc == cudaSuccess && count > 0;
 }
 
 std::unique_ptr<copy_engine> make_cuda_copy_engine(int device) {

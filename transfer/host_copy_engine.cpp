@@ -38,10 +38,14 @@ namespace {
 
 using detail::now_ns;
 
+// Records complete in their own streams' order, not in the order they were made: an event
+// recorded on two streams can see its later record complete first, and a wait for the
+// earlier one must still wait for it (CUDA's rule). So each record is tracked.
 struct event_impl {
-  std::uint64_t issued = 0;    // records enqueued
-  std::uint64_t completed = 0; // highest record completed
-  std::int64_t time_ns = 0;    // when the latest completed record ran
+  std::uint64_t issued = 0;                // records enqueued (generation of the latest)
+  std::set<std::uint64_t> outstanding;     // records enqueued, not yet reached by their stream
+  std::int64_t time_ns = 0;                // when the latest record ran
+  bool done(std::uint64_t generation) const { return outstanding.count(generation) == 0; }
 };
 
 struct flag_impl {
@@ -160,7 +164,8 @@ public:
     event_impl& ev = event(e, "record_event");
     stream_impl& st = stream(s, "record_event");
     throw_if_failed();
-    enqueue(st, record_op{&ev, ++ev.issued});
+    ev.outstanding.insert(++ev.issued);
+    enqueue(st, record_op{&ev, ev.issued});
   }
 
   void stream_wait_event(device_stream s, device_event e) override {
@@ -175,7 +180,7 @@ public:
     std::unique_lock<std::mutex> lock(mu_);
     event_impl& ev = event(e, "synchronize_event");
     const std::uint64_t gen = ev.issued;
-    cv_.wait(lock, [&] { return ev.completed >= gen || !error_.empty(); });
+    cv_.wait(lock, [&] { return ev.done(gen) || !error_.empty(); });
     throw_if_failed();
   }
 
@@ -183,14 +188,14 @@ public:
     std::lock_guard<std::mutex> lock(mu_);
     event_impl& ev = event(e, "event_done");
     throw_if_failed();
-    return ev.completed >= ev.issued;
+    return ev.done(ev.issued);
   }
 
   std::int64_t event_time_ns(device_event e) override {
     std::lock_guard<std::mutex> lock(mu_);
     event_impl& ev = event(e, "event_time_ns");
     throw_if_failed();
-    if (ev.issued == 0 || ev.completed < ev.issued)
+    if (ev.issued == 0 || !ev.done(ev.issued))
       throw std::invalid_argument(std::string("event_time_ns: the event ") +
                                   (ev.issued ? "has not completed yet" : "was never recorded"));
     return ev.time_ns;
@@ -294,7 +299,7 @@ private:
     const auto healthy = [&] { return error_.empty() && !shutdown_; };
     if (auto* w = std::get_if<wait_event_op>(&op)) {
       object = w->event;
-      cv_.wait(lock, [&] { return w->event->completed >= w->generation || !healthy(); });
+      cv_.wait(lock, [&] { return w->event->done(w->generation) || !healthy(); });
       return "wait event";
     }
     if (auto* w = std::get_if<wait_flag_op>(&op)) {
@@ -304,10 +309,8 @@ private:
     }
     if (auto* r = std::get_if<record_op>(&op)) {
       object = r->event;
-      if (r->generation > r->event->completed) { // completes even after a failure: nobody hangs
-        r->event->completed = r->generation;
-        r->event->time_ns = now_ns();
-      }
+      r->event->outstanding.erase(r->generation); // completes even after a failure: nobody hangs
+      if (r->generation == r->event->issued) r->event->time_ns = now_ns();
       return "record";
     }
     if (auto* c = std::get_if<copy_op>(&op)) {

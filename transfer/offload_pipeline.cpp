@@ -201,7 +201,8 @@ struct offload_pipeline::impl {
   std::deque<operation> queue; // front: the one running
   std::uint64_t next_chunk = 0;
   bool stop = false;
-  std::string device_failure; // sticky: the engine failed
+  std::string device_failure;     // sticky: the engine failed
+  bool lost_micro_batch = false;  // an accumulation failed: the next step must not apply
   pipeline_timeline current, last;
   std::thread worker;
 
@@ -260,12 +261,37 @@ struct offload_pipeline::impl {
     release_device_objects();
   }
 
-  void refuse_if_unusable() const { // with mu held
+  void refuse_if_unusable() { // with mu held
+    note_device_failure();
     if (!device_failure.empty()) throw std::logic_error("offload_pipeline is not usable: " + device_failure);
     if (!opt.usable()) throw std::logic_error("offload_pipeline is not usable: " + opt.failure_reason());
   }
 
+  // With mu held: a sticky device error makes the pipeline and the optimizer not usable
+  // (the device's copies of the parameters can no longer be trusted), once.
+  void note_device_failure() noexcept {
+    if (!device_failure.empty()) return;
+    try {
+      const std::string e = engine.sticky_error();
+      if (e.empty()) return;
+      device_failure = "device error: " + e;
+      opt.mark_unusable("offload pipeline: " + device_failure +
+                        " (restore a checkpoint, or reset_failure() if the state is known whole)");
+    } catch (...) {
+    }
+  }
+
   // The order's waits, enqueued first: a bad handle is refused before any work is queued.
+  static void check_order(const device_order& order) {
+    if (!order.grads_ready && !order.grads_stream)
+      throw std::invalid_argument("device_order: no gradient dependency: pass grads_ready (an event recorded after "
+                                  "the work that wrote the gradients) or grads_stream (the stream that wrote them)");
+    if (order.grads_ready && order.grads_stream)
+      throw std::invalid_argument("device_order: both grads_ready and grads_stream are set: pass one");
+    if (order.params_free && order.params_stream)
+      throw std::invalid_argument("device_order: both params_free and params_stream are set: pass one");
+  }
+
   void enqueue_order(const device_order& order, bool params) {
     const auto wait_on = [&](device_stream copy_stream, device_event ev, device_stream after) {
       if (ev) {
@@ -282,16 +308,10 @@ struct offload_pipeline::impl {
   }
 
   pipeline_handle submit(operation op, const device_order& order) {
-    if (!order.grads_ready && !order.grads_stream)
-      throw std::invalid_argument("device_order: no gradient dependency: pass grads_ready (an event recorded after "
-                                  "the work that wrote the gradients) or grads_stream (the stream that wrote them)");
+    check_order(order);
     std::unique_lock<std::mutex> lock(mu);
     cv.wait(lock, [&] { return queue.size() < max_queued; }); // documented: a fifth call waits
     refuse_if_unusable();
-    if (const std::string e = engine.sticky_error(); !e.empty()) {
-      device_failure = "device error: " + e;
-      refuse_if_unusable();
-    }
     op.handle = std::make_shared<pipeline_handle::state>();
     op.handle->events = pool->acquire();
     op.handle->writes_params = op.kind == op_kind::step;
@@ -301,9 +321,15 @@ struct offload_pipeline::impl {
     try {
       enqueue_device_work(op);
     } catch (const std::exception& e) { // only a device failure gets here: the device is lost
-      device_failure = std::string("device error while enqueueing: ") + e.what();
-      throw std::runtime_error("offload_pipeline: " + device_failure +
-                               "; nothing was updated: the optimizer state is unchanged");
+      note_device_failure();
+      if (device_failure.empty()) device_failure = std::string("device error while enqueueing: ") + e.what();
+      // Part of this operation's device work is queued: let every flag wait of it go.
+      try {
+        engine.write_flag(released, std::uint32_t(op.first_chunk + chunks));
+      } catch (...) {
+      }
+      throw std::runtime_error("offload_pipeline: the device failed while the operation was enqueued (" +
+                               std::string(e.what()) + "); nothing was updated: the optimizer state is unchanged");
     }
     next_chunk += chunks;
     queue.push_back(op);
@@ -313,9 +339,14 @@ struct offload_pipeline::impl {
 
   std::pair<std::size_t, std::size_t> range(std::size_t k) const { return {k * chunk, std::min(arena, (k + 1) * chunk)}; }
 
+  // Enqueued in the order the device runs it — copy-in of the first `depth` chunks, then
+  // for each chunk k its copy-out and the copy-in of k + depth — so that even where both
+  // copy streams share one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) every flag wait
+  // can be satisfied by work queued before it: a flag-gated copy never blocks work the
+  // CPU needs first (CUDA cannot see the dependency through the flag).
   void enqueue_device_work(const operation& op) {
     const op_events& ev = *op.handle->events;
-    for (std::size_t k = 0; k < chunks; ++k) {
+    const auto copy_in = [&](std::size_t k) {
       const std::uint64_t g = op.first_chunk + k;
       const auto [lo, hi] = range(k);
       if (g >= depth) engine.stream_wait_flag(in_stream, released, std::uint32_t(g - depth + 1));
@@ -323,10 +354,8 @@ struct offload_pipeline::impl {
       engine.copy_async(in_stream, copy_direction::to_host, grad_bufs[g % depth].data(),
                         static_cast<const char*>(op.grads) + lo * gsz, (hi - lo) * gsz);
       engine.record_event(ev.in_end[k], in_stream);
-    }
-    engine.record_event(ev.consumed, in_stream);
-    if (op.kind != op_kind::step) return;
-    for (std::size_t k = 0; k < chunks; ++k) {
+    };
+    const auto copy_out = [&](std::size_t k) {
       const std::uint64_t g = op.first_chunk + k;
       const auto [lo, hi] = range(k);
       engine.stream_wait_flag(out_stream, released, std::uint32_t(g + 1));
@@ -334,8 +363,14 @@ struct offload_pipeline::impl {
       engine.copy_async(out_stream, copy_direction::to_device, static_cast<char*>(op.params) + lo * psz,
                         param_bufs[g % depth].data(), (hi - lo) * psz);
       engine.record_event(ev.out_end[k], out_stream);
+    };
+    for (std::size_t k = 0; k < std::min(depth, chunks); ++k) copy_in(k);
+    for (std::size_t k = 0; k < chunks; ++k) {
+      if (op.kind == op_kind::step) copy_out(k);
+      if (k + depth < chunks) copy_in(k + depth);
     }
-    engine.record_event(ev.ready, out_stream);
+    engine.record_event(ev.consumed, in_stream);
+    if (op.kind == op_kind::step) engine.record_event(ev.ready, out_stream);
   }
 
   void run() {
@@ -351,8 +386,7 @@ struct offload_pipeline::impl {
       {
         std::lock_guard<std::mutex> lock(mu);
         std::swap(last, current); // published before the handle finishes
-        if (const std::string e = engine.sticky_error(); !e.empty() && device_failure.empty())
-          device_failure = "device error: " + e;
+        note_device_failure();
       }
       op.handle->finish(out.result, out.error);
       {
@@ -380,9 +414,12 @@ struct offload_pipeline::impl {
 
   outcome execute(const operation& op) {
     current.spans.clear();
-    current.start_ns = op.issued_ns;
     const outcome out = op.kind == op_kind::step ? execute_step(op) : execute_accumulate(op);
     current.end_ns = now_ns();
+    // The operation's wall starts with its first device copy, not at the call: waiting for
+    // the gradients' producer or for earlier operations is not the pipeline's time.
+    current.start_ns = current.end_ns;
+    for (const auto& span : current.spans) current.start_ns = std::min(current.start_ns, span.start_ns);
     return out;
   }
 
@@ -401,23 +438,40 @@ struct offload_pipeline::impl {
     engine.write_flag(released, std::uint32_t(g + 1));
   }
 
-  // After a skip or a failure: the remaining chunks [from, chunks) get the unchanged
-  // parameters (so the device buffer holds the optimizer's parameters, never a stale
-  // buffer) and are released. Stops at a device error: the device is lost anyway.
-  void release_rest(const operation& op, std::size_t from) noexcept {
+  // Lets every flag wait of the operation go at once (the data they release is not valid:
+  // only for a device that failed, or a fill that could not go on).
+  void release_all(const operation& op) noexcept {
     try {
+      engine.write_flag(released, std::uint32_t(op.first_chunk + chunks));
+    } catch (...) {
+    }
+  }
+
+  // After a skip or a failure: the remaining chunks [from, chunks) get the unchanged
+  // parameters (read while this thread's failed step may still be open), so the device
+  // buffer holds the optimizer's parameters, and are released. Returns false when some
+  // chunk could not be given valid parameters (the caller's message says push_params).
+  // Never leaves a flag wait of the operation blocked, whatever fails.
+  bool release_rest(const operation& op, std::size_t from) noexcept {
+    bool valid = true;
+    try {
+      if (!engine.sticky_error().empty()) throw std::runtime_error("device lost");
       for (std::size_t k = from; k < chunks; ++k)
         process_chunk(op, k, [&](std::size_t c, std::size_t slot) {
           if (op.kind != op_kind::step) return;
           const auto [lo, hi] = range(c);
           try {
             opt.read_params(lo, hi, param_bufs[slot].data(), options.param_type);
-          } catch (...) { // a poisoned optimizer: the message tells the caller to push_params
+          } catch (...) { // a poisoned optimizer with no step open: nothing valid to send
+            valid = false;
           }
         });
     } catch (...) {
+      valid = false;
+      release_all(op);
     }
     finish_copies(op, nullptr);
+    return valid || op.kind != op_kind::step;
   }
 
   // Waits for the last parameter copies (their buffers are reused by the next operation).
@@ -436,6 +490,14 @@ struct offload_pipeline::impl {
   }
 
   outcome execute_step(const operation& op) {
+    if (lost_micro_batch) { // never a step on part of its micro-batches
+      lost_micro_batch = false;
+      micro_batches = 0;
+      const bool valid = release_rest(op, 0);
+      return failed(std::string("offload step not applied: an accumulation before it failed, so its micro-batches "
+                                "are incomplete; the optimizer state is unchanged") +
+                    (valid ? "" : "; the device parameter buffer was not written with valid parameters: call push_params()"));
+    }
     const bool use_acc = micro_batches > 0;
     std::size_t updated = 0, k = 0;
     pipeline_stage stage = pipeline_stage::copy_in;
@@ -446,8 +508,9 @@ struct offload_pipeline::impl {
       const step_result begun = opt.begin_step({options.grad_type, true, options.param_type, use_acc, op.checks});
       if (!begun.applied) { // skipped by the checks: the device still gets (unchanged) parameters
         micro_batches = 0;  // a skipped step drops its accumulated micro-batches too
-        release_rest(op, 0);
+        const bool valid = release_rest(op, 0);
         if (const std::string e = engine.sticky_error(); !e.empty()) return failed("offload step: device error: " + e);
+        if (!valid) return failed("offload step skipped, but the device parameter buffer could not be rewritten");
         return {begun, nullptr};
       }
       begun_step = true;
@@ -489,8 +552,12 @@ struct offload_pipeline::impl {
         micro_batches = 0;
         return {opt.finish_step(), std::make_exception_ptr(std::runtime_error(msg))};
       }
+      // The chunks not updated get their unchanged parameters, read while this thread's
+      // step is still open (after abort_step a poisoned optimizer would refuse the read).
+      if (!release_rest(op, std::min(k, chunks)))
+        msg += "; the device parameter buffer was not written with valid parameters: call push_params() (after "
+               "restoring the state if the optimizer is not usable)";
       if (begun_step) opt.abort_step(msg); // poisons the optimizer when chunks were updated
-      if (device.empty()) release_rest(op, std::min(k, chunks));
       micro_batches = 0;
       return failed(msg);
     }
@@ -509,6 +576,7 @@ struct offload_pipeline::impl {
         process_chunk(op, k, [&](std::size_t c, std::size_t slot) {
           const auto [lo, hi] = range(c);
           stage = pipeline_stage::accumulate;
+          if (options.before_update) options.before_update(c);
           const std::int64_t t0 = now_ns();
           opt.accumulate_range(lo, hi, accumulator.data() + lo, grad_bufs[slot].data(), options.grad_type,
                                micro_batches == 0);
@@ -516,12 +584,14 @@ struct offload_pipeline::impl {
         });
       }
     } catch (const std::exception& e) {
-      if (engine.sticky_error().empty()) release_rest(op, std::min(k, chunks)); // chunk k was not released
+      release_rest(op, std::min(k, chunks)); // chunk k was not released
       const int lost = micro_batches;
       micro_batches = 0;
+      lost_micro_batch = true; // the step these micro-batches belong to must not apply
       return failed("offload accumulation failed at chunk " + std::to_string(k) + " (stage " + stage_name(stage) +
                     "): " + e.what() + "; the accumulator was reset, discarding " + std::to_string(lost) +
-                    " earlier micro-batch(es); the optimizer state is unchanged");
+                    " earlier micro-batch(es); the optimizer state is unchanged, and the next step will fail "
+                    "instead of applying without them");
     }
     ++micro_batches;
     step_result r;
@@ -585,7 +655,7 @@ void offload_pipeline::push_params(mut_view device_params) {
       s.engine.synchronize_event(s.push_event); // the buffer is reused by the next chunk
     }
   } catch (...) {
-    if (const std::string e = s.engine.sticky_error(); !e.empty()) s.device_failure = "device error: " + e;
+    s.note_device_failure();
     throw;
   }
 }
@@ -602,11 +672,13 @@ int offload_pipeline::accumulated_micro_batches() const {
 
 bool offload_pipeline::usable() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->note_device_failure();
   return impl_->device_failure.empty() && impl_->opt.usable();
 }
 
 std::string offload_pipeline::failure_reason() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->note_device_failure();
   return impl_->device_failure.empty() ? impl_->opt.failure_reason() : impl_->device_failure;
 }
 

@@ -27,10 +27,13 @@ enum class copy_direction : std::uint8_t {
 };
 
 /// A stream: device work runs in the order it was enqueued. On the CUDA engine `handle`
-/// is a cudaStream_t, so a trainer may pass its own streams.
+/// is a cudaStream_t, so a trainer may pass its own streams. A null handle means "no
+/// stream": CUDA's legacy default stream (torch's default, whose cuda_stream is 0) is
+/// cuda_legacy_default() (cudaStreamLegacy).
 struct device_stream {
   void* handle = nullptr;
   explicit operator bool() const noexcept { return handle != nullptr; }
+  static device_stream cuda_legacy_default() noexcept { return {reinterpret_cast<void*>(std::uintptr_t(1))}; }
 };
 
 /// An event: marks a point in a stream. As in CUDA, a wait (by a stream or the host) is

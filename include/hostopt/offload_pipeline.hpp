@@ -24,8 +24,8 @@ struct pipeline_options {
   int depth = 2;                                  ///< pinned buffers per direction, in [2, 64]
   dtype grad_type = dtype::f32;                   ///< dtype of the device gradients
   dtype param_type = dtype::bf16;                 ///< dtype of the device parameters written back
-  /// Test hook, called on the pipeline thread before chunk k is updated; an exception it
-  /// throws fails that update (fault injection).
+  /// Test hook, called on the pipeline thread before chunk k is updated (or accumulated);
+  /// an exception it throws fails that update (fault injection).
   std::function<void(std::size_t chunk)> before_update;
 };
 
