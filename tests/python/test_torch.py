@@ -126,3 +126,165 @@ def test_parameters_without_grad_are_skipped_and_unsupported_options_refused():
     htorch.AdamW([a], amsgrad=True)
   with pytest.raises(ValueError, match="Invalid learning rate"):
     htorch.Adam([a], lr=-1)
+
+
+def test_a_parameter_whose_first_gradient_arrives_late_starts_at_step_1_like_torch():
+  # Unfreezing (or add_param_group): torch counts steps per parameter.
+  ours = [torch.nn.Parameter(torch.full((6,), 0.9)), torch.nn.Parameter(torch.full((3,), 0.9))]
+  theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+  oo, ot = htorch.AdamW(ours, lr=0.1), torch.optim.AdamW(theirs, lr=0.1)
+  g = torch.Generator().manual_seed(1)
+  for step in range(8):
+    grads = [torch.randn(6, generator=g), torch.randn(3, generator=g)]
+    for params in (ours, theirs):
+      params[0].grad = grads[0].clone()
+      params[1].grad = grads[1].clone() if step >= 5 else None
+    oo.step()
+    ot.step()
+  for a, b in zip(ours, theirs):
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+  assert [float(oo.state[p]["step"]) for p in ours] == [8.0, 3.0]
+  assert [float(ot.state[p]["step"]) for p in theirs] == [8.0, 3.0]
+
+
+def test_per_parameter_steps_load_from_torch_and_back():
+  ours = [torch.nn.Parameter(torch.ones(5)), torch.nn.Parameter(torch.ones(4))]
+  theirs = [torch.nn.Parameter(torch.ones(5)), torch.nn.Parameter(torch.ones(4))]
+  ot = torch.optim.Adam(theirs, lr=0.05)
+  g = torch.Generator().manual_seed(2)
+  for step in range(5):
+    theirs[0].grad = torch.randn(5, generator=g)
+    theirs[1].grad = torch.randn(4, generator=g) if step >= 3 else None
+    ot.step()
+  assert [float(ot.state[p]["step"]) for p in theirs] == [5.0, 2.0]
+  for a, b in zip(ours, theirs):
+    a.data.copy_(b.detach())
+  oo = htorch.Adam(ours, lr=0.05)
+  oo.load_state_dict(ot.state_dict())
+  assert [float(oo.state[p]["step"]) for p in ours] == [5.0, 2.0]
+  for _ in range(3):
+    grads = [torch.randn(5, generator=g), torch.randn(4, generator=g)]
+    for params in (ours, theirs):
+      for p, gr in zip(params, grads):
+        p.grad = gr.clone()
+    oo.step()
+    ot.step()
+  for a, b in zip(ours, theirs):
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+  back = torch.optim.Adam([torch.nn.Parameter(p.detach().clone()) for p in ours], lr=0.05)
+  back.load_state_dict(oo.state_dict())
+  assert [float(s["step"]) for s in back.state_dict()["state"].values()] == [8.0, 5.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_replaced_or_rewritten_parameters_are_adopted_like_torch(dtype):
+  # torch.optim reads p each step; hostopt must notice p.data replaced (re-init, EMA swap,
+  # load_state_dict(assign=True)) and in-place writes to 16-bit parameters (load_state_dict).
+  ours, theirs = torch.nn.Linear(4, 3).to(dtype), torch.nn.Linear(4, 3).to(dtype)
+  theirs.load_state_dict(ours.state_dict())
+  master = torch.nn.Linear(4, 3)  # torch's reference keeps f32 masters of 16-bit params by hand
+  master.load_state_dict({k: v.float() for k, v in ours.state_dict().items()})
+  oo = htorch.AdamW(ours.parameters(), lr=0.05)
+  ot = torch.optim.AdamW(master.parameters(), lr=0.05)
+  g = torch.Generator().manual_seed(4)
+
+  def step():
+    x = torch.randn(8, 4, generator=g)
+    for model in (ours, master):
+      model.zero_grad()
+      xin = x.to(dtype) if model is ours else x.to(dtype).float()
+      model(xin).float().pow(2).mean().backward()
+    for po, pm in zip(ours.parameters(), master.parameters()):
+      pm.grad = po.grad.float()  # the same gradients (hostopt reads them in the param's dtype)
+    oo.step()
+    ot.step()
+
+  step()
+  # Replace .data of the weight, write the bias in place (as model.load_state_dict does).
+  new_w = torch.full((3, 4), 0.25, dtype=dtype)
+  ours.weight.data = new_w.clone()
+  master.weight.data = new_w.float()
+  with torch.no_grad():
+    ours.bias.copy_(torch.full((3,), -0.5, dtype=dtype))
+    master.bias.copy_(torch.full((3,), -0.5))
+  step()
+  step()
+  for po, pm in zip(ours.parameters(), master.parameters()):
+    torch.testing.assert_close(po.float(), pm.to(dtype).float(), rtol=0, atol=float(torch.finfo(dtype).eps) * 4)
+  assert ours.weight.dtype == dtype
+
+
+def test_model_to_dtype_round_trips_keep_training():
+  model = torch.nn.Linear(3, 2)
+  opt = htorch.AdamW(model.parameters(), lr=0.1)
+  for dt in (torch.float32, torch.bfloat16, torch.float32):
+    model.to(dt)
+    before = [p.detach().clone() for p in model.parameters()]
+    model.zero_grad()
+    model(torch.ones(4, 3, dtype=dt)).float().sum().backward()
+    opt.step()
+    for b, p in zip(before, model.parameters()):
+      assert p.dtype == dt
+      assert not torch.equal(b, p.detach()), "a parameter stopped training after model.to()"
+
+
+def test_bf16_master_weights_are_in_the_state_dict_and_resume_is_bit_exact():
+  torch.manual_seed(0)
+  init = torch.randn(500).to(torch.bfloat16)
+  a = torch.nn.Parameter(init.clone())
+  oa = htorch.AdamW([a], lr=1e-2)
+  g = torch.Generator().manual_seed(5)
+  grads = [torch.randn(500, generator=g).to(torch.bfloat16) for _ in range(20)]
+  for gr in grads[:10]:
+    a.grad = gr.clone()
+    oa.step()
+  sd = oa.state_dict()
+  assert sd["state"][0]["master_param"].dtype == torch.float32
+  saved_param = a.detach().clone()
+  b = torch.nn.Parameter(saved_param.clone())
+  ob = htorch.AdamW([b], lr=1e-2)
+  ob.load_state_dict(sd)
+  for gr in grads[10:]:
+    a.grad, b.grad = gr.clone(), gr.clone()
+    oa.step()
+    ob.step()
+  assert torch.equal(a.detach(), b.detach())
+  assert torch.equal(oa.state[a]["master_param"], ob.state[b]["master_param"])
+  assert torch.equal(oa.state[a]["exp_avg_sq"], ob.state[b]["exp_avg_sq"])
+
+
+def test_state_dict_hands_out_copies_so_loading_optimizers_never_share_the_arena():
+  p = torch.nn.Parameter(torch.ones(6))
+  opt = htorch.AdamW([p], lr=0.1)
+  p.grad = torch.ones(6)
+  opt.step()
+  sd = opt.state_dict()
+  sd["state"][0]["exp_avg"].fill_(123.0)
+  assert float(opt.state[p]["exp_avg"][0]) != 123.0
+  q = torch.nn.Parameter(p.detach().clone())
+  other = torch.optim.AdamW([q], lr=0.1)
+  other.load_state_dict(opt.state_dict())
+  q.grad = torch.ones(6)
+  before = opt.state[p]["exp_avg"].clone()
+  other.step()
+  assert torch.equal(opt.state[p]["exp_avg"], before)
+
+
+def test_maximize_matches_torch_and_foreach_fused_are_accepted():
+  ours, theirs = make_model(), make_model()
+  oo = htorch.Adam(groups_of(ours, wd=0.05), lr=1e-2, maximize=True, foreach=True, fused=False)
+  ot = torch.optim.Adam(groups_of(theirs, wd=0.05), lr=1e-2, maximize=True)
+  train(ours, oo, 20)
+  train(theirs, ot, 20)
+  for a, b in zip(ours.parameters(), theirs.parameters()):
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+  with pytest.raises(ValueError, match="capturable"):
+    htorch.AdamW(ours.parameters(), capturable=True)
+
+
+def test_default_threads_are_the_physical_cores():
+  import os
+  n = htorch.default_threads()
+  assert 1 <= n <= len(os.sched_getaffinity(0))
+  assert htorch.AdamW([torch.nn.Parameter(torch.ones(2))])._threads == n
+  assert htorch.AdamW([torch.nn.Parameter(torch.ones(2))], threads=1)._threads == 1
