@@ -40,8 +40,10 @@ dtype dtype_from(const std::string& what, const std::string& name) {
 // kind is checked, not only the size: int32 is not f32, float16 is not bf16.
 bool holds(const py::dtype& d, dtype t) {
   if (!d.attr("isnative").cast<bool>()) return false; // big-endian data would be read as garbage
-  const char kind = d.kind();
-  const std::size_t size = std::size_t(d.itemsize());
+  // Read through Python: pybind11 < 2.12 reads PyArray_Descr's fields directly, and
+  // numpy 2 moved them (Debian's pybind11 would see a wrong itemsize under numpy 2).
+  const char kind = py::str(d.attr("kind")).cast<std::string>()[0];
+  const std::size_t size = d.attr("itemsize").cast<std::size_t>();
   switch (t) {
   case dtype::f32: return kind == 'f' && size == 4;
   case dtype::f16: return kind == 'f' && size == 2;
