@@ -648,6 +648,8 @@ source_file open_source(const std::string& path, std::span<const segment> segs, 
       src.lags[i] = src.step - t;
     }
     if (found != own.size()) fail(path, "__metadata__ 'tensor_steps' names a tensor the layout does not have");
+    if (std::all_of(src.lags.begin(), src.lags.end(), [](std::int64_t x) { return x == 0; }))
+      src.lags.clear(); // every tensor at the shared count: the same as no entry
   }
   for (std::size_t g = 0; g < src.configs.size(); ++g) {
     try {

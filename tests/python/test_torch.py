@@ -288,3 +288,117 @@ def test_default_threads_are_the_physical_cores():
   assert 1 <= n <= len(os.sched_getaffinity(0))
   assert htorch.AdamW([torch.nn.Parameter(torch.ones(2))])._threads == n
   assert htorch.AdamW([torch.nn.Parameter(torch.ones(2))], threads=1)._threads == 1
+
+
+def _reference_pair(make, lr=0.1, **kw):
+  a, b = make(), make()
+  b.data.copy_(a.detach())
+  return a, b, htorch.AdamW([a], lr=lr, **kw), torch.optim.AdamW([b], lr=lr, **kw)
+
+
+def test_writes_to_opt_state_take_effect_as_in_torch():
+  for edit in ("replace", "delete", "clear", "step"):
+    a, b, oa, ob = _reference_pair(lambda: torch.nn.Parameter(torch.ones(5)))
+    for _ in range(2):
+      a.grad, b.grad = torch.ones(5), torch.ones(5)
+      oa.step()
+      ob.step()
+    for opt, p in ((oa, a), (ob, b)):
+      if edit == "replace":
+        opt.state[p]["exp_avg"] = torch.zeros(5)
+      elif edit == "delete":
+        del opt.state[p]
+      elif edit == "clear":
+        opt.state.clear()
+      else:
+        opt.state[p]["step"] = torch.tensor(0.0)
+    for _ in range(2):
+      a.grad, b.grad = torch.full((5,), -0.5), torch.full((5,), -0.5)
+      oa.step()
+      ob.step()
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=edit)
+    assert float(oa.state[a]["step"]) == float(ob.state[b]["step"]), edit
+
+
+def test_shared_memory_and_channels_last_parameters_keep_training():
+  a, b, oa, ob = _reference_pair(lambda: torch.nn.Parameter(torch.ones(5)))
+  a.grad, b.grad = torch.ones(5), torch.ones(5)
+  oa.step()
+  ob.step()
+  a.share_memory_()
+  with pytest.warns(UserWarning, match="shared memory"):
+    for _ in range(3):
+      a.grad, b.grad = torch.ones(5), torch.ones(5)
+      oa.step()
+      ob.step()
+  torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+  for dtype in (torch.float32, torch.bfloat16):
+    conv = torch.nn.Conv2d(3, 4, 3).to(dtype=dtype, memory_format=torch.channels_last)
+    ref = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    ref.load_state_dict({k: v.float() for k, v in conv.state_dict().items()})
+    ours, theirs = htorch.AdamW(conv.parameters(), lr=0.01), torch.optim.AdamW(ref.parameters(), lr=0.01)
+    x = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
+    for _ in range(3):
+      conv.zero_grad()
+      ref.zero_grad()
+      conv(x.to(dtype)).float().sum().backward()
+      for pc, pr in zip(conv.parameters(), ref.parameters()):
+        pr.grad = pc.grad.float()
+      ours.step()
+      theirs.step()
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(conv.weight.float(), ref.weight.to(dtype).float(), rtol=0,
+                               atol=float(torch.finfo(dtype).eps) * 4)
+
+
+def test_resume_is_exact_whichever_is_loaded_first_model_or_optimizer():
+  torch.manual_seed(1)
+  init = torch.randn(300).to(torch.bfloat16)
+  a = torch.nn.Parameter(init.clone())
+  oa = htorch.AdamW([a], lr=1e-2)
+  g = torch.Generator().manual_seed(6)
+  grads = [torch.randn(300, generator=g).to(torch.bfloat16) for _ in range(8)]
+  for gr in grads[:4]:
+    a.grad = gr.clone()
+    oa.step()
+  sd, saved = oa.state_dict(), a.detach().clone()
+  b = torch.nn.Parameter(torch.zeros(300, dtype=torch.bfloat16))
+  ob = htorch.AdamW([b], lr=1e-2)
+  ob.load_state_dict(sd)  # the optimizer first, then the model (copy_ into the parameter)
+  with torch.no_grad():
+    b.copy_(saved)
+  for gr in grads[4:]:
+    a.grad, b.grad = gr.clone(), gr.clone()
+    oa.step()
+    ob.step()
+  assert torch.equal(a.detach(), b.detach())
+
+
+def test_unsupported_saved_groups_duplicates_and_copies():
+  p = torch.nn.Parameter(torch.ones(3))
+  theirs = torch.optim.Adam([torch.nn.Parameter(torch.ones(3))], amsgrad=True)
+  with pytest.raises(ValueError, match="amsgrad=True"):
+    htorch.Adam([p]).load_state_dict(theirs.state_dict())
+  with pytest.raises(ValueError, match="appears twice"), pytest.warns(UserWarning, match="duplicate"):
+    o = htorch.Adam([p, p])  # torch itself only warns
+    p.grad = torch.ones(3)
+    o.step()
+  o = htorch.Adam([p], lr=0.1)
+  p.grad = torch.ones(3)
+  o.step()
+  clone = copy.deepcopy(o)  # a working optimizer of its own (torch's deepcopy semantics)
+  clone.step()
+  assert float(o.state[p]["step"]) == 1.0
+
+
+def test_decoupled_weight_decay_groups_follow_torch():
+  if "decoupled_weight_decay" not in torch.optim.Adam.__init__.__code__.co_varnames:
+    pytest.skip("this torch has no decoupled_weight_decay")
+  a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+  oa = htorch.Adam([{"params": [a], "decoupled_weight_decay": True}], lr=0.1, weight_decay=0.5)
+  ob = torch.optim.Adam([{"params": [b], "decoupled_weight_decay": True}], lr=0.1, weight_decay=0.5)
+  for _ in range(3):
+    a.grad, b.grad = torch.ones(4), torch.ones(4)
+    oa.step()
+    ob.step()
+  torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -13,9 +13,18 @@ master weights in the arena (``state[p]["master_param"]``, saved and loaded exac
 ``state_dict``) and receive the rounded result in the same fused pass.
 
 Parameters stay correct whatever the user does to them: before each step, a parameter whose
-``.data`` was replaced (re-initialised, ``load_state_dict(assign=True)``, ``model.to(...)``,
-``share_memory_()``) or, for 16-bit parameters, written in place (``load_state_dict``) is
-adopted — its values become the master weights.
+``.data`` was replaced (re-initialised, EMA swap, ``model.to(...)``, ``share_memory_()``) or,
+for 16-bit parameters, written in place through the parameter (``model.load_state_dict``,
+``copy_`` under ``no_grad``) is adopted — its values become the master weights, unless the
+f32 master already rounds to them (so a resume that loads the model after the optimizer
+stays exact). Writes through ``p.data`` to a 16-bit parameter bypass torch's version counter
+and are not seen: write through ``p`` itself, or call ``adopt_params()``. A parameter moved to
+shared memory is adopted back into the arena (sharing is not kept). Writes to
+``opt.state`` (replacing or deleting ``exp_avg``, ``exp_avg_sq``, ``step``, ``master_param``)
+take effect at the next step, as in torch. Gradients and parameters in any dense layout
+(``channels_last`` included) are read in their memory order; a gradient whose layout differs
+from its parameter's is copied once into the parameter's layout. Duplicate parameters are
+refused (torch warns and applies them twice).
 
 ``foreach`` and ``fused`` are accepted for compatibility and change nothing: hostopt's step is
 always one fused pass. ``amsgrad``, ``capturable`` and ``differentiable`` are refused.
@@ -24,6 +33,7 @@ Threads: all physical cores of the process's CPU set unless ``threads=`` says ot
 """
 
 import os
+import warnings
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
@@ -59,18 +69,54 @@ def default_threads() -> int:
   return max(1, len(cores))
 
 
-class _Tracked:
-  """What hostopt knows of one parameter: where its master lives and what the parameter's
-  storage looked like after hostopt last wrote it (to notice the user's replacements)."""
-  __slots__ = ("param", "master", "ptr", "version", "dtype", "shape")
+def _dense_order(t: torch.Tensor) -> bool:
+  """Whether t's elements fill its memory without gaps or overlaps (any dim order)."""
+  if t.numel() == 0:
+    return True
+  expected = 1
+  for size, stride in sorted(zip(t.shape, t.stride()), key=lambda x: x[1]):
+    if size == 1:
+      continue
+    if stride != expected:
+      return False
+    expected *= size
+  return True
 
-  def __init__(self, param: torch.Tensor, master: torch.Tensor):
-    self.param, self.master = param, master
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+  """A 1-D view of a dense tensor's elements in memory order (no copy)."""
+  if t.is_contiguous():
+    return t.reshape(-1)
+  return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+def _arena_view(flat: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+  """The arena slice `flat` viewed with `like`'s shape and memory layout."""
+  t = torch.from_numpy(flat)
+  if like.is_contiguous() or not _dense_order(like):
+    return t.view(like.shape)
+  return t.as_strided(like.shape, like.stride())
+
+
+class _Tracked:
+  """What hostopt knows of one parameter: its arena slices, the tensors it handed out (the
+  master, the moments, the step) and what the parameter's storage looked like after
+  hostopt last wrote it (to notice the user's replacements)."""
+  __slots__ = ("param", "flat", "master", "m", "v", "step", "ptr", "version", "dtype", "shape", "stride")
+
+  def __init__(self, param, flat, master, m, v, step):
+    self.param, self.flat, self.master, self.m, self.v, self.step = param, flat, master, m, v, step
     self.remember()
 
   def remember(self) -> None:
     p = self.param
-    self.ptr, self.version, self.dtype, self.shape = p.data_ptr(), p._version, p.dtype, tuple(p.shape)
+    self.ptr, self.version, self.dtype = p.data_ptr(), p._version, p.dtype
+    self.shape, self.stride = tuple(p.shape), tuple(p.stride())
+
+
+def _rounds_to(master: torch.Tensor, p: torch.Tensor) -> bool:
+  """Whether the f32 master still stands for the 16-bit parameter (rounds to its values)."""
+  return tuple(master.shape) == tuple(p.shape) and torch.equal(master.detach().to(p.dtype), p.detach())
 
 
 class _HostAdam(torch.optim.Optimizer):
@@ -79,7 +125,7 @@ class _HostAdam(torch.optim.Optimizer):
   def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                amsgrad: bool = False, *, foreach: Optional[bool] = None, maximize: bool = False,
                capturable: bool = False, differentiable: bool = False, fused: Optional[bool] = None,
-               threads: Optional[int] = None):
+               decoupled_weight_decay: Optional[bool] = None, threads: Optional[int] = None):
     # torch's own checks and messages.
     if not 0.0 <= lr:
       raise ValueError(f"Invalid learning rate: {lr}")
@@ -95,43 +141,66 @@ class _HostAdam(torch.optim.Optimizer):
       raise ValueError("amsgrad=True is not supported by hostopt (its max(v) state breaks the single pass)")
     if capturable or differentiable:
       raise ValueError("capturable/differentiable are CUDA-graph/autograd features hostopt does not offer")
+    if decoupled_weight_decay is None:
+      decoupled_weight_decay = self._mode == "adamw"
     defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False, foreach=foreach,
-                    maximize=bool(maximize), capturable=False, differentiable=False, fused=fused)
+                    maximize=bool(maximize), capturable=False, differentiable=False, fused=fused,
+                    decoupled_weight_decay=bool(decoupled_weight_decay))
     self._threads = default_threads() if threads is None else int(threads)
     self._layout = None  # set by _build
     super().__init__(params, defaults)
 
+  def __setstate__(self, state: dict) -> None:  # copy.deepcopy, pickle
+    super().__setstate__(state)
+    self.__dict__.setdefault("_threads", default_threads())
+    self._layout = None
+
+  @staticmethod
+  def _refuse_unsupported(group: dict, where: str) -> None:
+    for key in ("amsgrad", "capturable", "differentiable"):
+      if group.get(key):
+        raise ValueError(f"{where} has {key}=True: not supported by hostopt (amsgrad's max(v) state breaks the "
+                         "single pass; capturable/differentiable are CUDA-graph/autograd features)")
+
   # --- layout -------------------------------------------------------------------------
   def add_param_group(self, param_group: dict) -> None:
-    for key in ("amsgrad", "capturable", "differentiable"):
-      if param_group.get(key):
-        raise ValueError(f"param group with {key}=True: not supported by hostopt")
+    self._refuse_unsupported(param_group, "param group")
     super().add_param_group(param_group)
     self._layout = None  # rebuilt, with the state kept, on the next step
 
   def _config(self, group: dict) -> dict:
+    # torch 2's Adam(decoupled_weight_decay=True) is AdamW; a group says which it is.
+    decoupled = bool(group.get("decoupled_weight_decay", self._mode == "adamw"))
     return {"lr": float(group["lr"]), "beta1": float(group["betas"][0]), "beta2": float(group["betas"][1]),
-            "eps": float(group["eps"]), "weight_decay": float(group["weight_decay"]), "mode": self._mode,
-            "maximize": bool(group.get("maximize", False))}
+            "eps": float(group["eps"]), "weight_decay": float(group["weight_decay"]),
+            "mode": "adamw" if decoupled else "adam", "maximize": bool(group.get("maximize", False))}
 
   def _build(self) -> None:
     """One hostopt optimizer per parameter dtype (stepped together), holding the master
     weights, moments and each parameter's own step count."""
     by_dtype: Dict[str, list] = {}
+    seen = set()
     for gi, group in enumerate(self.param_groups):
       for pi, p in enumerate(group["params"]):
+        where = f"param_groups[{gi}]['params'][{pi}]"
+        if id(p) in seen:
+          raise ValueError(f"{where} appears twice in the optimizer: duplicate parameters are refused (torch.optim "
+                           "warns and applies them twice)")
+        seen.add(id(p))
         if p.device.type != "cpu":
-          raise ValueError(f"param_groups[{gi}]['params'][{pi}] is on {p.device}: hostopt.torch steps CPU "
-                           "parameters (CUDA parameters need the offload pipeline, which it does not drive yet)")
+          raise ValueError(f"{where} is on {p.device}: hostopt.torch steps CPU parameters (CUDA parameters need "
+                           "the offload pipeline, which it does not drive yet)")
         if p.dtype not in _TAGS:
-          raise TypeError(f"param_groups[{gi}]['params'][{pi}] has dtype {p.dtype}: expected float32, bfloat16 or "
-                          "float16")
+          raise TypeError(f"{where} has dtype {p.dtype}: expected float32, bfloat16 or float16")
+        if not _dense_order(p):
+          raise ValueError(f"{where} is a strided view with gaps or overlaps (strides {tuple(p.stride())}): "
+                           "hostopt keeps each parameter in one dense slice")
         by_dtype.setdefault(_TAGS[p.dtype], []).append((gi, p))
     layout = {}
     for tag, entries in by_dtype.items():
       groups = [{"config": self._config(g), "tensors": []} for g in self.param_groups]
       for k, (gi, p) in enumerate(entries):
-        groups[gi]["tensors"].append((f"{gi}.{k}", list(p.shape)))
+        groups[gi]["tensors"].append((f"{gi}.{k}", [p.numel()]))
       core = _core.Optimizer(groups, self._threads, "")
       segs = {s[0]: (i, s) for i, s in enumerate(core.segments())}
       flat_p, flat_m, flat_v = core.params(), core.exp_avg(), core.exp_avg_sq()
@@ -139,16 +208,16 @@ class _HostAdam(torch.optim.Optimizer):
       seg_steps = [0] * len(segs)
       tracked, seg_of = [], []
       for k, (gi, p) in enumerate(entries):
-        si, (_, shape, off, size, _) = segs[f"{gi}.{k}"]
-        mp = flat_p[off:off + size]
+        si, (_, _, off, size, _) = segs[f"{gi}.{k}"]
         st = self.state[p]
-        master = torch.from_numpy(mp).view(p.shape)
-        if p.dtype != torch.float32 and _MASTER in st and tuple(st[_MASTER].shape) == tuple(p.shape):
-          master.copy_(st[_MASTER])  # exact f32 masters from a checkpoint or an earlier layout
+        mp = flat_p[off:off + size]
+        master = _arena_view(mp, p)
+        saved = st.get(_MASTER)
+        if p.dtype != torch.float32 and torch.is_tensor(saved) and _rounds_to(saved, p):
+          master.copy_(saved)  # exact f32 masters (a checkpoint, an earlier layout) that still fit p
         else:
           master.copy_(p.detach())
-        m = torch.from_numpy(flat_m[off:off + size]).view(p.shape)
-        v = torch.from_numpy(flat_v[off:off + size]).view(p.shape)
+        m, v = _arena_view(flat_m[off:off + size], p), _arena_view(flat_v[off:off + size], p)
         for key, view in zip(_MOMENTS, (m, v)):
           if key in st:  # keep state across rebuilds and loads
             if st[key].numel() != view.numel():
@@ -157,40 +226,100 @@ class _HostAdam(torch.optim.Optimizer):
             view.copy_(st[key].reshape(p.shape))
           st[key] = view
         seg_steps[si] = int(st["step"]) if "step" in st else 0
-        st["step"] = torch.from_numpy(steps[k:k + 1]).reshape(())
+        step = torch.from_numpy(steps[k:k + 1]).reshape(())
+        st["step"] = step
         if p.dtype == torch.float32:
           p.data = master  # the parameter is the master weight
           st.pop(_MASTER, None)
         else:
           st[_MASTER] = master
-        tracked.append(_Tracked(p, master))
+        tracked.append(_Tracked(p, mp, master, m, v, step))
         seg_of.append(si)
       core.tensor_steps = seg_steps
       steps[:] = [seg_steps[si] for si in seg_of]
-      layout[tag] = (core, tracked, steps, seg_of)
+      layout[tag] = [core, tracked, steps, seg_of, steps.tolist()]
     self._layout = layout
     self._applied = {}  # (dtype, group) -> config last given to the core
     self._views = {}  # (dtype, index) -> (grad tensor, data_ptr, numpy view), reused while unchanged
 
-  def _adopt_user_changes(self) -> None:
-    """Parameters the user replaced or wrote since the last step become the masters."""
-    rebuild = False
-    for core, tracked, _, _ in self._layout.values():
+  def adopt_params(self) -> None:
+    """Takes every parameter's current values as the master weights (after writes the
+    optimizer cannot see, e.g. through ``p.data`` of a 16-bit parameter)."""
+    if self._layout is None:
+      return
+    for _, tracked, _, _, _ in self._layout.values():
       for t in tracked:
+        t.master.copy_(t.param.detach())
+        t.remember()
+
+  def _adopt_user_changes(self) -> None:
+    """Parameters and state the user replaced or wrote since the last step take effect."""
+    rebuild = False
+    for layout in self._layout.values():
+      core, tracked, steps, seg_of, known = layout
+      for k, t in enumerate(tracked):
         p = t.param
         if p.dtype != t.dtype or tuple(p.shape) != t.shape:
           if tuple(p.shape) != t.shape:
             raise ValueError(f"a parameter changed shape from {t.shape} to {tuple(p.shape)} after it was given to "
                              "the optimizer: its moments no longer fit (make a new optimizer, or load a state)")
-          self.state[p].pop(_MASTER, None)  # another dtype: its values are the new masters
-          rebuild = True
-        elif p.data_ptr() != t.ptr or (p.dtype != torch.float32 and p._version != t.version):
-          t.master.copy_(p.detach())
+          rebuild = True  # another dtype: _build keeps the masters only if they still fit
+        elif p.data_ptr() != t.ptr or tuple(p.stride()) != t.stride:
           if p.dtype == torch.float32:
-            p.data = t.master  # back into the arena, with the values the user gave it
+            if p.is_shared():
+              warnings.warn("hostopt.torch: a parameter was moved to shared memory; its values are adopted back "
+                            "into hostopt's arena, so it is no longer shared", stacklevel=3)
+            fresh = _arena_view(t.flat, p)  # back into the arena, with the values the user gave it
+            fresh.copy_(p.detach())
+            p.data = fresh
+            t.master = fresh
+          elif not _rounds_to(t.master, p):
+            t.master.copy_(p.detach())
           t.remember()
+        elif p.dtype != torch.float32 and p._version != t.version:
+          if not _rounds_to(t.master, p):  # the same values (a resume) keep the exact master
+            t.master.copy_(p.detach())
+          t.remember()
+        st = self.state[p]
+        if st.get("exp_avg") is not t.m or st.get("exp_avg_sq") is not t.v or st.get("step") is not t.step or (
+            p.dtype != torch.float32 and st.get(_MASTER) is not t.master):
+          self._take_state(t, st, steps, k)
+      if steps.tolist() != known:  # a step count written in place or replaced
+        counts = core.tensor_steps
+        for k, si in enumerate(seg_of):
+          counts[si] = int(steps[k])
+        core.tensor_steps = counts
+        layout[4] = steps.tolist()
     if rebuild:
       self._build()
+
+  @staticmethod
+  def _take_state(t: _Tracked, st: dict, steps: np.ndarray, k: int) -> None:
+    """The user replaced or deleted entries of opt.state[p]: as torch, they are the state."""
+    for key, view in zip(_MOMENTS, (t.m, t.v)):
+      value = st.get(key)
+      if value is view:
+        continue
+      if value is None:
+        view.zero_()
+      elif value.numel() != view.numel():
+        raise ValueError(f"opt.state[p][{key!r}] has {value.numel()} elements, the parameter {view.numel()}")
+      else:
+        view.copy_(value.reshape(view.shape))
+      st[key] = view
+    if st.get("step") is not t.step:
+      value = st.get("step")
+      steps[k] = 0 if value is None else float(value)
+      st["step"] = t.step
+    if t.param.dtype != torch.float32 and st.get(_MASTER) is not t.master:
+      value = st.get(_MASTER)
+      if torch.is_tensor(value) and value.numel() == t.master.numel():
+        t.master.copy_(value.reshape(t.master.shape))
+      st[_MASTER] = t.master
+
+  def zero_grad(self, *args, **kwargs):
+    self._views = {}  # the cached views must not keep freed gradients alive
+    return super().zero_grad(*args, **kwargs)
 
   # --- the step -----------------------------------------------------------------------
   @torch.no_grad()
@@ -205,7 +334,7 @@ class _HostAdam(torch.optim.Optimizer):
     else:
       self._adopt_user_changes()
     configs = [self._config(g) for g in self.param_groups]  # lr schedulers and edits take effect here
-    for tag, (core, tracked, steps, seg_of) in self._layout.items():
+    for tag, (core, tracked, steps, seg_of, _) in self._layout.items():
       for gi, cfg in enumerate(configs):
         if self._applied.get((tag, gi)) != cfg:
           core.set_group_config(gi, cfg)
@@ -224,19 +353,22 @@ class _HostAdam(torch.optim.Optimizer):
         else:
           if g.is_sparse:
             raise RuntimeError("hostopt.torch does not support sparse gradients")
-          if g.dtype != p.dtype:
-            g = g.to(p.dtype)  # a gradient in another dtype than its parameter: one conversion
-          view = as_buffer(g, f"grad of parameter {i}")[0]
-          self._views[(tag, i)] = (p.grad, p.grad.data_ptr(), view)
+          convert = g.dtype != p.dtype or g.stride() != p.stride() or not _dense_order(g)
+          if convert:  # another dtype or layout than its parameter: one copy, every step
+            g = torch.empty_like(p).copy_(g)
+          view = as_buffer(_flat(g), f"grad of parameter {i}")[0]
+          if not convert:
+            self._views[(tag, i)] = (p.grad, p.grad.data_ptr(), view)
         any_grad = any_grad or view is not None
         grads[seg_of[i]] = view
         if tag != "f32":
-          outs[seg_of[i]] = as_buffer(p.data, "param", writable=True)[0]
+          outs[seg_of[i]] = as_buffer(_flat(p.data), "param", writable=True)[0]
       if not any_grad:
         continue
       core.step_tensors(grads, tag, outs if tag != "f32" else [], tag, 1.0)
       counts = core.tensor_steps
       steps[:] = [counts[si] for si in seg_of]
+      self._layout[tag][4] = steps.tolist()
       if tag != "f32":
         for t in tracked:
           t.remember()  # hostopt's own write (through numpy) is not the user's
@@ -256,17 +388,27 @@ class _HostAdam(torch.optim.Optimizer):
     """Loads torch's format (from hostopt or torch.optim.Adam/AdamW) into the arena, with
     each parameter's own step; f32 moments and masters are kept exact (torch would cast
     them to a 16-bit parameter's dtype)."""
+    for gi, group in enumerate(state_dict["param_groups"]):
+      self._refuse_unsupported(group, f"state_dict['param_groups'][{gi}]")
     exact = {k: {key: v for key, v in st.items() if key in _MOMENTS + (_MASTER,) and torch.is_tensor(v)}
              for k, st in state_dict["state"].items()}
     super().load_state_dict(state_dict)
     params = [p for g in self.param_groups for p in g["params"]]
     ids = [i for g in state_dict["param_groups"] for i in g["params"]]
     for index, p in zip(ids, params):
-      if index in exact:
-        for key, v in exact[index].items():
-          self.state[p][key] = v.detach().to(dtype=torch.float32, device="cpu")
+      st = self.state.get(p)
+      if st is None:
+        continue
+      for key, v in list(st.items()):
+        # Copies: the loaded dict's tensors may be another optimizer's live state (torch 2
+        # does not copy), and 16-bit parameters' moments and masters stay f32 (torch casts).
+        if key in exact.get(index, {}):
+          st[key] = exact[index][key].detach().to(dtype=torch.float32, device="cpu").clone()
+        elif torch.is_tensor(v):
+          st[key] = v.detach().clone()
+    # Built at the next step, when the parameters hold what the caller loaded into the model
+    # (before or after this call): the f32 masters are kept exactly when they still fit.
     self._layout = None
-    self._build()
 
 
 class Adam(_HostAdam):
