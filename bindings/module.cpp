@@ -141,6 +141,8 @@ py::array_t<float> view_of(std::span<float> s, py::handle owner) {
 
 } // namespace
 
+void bind_pipeline(py::module_& m); // pipeline_bindings.cpp
+
 PYBIND11_MODULE(_core, m) {
   m.doc() = "hostopt's C++ core: SIMD Adam/AdamW on host memory";
   m.attr("__version__") = library_version();
@@ -393,4 +395,5 @@ PYBIND11_MODULE(_core, m) {
       .def("reset_failure", &optimizer::reset_failure)
       .def_property_readonly("usable", &optimizer::usable)
       .def_property_readonly("failure_reason", &optimizer::failure_reason);
+  bind_pipeline(m);
 }

@@ -402,3 +402,56 @@ def test_decoupled_weight_decay_groups_follow_torch():
     oa.step()
     ob.step()
   torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _twin_models(dtype):
+  torch.manual_seed(0)
+  a = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(dtype)
+  return a, copy.deepcopy(a)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_offloaded_parameters_through_the_pipeline_match_the_in_place_step(dtype):
+  # CPU tensors stand in for device tensors through the host engine: the same code path as
+  # CUDA parameters (flat device buffers, gradients gathered, a stream-ordered pipeline step).
+  a, b = _twin_models(dtype)
+  oa = htorch.AdamW(a.parameters(), lr=1e-2, offload="host", offload_chunk=64)
+  ob = htorch.AdamW(b.parameters(), lr=1e-2)
+  g = torch.Generator().manual_seed(1)
+
+  def steps(n):
+    for _ in range(n):
+      x = torch.randn(4, 8, generator=g).to(dtype)
+      for m, o in ((a, oa), (b, ob)):
+        o.zero_grad()
+        m(x).float().pow(2).mean().backward()
+        o.step()
+
+  steps(4)
+  # The user replaces one parameter and writes another in place, as torch users do.
+  for m in (a, b):
+    m[0].weight.data = torch.full((16, 8), 0.05, dtype=dtype)
+    with torch.no_grad():
+      m[2].bias.copy_(torch.full((4,), -0.25, dtype=dtype))
+  steps(3)
+  for p, q in zip(a.parameters(), b.parameters()):
+    assert torch.equal(p, q)
+  # Their state_dicts are interchangeable: resume the in-place one from the offloaded one.
+  c = copy.deepcopy(a)
+  oc = htorch.AdamW(c.parameters(), lr=1e-2)
+  oc.load_state_dict(oa.state_dict())
+  for key in ("exp_avg", "exp_avg_sq", "step"):
+    assert torch.equal(oc.state[next(c.parameters())][key], ob.state[next(b.parameters())][key])
+
+
+def test_offloaded_step_refuses_a_parameter_without_gradient():
+  a, _ = _twin_models(torch.float32)
+  oa = htorch.AdamW(a.parameters(), lr=1e-2, offload="host")
+  a(torch.ones(2, 8)).sum().backward()
+  a[2].bias.grad = None
+  with pytest.raises(ValueError, match="no gradient in this step"):
+    oa.step()
+  with pytest.raises(ValueError, match="offload="):
+    htorch.AdamW(a.parameters(), offload="gpu")
+  with pytest.raises(ValueError, match="overlap=True needs CUDA"):
+    htorch.AdamW(a.parameters(), offload="host", overlap=True)

@@ -102,10 +102,14 @@ class _Tracked:
   """What hostopt knows of one parameter: its arena slices, the tensors it handed out (the
   master, the moments, the step) and what the parameter's storage looked like after
   hostopt last wrote it (to notice the user's replacements)."""
-  __slots__ = ("param", "flat", "master", "m", "v", "step", "ptr", "version", "dtype", "shape", "stride")
+  __slots__ = ("param", "flat", "master", "m", "v", "step", "ptr", "version", "dtype", "shape", "stride",
+               "device_view", "grad_view")
 
-  def __init__(self, param, flat, master, m, v, step):
+  def __init__(self, param, flat, master, m, v, step, device_view=None, grad_view=None):
     self.param, self.flat, self.master, self.m, self.v, self.step = param, flat, master, m, v, step
+    # Offloaded: the parameter is a view of the flat device buffer the pipeline writes,
+    # its gradient is gathered into the flat device gradient buffer.
+    self.device_view, self.grad_view = device_view, grad_view
     self.remember()
 
   def remember(self) -> None:
@@ -125,7 +129,8 @@ class _HostAdam(torch.optim.Optimizer):
   def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                amsgrad: bool = False, *, foreach: Optional[bool] = None, maximize: bool = False,
                capturable: bool = False, differentiable: bool = False, fused: Optional[bool] = None,
-               decoupled_weight_decay: Optional[bool] = None, threads: Optional[int] = None):
+               decoupled_weight_decay: Optional[bool] = None, threads: Optional[int] = None,
+               offload: Optional[str] = None, offload_chunk: int = 1 << 22, overlap: bool = False):
     # torch's own checks and messages.
     if not 0.0 <= lr:
       raise ValueError(f"Invalid learning rate: {lr}")
@@ -147,12 +152,23 @@ class _HostAdam(torch.optim.Optimizer):
                     maximize=bool(maximize), capturable=False, differentiable=False, fused=fused,
                     decoupled_weight_decay=bool(decoupled_weight_decay))
     self._threads = default_threads() if threads is None else int(threads)
+    if offload not in (None, "host", "cuda"):
+      raise ValueError(f"offload={offload!r}: expected None (CUDA parameters go through the pipeline, CPU ones are "
+                       "stepped in place), 'cuda', or 'host' (CPU tensors stand in for device tensors)")
+    if overlap and offload == "host":
+      raise ValueError("overlap=True needs CUDA parameters: the device waits for the new parameters on its stream; "
+                       "with offload='host' torch's CPU ops are not stream-ordered, so step() must wait")
+    self._offload, self._offload_chunk, self._overlap = offload, int(offload_chunk), bool(overlap)
+    self._engine, self._engine_stream, self._pending = None, 0, []
     self._layout = None  # set by _build
     super().__init__(params, defaults)
 
   def __setstate__(self, state: dict) -> None:  # copy.deepcopy, pickle
     super().__setstate__(state)
     self.__dict__.setdefault("_threads", default_threads())
+    for key, value in (("_offload", None), ("_offload_chunk", 1 << 22), ("_overlap", False)):
+      self.__dict__.setdefault(key, value)
+    self._engine, self._engine_stream, self._pending = None, 0, []
     self._layout = None
 
   @staticmethod
@@ -196,6 +212,20 @@ class _HostAdam(torch.optim.Optimizer):
           raise ValueError(f"{where} is a strided view with gaps or overlaps (strides {tuple(p.stride())}): "
                            "hostopt keeps each parameter in one dense slice")
         by_dtype.setdefault(_TAGS[p.dtype], []).append((gi, p))
+    devices = {p.device for entries in by_dtype.values() for _, p in entries}
+    offload = self._offload
+    if any(d.type != "cpu" for d in devices):
+      if len(devices) != 1 or next(iter(devices)).type != "cuda" or offload == "host":
+        raise ValueError(f"parameters on {sorted(str(d) for d in devices)}: hostopt.torch offloads the parameters "
+                         "of one CUDA device per optimizer (or steps CPU parameters in place)")
+      offload = "cuda"
+    elif offload == "cuda":
+      raise ValueError("offload='cuda' but the parameters are on the CPU")
+    device = next(iter(devices)) if devices else torch.device("cpu")
+    if offload and self._engine is None:
+      self._engine = (_core.CopyEngine.cuda(device.index or 0) if offload == "cuda" else _core.CopyEngine.host())
+      if offload == "host":
+        self._engine_stream = self._engine.create_stream()  # stands in for torch's (synchronous) CPU stream
     layout = {}
     for tag, entries in by_dtype.items():
       groups = [{"config": self._config(g), "tensors": []} for g in self.param_groups]
@@ -204,6 +234,12 @@ class _HostAdam(torch.optim.Optimizer):
       core = _core.Optimizer(groups, self._threads, "")
       segs = {s[0]: (i, s) for i, s in enumerate(core.segments())}
       flat_p, flat_m, flat_v = core.params(), core.exp_avg(), core.exp_avg_sq()
+      dev = None
+      if offload:  # flat device buffers in the arena's layout: the pipeline's two ends
+        n = core.arena_size
+        dev = {"params": torch.zeros(n, dtype=entries[0][1].dtype, device=device),
+               "grads": torch.zeros(n, dtype=entries[0][1].dtype, device=device), "n": n,
+               "pipe": _core.OffloadPipeline(core, self._engine, self._offload_chunk, 2, tag, tag)}
       steps = np.zeros(len(entries), dtype=np.float32)  # torch's per-parameter "step", one view each
       seg_steps = [0] * len(segs)
       tracked, seg_of = [], []
@@ -211,9 +247,12 @@ class _HostAdam(torch.optim.Optimizer):
         si, (_, _, off, size, _) = segs[f"{gi}.{k}"]
         st = self.state[p]
         mp = flat_p[off:off + size]
-        master = _arena_view(mp, p)
+        if dev is not None and not p.is_contiguous():
+          raise ValueError(f"param_groups[{gi}] parameter {k} is not contiguous: the offloaded path keeps parameters "
+                           "in the flat device buffer's layout")
+        master = _arena_view(mp, p) if dev is None else torch.from_numpy(mp).view(p.shape)
         saved = st.get(_MASTER)
-        if p.dtype != torch.float32 and torch.is_tensor(saved) and _rounds_to(saved, p):
+        if p.dtype != torch.float32 and torch.is_tensor(saved) and _rounds_to(saved.to(p.device), p):
           master.copy_(saved)  # exact f32 masters (a checkpoint, an earlier layout) that still fit p
         else:
           master.copy_(p.detach())
@@ -228,16 +267,25 @@ class _HostAdam(torch.optim.Optimizer):
         seg_steps[si] = int(st["step"]) if "step" in st else 0
         step = torch.from_numpy(steps[k:k + 1]).reshape(())
         st["step"] = step
-        if p.dtype == torch.float32:
+        device_view = grad_view = None
+        if dev is not None:
+          device_view, grad_view = dev["params"][off:off + size], dev["grads"][off:off + size]
+          device_view.copy_(p.detach().reshape(-1))
+          p.data = device_view.view(p.shape)
+          if p.dtype == torch.float32:
+            st.pop(_MASTER, None)  # the device parameter holds the master's values
+          else:
+            st[_MASTER] = master
+        elif p.dtype == torch.float32:
           p.data = master  # the parameter is the master weight
           st.pop(_MASTER, None)
         else:
           st[_MASTER] = master
-        tracked.append(_Tracked(p, mp, master, m, v, step))
+        tracked.append(_Tracked(p, mp, master, m, v, step, device_view, grad_view))
         seg_of.append(si)
       core.tensor_steps = seg_steps
       steps[:] = [seg_steps[si] for si in seg_of]
-      layout[tag] = [core, tracked, steps, seg_of, steps.tolist()]
+      layout[tag] = [core, tracked, steps, seg_of, steps.tolist(), dev]
     self._layout = layout
     self._applied = {}  # (dtype, group) -> config last given to the core
     self._views = {}  # (dtype, index) -> (grad tensor, data_ptr, numpy view), reused while unchanged
@@ -247,8 +295,9 @@ class _HostAdam(torch.optim.Optimizer):
     optimizer cannot see, e.g. through ``p.data`` of a 16-bit parameter)."""
     if self._layout is None:
       return
-    for _, tracked, _, _, _ in self._layout.values():
-      for t in tracked:
+    self._drain()
+    for layout in self._layout.values():
+      for t in layout[1]:
         t.master.copy_(t.param.detach())
         t.remember()
 
@@ -256,7 +305,7 @@ class _HostAdam(torch.optim.Optimizer):
     """Parameters and state the user replaced or wrote since the last step take effect."""
     rebuild = False
     for layout in self._layout.values():
-      core, tracked, steps, seg_of, known = layout
+      core, tracked, steps, seg_of, known, dev = layout
       for k, t in enumerate(tracked):
         p = t.param
         if p.dtype != t.dtype or tuple(p.shape) != t.shape:
@@ -264,6 +313,15 @@ class _HostAdam(torch.optim.Optimizer):
             raise ValueError(f"a parameter changed shape from {t.shape} to {tuple(p.shape)} after it was given to "
                              "the optimizer: its moments no longer fit (make a new optimizer, or load a state)")
           rebuild = True  # another dtype: _build keeps the masters only if they still fit
+        elif t.device_view is not None and (p.data_ptr() != t.ptr or p._version != t.version):
+          # Offloaded: the host master is the truth, so any write the user made to the device
+          # parameter (replaced or in place, any dtype) is adopted unless the master fits it.
+          if not _rounds_to(t.master.to(p.device), p):
+            t.master.copy_(p.detach())
+          if p.data_ptr() != t.device_view.data_ptr():
+            t.device_view.copy_(p.detach().reshape(-1))
+            p.data = t.device_view.view(p.shape)
+          t.remember()
         elif p.data_ptr() != t.ptr or tuple(p.stride()) != t.stride:
           if p.dtype == torch.float32:
             if p.is_shared():
@@ -317,6 +375,51 @@ class _HostAdam(torch.optim.Optimizer):
         t.master.copy_(value.reshape(t.master.shape))
       st[_MASTER] = t.master
 
+  def _stream(self) -> int:
+    """Where the gradients are produced and the parameters read: torch's current CUDA stream
+    (the legacy default stream is cudaStreamLegacy, handle 1), or the host engine's stand-in."""
+    if self._offload == "host" or self._engine.name == "host":
+      return self._engine_stream
+    handle = torch.cuda.current_stream(self._engine_device()).cuda_stream
+    return handle or 1
+
+  def _engine_device(self):
+    return next(p.device for g in self.param_groups for p in g["params"])
+
+  def _offloaded_step(self, tag: str, tracked: list, dev: dict) -> None:
+    """Gradients gathered into the flat device buffer, then one pipeline step ordered after
+    the current stream; the stream waits (on the device) for the gradients to be consumed
+    and the parameters to be ready, so the next forward and backward need no host wait."""
+    for i, t in enumerate(tracked):
+      g = t.param.grad
+      if g is None:
+        raise ValueError(f"hostopt.torch (offloaded): parameter {i} of dtype {tag} has no gradient in this step; the "
+                         "offloaded step updates every parameter at once (torch would skip it): set "
+                         "requires_grad=False on frozen parameters before making the optimizer, or step them on the CPU")
+      if g.data_ptr() != t.grad_view.data_ptr():
+        t.grad_view.copy_(g.reshape(-1))  # on the device, on the current stream
+    stream = self._stream()
+    h = dev["pipe"].step_async(dev["grads"].data_ptr(), tag, dev["params"].data_ptr(), tag, dev["n"],
+                               grads_stream=stream)
+    self._engine.stream_wait_event(stream, h.grads_consumed)
+    self._engine.stream_wait_event(stream, h.params_ready)
+    self._pending.append((h, tag))
+    if not self._overlap:
+      self._drain()
+
+  def _drain(self) -> None:
+    """Waits for offloaded steps in flight (their errors surface here) and updates the
+    per-parameter step counts."""
+    pending, self._pending = self._pending, []
+    for h, tag in pending:
+      h.wait()
+      core, tracked, steps, seg_of, _, _ = self._layout[tag]
+      counts = core.tensor_steps
+      steps[:] = [counts[si] for si in seg_of]
+      self._layout[tag][4] = steps.tolist()
+      for t in tracked:
+        t.remember()
+
   def zero_grad(self, *args, **kwargs):
     self._views = {}  # the cached views must not keep freed gradients alive
     return super().zero_grad(*args, **kwargs)
@@ -329,16 +432,20 @@ class _HostAdam(torch.optim.Optimizer):
     if closure is not None:
       with torch.enable_grad():
         loss = closure()
+    self._drain()
     if self._layout is None:
       self._build()
     else:
       self._adopt_user_changes()
     configs = [self._config(g) for g in self.param_groups]  # lr schedulers and edits take effect here
-    for tag, (core, tracked, steps, seg_of, _) in self._layout.items():
+    for tag, (core, tracked, steps, seg_of, _, dev) in self._layout.items():
       for gi, cfg in enumerate(configs):
         if self._applied.get((tag, gi)) != cfg:
           core.set_group_config(gi, cfg)
           self._applied[(tag, gi)] = cfg
+      if dev is not None:
+        self._offloaded_step(tag, tracked, dev)
+        continue
       grads: List = [None] * len(seg_of)
       outs: List = [None] * len(seg_of)
       any_grad = False
@@ -379,6 +486,7 @@ class _HostAdam(torch.optim.Optimizer):
     """torch's format, as copies: the tensors handed out are not the arena, so an
     optimizer that loads them (torch 2 does not copy) never shares hostopt's state. 16-bit
     parameters add their f32 masters as "master_param"."""
+    self._drain()
     sd = super().state_dict()
     sd["state"] = {k: {key: (v.clone() if torch.is_tensor(v) else v) for key, v in st.items()}
                    for k, st in sd["state"].items()}
@@ -388,6 +496,7 @@ class _HostAdam(torch.optim.Optimizer):
     """Loads torch's format (from hostopt or torch.optim.Adam/AdamW) into the arena, with
     each parameter's own step; f32 moments and masters are kept exact (torch would cast
     them to a 16-bit parameter's dtype)."""
+    self._drain()
     for gi, group in enumerate(state_dict["param_groups"]):
       self._refuse_unsupported(group, f"state_dict['param_groups'][{gi}]")
     exact = {k: {key: v for key, v in st.items() if key in _MOMENTS + (_MASTER,) and torch.is_tensor(v)}
