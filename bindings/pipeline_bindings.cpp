@@ -1,6 +1,8 @@
 // hostopt._core's offload pipeline: copy engines, streams and events as integer handles
-// (a torch CUDA stream's cuda_stream, a cudaEvent_t), device buffers as integer addresses
-// (a tensor's data_ptr()). This is the layer hostopt.torch drives for device parameters;
+// (a torch CUDA stream's cuda_stream — but 0 means "none": the legacy default stream is 1,
+// cudaStreamLegacy — or a cudaEvent_t), device buffers as integer addresses (a tensor's
+// data_ptr()). A private, unchecked layer: addresses and handles are trusted, as a C++
+// caller's would be; hostopt.torch passes only buffers it allocated and keeps alive. This is the layer hostopt.torch drives for device parameters;
 // on the host engine "device" memory is host memory, so CPU tensors stand in for device
 // tensors in tests. Waits release the GIL.
 #include <pybind11/pybind11.h>
@@ -125,7 +127,8 @@ void bind_pipeline(py::module_& m) {
           py::arg("grads"), py::arg("grad_type"), py::arg("params"), py::arg("param_type"), py::arg("size"),
           py::arg("grads_stream") = 0, py::arg("grads_event") = 0, py::arg("params_stream") = 0,
           py::arg("params_event") = 0, py::arg("grad_scale") = 1.0f, py::arg("max_grad_norm") = 0.0,
-          py::arg("skip_nonfinite") = false, py::arg("known_grad_norm") = -1.0)
+          py::arg("skip_nonfinite") = false, py::arg("known_grad_norm") = -1.0,
+          py::keep_alive<0, 1>()) // the handle's events live in the pipeline's pool (and engine)
       .def(
           "accumulate_async",
           [](pipeline_holder& h, std::uintptr_t grads, const std::string& grad_type, std::size_t size,
@@ -134,7 +137,7 @@ void bind_pipeline(py::module_& m) {
                                             order_of(grads_stream, grads_event, 0, 0));
           },
           py::arg("grads"), py::arg("grad_type"), py::arg("size"), py::arg("grads_stream") = 0,
-          py::arg("grads_event") = 0)
+          py::arg("grads_event") = 0, py::keep_alive<0, 1>())
       .def(
           "push_params",
           [](pipeline_holder& h, std::uintptr_t params, const std::string& param_type, std::size_t size) {

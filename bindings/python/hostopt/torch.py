@@ -17,8 +17,9 @@ Parameters stay correct whatever the user does to them: before each step, a para
 for 16-bit parameters, written in place through the parameter (``model.load_state_dict``,
 ``copy_`` under ``no_grad``) is adopted — its values become the master weights, unless the
 f32 master already rounds to them (so a resume that loads the model after the optimizer
-stays exact). Writes through ``p.data`` to a 16-bit parameter bypass torch's version counter
-and are not seen: write through ``p`` itself, or call ``adopt_params()``. A parameter moved to
+stays exact). Writes through ``p.data`` to a 16-bit parameter (to any offloaded parameter)
+bypass torch's version counter and are not seen: write through ``p`` itself, or call
+``adopt_params()``. A parameter moved to
 shared memory is adopted back into the arena (sharing is not kept). Writes to
 ``opt.state`` (replacing or deleting ``exp_avg``, ``exp_avg_sq``, ``step``, ``master_param``)
 take effect at the next step, as in torch. Gradients and parameters in any dense layout
@@ -103,13 +104,14 @@ class _Tracked:
   master, the moments, the step) and what the parameter's storage looked like after
   hostopt last wrote it (to notice the user's replacements)."""
   __slots__ = ("param", "flat", "master", "m", "v", "step", "ptr", "version", "dtype", "shape", "stride",
-               "device_view", "grad_view")
+               "device_view", "grad_view", "where")
 
   def __init__(self, param, flat, master, m, v, step, device_view=None, grad_view=None):
     self.param, self.flat, self.master, self.m, self.v, self.step = param, flat, master, m, v, step
     # Offloaded: the parameter is a view of the flat device buffer the pipeline writes,
     # its gradient is gathered into the flat device gradient buffer.
     self.device_view, self.grad_view = device_view, grad_view
+    self.where = ""
     self.remember()
 
   def remember(self) -> None:
@@ -158,10 +160,18 @@ class _HostAdam(torch.optim.Optimizer):
     if overlap and offload == "host":
       raise ValueError("overlap=True needs CUDA parameters: the device waits for the new parameters on its stream; "
                        "with offload='host' torch's CPU ops are not stream-ordered, so step() must wait")
+    if int(offload_chunk) <= 0:
+      raise ValueError(f"offload_chunk={offload_chunk}: expected a positive number of elements per chunk")
     self._offload, self._offload_chunk, self._overlap = offload, int(offload_chunk), bool(overlap)
     self._engine, self._engine_stream, self._pending = None, 0, []
     self._layout = None  # set by _build
     super().__init__(params, defaults)
+
+  def __getstate__(self) -> dict:
+    state = super().__getstate__()
+    state.update(_threads=self._threads, _offload=self._offload, _offload_chunk=self._offload_chunk,
+                 _overlap=self._overlap)
+    return state
 
   def __setstate__(self, state: dict) -> None:  # copy.deepcopy, pickle
     super().__setstate__(state)
@@ -195,7 +205,7 @@ class _HostAdam(torch.optim.Optimizer):
     """One hostopt optimizer per parameter dtype (stepped together), holding the master
     weights, moments and each parameter's own step count."""
     by_dtype: Dict[str, list] = {}
-    seen = set()
+    seen, where_of = set(), {}
     for gi, group in enumerate(self.param_groups):
       for pi, p in enumerate(group["params"]):
         where = f"param_groups[{gi}]['params'][{pi}]"
@@ -203,9 +213,7 @@ class _HostAdam(torch.optim.Optimizer):
           raise ValueError(f"{where} appears twice in the optimizer: duplicate parameters are refused (torch.optim "
                            "warns and applies them twice)")
         seen.add(id(p))
-        if p.device.type != "cpu":
-          raise ValueError(f"{where} is on {p.device}: hostopt.torch steps CPU parameters (CUDA parameters need "
-                           "the offload pipeline, which it does not drive yet)")
+        where_of[id(p)] = where
         if p.dtype not in _TAGS:
           raise TypeError(f"{where} has dtype {p.dtype}: expected float32, bfloat16 or float16")
         if not _dense_order(p):
@@ -222,6 +230,8 @@ class _HostAdam(torch.optim.Optimizer):
     elif offload == "cuda":
       raise ValueError("offload='cuda' but the parameters are on the CPU")
     device = next(iter(devices)) if devices else torch.device("cpu")
+    if self._layout and any(layout[5] is not None for layout in self._layout.values()) and device.type == "cuda":
+      torch.cuda.synchronize(device)  # old flat buffers go back to the allocator: no stream may still use them
     if offload and self._engine is None:
       self._engine = (_core.CopyEngine.cuda(device.index or 0) if offload == "cuda" else _core.CopyEngine.host())
       if offload == "host":
@@ -282,6 +292,7 @@ class _HostAdam(torch.optim.Optimizer):
         else:
           st[_MASTER] = master
         tracked.append(_Tracked(p, mp, master, m, v, step, device_view, grad_view))
+        tracked[-1].where = where_of[id(p)]
         seg_of.append(si)
       core.tensor_steps = seg_steps
       steps[:] = [seg_steps[si] for si in seg_of]
@@ -313,6 +324,9 @@ class _HostAdam(torch.optim.Optimizer):
             raise ValueError(f"a parameter changed shape from {t.shape} to {tuple(p.shape)} after it was given to "
                              "the optimizer: its moments no longer fit (make a new optimizer, or load a state)")
           rebuild = True  # another dtype: _build keeps the masters only if they still fit
+        elif t.device_view is not None and (p.device != t.device_view.device or not p.is_contiguous()):
+          raise ValueError(f"{t.where} moved to {p.device} (or to a non-contiguous layout) after it was offloaded "
+                           f"on {t.device_view.device}: make a new optimizer for the moved model")
         elif t.device_view is not None and (p.data_ptr() != t.ptr or p._version != t.version):
           # Offloaded: the host master is the truth, so any write the user made to the device
           # parameter (replaced or in place, any dtype) is adopted unless the master fits it.
@@ -390,10 +404,12 @@ class _HostAdam(torch.optim.Optimizer):
     """Gradients gathered into the flat device buffer, then one pipeline step ordered after
     the current stream; the stream waits (on the device) for the gradients to be consumed
     and the parameters to be ready, so the next forward and backward need no host wait."""
-    for i, t in enumerate(tracked):
+    for t in tracked:
       g = t.param.grad
+      if g is not None and g.is_sparse:
+        raise RuntimeError("hostopt.torch does not support sparse gradients")
       if g is None:
-        raise ValueError(f"hostopt.torch (offloaded): parameter {i} of dtype {tag} has no gradient in this step; the "
+        raise ValueError(f"hostopt.torch (offloaded): {t.where} has no gradient in this step; the "
                          "offloaded step updates every parameter at once (torch would skip it): set "
                          "requires_grad=False on frozen parameters before making the optimizer, or step them on the CPU")
       if g.data_ptr() != t.grad_view.data_ptr():
@@ -417,8 +433,8 @@ class _HostAdam(torch.optim.Optimizer):
       counts = core.tensor_steps
       steps[:] = [counts[si] for si in seg_of]
       self._layout[tag][4] = steps.tolist()
-      for t in tracked:
-        t.remember()
+      # No remember(): the pipeline's copies do not touch the parameters' version or storage,
+      # so whatever the user did since the call is still seen by _adopt_user_changes.
 
   def zero_grad(self, *args, **kwargs):
     self._views = {}  # the cached views must not keep freed gradients alive
