@@ -455,3 +455,23 @@ def test_offloaded_step_refuses_a_parameter_without_gradient():
     htorch.AdamW(a.parameters(), offload="gpu")
   with pytest.raises(ValueError, match="overlap=True needs CUDA"):
     htorch.AdamW(a.parameters(), offload="host", overlap=True)
+
+
+def test_state_dict_has_entries_only_for_parameters_that_were_stepped_like_torch():
+  ours = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+  theirs = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+  oo, ot = htorch.AdamW(ours, lr=0.1), torch.optim.AdamW(theirs, lr=0.1)
+  ours[0].grad, theirs[0].grad = torch.ones(3), torch.ones(3)
+  oo.step()
+  ot.step()
+  assert set(oo.state_dict()["state"]) == set(ot.state_dict()["state"]) == {0}
+  # Loaded back, the never-stepped parameter starts at step 1 either way.
+  again = htorch.AdamW([torch.nn.Parameter(p.detach().clone()) for p in ours], lr=0.1)
+  again.load_state_dict(oo.state_dict())
+  ot.load_state_dict(oo.state_dict())
+  for params, opt in ((list(again.param_groups[0]["params"]), again), (theirs, ot)):
+    for p in params:
+      p.grad = torch.ones(p.shape)
+    opt.step()
+  assert [float(again.state[p]["step"]) for p in again.param_groups[0]["params"]] == [2.0, 1.0]
+  assert [float(ot.state[p]["step"]) for p in theirs] == [2.0, 1.0]

@@ -501,11 +501,17 @@ class _HostAdam(torch.optim.Optimizer):
   def state_dict(self) -> dict:
     """torch's format, as copies: the tensors handed out are not the arena, so an
     optimizer that loads them (torch 2 does not copy) never shares hostopt's state. 16-bit
-    parameters add their f32 masters as "master_param"."""
+    parameters add their f32 masters as "master_param". A parameter that never received a
+    gradient has no entry, as in torch (its state is all zeros at step 0)."""
     self._drain()
     sd = super().state_dict()
+
+    def never_stepped(st: dict) -> bool:
+      return ("step" in st and float(st["step"]) == 0 and
+              all(not torch.is_tensor(st.get(k)) or not torch.count_nonzero(st[k]) for k in _MOMENTS))
+
     sd["state"] = {k: {key: (v.clone() if torch.is_tensor(v) else v) for key, v in st.items()}
-                   for k, st in sd["state"].items()}
+                   for k, st in sd["state"].items() if not never_stepped(st)}
     return sd
 
   def load_state_dict(self, state_dict: dict) -> None:
