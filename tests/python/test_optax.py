@@ -215,3 +215,158 @@ def test_core_leaf_call_checks_every_array():
     _core.optax_update_leaves([None], [np.zeros(8, np.int32)], [ok(8)], [g], "f32", [ok(8)], cfg, [0], 1)
   with pytest.raises(ValueError, match="config = 3"):
     _core.optax_update_leaves([None], [ok(8)], [ok(8)], [g], "f32", [ok(8)], cfg, [3], 1)
+
+
+# --- under jax.jit: the XLA FFI call (no Python callback), optax's full contract ---------
+
+def _leaves_equal(a, b):
+  la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+  return len(la) == len(lb) and all(np.asarray(x).dtype == np.asarray(y).dtype and
+                                    np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+
+
+@pytest.mark.parametrize("name,kwargs", CASES)
+def test_eager_jit_and_numpy_give_the_same_bits(name, kwargs):
+  params, grad_fn = quadratic_problem()
+  opt = getattr(hoptax, name)(**kwargs)
+  step = jax.jit(opt.update)
+  s_e = s_j = opt.init(params)
+  np_params = jax.tree_util.tree_map(np.asarray, params)
+  s_n = opt.init(np_params)
+  for _ in range(3):
+    g = grad_fn(params)
+    u_e, s_e = opt.update(g, s_e, params)
+    u_j, s_j = step(g, s_j, params)
+    u_n, s_n = opt.update(jax.tree_util.tree_map(np.asarray, g), s_n, np_params)
+    assert _leaves_equal((u_e, s_e), (u_j, s_j))
+    assert _leaves_equal((u_n, s_n), (u_j, s_j))
+    params = optax.apply_updates(params, u_j)
+    np_params = jax.tree_util.tree_map(np.asarray, params)
+
+
+def test_jit_has_no_python_callback_and_updates_moments_in_place_when_donated():
+  params, grad_fn = mlp_problem()
+  opt = hoptax.adamw(1e-2, weight_decay=0.1)
+  state = opt.init(params)
+  g = grad_fn(params)
+  text = jax.jit(opt.update).lower(g, state, params).as_text()
+  assert "hostopt_adam_update" in text and "callback" not in text
+
+  def train_step(p, s, grads):  # the usual shape: params and state donated, in that order
+    u, s = opt.update(grads, s, p)
+    return optax.apply_updates(p, u), s
+  hlo = jax.jit(train_step, donate_argnums=(0, 1)).lower(params, state, g).compile().as_text()
+  copies = [line for line in hlo.splitlines() if " copy(" in line and "s32[]" not in line]
+  assert not copies, copies  # mu and nu aliased through the call: no full-size copy
+  kept = jax.jit(train_step).lower(params, state, g).compile().as_text()
+  assert any(" copy(" in line and "f32[8,16]" in line for line in kept.splitlines())  # undonated: XLA copies
+
+
+def test_traced_hyperparameters_and_threads_under_inject_hyperparams():
+  params, grad_fn = mlp_problem()
+  opt = optax.inject_hyperparams(hoptax.adamw)(learning_rate=1e-2, b1=0.8, weight_decay=0.1, threads=2)
+  ref = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2, b1=0.8, weight_decay=0.1)
+  s, r = opt.init(params), ref.init(params)
+  assert set(s.hyperparams) == set(r.hyperparams)  # threads is not a hyper-parameter
+  step = jax.jit(opt.update)
+  p, q = params, params
+  for _ in range(20):
+    u, s = step(grad_fn(p), s, p)
+    v, r = ref.update(grad_fn(q), r, q)
+    p, q = optax.apply_updates(p, u), optax.apply_updates(q, v)
+  assert_trees_close(p, q)
+  u_eager, _ = opt.update(grad_fn(p), s, p)
+  u_jit, _ = step(grad_fn(p), s, p)
+  assert _leaves_equal(u_eager, u_jit)
+
+
+def test_weight_decay_schedule_where_optax_accepts_one():
+  import inspect
+  if "Callable" not in str(inspect.signature(optax.adamw).parameters["weight_decay"].annotation):
+    pytest.skip(f"optax {optax.__version__} takes no weight_decay schedule")
+  params, grad_fn = mlp_problem()
+  wd = optax.linear_schedule(0.2, 0.0, 30)
+  got = run(hoptax.adamw(1e-2, weight_decay=wd), params, grad_fn, steps=30)
+  want = run(optax.adamw(1e-2, weight_decay=wd), params, grad_fn, steps=30)
+  assert jax.tree_util.tree_structure(got[1]) == jax.tree_util.tree_structure(want[1])
+  assert_trees_close(got[0], want[0])
+
+
+def test_masks_are_read_as_optax_reads_them():
+  params, grad_fn = mlp_problem()
+  seen = []
+
+  def mask(tree):
+    seen.append(tree)
+    return jax.tree_util.tree_map(lambda x: x.ndim > 1, tree)
+
+  g = grad_fn(params)
+  opt = hoptax.adamw(1e-2, weight_decay=0.5, mask=mask)
+  opt.update(g, opt.init(params), params)
+  assert seen and all(_leaves_equal(t, g) for t in seen[-1:])  # optax.masked calls the mask with the updates
+  prefix = {"l1": False, "l2": True}  # a prefix of the params' tree
+  got = run(hoptax.adamw(1e-2, weight_decay=0.5, mask=prefix), params, grad_fn, steps=10)
+  want = run(optax.adamw(1e-2, weight_decay=0.5, mask=prefix), params, grad_fn, steps=10)
+  assert_trees_close(got[0], want[0])
+
+
+@pytest.fixture
+def x64():
+  jax.config.update("jax_enable_x64", True)
+  yield
+  jax.config.update("jax_enable_x64", False)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "complex64"])
+def test_float64_and_complex_leaves_get_optax_results_and_dtypes(dtype, x64):
+  rng = np.random.default_rng(3)
+  real = rng.standard_normal((6, 5))
+  x = real + 1j * rng.standard_normal((6, 5)) if dtype.startswith("complex") else real
+  params = {"z": jnp.asarray(x, dtype), "w": jnp.asarray(real, jnp.float32)}
+  grads = jax.tree_util.tree_map(lambda p: 0.1 * p + 0.01, params)
+  for name in ("adam", "adamw"):
+    ours, ref = getattr(hoptax, name)(1e-2), getattr(optax, name)(1e-2)
+    for update in (ours.update, jax.jit(ours.update)):
+      u, s = update(grads, ours.init(params), params)
+      v, r = ref.update(grads, ref.init(params), params)
+      assert jax.tree_util.tree_map(lambda a: a.dtype, (u, s)) == jax.tree_util.tree_map(lambda a: a.dtype, (v, r))
+      rtol = 1e-12 if dtype == "float64" else 1e-6  # optax's own arithmetic (complex64: single precision)
+      np.testing.assert_allclose(np.asarray(u["z"]), np.asarray(v["z"]), rtol=rtol)
+      assert_trees_close(u, v, rtol=1e-6, atol=1e-9)
+
+
+def test_vmap_over_a_batch_of_states():
+  params, grad_fn = mlp_problem()
+  opt = hoptax.adam(1e-2)
+  g = grad_fn(params)
+  batch = lambda t: jax.tree_util.tree_map(lambda x: jnp.stack([x, 2 * x, -x]), t)
+  state = opt.init(params)
+  vm = jax.vmap(opt.update, in_axes=(0, None, None))(batch(g), state, params)
+  for k, scale in enumerate((1.0, 2.0, -1.0)):
+    one = opt.update(jax.tree_util.tree_map(lambda x: scale * x, g), state, params)
+    assert _leaves_equal(jax.tree_util.tree_map(lambda x: x[k], vm[0]), one[0])
+  # A batched count (a batch of states at different steps) runs one call per element.
+  states = jax.vmap(opt.init)(batch(params))
+  states = states._replace(**{}) if hasattr(states, "_replace") else states
+  out = jax.jit(jax.vmap(opt.update))(batch(g), states, batch(params))
+  assert jax.tree_util.tree_structure(out[1]) == jax.tree_util.tree_structure(states)
+
+
+def test_grad_through_update_raises_saying_why():
+  params, grad_fn = mlp_problem()
+  opt = hoptax.adam(1e-2)
+  state = opt.init(params)
+
+  def meta(lr_scale):
+    g = jax.tree_util.tree_map(lambda x: lr_scale * x, grad_fn(params))
+    u, _ = opt.update(g, state, params)
+    return sum(jnp.sum(x) for x in jax.tree_util.tree_leaves(u))
+  with pytest.raises(TypeError, match="not differentiable"):
+    jax.grad(meta)(1.0)
+
+
+def test_hostopt_options_are_checked():
+  with pytest.raises(TypeError, match="hostopt's own options"):
+    hoptax.adam(1e-3, thread=2)
+  with pytest.raises(ValueError, match="threads"):
+    hoptax.adam(1e-3, threads=-1)

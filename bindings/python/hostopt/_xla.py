@@ -1,0 +1,167 @@
+"""The JAX primitive behind hostopt.optax under jax.jit: one XLA FFI call into hostopt's
+fused kernel for all f32 leaves of an update, mu and nu updated in place.
+
+``adam_update(count, hp, leaves, ...)`` binds it. Lowered to the custom call
+``hostopt_adam_update`` (hostopt._xla_ffi, registered for the CPU platform) with mu and nu
+aliased to their outputs, so a donated state is updated where it lies and a kept one costs
+one copy made by XLA. Static hyper-parameters travel as f64 attributes, traced ones
+(schedules, inject_hyperparams) as one scalar vector operand; both reach the kernel as the
+same doubles, so eager calls (which run the same jitted call) and jit give the same bits.
+
+vmap: elementwise over the leaves (one call for the whole batch) when only the arrays are
+batched; per batch element (lax.map) when the count or a hyper-parameter is. Differentiating
+through the update raises: the kernel has no derivative rule, and optax.adamw is the tool for
+meta-gradients through an optimizer.
+"""
+
+from functools import partial
+from typing import List, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.interpreters import ad, batching, mlir
+
+try:
+  from jax.extend.core import Primitive
+except ImportError:  # pragma: no cover - older jax
+  from jax.core import Primitive
+
+try:
+  import jax.ffi as _ffi
+except ImportError:  # jax < 0.4.35
+  import jax.extend.ffi as _ffi
+
+TARGET = "hostopt_adam_update"
+HP_NAMES = ("lr", "b1", "b2", "eps", "eps_root", "wd")
+
+_unavailable: Optional[str] = None
+try:
+  from . import _xla_ffi
+except ImportError as e:
+  _unavailable = (f"hostopt was built without its XLA FFI handlers ({e}); they are built when the Python that "
+                  "builds hostopt has jaxlib installed (pip install jaxlib, then reinstall hostopt)")
+else:
+  import jaxlib
+  if _xla_ffi.JAXLIB_VERSION != jaxlib.__version__:
+    _unavailable = (f"hostopt's XLA FFI handlers were built against jaxlib {_xla_ffi.JAXLIB_VERSION} but jaxlib "
+                    f"{jaxlib.__version__} is installed (XLA FFI's C structs differ between releases): reinstall "
+                    "hostopt with this jaxlib")
+  else:
+    for _name, _capsule in _xla_ffi.targets().items():
+      if hasattr(_ffi, "register_ffi_target"):
+        _ffi.register_ffi_target(_name, _capsule, platform="cpu")
+      else:  # jax 0.4.30: through xla_client, api_version=1 is the typed FFI
+        jax.lib.xla_client.register_custom_call_target(_name, _capsule, platform="cpu", api_version=1)
+
+
+def available() -> Optional[str]:
+  """None when the FFI handlers are registered, else why not."""
+  return _unavailable
+
+
+_NOT_MAPPED = getattr(batching, "not_mapped", None)  # None in current jax
+
+_prim = Primitive("hostopt_adam_update")
+_prim.multiple_results = True
+
+
+def _leaf_operands(decays: str, operands):
+  """Splits the flat leaf operands into (g, mu, nu, p|None) per leaf."""
+  out, i = [], 0
+  for d in decays:
+    if d == "1":
+      out.append(tuple(operands[i:i + 4]))
+      i += 4
+    else:
+      out.append(tuple(operands[i:i + 3]) + (None,))
+      i += 3
+  return out
+
+
+def _abstract_eval(count, hp, *operands, decays, **_):
+  outs = []
+  for g, mu, nu, _p in _leaf_operands(decays, operands):
+    outs += [g, mu, nu]  # the update has the (f32) gradient's type; the moments keep theirs
+  return outs
+
+
+def _lowering(ctx, count, hp, *operands, decays, traced, nesterov, threads, static):
+  aliases, i = {}, 2
+  for k, d in enumerate(decays):
+    aliases[i + 1] = 3 * k + 1
+    aliases[i + 2] = 3 * k + 2
+    i += 4 if d == "1" else 3
+  attrs = dict(zip(HP_NAMES, (float(v) for v in static)))
+  rule = _ffi.ffi_lowering(TARGET, operand_output_aliases=aliases)
+  return rule(ctx, count, hp, *operands, traced=int(traced), nesterov=int(nesterov), threads=int(threads),
+              decays=decays, **attrs)
+
+
+def _impl(*args, **params):
+  return jax.jit(partial(_prim.bind, **params))(*args)
+
+
+def _batch(args, dims, **params):
+  count, hp = args[:2]
+  size = next(a.shape[d] for a, d in zip(args, dims) if d is not _NOT_MAPPED)
+  if dims[0] is _NOT_MAPPED and dims[1] is _NOT_MAPPED:
+    # Elementwise over the leaves: one call over the whole batch.
+    leaves = [batching.bdim_at_front(a, d, size) for a, d in zip(args[2:], dims[2:])]
+    return _prim.bind(count, hp, *leaves, **params), [0] * _n_out(params)
+  # A batched count or hyper-parameter: one call per batch element.
+  front = [batching.bdim_at_front(a, d, size) if d is not _NOT_MAPPED else None for a, d in zip(args, dims)]
+
+  def one(xs):
+    it = iter(xs)
+    full = [next(it) if f is not None else a for a, f in zip(args, front)]
+    return _prim.bind(*full, **params)
+
+  outs = jax.lax.map(one, [f for f in front if f is not None])
+  return outs, [0] * len(outs)
+
+
+def _n_out(params) -> int:
+  return 3 * len(params["decays"])
+
+
+def _jvp(primals, tangents, **params):
+  raise TypeError("hostopt.optax's update is not differentiable: it runs hostopt's fused C++ kernel through an XLA "
+                  "FFI call, which has no derivative rule. To differentiate through an optimizer step "
+                  "(meta-learning), use optax.adam/adamw, whose update is written in jax.numpy.")
+
+
+_prim.def_impl(_impl)
+_prim.def_abstract_eval(_abstract_eval)
+mlir.register_lowering(_prim, _lowering, platform="cpu")
+batching.primitive_batchers[_prim] = _batch
+ad.primitive_jvps[_prim] = _jvp
+
+
+def adam_update(count, hp_values: Sequence, leaves: List[Tuple], *, nesterov: bool, threads: int):
+  """One FFI call for `leaves` = [(g, mu, nu, p or None)], all float32 and of one shape
+  per leaf. hp_values: (lr, b1, b2, eps, eps_root, wd), each a Python float (static) or
+  an array (traced or not). Returns [(u, new_mu, new_nu)] per leaf."""
+  if _unavailable is not None:
+    raise RuntimeError(_unavailable)
+  static, dynamic, traced = [], [], 0
+  for k, v in enumerate(hp_values):
+    if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool):
+      static.append(float(v))
+    else:
+      static.append(0.0)
+      dynamic.append(v)
+      traced |= 1 << k
+  if dynamic:
+    dt = jnp.float64 if any(jnp.result_type(v) == jnp.float64 for v in dynamic) else jnp.float32
+    hp = jnp.stack([jnp.asarray(v, dt).reshape(()) for v in dynamic])
+  else:
+    hp = jnp.zeros((0,), jnp.float32)
+  operands, decays = [], ""
+  for g, mu, nu, p in leaves:
+    operands += [g, mu, nu] + ([p] if p is not None else [])
+    decays += "1" if p is not None else "0"
+  count = jnp.asarray(count, jnp.int32)
+  outs = _prim.bind(count, hp, *operands, decays=decays, traced=traced, nesterov=bool(nesterov),
+                    threads=int(threads), static=tuple(static))
+  return [tuple(outs[3 * k:3 * k + 3]) for k in range(len(leaves))]

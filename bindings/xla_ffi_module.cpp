@@ -1,0 +1,216 @@
+// hostopt._xla_ffi: the optax-form Adam update as an XLA FFI handler, so that
+// hostopt.optax runs under jax.jit without a Python callback: XLA calls straight into
+// hostopt::adam_update with the buffers it owns, and mu/nu are updated in place (the
+// caller aliases them to the outputs).
+//
+// Written against XLA FFI's C API (xla/ffi/api/c_api.h from the jaxlib present at build
+// time) rather than its C++ wrapper, whose spelling changes between jaxlib releases. The C
+// structs do change layout between releases too (XLA_FFI_Api grew a field), so the module
+// records the jaxlib version it was built against and hostopt.optax refuses a different
+// one with a message instead of calling through a mismatched table.
+//
+// Call "hostopt_adam_update" (see hostopt/optax.py, which builds it):
+//   operands: count s32[]  (optax's count; bias correction uses t = count + 1, saturating)
+//             hp f32[k]|f64[k] (the traced hyper-parameters, in field order lr, b1, b2,
+//                               eps, eps_root, wd, those whose bit is set in `traced`)
+//             then per leaf: g (f32|bf16|f16), mu f32, nu f32, and p f32 if the leaf decays
+//   results:  per leaf: u (g's dtype), mu, nu (aliased to the operands)
+//   attributes: lr b1 b2 eps eps_root wd (f64, static values), traced (i64 bit mask),
+//               nesterov, threads (i64), decays (string, one '0'/'1' per leaf)
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "xla/ffi/api/c_api.h"
+
+#include "hostopt/adam_config.hpp"
+#include "hostopt/kernels.hpp"
+
+namespace py = pybind11;
+
+namespace {
+
+using hostopt::adam_config;
+
+XLA_FFI_Error* make_error(const XLA_FFI_Api* api, XLA_FFI_Error_Code code, const std::string& message) {
+  XLA_FFI_Error_Create_Args args{};
+  args.struct_size = XLA_FFI_Error_Create_Args_STRUCT_SIZE;
+  args.message = message.c_str(); // XLA copies it into its status
+  args.errc = code;
+  return api->XLA_FFI_Error_Create(&args);
+}
+
+std::size_t element_count(const XLA_FFI_Buffer* b) {
+  std::size_t n = 1;
+  for (int64_t i = 0; i < b->rank; ++i) n *= static_cast<std::size_t>(b->dims[i]);
+  return n;
+}
+
+hostopt::dtype grad_dtype(XLA_FFI_DataType t, const std::string& what) {
+  switch (t) {
+  case XLA_FFI_DataType_F32: return hostopt::dtype::f32;
+  case XLA_FFI_DataType_BF16: return hostopt::dtype::bf16;
+  case XLA_FFI_DataType_F16: return hostopt::dtype::f16;
+  default: throw std::invalid_argument(what + ": dtype code " + std::to_string(int(t)) + " is not float32, bfloat16 or float16");
+  }
+}
+
+struct call_attributes {
+  double values[6] = {1e-3, 0.9, 0.999, 1e-8, 0.0, 0.0}; // lr, b1, b2, eps, eps_root, wd
+  int64_t traced = 0;
+  int64_t nesterov = 0;
+  int64_t threads = 0;
+  std::string decays;
+};
+
+call_attributes read_attributes(const XLA_FFI_Attrs& attrs) {
+  static constexpr const char* names[6] = {"lr", "b1", "b2", "eps", "eps_root", "wd"};
+  call_attributes out;
+  for (int64_t i = 0; i < attrs.size; ++i) {
+    const std::string_view name(attrs.names[i]->ptr, attrs.names[i]->len);
+    if (attrs.types[i] == XLA_FFI_AttrType_STRING) {
+      const auto* s = static_cast<const XLA_FFI_ByteSpan*>(attrs.attrs[i]);
+      if (name == "decays") out.decays.assign(s->ptr, s->len);
+      continue;
+    }
+    if (attrs.types[i] != XLA_FFI_AttrType_SCALAR) continue;
+    const auto* s = static_cast<const XLA_FFI_Scalar*>(attrs.attrs[i]);
+    for (int k = 0; k < 6; ++k)
+      if (name == names[k]) {
+        if (s->dtype != XLA_FFI_DataType_F64) throw std::invalid_argument(std::string("attribute ") + names[k] + " is not f64");
+        std::memcpy(&out.values[k], s->value, sizeof(double));
+      }
+    int64_t* target = name == "traced" ? &out.traced : name == "nesterov" ? &out.nesterov
+                      : name == "threads" ? &out.threads : nullptr;
+    if (target != nullptr) {
+      if (s->dtype != XLA_FFI_DataType_S64) throw std::invalid_argument("attribute " + std::string(name) + " is not i64");
+      std::memcpy(target, s->value, sizeof(int64_t));
+    }
+  }
+  return out;
+}
+
+const XLA_FFI_Buffer* arg(const XLA_FFI_CallFrame* frame, int64_t i) {
+  if (i >= frame->args.size) throw std::invalid_argument("too few operands (" + std::to_string(frame->args.size) + ")");
+  if (frame->args.types[i] != XLA_FFI_ArgType_BUFFER) throw std::invalid_argument("operand " + std::to_string(i) + " is not a buffer");
+  return static_cast<const XLA_FFI_Buffer*>(frame->args.args[i]);
+}
+
+const XLA_FFI_Buffer* ret(const XLA_FFI_CallFrame* frame, int64_t i) {
+  if (i >= frame->rets.size) throw std::invalid_argument("too few results (" + std::to_string(frame->rets.size) + ")");
+  if (frame->rets.types[i] != XLA_FFI_RetType_BUFFER) throw std::invalid_argument("result " + std::to_string(i) + " is not a buffer");
+  return static_cast<const XLA_FFI_Buffer*>(frame->rets.rets[i]);
+}
+
+// The whole call: validates everything before the first write, then one
+// hostopt::adam_update (one parallel region) per gradient dtype.
+void adam_update_call(const XLA_FFI_CallFrame* frame) {
+  const call_attributes at = read_attributes(frame->attrs);
+  const XLA_FFI_Buffer* count = arg(frame, 0);
+  if (count->dtype != XLA_FFI_DataType_S32 || element_count(count) != 1)
+    throw std::invalid_argument("count must be an int32 scalar");
+  int32_t c = 0;
+  std::memcpy(&c, count->data, sizeof c);
+  if (c < 0) throw std::invalid_argument("count = " + std::to_string(c) + " is negative");
+  const std::int64_t step = c == INT32_MAX ? int64_t(INT32_MAX) : int64_t(c) + 1; // optax's safe increment
+
+  double values[6];
+  std::memcpy(values, at.values, sizeof values);
+  const XLA_FFI_Buffer* hp = arg(frame, 1);
+  std::size_t next_hp = 0;
+  for (int k = 0; k < 6; ++k) {
+    if (!(at.traced >> k & 1)) continue;
+    if (next_hp >= element_count(hp)) throw std::invalid_argument("hp has fewer values than traced bits");
+    if (hp->dtype == XLA_FFI_DataType_F32)
+      values[k] = static_cast<const float*>(hp->data)[next_hp++];
+    else if (hp->dtype == XLA_FFI_DataType_F64)
+      values[k] = static_cast<const double*>(hp->data)[next_hp++];
+    else
+      throw std::invalid_argument("hp must be float32 or float64");
+  }
+  adam_config base;
+  base.lr = values[0];
+  base.beta1 = values[1];
+  base.beta2 = values[2];
+  base.eps = values[3];
+  base.eps_root = values[4];
+  base.mode = hostopt::adam_mode::adamw;
+  base.nesterov = at.nesterov != 0;
+  adam_config decayed = base;
+  decayed.weight_decay = values[5];
+  hostopt::validate(decayed, "hyper-parameters");
+  const adam_config configs[2] = {base, decayed};
+
+  const std::size_t leaves = at.decays.size();
+  std::vector<hostopt::update_leaf> by_dtype[3];
+  int64_t next = 2;
+  for (std::size_t i = 0; i < leaves; ++i) {
+    const std::string at_leaf = "leaf " + std::to_string(i);
+    const bool decays = at.decays[i] == '1';
+    const XLA_FFI_Buffer* g = arg(frame, next++);
+    const XLA_FFI_Buffer* mu = arg(frame, next++);
+    const XLA_FFI_Buffer* nu = arg(frame, next++);
+    const XLA_FFI_Buffer* p = decays ? arg(frame, next++) : nullptr;
+    const XLA_FFI_Buffer* u = ret(frame, int64_t(3 * i));
+    const XLA_FFI_Buffer* mu_out = ret(frame, int64_t(3 * i + 1));
+    const XLA_FFI_Buffer* nu_out = ret(frame, int64_t(3 * i + 2));
+    const hostopt::dtype gt = grad_dtype(g->dtype, at_leaf + " gradient");
+    const std::size_t n = element_count(g);
+    for (const XLA_FFI_Buffer* b : {mu, nu, mu_out, nu_out, p})
+      if (b != nullptr && (b->dtype != XLA_FFI_DataType_F32 || element_count(b) != n))
+        throw std::invalid_argument(at_leaf + ": mu, nu and params must be float32 of the gradient's size");
+    if (u->dtype != g->dtype || element_count(u) != n)
+      throw std::invalid_argument(at_leaf + ": the update must have the gradient's dtype and size");
+    // The moments are updated in place in the results; XLA aliases them to the operands,
+    // so the copy below happens only if a caller did not.
+    if (mu_out->data != mu->data) std::memcpy(mu_out->data, mu->data, n * sizeof(float));
+    if (nu_out->data != nu->data) std::memcpy(nu_out->data, nu->data, n * sizeof(float));
+    by_dtype[int(gt)].push_back({p ? static_cast<const float*>(p->data) : nullptr, static_cast<float*>(mu_out->data),
+                                 static_cast<float*>(nu_out->data), {g->data, n, gt}, {u->data, n, gt},
+                                 decays ? std::size_t(1) : std::size_t(0)});
+  }
+  if (next != frame->args.size || int64_t(3 * leaves) != frame->rets.size)
+    throw std::invalid_argument("operand or result count does not match the leaves");
+  for (auto& group : by_dtype)
+    if (!group.empty())
+      hostopt::adam_update(group, configs, step, 1.0f, {static_cast<int>(at.threads), ""});
+}
+
+extern "C" XLA_FFI_Error* hostopt_adam_update(XLA_FFI_CallFrame* frame) {
+#if XLA_FFI_API_MINOR >= 1
+  // Newer XLA asks each handler, once, which FFI version it was built for.
+  if (frame->extension_start != nullptr && frame->extension_start->type == XLA_FFI_Extension_Metadata) {
+    auto* extension = reinterpret_cast<XLA_FFI_Metadata_Extension*>(frame->extension_start);
+    extension->metadata->api_version =
+        XLA_FFI_Api_Version{XLA_FFI_Api_Version_STRUCT_SIZE, nullptr, XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR};
+    extension->metadata->traits = 0;
+    return nullptr;
+  }
+#endif
+  if (frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return nullptr; // nothing to instantiate or prepare
+  try {
+    adam_update_call(frame);
+    return nullptr;
+  } catch (const std::invalid_argument& e) {
+    return make_error(frame->api, XLA_FFI_Error_Code_INVALID_ARGUMENT, std::string("hostopt_adam_update: ") + e.what());
+  } catch (const std::exception& e) {
+    return make_error(frame->api, XLA_FFI_Error_Code_INTERNAL, std::string("hostopt_adam_update: ") + e.what());
+  }
+}
+
+} // namespace
+
+PYBIND11_MODULE(_xla_ffi, m) {
+  m.doc() = "XLA FFI handlers of hostopt.optax (built against the jaxlib named by JAXLIB_VERSION).";
+  m.attr("JAXLIB_VERSION") = HOSTOPT_JAXLIB_VERSION;
+  m.def("targets", [] {
+    py::dict d;
+    d["hostopt_adam_update"] = py::capsule(reinterpret_cast<void*>(&hostopt_adam_update));
+    return d;
+  }, "Name -> PyCapsule of each FFI handler, for jax.ffi.register_ffi_target(platform='cpu').");
+}
