@@ -1,10 +1,23 @@
 #!/usr/bin/env python3
-"""hostopt.optax.adamw vs optax.adamw (jitted, JAX CPU) at equal threads.
+"""hostopt.optax.adamw vs optax.adamw on JAX CPU, every variant interleaved round by round.
 
-XLA's CPU thread count is fixed when JAX starts, so each thread count runs in its own
-process (this script re-runs itself with --worker).
+Per size and thread count, in one process (XLA's CPU thread count is fixed when JAX starts,
+so each thread count runs in a process of its own; this script re-runs itself):
+  optax jit          jit(update + apply_updates), nothing donated
+  optax jit+donate   the same with params and state donated (optax's fastest form)
+  hostopt jit        jit(hostopt.optax update + optax.apply_updates), nothing donated
+  hostopt jit+donate the same with params and state donated: mu/nu updated in place
+  hostopt numpy      hostopt.optax on numpy trees with reuse_state, then p += u (numpy)
+  C++ floor          hostopt.Optimizer.step: the fused step in place, no update array
+Bytes per parameter moved by each (f32): the fused step reads g, p, m, v and writes p, m, v
+(28); the optax form writes an update u that apply_updates reads back with p to write p
+(+12 = 40); without donation XLA first copies m and v (+16 = 56). XLA fuses optax's update
+and apply into one loop (28 donated, 44 without: it keeps the old m, v).
 
-  PYTHONPATH=build/release/python .venv/bin/python bench/compare_optax.py --sizes 64M,256M --threads 1,2
+Then the per-call overhead of an update under jit on a small model's tree (54 leaves,
+0.84M parameters, the character LM of the issue), against optax's.
+
+  PYTHONPATH=build/release/python .venv/bin/python bench/compare_optax.py --sizes 16M,64M --threads 1,2
 """
 import argparse
 import os
@@ -13,10 +26,19 @@ import subprocess
 import sys
 import time
 
+SHORT = {"optax jit": "ox jit", "optax jit+donate": "ox donate", "hostopt jit": "ho jit",
+         "hostopt jit+donate": "ho donate", "hostopt numpy": "ho numpy", "C++ floor": "C++ floor"}
+BYTES = {"optax jit": 44, "optax jit+donate": 28, "hostopt jit": 56, "hostopt jit+donate": 40,
+         "hostopt numpy": 40, "C++ floor": 28}
+
 
 def parse_size(s):
   mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
   return int(float(s[:-1]) * mult[s[-1]]) if s[-1] in mult else int(s)
+
+
+def _shapes(n, leaves):
+  return [n // leaves] * (leaves - 1) + [n - (n // leaves) * (leaves - 1)]
 
 
 def worker(size, threads, leaves, iterations):
@@ -24,73 +46,121 @@ def worker(size, threads, leaves, iterations):
   import jax.numpy as jnp
   import numpy as np
   import optax
+  import hostopt
   import hostopt.optax as hoptax
 
   n = parse_size(size)
-  shapes = [n // leaves] * (leaves - 1) + [n - (n // leaves) * (leaves - 1)]
+  shapes = _shapes(n, leaves)
   rng = np.random.default_rng(0)
-  params_np = {f"p{i}": rng.standard_normal(s, dtype=np.float32) for i, s in enumerate(shapes)}
-  grads_np = {k: (0.01 * rng.standard_normal(v.shape, dtype=np.float32)) for k, v in params_np.items()}
-  results = {}
-
-  # optax, jitted, state donated (its fastest form).
-  opt = optax.adamw(1e-3, weight_decay=0.01)
-  params = jax.device_put(params_np)
+  params_np = {f"p{i:03d}": rng.standard_normal(s, dtype=np.float32) for i, s in enumerate(shapes)}
+  grads_np = {k: 0.01 * rng.standard_normal(v.shape, dtype=np.float32) for k, v in params_np.items()}
   grads = jax.device_put(grads_np)
-  state = opt.init(params)
 
-  @jax.jit
-  def step(g, s, p):
-    u, s = opt.update(g, s, p)
-    return optax.apply_updates(p, u), s
-  step = jax.jit(step, donate_argnums=(1, 2))
-  params, state = step(grads, state, params)
-  jax.block_until_ready(params)
-  times = []
-  for _ in range(iterations):
-    t0 = time.perf_counter()
-    params, state = step(grads, state, params)
-    jax.block_until_ready(params)
-    times.append(time.perf_counter() - t0)
-  results["optax (jit)"] = statistics.median(times)
-  del params, state, grads
+  def jitted(opt, donate):
+    def train_step(p, s, g):
+      u, s = opt.update(g, s, p)
+      return optax.apply_updates(p, u), s
+    step = jax.jit(train_step, donate_argnums=(0, 1) if donate else ())
+    carry = [jax.device_put({k: v.copy() for k, v in params_np.items()}), None]
+    carry[1] = opt.init(carry[0])
 
-  # hostopt.optax on numpy trees: update + apply_updates (what a user's loop does).
-  for label, reuse in (("hostopt.optax", False), ("hostopt.optax reuse_state", True)):
-    hopt = hoptax.adamw(1e-3, weight_decay=0.01, threads=threads, reuse_state=reuse)
-    p = {k: v.copy() for k, v in params_np.items()}
-    s = hopt.init(p)
-    times = []
-    for i in range(iterations + 1):
+    def run():
+      carry[0], carry[1] = step(carry[0], carry[1], grads)
+      jax.block_until_ready(carry[0])
+    return run
+
+  ref = optax.adamw(1e-3, weight_decay=0.01)
+  ours = hoptax.adamw(1e-3, weight_decay=0.01, threads=threads)
+  numpy_opt = hoptax.adamw(1e-3, weight_decay=0.01, threads=threads, reuse_state=True)
+  p_np = {k: v.copy() for k, v in params_np.items()}
+  s_np = [numpy_opt.init(p_np)]
+
+  def run_numpy():
+    u, s_np[0] = numpy_opt.update(grads_np, s_np[0], p_np)
+    for k in p_np:
+      p_np[k] += u[k]
+
+  floor = hostopt.Optimizer([{"params": {k: v.shape for k, v in params_np.items()}, "lr": 1e-3,
+                              "weight_decay": 0.01, "mode": "adamw"}], threads=threads)
+  variants = {"optax jit": jitted(ref, False), "optax jit+donate": jitted(ref, True),
+              "hostopt jit": jitted(ours, False), "hostopt jit+donate": jitted(ours, True),
+              "hostopt numpy": run_numpy, "C++ floor": lambda: floor.step(grads_np)}
+  times = {k: [] for k in variants}
+  for r in range(iterations + 1):  # round 0 compiles and warms up
+    for name, fn in variants.items():
       t0 = time.perf_counter()
-      u, s = hopt.update(grads_np, s, p)
-      for k in p:
-        p[k] += u[k]
-      if i:
-        times.append(time.perf_counter() - t0)
-    results[label] = statistics.median(times)
-  print(f"{size:>6} {threads:>7} {leaves:>6} " + " ".join(f"{results[k] * 1e3:>14.1f}" for k in results) +
-        f" {results['optax (jit)'] / results['hostopt.optax reuse_state']:>9.2f}x")
+      fn()
+      if r:
+        times[name].append(time.perf_counter() - t0)
+  med = {k: statistics.median(v) for k, v in times.items()}
+  print(f"{size:>6} {threads:>7} {leaves:>6} " + " ".join(f"{med[k] * 1e3:>9.1f}" for k in variants) +
+        f" {med['hostopt jit+donate'] / med['optax jit+donate']:>12.2f} {med['hostopt numpy'] / med['C++ floor']:>12.2f}",
+        flush=True)
+
+
+def overhead_worker(iterations):
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  import hostopt.optax as hoptax
+
+  # 54 leaves, 0.84M parameters: a small transformer's tree (embeddings, 4 blocks, head).
+  rng = np.random.default_rng(1)
+  sizes = [65 * 128, 256 * 128] + [s for _ in range(4) for s in
+                                   (128, 128, 128 * 384, 384, 128 * 128, 128, 128, 128, 128 * 512, 512, 512 * 128, 128, 128)]
+  # 2 + 4 x 13 = 54 leaves
+  params = {f"l{i:02d}": jnp.asarray(rng.standard_normal(s, dtype=np.float32)) for i, s in enumerate(sizes)}
+  grads = jax.tree_util.tree_map(lambda x: 0.01 * x, params)
+  total = sum(sizes)
+  out = {}
+  for label, opt in (("optax", optax.adamw(1e-3)), ("hostopt", hoptax.adamw(1e-3))):
+    def train_step(p, s, g):
+      u, s = opt.update(g, s, p)
+      return optax.apply_updates(p, u), s
+    step = jax.jit(train_step, donate_argnums=(0, 1))
+    p = jax.tree_util.tree_map(jnp.copy, params)
+    s = opt.init(p)
+    p, s = step(p, s, grads)
+    ts = []
+    for _ in range(iterations * 20):
+      t0 = time.perf_counter()
+      p, s = step(p, s, grads)
+      jax.block_until_ready(p)
+      ts.append(time.perf_counter() - t0)
+    out[label] = statistics.median(ts)
+  print(f"small model ({len(sizes)} leaves, {total / 1e6:.2f}M params), jit+donate step: optax "
+        f"{out['optax'] * 1e3:.3f} ms, hostopt {out['hostopt'] * 1e3:.3f} ms "
+        f"(difference {1e3 * (out['hostopt'] - out['optax']):+.3f} ms per call)")
 
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--sizes", default="64M")
+  ap.add_argument("--sizes", default="16M,64M")
   ap.add_argument("--threads", default="1,2")
   ap.add_argument("--leaves", type=int, default=16)
   ap.add_argument("--iterations", type=int, default=5)
   ap.add_argument("--worker", nargs=2, metavar=("SIZE", "THREADS"), help=argparse.SUPPRESS)
+  ap.add_argument("--overhead-worker", action="store_true", help=argparse.SUPPRESS)
   args = ap.parse_args()
   if args.worker:
     worker(args.worker[0], int(args.worker[1]), args.leaves, args.iterations)
     return 0
+  if args.overhead_worker:
+    overhead_worker(args.iterations)
+    return 0
   try:
     import hostopt.optax  # noqa: F401
+    import jax
+    import optax
   except ImportError as e:
     print(f"skipped: {e} (needs jax, optax and the hostopt module on PYTHONPATH)")
     return 0
-  print(f"{'size':>6} {'threads':>7} {'leaves':>6} {'optax jit ms':>14} {'hostopt ms':>14} {'reuse_state ms':>14} "
-        f"{'speedup':>10}")
+  print(f"jax {jax.__version__}, optax {optax.__version__}; median ms per step over {args.iterations} interleaved rounds")
+  names = list(BYTES)
+  print(f"{'size':>6} {'threads':>7} {'leaves':>6} " + " ".join(f"{SHORT[n]:>9}" for n in names) +
+        f" {'ho/optax don':>12} {'numpy/floor':>12}")
+  print(f"{'bytes/param':>21} " + " ".join(f"{BYTES[n]:>9}" for n in names))
   for size in args.sizes.split(","):
     for threads in args.threads.split(","):
       env = dict(os.environ)
@@ -99,7 +169,9 @@ def main():
       env["JAX_PLATFORMS"] = "cpu"
       subprocess.run([sys.executable, __file__, "--worker", size, threads, "--leaves", str(args.leaves),
                       "--iterations", str(args.iterations)], env=env, check=True)
-  print("hostopt times include numpy's apply_updates (p += u, single-threaded); optax's jitted step fuses it.")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  subprocess.run([sys.executable, __file__, "--overhead-worker", "--iterations", str(args.iterations)], env=env,
+                 check=True)
   return 0
 
 
