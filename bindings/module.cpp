@@ -223,6 +223,8 @@ PYBIND11_MODULE(_core, m) {
       "The optax form over many leaves (hostopt::adam_update over update_leaf), one call, one parallel region, "
       "GIL released; configs are AdamConfig structs, config_of[i] indexes leaf i's.");
 
+  m.def("max_threads", &max_threads, "The most worker threads a step may ask for (hostopt::max_threads).");
+
   m.def(
       "convert",
       [](py::handle in, py::handle out, const std::string& out_dtype, int threads) {

@@ -14,11 +14,13 @@
 //             hp f32[k]|f64[k] (the traced hyper-parameters, in field order lr, b1, b2,
 //                               eps, eps_root, wd, those whose bit is set in `traced`)
 //             then per leaf: g (f32|bf16|f16), mu f32, nu f32, and p f32 if the leaf decays
-//   results:  per leaf: u (g's dtype), mu, nu (aliased to the operands)
+//   results:  per leaf: u (g's dtype), mu, nu (aliased to g, mu and nu: the kernel may
+//             write the update over the gradient, hostopt::adam_update allows exactly that)
 //   attributes: lr b1 b2 eps eps_root wd (f64, static values), traced (i64 bit mask),
 //               nesterov, threads (i64), decays (string, one '0'/'1' per leaf)
 #include <pybind11/pybind11.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -143,7 +145,10 @@ void adam_update_call(const XLA_FFI_CallFrame* frame) {
   base.nesterov = at.nesterov != 0;
   adam_config decayed = base;
   decayed.weight_decay = values[5];
-  hostopt::validate(decayed, "hyper-parameters");
+  adam_config check = decayed; // lr and weight_decay of either sign, as optax (adam_update takes them)
+  check.lr = std::fabs(check.lr);
+  check.weight_decay = std::fabs(check.weight_decay);
+  hostopt::validate(check, "hyper-parameters");
   const adam_config configs[2] = {base, decayed};
 
   const std::size_t leaves = at.decays.size();

@@ -14,18 +14,28 @@
 #include "step_scalars.hpp"
 #include "update_engine.hpp"
 
+#include <cmath>
+
 namespace hostopt {
 
 using namespace detail;
 
 namespace {
 
-// The plan of a one-buffer step: the same rules and scalars as the optimizer's.
+// The plan of a one-buffer step: the same rules and scalars as the optimizer's. The optax
+// form (`signed`) takes lr and weight_decay of either sign, as optax does (a negative rate
+// ascends); everything else is validated as for the optimizer.
 step_plan plan_of(const kernel_set& ks, std::span<const adam_config> configs, std::int64_t step, const step_io& io,
-                  float grad_scale, std::span<group_kernel> groups) {
+                  float grad_scale, std::span<group_kernel> groups, bool signed_rates = false) {
   check_step_number(step);
-  for (std::size_t g = 0; g < configs.size(); ++g)
-    validate(configs[g], configs.size() == 1 ? "config" : "configs[" + std::to_string(g) + "]");
+  for (std::size_t g = 0; g < configs.size(); ++g) {
+    adam_config c = configs[g];
+    if (signed_rates) {
+      c.lr = std::fabs(c.lr);
+      c.weight_decay = std::fabs(c.weight_decay);
+    }
+    validate(c, configs.size() == 1 ? "config" : "configs[" + std::to_string(g) + "]");
+  }
   return step_plan::make(ks, configs, step - 1, io, unchecked(grad_scale), [] { return 0.0; }, groups);
 }
 
@@ -115,8 +125,11 @@ void adam_update(std::span<const update_leaf> leaves, std::span<const adam_confi
     if (n == 0) continue;
     const std::size_t esz = dtype_size(grad_type);
     ranges.insert(ranges.end(), {range_of(l.exp_avg, n * 4, true, 1, i), range_of(l.exp_avg_sq, n * 4, true, 2, i),
-                                 range_of(l.grad.data, n * esz, false, 3, i),
                                  range_of(l.update.data, n * esz, true, 4, i)});
+    // The update may be written over its own gradient (the kernel loads each block of the
+    // gradient before it stores that block's update): XLA hands the same buffer to both
+    // when it aliases them. Any other overlap is refused.
+    if (l.grad.data != l.update.data) ranges.push_back(range_of(l.grad.data, n * esz, false, 3, i));
     if (l.params) ranges.push_back(range_of(l.params, n * 4, false, 0, i));
   }
   if (leaves.size() == 1) {
@@ -128,7 +141,7 @@ void adam_update(std::span<const update_leaf> leaves, std::span<const adam_confi
     check_no_overlap(ranges, kinds, &leaf_names, /*index_every_kind=*/true);
   }
   std::vector<group_kernel> groups(configs.size());
-  plan_of(ks, configs, step, {grad_type, std::nullopt, false, true}, grad_scale, groups);
+  plan_of(ks, configs, step, {grad_type, std::nullopt, false, true}, grad_scale, groups, /*signed_rates=*/true);
   const std::size_t total = first.back();
   if (total == 0) return;
   const std::size_t esz = dtype_size(grad_type);

@@ -336,6 +336,70 @@ TEST_CASE("adam_update over many leaves (one region) gives each leaf's own updat
     }
 }
 
+TEST_CASE("adam_update may write each leaf's update over its own gradient (bit for bit)", "[adam][per_arch]") {
+  std::mt19937 rng(29);
+  const std::size_t sizes[] = {0, 1, 17, 1000, 4097, 5};
+  std::vector<adam_config> configs = test_configs();
+  for (const auto& kernel : supported_kernels())
+    for (dtype gt : all_dtypes) {
+      std::vector<ref::state> apart, inplace;
+      std::vector<ref::grad_buffer> grads, overwritten;
+      std::vector<out_buffer> u;
+      std::vector<update_leaf> a, b;
+      for (std::size_t n : sizes) {
+        apart.push_back(ref::random_state(n, rng));
+        inplace.push_back(apart.back());
+        grads.push_back(ref::random_grad(gt, n, rng));
+        overwritten.push_back(grads.back());
+        u.emplace_back(int(gt), n);
+      }
+      for (std::size_t i = 0; i < apart.size(); ++i) {
+        a.push_back({apart[i].p.data(), apart[i].m.data(), apart[i].v.data(), grads[i].view(), u[i].view(),
+                     i % configs.size()});
+        const const_view g = overwritten[i].view();
+        b.push_back({inplace[i].p.data(), inplace[i].m.data(), inplace[i].v.data(), g,
+                     {const_cast<void*>(g.data), g.size, g.type}, i % configs.size()});
+      }
+      adam_update(a, configs, 5, 0.75f, {3, kernel});
+      adam_update(b, configs, 5, 0.75f, {2, kernel});
+      for (std::size_t i = 0; i < apart.size(); ++i) {
+        INFO("kernel " << kernel << " grad " << dtype_name(gt) << " leaf " << i);
+        CHECK(apart[i] == inplace[i]);
+        const std::size_t bytes = sizes[i] * dtype_size(gt);
+        CHECK((bytes == 0 || std::memcmp(overwritten[i].view().data, u[i].view().data, bytes) == 0));
+      }
+      // Overlapping without being the same buffer is still refused.
+      if (sizes[3] > 1) {
+        const const_view g = overwritten[3].view();
+        b[3].update = {static_cast<char*>(const_cast<void*>(g.data)) + dtype_size(gt), g.size - 1, g.type};
+        b[3].grad.size = g.size - 1;
+        CHECK_THROWS_WITH(adam_update(b, configs, 6, 1.0f, {1, kernel}), Catch::Contains("overlap"));
+      }
+    }
+}
+
+TEST_CASE("the optax form takes a negative learning rate as optax does (adam_step refuses it)", "[adam][per_arch]") {
+  std::mt19937 rng(31);
+  const std::size_t n = 1000;
+  for (const auto& kernel : supported_kernels()) {
+    ref::state up = ref::random_state(n, rng), down = up;
+    const ref::grad_buffer g = ref::random_grad(dtype::f32, n, rng);
+    out_buffer u_up(int(dtype::f32), n), u_down(int(dtype::f32), n);
+    adam_config c;
+    c.lr = 3e-3;
+    adam_update(nullptr, up.m.data(), up.v.data(), n, g.view(), u_up.view(), c, 4, 1.0f, {2, kernel});
+    c.lr = -3e-3;
+    adam_update(nullptr, down.m.data(), down.v.data(), n, g.view(), u_down.view(), c, 4, 1.0f, {2, kernel});
+    INFO("kernel " << kernel);
+    CHECK(up == down); // the same moments
+    for (std::size_t i = 0; i < n; ++i) REQUIRE(u_down.f32[i] == -u_up.f32[i]); // the opposite update, exactly
+    c.weight_decay = -0.1; // optax takes a negative decay too
+    CHECK_NOTHROW(adam_update(up.p.data(), up.m.data(), up.v.data(), n, g.view(), u_up.view(), c, 5, 1.0f, {1, kernel}));
+    CHECK_THROWS_WITH(adam_step(up.p.data(), up.m.data(), up.v.data(), n, g.view(), {}, c, 6, 1.0f, {1, kernel}),
+                      Catch::Contains("lr"));
+  }
+}
+
 TEST_CASE("leaves that share memory are refused: one region runs them all at once", "[adam][errors]") {
   std::vector<float> p(64, 1.0f), m(64), v(64), g(64, 0.5f), u(64), u2(64);
   const std::vector<adam_config> cs{adam_config{}};

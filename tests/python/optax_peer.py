@@ -102,7 +102,10 @@ def main(argv) -> int:
           f" ({'optax itself' if os.environ.get('HOSTOPT_PEER_REFERENCE') == '1' else 'hostopt substituted'})",
           flush=True)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", tmp, *found, *argv]
-    return subprocess.call(cmd, cwd=tmp)
+    # The tests run in the temporary directory: a relative PYTHONPATH would point nowhere there.
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)
+    return subprocess.call(cmd, cwd=tmp, env=env)
 
 
 if __name__ == "__main__":

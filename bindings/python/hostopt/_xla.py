@@ -3,8 +3,9 @@ fused kernel for all f32 leaves of an update, mu and nu updated in place.
 
 ``adam_update(count, hp, leaves, ...)`` binds it. Lowered to the custom call
 ``hostopt_adam_update`` (hostopt._xla_ffi, registered for the CPU platform) with mu and nu
-aliased to their outputs, so a donated state is updated where it lies and a kept one costs
-one copy made by XLA. Static hyper-parameters travel as f64 attributes, traced ones
+aliased to their outputs and the update to the gradient, so a donated state is updated where
+it lies (a kept one costs one copy made by XLA) and the update needs no buffer of its own
+when the gradient is a temporary of the step or donated. Static hyper-parameters travel as f64 attributes, traced ones
 (schedules, inject_hyperparams) as one scalar vector operand; both reach the kernel as the
 same doubles, so eager calls (which run the same jitted call) and jit give the same bits.
 
@@ -89,6 +90,9 @@ def _abstract_eval(count, hp, *operands, decays, **_):
 def _lowering(ctx, count, hp, *operands, decays, traced, nesterov, threads, static):
   aliases, i = {}, 2
   for k, d in enumerate(decays):
+    # The update is written over the gradient (a temporary inside a training step, so no
+    # fresh buffer to page in every step) and the moments over themselves.
+    aliases[i] = 3 * k
     aliases[i + 1] = 3 * k + 1
     aliases[i + 2] = 3 * k + 2
     i += 4 if d == "1" else 3

@@ -22,38 +22,52 @@ Where the update runs, leaf by leaf:
   params are float32, bfloat16 or float16 runs on hostopt's fused kernel, all such leaves in
   one call and one parallel region. Under ``jax.jit`` (and for eager jax arrays, which run
   the same jitted call) that call is an XLA FFI custom call — no Python callback — with mu
-  and nu updated in place: donate the state (``jax.jit(..., donate_argnums=...)``) and no
-  full-size copy is made. 16-bit gradients are widened to float32 first, as optax's own
-  arithmetic does (the update is float32, like optax's);
+  and nu updated in place and the update written over the gradient: in a training step that
+  returns ``(params, state)`` with both donated (``jax.jit(step, donate_argnums=(0, 1))``), no
+  full-size copy is made. (Donating the state of a function that returns ``(updates,
+  state)`` does not do it: JAX pairs a donated buffer with the first output of its shape,
+  the updates, and XLA then copies the moments.) 16-bit gradients are widened to float32
+  exactly before any arithmetic and the update is float32, as optax's is; optax instead
+  rounds ``(1 - b1) g`` and ``g**2`` to the 16-bit type first (and float16 ``g**2`` underflows
+  below 6e-8), so with 16-bit gradients the two differ by that rounding — hostopt's is the
+  more accurate;
 - every other leaf — float64 (under ``jax_enable_x64``), complex (nu from :math:`|g|^2`),
   16-bit moments (``mu_dtype`` or 16-bit params) — runs optax's own ``scale_by_adam``,
   ``add_decayed_weights`` and ``scale_by_learning_rate`` on it: optax's results and dtypes
   exactly, never a cast.
 
-Hyper-parameters may be Python numbers (passed to the kernel as float64 attributes),
-arrays or schedules (passed as traced scalars; ``weight_decay`` may be a schedule where
-optax accepts one); eager and jitted calls give the same bits. ``vmap`` works;
+Hyper-parameters may be Python or numpy numbers (passed to the kernel as float64
+attributes), arrays or schedules (evaluated by XLA and passed as traced scalars;
+``weight_decay`` may be a schedule where optax accepts one; any callable will do); numpy,
+eager and jitted calls give the same bits. As in optax, the learning rate and weight decay
+may be negative. ``vmap`` works;
 differentiating through ``update`` raises (the kernel has no derivative rule: use optax
 itself for meta-gradients).
 
 hostopt's own options are keyword arguments collected apart from optax's, so that
 ``optax.inject_hyperparams`` never mistakes them for hyper-parameters:
-``threads`` (worker threads, 0 = the runtime's default) and ``reuse_state`` (numpy states
-only: mu and nu are updated in place, saving two copies per step). Inputs may be numpy or
+``threads`` (worker threads, 0 = the runtime's default), ``reuse_state`` (numpy states
+only: mu and nu are updated in place, saving two copies per step) and ``state_memory``
+(``"pinned_host"``: on an accelerator, ``init`` puts the float32 mu and nu in the devices'
+pinned host memory, where they take no HBM, and ``update`` sends the gradients (and params
+for weight decay) there, runs the kernel on the host (``compute_on("device_host")``) and
+returns the updates in device memory; needs a jax with memory spaces). Inputs may be numpy or
 jax pytrees; outputs are of the same kind.
 
 Example:
   >>> import optax, hostopt.optax
   >>> opt = optax.chain(optax.clip_by_global_norm(1.0), hostopt.optax.adamw(1e-3, weight_decay=0.1))
   >>> state = opt.init(params)
-  >>> step = jax.jit(lambda g, s, p: opt.update(g, s, p), donate_argnums=1)
-  >>> updates, state = step(grads, state, params)
-  >>> params = optax.apply_updates(params, updates)
+  >>> @functools.partial(jax.jit, donate_argnums=(0, 1))
+  ... def train_step(params, state, batch):
+  ...   updates, state = opt.update(jax.grad(loss)(params, batch), state, params)
+  ...   return optax.apply_updates(params, updates), state
 """
 
 import dataclasses
 import functools
 import inspect
+import warnings
 from typing import Any, Callable, Optional, Tuple
 
 import jax
@@ -61,12 +75,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jax.experimental.compute_on import compute_on
+
 from . import _core, _xla
 from ._arrays import as_buffer
 
 __all__ = ["adam", "adamw", "nadam", "nadamw"]
 
-_HOSTOPT_OPTIONS = {"threads": 0, "reuse_state": False}
+_HOSTOPT_OPTIONS = {"threads": 0, "reuse_state": False, "state_memory": None}
 _KNOWN = ("learning_rate", "b1", "b2", "eps", "eps_root", "mu_dtype", "weight_decay", "mask", "nesterov")
 _KERNEL_INPUT = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(jnp.bfloat16))
 # optax's own functions, taken at import (a test may put hostopt's in their place).
@@ -79,7 +95,28 @@ def _is_traced(x) -> bool:
 
 
 def _is_number(x) -> bool:
+  """A hyper-parameter known now (a Python or numpy real scalar, 0-d numpy arrays too): it
+  reaches the kernel as a float64 attribute, on every route alike."""
+  if isinstance(x, np.ndarray):
+    return x.ndim == 0 and x.dtype.kind in "iuf"
   return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
+class _ByIdentity:
+  """A schedule as a jit static argument: hashed by identity, so any callable will do."""
+  __slots__ = ("fn",)
+
+  def __init__(self, fn):
+    self.fn = fn
+
+  def __hash__(self):
+    return id(self.fn)
+
+  def __eq__(self, other):
+    return isinstance(other, _ByIdentity) and other.fn is self.fn
+
+  def __call__(self, count):
+    return self.fn(count)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +130,7 @@ class _Static:
   nesterov: bool
   mu_dtype: Any
   threads: int
+  state_memory: Optional[str] = None  # "pinned_host": kernel leaves' mu/nu live in host memory
 
 
 def _on_kernel(g, mu, nu, p, decays: bool) -> bool:
@@ -121,11 +159,11 @@ def _optax_leaves(s: _Static, hp, gs, mus, nus, ps, decays, count):
 def _flat_update(s: _Static, gs, mus, nus, ps, count, dynamic, lr_count, wd_count):
   """The update of flat leaf lists; jax-traceable (runs under jit)."""
   it = iter(dynamic)
-  hp = list(v if v is not None else next(it, None) for v in s.hp)
-  if s.lr_schedule is not None:
-    hp[0] = s.lr_schedule(lr_count)
-  if s.wd_schedule is not None:
-    hp[5] = s.wd_schedule(wd_count)
+  schedules = {0: (s.lr_schedule, lr_count), 5: (s.wd_schedule, wd_count)}
+  hp = []
+  for k, v in enumerate(s.hp):
+    fn, at = schedules.get(k, (None, None))
+    hp.append(v if v is not None else fn(at) if fn is not None else next(it))
   hp = tuple(hp)
   n = len(gs)
   u, new_mu, new_nu = [None] * n, list(mus), list(nus)
@@ -134,8 +172,18 @@ def _flat_update(s: _Static, gs, mus, nus, ps, count, dynamic, lr_count, wd_coun
     f32 = lambda x: x if x.dtype == jnp.float32 else x.astype(jnp.float32)  # exact widening
     leaves = [(f32(gs[i]), mus[i], nus[i], f32(ps[i]) if s.decays[i] else None) for i in k_idx]
     hp_kernel = hp if any(s.decays) else hp[:5] + (0.0,)
-    for i, (ui, mi, vi) in zip(k_idx, _xla.adam_update(count, hp_kernel, leaves, nesterov=s.nesterov,
-                                                        threads=s.threads)):
+    call = lambda count, hp_kernel, leaves: _xla.adam_update(count, hp_kernel, leaves, nesterov=s.nesterov,
+                                                             threads=s.threads)
+    if s.state_memory is None:
+      outs = call(count, hp_kernel, leaves)
+    else:  # the moments stay in host memory: the gradients come to them, the updates go back
+      to_host = lambda x: None if x is None else jax.device_put(x, jax.memory.Space.Host)
+      leaves = [tuple(to_host(x) if j in (0, 3) else x for j, x in enumerate(leaf)) for leaf in leaves]
+      # hp_kernel is closed over: its Python floats stay static attributes (as jit arguments they
+      # would become float32 operands and change the bits).
+      outs = compute_on("device_host")(jax.jit(lambda c, lv: call(c, hp_kernel, lv)))(count, leaves)
+      outs = [(jax.device_put(ui, jax.memory.Space.Device), mi, vi) for ui, mi, vi in outs]
+    for i, (ui, mi, vi) in zip(k_idx, outs):
       u[i], new_mu[i], new_nu[i] = ui, mi, vi
   o_idx = [i for i in range(n) if not s.kernel[i]]
   if o_idx:
@@ -151,7 +199,7 @@ _flat_update_jit = jax.jit(_flat_update, static_argnums=0)
 _call_jit = jax.jit(lambda f, x: f(x), static_argnums=0)
 
 
-def _numpy_update(s: _Static, hp, gs, mus, nus, ps, count, reuse: bool):
+def _numpy_update(s: _Static, hp, gs, mus, nus, ps, count, reuse: bool, dynamic, lr_count, wd_count):
   """The update on numpy leaves: kernel leaves through hostopt._core (mu/nu in place with
   reuse_state), the others through optax's arithmetic, converted back to numpy."""
   t = int(count) + 1 if int(count) < np.iinfo(np.int32).max else int(count)
@@ -180,14 +228,51 @@ def _numpy_update(s: _Static, hp, gs, mus, nus, ps, count, reuse: bool):
         col.append(x)
     _core.optax_update_leaves(*cols[:4], "f32", cols[4], configs, cols[5], t, 1.0, s.threads)
   o_idx = [i for i in range(n) if not s.kernel[i]]
-  if o_idx:
+  if o_idx:  # optax's arithmetic, through the same jitted call as the jax route (the same bits)
+    sub = dataclasses.replace(s, decays=tuple(s.decays[i] for i in o_idx), kernel=(False,) * len(o_idx))
     pick = lambda xs: [jnp.asarray(xs[i]) for i in o_idx]
-    ou, om, on = _optax_leaves(s, hp, pick(gs), pick(mus), pick(nus),
-                               [jnp.asarray(ps[i]) if s.decays[i] else None for i in o_idx],
-                               [s.decays[i] for i in o_idx], jnp.asarray(count))
+    ou, om, on = _flat_update_jit(sub, pick(gs), pick(mus), pick(nus),
+                                  [jnp.asarray(ps[i]) if s.decays[i] else None for i in o_idx], jnp.asarray(count),
+                                  dynamic, lr_count, wd_count)
     for j, i in enumerate(o_idx):
       u[i], new_mu[i], new_nu[i] = np.asarray(ou[j]), np.asarray(om[j]), np.asarray(on[j])
   return u, new_mu, new_nu
+
+
+def _place_moments(adam_state, kind: str):
+  """mu and nu of the leaves the kernel takes (float32), in memory `kind` of their devices."""
+  def place(x):
+    if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) or x.dtype != jnp.float32:
+      return x  # traced (jit(init)): placed by the caller's out_shardings; others: optax's arithmetic
+    kinds = {m.kind for d in x.sharding.device_set for m in d.addressable_memories()}
+    if kind not in kinds:
+      raise ValueError(f"state_memory={kind!r}: the params' devices have memories {sorted(kinds)}")
+    return jax.device_put(x, x.sharding.with_memory_kind(kind))
+  return adam_state._replace(mu=jax.tree_util.tree_map(place, adam_state.mu),
+                             nu=jax.tree_util.tree_map(place, adam_state.nu))
+
+
+def _not_tracing() -> bool:
+  try:
+    from jax._src import core as jax_core
+    return bool(jax_core.trace_state_clean())
+  except (ImportError, AttributeError):  # pragma: no cover - a jax without it: decide by the inputs alone
+    return True
+
+
+def _backend_is_cpu() -> bool:
+  if jax.default_backend() == "cpu":
+    return True
+  global _warned_backend
+  if not _warned_backend:
+    _warned_backend = True
+    warnings.warn(f"hostopt.optax: the arrays are on {jax.default_backend()}; hostopt's kernel runs on the host, so "
+                  "this update runs optax's arithmetic there. Make the transformation with "
+                  "state_memory='pinned_host' to keep mu/nu in host memory and update them on the host.")
+  return False
+
+
+_warned_backend = False
 
 
 def _decay_mask(mask, updates, treedef, n: int):
@@ -208,9 +293,17 @@ def _make(args: dict, decoupled: bool) -> optax.GradientTransformationExtraArgs:
     raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}: hostopt's own options are "
                     f"{sorted(options)}, the others are optax's")
   options.update(extra)
-  threads, reuse_state = options["threads"], options["reuse_state"]
-  if not isinstance(threads, (int, np.integer)) or isinstance(threads, bool) or threads < 0:
-    raise ValueError(f"threads = {threads!r}: expected an int >= 0 (0 = the threading runtime's default)")
+  threads, reuse_state, state_memory = options["threads"], options["reuse_state"], options["state_memory"]
+  if state_memory not in (None, "pinned_host"):
+    raise ValueError(f"state_memory = {state_memory!r}: expected None (the params' memory, as optax) or "
+                     "'pinned_host'")
+  if state_memory is not None and not hasattr(jax, "memory"):
+    raise ValueError(f"state_memory='pinned_host' needs a jax with memory spaces (jax.memory); this is "
+                     f"jax {jax.__version__}")
+  if (not isinstance(threads, (int, np.integer)) or isinstance(threads, bool) or not
+      0 <= threads <= _core.max_threads()):
+    raise ValueError(f"threads = {threads!r}: expected an int in [0, {_core.max_threads()}] (0 = the threading "
+                     "runtime's default)")
   name = "adamw" if decoupled else "adam"
   reference_fn = _OPTAX[name]
   reference = reference_fn(**args)
@@ -218,6 +311,8 @@ def _make(args: dict, decoupled: bool) -> optax.GradientTransformationExtraArgs:
   weight_decay = args.get("weight_decay", 0.0) if decoupled else 0.0
   mask = args.get("mask") if decoupled else None
   mu_dtype, nesterov = args.get("mu_dtype"), bool(args.get("nesterov", False))
+  lr_schedule = _ByIdentity(learning_rate) if callable(learning_rate) else None
+  wd_schedule = _ByIdentity(weight_decay) if callable(weight_decay) else None
   for key, value in args.items():  # arguments of a newer optax that this front does not implement
     if key not in _KNOWN and value is not inspect.signature(reference_fn).parameters[key].default:
       raise NotImplementedError(f"hostopt.optax.{name}: argument {key}={value!r} of optax {optax.__version__} is "
@@ -225,15 +320,20 @@ def _make(args: dict, decoupled: bool) -> optax.GradientTransformationExtraArgs:
   for nm, value in (("b1", b1), ("b2", b2)):
     if _is_number(value) and not 0.0 <= float(value) < 1.0:
       raise ValueError(f"{nm} = {float(value)}: expected a value in [0, 1)")
-  for nm, value in (("eps", eps), ("eps_root", eps_root), ("weight_decay", weight_decay)):
+  for nm, value in (("eps", eps), ("eps_root", eps_root)):
     if _is_number(value) and not (float(value) >= 0.0 and np.isfinite(float(value))):
       raise ValueError(f"{nm} = {float(value)}: expected a finite value >= 0")
+  for nm, value in (("learning_rate", learning_rate), ("weight_decay", weight_decay)):  # either sign, as optax
+    if _is_number(value) and not np.isfinite(float(value)):
+      raise ValueError(f"{nm} = {float(value)}: expected a finite value")
 
   def init_fn(params):
     state = reference.init(params)
     leaves = jax.tree_util.tree_leaves(params)
     if leaves and all(isinstance(x, np.ndarray) for x in leaves):  # numpy in, numpy out
       state = jax.tree_util.tree_map(lambda x: np.asarray(x).copy(), state)
+    elif state_memory is not None:
+      state = (_place_moments(state[0], state_memory),) + tuple(state[1:])
     return state
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -241,6 +341,7 @@ def _make(args: dict, decoupled: bool) -> optax.GradientTransformationExtraArgs:
     adam_state = state[0]
     count = adam_state.count
     g_leaves, treedef = jax.tree_util.tree_flatten(updates)
+    g_leaves = [x if hasattr(x, "dtype") else jnp.asarray(x) for x in g_leaves]  # Python scalars, as optax
     mu_leaves = treedef.flatten_up_to(adam_state.mu)
     nu_leaves = treedef.flatten_up_to(adam_state.nu)
     p_leaves = treedef.flatten_up_to(params) if params is not None else None
@@ -250,42 +351,58 @@ def _make(args: dict, decoupled: bool) -> optax.GradientTransformationExtraArgs:
         if leaves is not None and leaves[i] is not None and tuple(np.shape(leaves[i])) != tuple(np.shape(g)):
           raise ValueError(f"{nm}[{i}] has shape {tuple(np.shape(leaves[i]))}: expected {tuple(np.shape(g))} like "
                            f"updates[{i}] (mu, nu and params must have the shape of the updates)")
-    lr_count = state[-1].count if callable(learning_rate) else None
-    wd_count = jax.tree_util.tree_leaves(state[1])[0] if callable(weight_decay) else None  # masked or not
-    # Schedules are evaluated by XLA on every route (numpy, eager, jit), so all give the same bits.
-    lr = _call_jit(learning_rate, lr_count) if callable(learning_rate) else learning_rate
-    wd = _call_jit(weight_decay, wd_count) if callable(weight_decay) else weight_decay
-    no_decay = _is_number(wd) and float(wd) == 0.0 and not callable(weight_decay)
+    lr_count = state[-1].count if lr_schedule is not None else None
+    wd_count = None
+    if wd_schedule is not None:
+      wd_leaves = jax.tree_util.tree_leaves(state[1])  # WeightDecaySchedule.count, masked or not
+      if not wd_leaves:
+        raise TypeError(f"weight_decay is a schedule, but optax {optax.__version__}'s adamw keeps no count for it "
+                        "(this optax takes a number)")
+      wd_count = wd_leaves[0]
+    # numpy in, numpy out — unless a jax transformation is tracing us (lax.cond inside
+    # optax.apply_if_finite, a jit): then the work must be staged, not run at trace time.
+    numpy_route = (_not_tracing() and isinstance(count, np.ndarray) and
+                   all(isinstance(x, np.ndarray) for x in list(g_leaves) + list(mu_leaves) + list(nu_leaves)) and
+                   not any(_is_traced(v) for v in (learning_rate, b1, b2, eps, eps_root, weight_decay)))
+    lr, wd = learning_rate, weight_decay
+    if numpy_route:  # schedules evaluated by XLA, as inside the jitted call of the jax route
+      lr = _call_jit(lr_schedule, jnp.asarray(lr_count)) if lr_schedule is not None else lr
+      wd = _call_jit(wd_schedule, jnp.asarray(wd_count)) if wd_schedule is not None else wd
+    no_decay = _is_number(wd) and float(wd) == 0.0 and wd_schedule is None
     decays = [False] * n if (not decoupled or no_decay) else _decay_mask(mask, updates, treedef, n)
     if any(decays) and (p_leaves is None or any(p_leaves[i] is None for i in range(n) if decays[i])):
       raise ValueError("You are using a transformation that requires the current value of parameters, but you are "
                        "not passing `params` when calling `update`.")
     hp = (lr, b1, b2, eps, eps_root, wd)
-    kernel = tuple(_on_kernel(g_leaves[i], mu_leaves[i], nu_leaves[i], p_leaves[i] if decays[i] else None, decays[i])
-                   for i in range(n))
-    s = _Static(tuple(decays), kernel, tuple(float(v) if _is_number(v) else None for v in hp),
-                learning_rate if callable(learning_rate) else None,
-                weight_decay if callable(weight_decay) else None, nesterov, mu_dtype, int(threads))
-    numpy_in = all(isinstance(x, np.ndarray) for x in list(g_leaves) + list(mu_leaves) + list(nu_leaves))
-    if numpy_in and not any(_is_traced(v) for v in hp):
-      u, new_mu, new_nu = _numpy_update(s, hp, g_leaves, mu_leaves, nu_leaves, p_leaves, np.asarray(count),
-                                        reuse_state)
+    # The kernel runs on the host: on another backend the moments must be in host memory
+    # (state_memory), or optax's arithmetic runs where the arrays are.
+    on_host = numpy_route or state_memory is not None or _backend_is_cpu()
+    kernel = tuple(on_host and _on_kernel(g_leaves[i], mu_leaves[i], nu_leaves[i], p_leaves[i] if decays[i] else None,
+                                          decays[i]) for i in range(n))
+    static_hp = tuple(float(v) if _is_number(v) else None for v in hp)
+    if not numpy_route:  # the schedules' slots are evaluated inside the jitted call
+      static_hp = tuple(None if (k == 0 and lr_schedule is not None) or (k == 5 and wd_schedule is not None) else v
+                        for k, v in enumerate(static_hp))
+    s = _Static(tuple(decays), kernel, static_hp, lr_schedule, wd_schedule, nesterov, mu_dtype, int(threads),
+                state_memory)
+    # The traced or array hyper-parameters, in field order (the schedules' slots excepted).
+    dynamic = [v for k, v in enumerate(hp) if static_hp[k] is None
+               and not (k == 0 and lr_schedule is not None) and not (k == 5 and wd_schedule is not None)]
+    if numpy_route:
+      u, new_mu, new_nu = _numpy_update(s, hp, g_leaves, mu_leaves, nu_leaves, p_leaves, count, reuse_state,
+                                        dynamic, lr_count, wd_count)
     else:
       if any(kernel) and _xla.available() is not None:
         raise RuntimeError(f"hostopt.optax cannot run on jax arrays: {_xla.available()}")
-      # Schedules are evaluated inside the call from their counts (eager and jit: same bits).
-      dynamic = [v for k, v in enumerate(hp) if not _is_number(v)
-                 and not (k == 0 and s.lr_schedule is not None) and not (k == 5 and s.wd_schedule is not None)]
       ps = [p_leaves[i] if decays[i] else None for i in range(n)]
       u, new_mu, new_nu = _flat_update_jit(s, list(g_leaves), list(mu_leaves), list(nu_leaves), ps, count, dynamic,
                                            lr_count, wd_count)
 
-    keep_numpy = lambda x: np.asarray(x) if isinstance(count, np.ndarray) else x
+    keep_numpy = lambda x: np.asarray(x) if numpy_route else x
     new_adam = adam_state._replace(count=keep_numpy(_increment(count)), mu=treedef.unflatten(new_mu),
                                    nu=treedef.unflatten(new_nu))
     # Every other leaf of optax's state (schedule counts, masked or not) is a count.
-    rest = jax.tree_util.tree_map(lambda c: np.asarray(_increment(c)) if isinstance(c, np.ndarray) else _increment(c),
-                                  tuple(state[1:]))
+    rest = jax.tree_util.tree_map(lambda c: keep_numpy(_increment(c)), tuple(state[1:]))
     return treedef.unflatten(u), (new_adam,) + rest
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
