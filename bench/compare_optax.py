@@ -4,15 +4,24 @@
 Per size and thread count, in one process (XLA's CPU thread count is fixed when JAX starts,
 so each thread count runs in a process of its own; this script re-runs itself):
   optax jit          jit(update + apply_updates), nothing donated
-  optax jit+donate   the same with params and state donated (optax's fastest form)
+  optax jit+donate   the same with params, state and gradients donated (optax's fastest form)
   hostopt jit        jit(hostopt.optax update + optax.apply_updates), nothing donated
-  hostopt jit+donate the same with params and state donated: mu/nu updated in place
+  hostopt jit+donate the same, all donated: mu/nu updated in place, the update written
+                     over the gradient (a step that computes its gradients has them donated)
   hostopt numpy      hostopt.optax on numpy trees with reuse_state, then p += u (numpy)
   C++ floor          hostopt.Optimizer.step: the fused step in place, no update array
 Bytes per parameter moved by each (f32): the fused step reads g, p, m, v and writes p, m, v
 (28); the optax form writes an update u that apply_updates reads back with p to write p
 (+12 = 40); without donation XLA first copies m and v (+16 = 56). XLA fuses optax's update
 and apply into one loop (28 donated, 44 without: it keeps the old m, v).
+
+Page faults per step are printed under each row: XLA:CPU maps every temporary it needs
+afresh each run (buffers of 32 MB and more come from mmap), and touching a fresh page costs
+a fault. optax's fused step needs no temporary; the FFI call needs its operands and results
+in memory, so a gradient that is a jit argument is copied (the update is written over the
+gradient: free when the gradient is a temporary of the step) — one gradient-sized
+temporary per step. GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (glibc 2.35+) backs such
+buffers with huge pages and cuts those faults by ~500x.
 
 Then the per-call overhead of an update under jit on a small model's tree (54 leaves,
 0.84M parameters, the character LM of the issue), against optax's.
@@ -21,6 +30,7 @@ Then the per-call overhead of an update under jit on a small model's tree (54 le
 """
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -56,17 +66,27 @@ def worker(size, threads, leaves, iterations):
   grads_np = {k: 0.01 * rng.standard_normal(v.shape, dtype=np.float32) for k, v in params_np.items()}
   grads = jax.device_put(grads_np)
 
+  faults = {}  # minor page faults of the last step, per jitted variant
+
   def jitted(opt, donate):
     def train_step(p, s, g):
       u, s = opt.update(g, s, p)
       return optax.apply_updates(p, u), s
-    step = jax.jit(train_step, donate_argnums=(0, 1) if donate else ())
+    # Donated: params, state and the gradients (as a step that computes them inside has them).
+    step = jax.jit(train_step, donate_argnums=(0, 1, 2) if donate else ())
     carry = [jax.device_put({k: v.copy() for k, v in params_np.items()}), None]
     carry[1] = opt.init(carry[0])
 
     def run():
-      carry[0], carry[1] = step(carry[0], carry[1], grads)
+      g = jax.device_put(grads_np) if donate else grads  # a fresh copy to donate, made untimed
+      jax.block_until_ready(g)
+      f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+      t0 = time.perf_counter()
+      carry[0], carry[1] = step(carry[0], carry[1], g)
       jax.block_until_ready(carry[0])
+      dt = time.perf_counter() - t0
+      faults[id(run)] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+      return dt
     return run
 
   ref = optax.adamw(1e-3, weight_decay=0.01)
@@ -75,8 +95,12 @@ def worker(size, threads, leaves, iterations):
   p_np = {k: v.copy() for k, v in params_np.items()}
   s_np = [numpy_opt.init(p_np)]
 
+  numpy_update_time = []
+
   def run_numpy():
+    t0 = time.perf_counter()
     u, s_np[0] = numpy_opt.update(grads_np, s_np[0], p_np)
+    numpy_update_time.append(time.perf_counter() - t0)
     for k in p_np:
       p_np[k] += u[k]
 
@@ -84,18 +108,22 @@ def worker(size, threads, leaves, iterations):
                               "weight_decay": 0.01, "mode": "adamw"}], threads=threads)
   variants = {"optax jit": jitted(ref, False), "optax jit+donate": jitted(ref, True),
               "hostopt jit": jitted(ours, False), "hostopt jit+donate": jitted(ours, True),
-              "hostopt numpy": run_numpy, "C++ floor": lambda: floor.step(grads_np)}
+              "hostopt numpy": run_numpy, "C++ floor": lambda: floor.step(grads_np) and None}
   times = {k: [] for k in variants}
   for r in range(iterations + 1):  # round 0 compiles and warms up
     for name, fn in variants.items():
       t0 = time.perf_counter()
-      fn()
+      dt = fn()
       if r:
-        times[name].append(time.perf_counter() - t0)
+        times[name].append(dt if dt is not None else time.perf_counter() - t0)
   med = {k: statistics.median(v) for k, v in times.items()}
+  numpy_update = statistics.median(numpy_update_time[1:])
+  page_faults = {k: faults.get(id(fn), 0) for k, fn in variants.items()}
   print(f"{size:>6} {threads:>7} {leaves:>6} " + " ".join(f"{med[k] * 1e3:>9.1f}" for k in variants) +
         f" {med['hostopt jit+donate'] / med['optax jit+donate']:>12.2f} {med['hostopt numpy'] / med['C++ floor']:>12.2f}",
         flush=True)
+  print(f"{'page faults/step':>21} " + " ".join(f"{page_faults[k]:>9}" for k in variants) +
+        f"   numpy update alone {numpy_update * 1e3:.1f} ms = {numpy_update / med['C++ floor']:.2f}x floor", flush=True)
 
 
 def overhead_worker(iterations):

@@ -274,6 +274,16 @@ def test_jit_has_no_python_callback_and_updates_moments_in_place_when_donated():
   assert not copies_of_arguments_or_results(hlo)
   kept = jax.jit(train_step).lower(params, state).compile().as_text()
   assert copies_of_arguments_or_results(kept)  # undonated: XLA copies the state
+
+  def apply_step(p, s, grads):  # gradients as an argument: the update gets its own buffer, no copy
+    u, s = opt.update(grads, s, p)
+    return optax.apply_updates(p, u), s
+  hlo = jax.jit(apply_step, donate_argnums=(0, 1)).lower(params, state, g).compile().as_text()
+  assert not copies_of_arguments_or_results(hlo)
+  leaves = len(jax.tree_util.tree_leaves(params))
+  aliases = lambda f, *a: jax.jit(f).lower(*a).as_text().count("output_operand_alias<")
+  assert aliases(train_step, params, state) == 3 * leaves  # u over the (computed) gradient, mu, nu
+  assert aliases(apply_step, params, state, g) == 2 * leaves  # mu and nu only
   q, r = jax.jit(train_step)(params, opt.init(params))
   fresh = jax.tree_util.tree_map(jnp.copy, params)
   p, s = jax.jit(train_step, donate_argnums=(0, 1))(fresh, opt.init(fresh))  # runs: the same as undonated

@@ -3,9 +3,10 @@ fused kernel for all f32 leaves of an update, mu and nu updated in place.
 
 ``adam_update(count, hp, leaves, ...)`` binds it. Lowered to the custom call
 ``hostopt_adam_update`` (hostopt._xla_ffi, registered for the CPU platform) with mu and nu
-aliased to their outputs and the update to the gradient, so a donated state is updated where
-it lies (a kept one costs one copy made by XLA) and the update needs no buffer of its own
-when the gradient is a temporary of the step or donated. Static hyper-parameters travel as f64 attributes, traced ones
+aliased to their outputs, so a donated state is updated where it lies (a kept one costs one
+copy made by XLA), and the update written over the gradient when the gradient is computed in
+the same jitted step (a temporary: the update then needs no buffer of its own; XLA:CPU pages
+in every temporary afresh each run). Static hyper-parameters travel as f64 attributes, traced ones
 (schedules, inject_hyperparams) as one scalar vector operand; both reach the kernel as the
 same doubles, so eager calls (which run the same jitted call) and jit give the same bits.
 
@@ -87,12 +88,15 @@ def _abstract_eval(count, hp, *operands, decays, **_):
   return outs
 
 
-def _lowering(ctx, count, hp, *operands, decays, traced, nesterov, threads, static):
+def _lowering(ctx, count, hp, *operands, decays, over_grad, traced, nesterov, threads, static):
   aliases, i = {}, 2
   for k, d in enumerate(decays):
-    # The update is written over the gradient (a temporary inside a training step, so no
-    # fresh buffer to page in every step) and the moments over themselves.
-    aliases[i] = 3 * k
+    # The moments are updated over themselves. The update is written over the gradient when
+    # the gradient is computed in the same computation (a temporary: no fresh buffer to page
+    # in every step); a gradient that is an argument of the computation would have to be
+    # copied first, so then the update gets a buffer of its own.
+    if over_grad[k] == "1":
+      aliases[i] = 3 * k
     aliases[i + 1] = 3 * k + 1
     aliases[i + 2] = 3 * k + 2
     i += 4 if d == "1" else 3
@@ -100,6 +104,19 @@ def _lowering(ctx, count, hp, *operands, decays, traced, nesterov, threads, stat
   rule = _ffi.ffi_lowering(TARGET, operand_output_aliases=aliases)
   return rule(ctx, count, hp, *operands, traced=int(traced), nesterov=int(nesterov), threads=int(threads),
               decays=decays, **attrs)
+
+
+def _computed_here(x) -> bool:
+  """Whether x is a value computed inside the computation being traced (not one of its
+  arguments): then the update may be written over it without XLA copying it first. Reads
+  the tracing frame (JAX internals, the same in jax 0.4.30 and 0.10); when it cannot tell,
+  says no, which costs a buffer for the update but never a copy."""
+  try:
+    frame = x._trace.frame
+    var = frame.tracer_to_var.get(id(x)) if hasattr(frame, "tracer_to_var") else getattr(x, "val", None)
+    return var is not None and all(var is not v for v in frame.invars)
+  except Exception:  # noqa: BLE001 - any other tracer or jax version: the safe answer
+    return False
 
 
 def _impl(*args, **params):
@@ -161,11 +178,12 @@ def adam_update(count, hp_values: Sequence, leaves: List[Tuple], *, nesterov: bo
     hp = jnp.stack([jnp.asarray(v, dt).reshape(()) for v in dynamic])
   else:
     hp = jnp.zeros((0,), jnp.float32)
-  operands, decays = [], ""
+  operands, decays, over_grad = [], "", ""
   for g, mu, nu, p in leaves:
     operands += [g, mu, nu] + ([p] if p is not None else [])
     decays += "1" if p is not None else "0"
+    over_grad += "1" if _computed_here(g) else "0"
   count = jnp.asarray(count, jnp.int32)
-  outs = _prim.bind(count, hp, *operands, decays=decays, traced=traced, nesterov=bool(nesterov),
+  outs = _prim.bind(count, hp, *operands, decays=decays, over_grad=over_grad, traced=traced, nesterov=bool(nesterov),
                     threads=int(threads), static=tuple(static))
   return [tuple(outs[3 * k:3 * k + 3]) for k in range(len(leaves))]

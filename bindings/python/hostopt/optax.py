@@ -395,8 +395,11 @@ def _make(args: dict, decoupled: bool) -> optax.GradientTransformationExtraArgs:
       if any(kernel) and _xla.available() is not None:
         raise RuntimeError(f"hostopt.optax cannot run on jax arrays: {_xla.available()}")
       ps = [p_leaves[i] if decays[i] else None for i in range(n)]
-      u, new_mu, new_nu = _flat_update_jit(s, list(g_leaves), list(mu_leaves), list(nu_leaves), ps, count, dynamic,
-                                           lr_count, wd_count)
+      # Inside the caller's trace, inline (the FFI call then sees whether its gradients are
+      # temporaries of the caller's computation); eager calls run the same code jitted.
+      flat_update = _flat_update_jit if _not_tracing() else functools.partial(_flat_update)
+      u, new_mu, new_nu = flat_update(s, list(g_leaves), list(mu_leaves), list(nu_leaves), ps, count, dynamic,
+                                      lr_count, wd_count)
 
     keep_numpy = lambda x: np.asarray(x) if numpy_route else x
     new_adam = adam_state._replace(count=keep_numpy(_increment(count)), mu=treedef.unflatten(new_mu),
