@@ -16,12 +16,15 @@ through the update raises: the kernel has no derivative rule, and optax.adamw is
 meta-gradients through an optimizer.
 """
 
+import inspect
 from functools import partial
 from typing import List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import core
+from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import ad, batching, mlir
 
 try:
@@ -159,7 +162,8 @@ batching.primitive_batchers[_prim] = _batch
 ad.primitive_jvps[_prim] = _jvp
 
 
-def adam_update(count, hp_values: Sequence, leaves: List[Tuple], *, nesterov: bool, threads: int):
+def adam_update(count, hp_values: Sequence, leaves: List[Tuple], *, nesterov: bool, threads: int,
+                per_shard: bool = True):
   """One FFI call for `leaves` = [(g, mu, nu, p or None)], all float32 and of one shape
   per leaf. hp_values: (lr, b1, b2, eps, eps_root, wd), each a Python float (static) or
   an array (traced or not). Returns [(u, new_mu, new_nu)] per leaf."""
@@ -184,6 +188,51 @@ def adam_update(count, hp_values: Sequence, leaves: List[Tuple], *, nesterov: bo
     decays += "1" if p is not None else "0"
     over_grad += "1" if _computed_here(g) else "0"
   count = jnp.asarray(count, jnp.int32)
-  outs = _prim.bind(count, hp, *operands, decays=decays, over_grad=over_grad, traced=traced, nesterov=bool(nesterov),
-                    threads=int(threads), static=tuple(static))
+  params = dict(decays=decays, over_grad=over_grad, traced=traced, nesterov=bool(nesterov), threads=int(threads),
+                static=tuple(static))
+  args = [count, hp, *operands]
+  if per_shard and _SHARDY and jax.device_count() > 1 and all(type(x).__name__ == "DynamicJaxprTracer"
+                                                for x in args if isinstance(x, core.Tracer)):
+    outs = _per_shard(params, [len(jnp.shape(g)) for g, _, _, _ in leaves])(*args)
+  else:
+    outs = _prim.bind(*args, **params)
   return [tuple(outs[3 * k:3 * k + 3]) for k in range(len(leaves))]
+
+
+def _per_shard(params, ranks):
+  """The call as a custom_partitioning op: elementwise, so under jit with sharded leaves it
+  runs on each device's shard of every leaf (no gather of the moments); the scalars are
+  replicated. Each leaf's arrays follow its gradient's sharding."""
+  decays = params["decays"]
+  spans, i = [], 2
+  for d in decays:
+    spans.append((i, 4 if d == "1" else 3))
+    i += spans[-1][1]
+
+  def call(count, hp, *operands):
+    return tuple(_prim.bind(count, hp, *operands, **params))
+
+  def partition(mesh, arg_shapes, result_shape):
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    arg_shardings, result_shardings = [replicated, replicated], []
+    for i, k in spans:
+      leaf = arg_shapes[i].sharding or replicated
+      arg_shardings += [leaf] * k
+      result_shardings += [leaf] * 3
+    return mesh, call, tuple(result_shardings), tuple(arg_shardings)
+
+  operands, results = ["", "h"], []
+  for leaf, ((_, k), rank) in enumerate(zip(spans, ranks)):
+    dims = " ".join(f"l{leaf}d{j}" for j in range(rank))
+    operands += [dims] * k
+    results += [dims] * 3
+  op = custom_partitioning(call)
+  op.def_partition(partition=partition, sharding_rule=", ".join(operands) + " -> " + ", ".join(results),
+                   need_replication_factors=("h",))
+  return op
+
+
+# Per-shard execution needs Shardy's sharding rules (jax >= 0.5); under GSPMD (jax 0.4) the
+# call sees whole arrays (XLA gathers sharded ones around it).
+_SHARDY = ("sharding_rule" in inspect.signature(custom_partitioning.def_partition).parameters and
+           bool(getattr(jax.config, "jax_use_shardy_partitioner", False)))

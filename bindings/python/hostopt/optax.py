@@ -172,8 +172,8 @@ def _flat_update(s: _Static, gs, mus, nus, ps, count, dynamic, lr_count, wd_coun
     f32 = lambda x: x if x.dtype == jnp.float32 else x.astype(jnp.float32)  # exact widening
     leaves = [(f32(gs[i]), mus[i], nus[i], f32(ps[i]) if s.decays[i] else None) for i in k_idx]
     hp_kernel = hp if any(s.decays) else hp[:5] + (0.0,)
-    call = lambda count, hp_kernel, leaves: _xla.adam_update(count, hp_kernel, leaves, nesterov=s.nesterov,
-                                                             threads=s.threads)
+    call = lambda count, hp_kernel, leaves, per_shard=True: _xla.adam_update(
+        count, hp_kernel, leaves, nesterov=s.nesterov, threads=s.threads, per_shard=per_shard)
     if s.state_memory is None:
       outs = call(count, hp_kernel, leaves)
     else:  # the moments stay in host memory: the gradients come to them, the updates go back
@@ -181,7 +181,7 @@ def _flat_update(s: _Static, gs, mus, nus, ps, count, dynamic, lr_count, wd_coun
       leaves = [tuple(to_host(x) if j in (0, 3) else x for j, x in enumerate(leaf)) for leaf in leaves]
       # hp_kernel is closed over: its Python floats stay static attributes (as jit arguments they
       # would become float32 operands and change the bits).
-      outs = compute_on("device_host")(jax.jit(lambda c, lv: call(c, hp_kernel, lv)))(count, leaves)
+      outs = compute_on("device_host")(jax.jit(lambda c, lv: call(c, hp_kernel, lv, False)))(count, leaves)
       outs = [(jax.device_put(ui, jax.memory.Space.Device), mi, vi) for ui, mi, vi in outs]
     for i, (ui, mi, vi) in zip(k_idx, outs):
       u[i], new_mu[i], new_nu[i] = ui, mi, vi
