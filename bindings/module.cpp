@@ -226,6 +226,18 @@ PYBIND11_MODULE(_core, m) {
   m.def("max_threads", &max_threads, "The most worker threads a step may ask for (hostopt::max_threads).");
 
   m.def(
+      "accumulate",
+      [](py::handle acc, py::handle grad, const std::string& grad_dtype, bool first, int threads) {
+        const buffer a = check_array(acc, "acc", "f32", true);
+        const buffer g = check_array(grad, "grad", grad_dtype, false);
+        if (a.size != g.size) throw py::value_error("accumulate: acc and grad sizes differ");
+        py::gil_scoped_release release;
+        accumulate_gradient(static_cast<float*>(a.data), {g.data, g.size, g.type}, first, {threads, ""});
+      },
+      py::arg("acc"), py::arg("grad"), py::arg("grad_dtype"), py::arg("first"), py::arg("threads") = 0,
+      "acc = grad (first) or acc + grad, in f32 (hostopt::accumulate_gradient), GIL released.");
+
+  m.def(
       "convert",
       [](py::handle in, py::handle out, const std::string& out_dtype, int threads) {
         const buffer i = check_array(in, "in", "f32", false);

@@ -20,7 +20,9 @@
 //               nesterov, threads (i64), decays (string, one '0'/'1' per leaf)
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -109,6 +111,14 @@ const XLA_FFI_Buffer* ret(const XLA_FFI_CallFrame* frame, int64_t i) {
   return static_cast<const XLA_FFI_Buffer*>(frame->rets.rets[i]);
 }
 
+void fill_nan(const hostopt::mut_view& u) {
+  if (u.type == hostopt::dtype::f32) {
+    std::fill_n(static_cast<float*>(u.data), u.size, std::numeric_limits<float>::quiet_NaN());
+  } else { // the canonical quiet NaNs of bfloat16 and float16
+    std::fill_n(static_cast<uint16_t*>(u.data), u.size, uint16_t(u.type == hostopt::dtype::bf16 ? 0x7FC0 : 0x7E00));
+  }
+}
+
 // The whole call: validates everything before the first write, then one
 // hostopt::adam_update (one parallel region) per gradient dtype.
 void adam_update_call(const XLA_FFI_CallFrame* frame) {
@@ -145,10 +155,13 @@ void adam_update_call(const XLA_FFI_CallFrame* frame) {
   base.nesterov = at.nesterov != 0;
   adam_config decayed = base;
   decayed.weight_decay = values[5];
-  adam_config check = decayed; // lr and weight_decay of either sign, as optax (adam_update takes them)
-  check.lr = std::fabs(check.lr);
-  check.weight_decay = std::fabs(check.weight_decay);
-  hostopt::validate(check, "hyper-parameters");
+  // A hyper-parameter out of the kernel's range (a traced one: static ones are checked when
+  // the transformation is made) gives non-finite updates, as optax's arithmetic does for a
+  // NaN rate or a beta of 1, rather than an error that would lose a donated state: every
+  // update is NaN and the moments are left as they were.
+  const bool in_range = std::isfinite(values[0]) && values[1] >= 0 && values[1] < 1 && values[2] >= 0 &&
+                        values[2] < 1 && std::isfinite(values[3]) && values[3] >= 0 && std::isfinite(values[4]) &&
+                        values[4] >= 0 && std::isfinite(values[5]);
   const adam_config configs[2] = {base, decayed};
 
   const std::size_t leaves = at.decays.size();
@@ -181,6 +194,11 @@ void adam_update_call(const XLA_FFI_CallFrame* frame) {
   }
   if (next != frame->args.size || int64_t(3 * leaves) != frame->rets.size)
     throw std::invalid_argument("operand or result count does not match the leaves");
+  if (!in_range) {
+    for (const auto& group : by_dtype)
+      for (const hostopt::update_leaf& l : group) fill_nan(l.update);
+    return;
+  }
   for (auto& group : by_dtype)
     if (!group.empty())
       hostopt::adam_update(group, configs, step, 1.0f, {static_cast<int>(at.threads), ""});

@@ -459,6 +459,12 @@ assert u.sharding.spec == jax.P("x") and new[0].mu.sharding.spec == jax.P("x")
 ref = opt.update(*(jax.device_get(x) for x in (placed, state, placed)))
 for a, b in zip(jax.tree_util.tree_leaves((u, new)), jax.tree_util.tree_leaves(ref)):
   assert np.array_equal(np.asarray(a), np.asarray(b))
+# vmap of the jitted update still works with several devices (one call over the batch).
+batch = jnp.stack([jnp.ones((6,)), 2 * jnp.ones((6,))])
+states = jax.vmap(opt.init)(batch)
+vu, _ = jax.vmap(jax.jit(opt.update))(batch, states, batch)
+one, _ = opt.update(batch[1], jax.tree_util.tree_map(lambda x: x[1], states), batch[1])
+assert np.array_equal(np.asarray(vu[1]), np.asarray(one))
 print("ok")
 """
 
@@ -473,3 +479,28 @@ def test_sharded_inputs_keep_their_shardings_and_values_and_run_per_shard():
   env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)
   run = subprocess.run([sys.executable, "-c", SHARDING_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
   assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
+def test_out_of_range_traced_hyperparameters_give_nan_updates_not_a_lost_state():
+  params, grad_fn = mlp_problem()
+  g = grad_fn(params)
+  for name, value in (("learning_rate", jnp.nan), ("b1", 1.0), ("b2", 1.0)):
+    ours, ref = (optax.inject_hyperparams(m.adamw)(learning_rate=1e-2) for m in (hoptax, optax))
+    state, rstate = ours.init(params), ref.init(params)
+    state.hyperparams[name], rstate.hyperparams[name] = jnp.asarray(value), jnp.asarray(value)
+    u, new = jax.jit(ours.update, donate_argnums=1)(g, state, params)
+    v, _ = ref.update(g, rstate, params)
+    assert not all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(v))  # optax: non-finite too
+    assert all(bool(jnp.all(jnp.isnan(x))) for x in jax.tree_util.tree_leaves(u)), name
+    assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(new))  # no error: the state lives on
+
+
+def test_update_runs_under_disable_jit():
+  params, grad_fn = mlp_problem()
+  opt = hoptax.adamw(1e-2)
+  state = opt.init(params)
+  g = grad_fn(params)
+  with jax.disable_jit():
+    u, _ = opt.update(g, state, params)
+  v, _ = jax.jit(opt.update)(g, state, params)
+  assert _leaves_equal(u, v)

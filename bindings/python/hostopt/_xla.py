@@ -16,14 +16,15 @@ through the update raises: the kernel has no derivative rule, and optax.adamw is
 meta-gradients through an optimizer.
 """
 
+import functools
 import inspect
-from functools import partial
 from typing import List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import core
+from jax._src import dispatch
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import ad, batching, mlir
 
@@ -123,7 +124,9 @@ def _computed_here(x) -> bool:
 
 
 def _impl(*args, **params):
-  return jax.jit(partial(_prim.bind, **params))(*args)
+  # The primitive alone, compiled once per signature (JAX's own dispatch caches it; a jit
+  # made here would recompile every call and recurse under jax.disable_jit()).
+  return dispatch.apply_primitive(_prim, *args, **params)
 
 
 def _batch(args, dims, **params):
@@ -134,15 +137,25 @@ def _batch(args, dims, **params):
     leaves = [batching.bdim_at_front(a, d, size) for a, d in zip(args[2:], dims[2:])]
     return _prim.bind(count, hp, *leaves, **params), [0] * _n_out(params)
   # A batched count or hyper-parameter: one call per batch element.
-  front = [batching.bdim_at_front(a, d, size) if d is not _NOT_MAPPED else None for a, d in zip(args, dims)]
-
-  def one(xs):
-    it = iter(xs)
-    full = [next(it) if f is not None else a for a, f in zip(args, front)]
-    return _prim.bind(*full, **params)
-
-  outs = jax.lax.map(one, [f for f in front if f is not None])
+  mask = tuple(d is not _NOT_MAPPED for d in dims)
+  batched = [batching.bdim_at_front(a, d, size) for a, d in zip(args, dims) if d is not _NOT_MAPPED]
+  unbatched = [a for a, d in zip(args, dims) if d is _NOT_MAPPED]
+  outs = _sequential(tuple(sorted(params.items())), mask)(batched, unbatched)
   return outs, [0] * len(outs)
+
+
+@functools.lru_cache(maxsize=256)
+def _sequential(params_items, mask):
+  """lax.map of the call over the batched operands, jitted once per signature (an eager vmap
+  would otherwise compile a new scan every call)."""
+  params = dict(params_items)
+
+  def run(batched, unbatched):
+    def one(xs):
+      it_b, it_u = iter(xs), iter(unbatched)
+      return _prim.bind(*[next(it_b) if m else next(it_u) for m in mask], **params)
+    return jax.lax.map(one, batched)
+  return jax.jit(run)
 
 
 def _n_out(params) -> int:
@@ -226,13 +239,30 @@ def _per_shard(params, ranks):
     dims = " ".join(f"l{leaf}d{j}" for j in range(rank))
     operands += [dims] * k
     results += [dims] * 3
+  partition._hostopt_params = params  # how _batch_partitioned recognises the op as ours
   op = custom_partitioning(call)
   op.def_partition(partition=partition, sharding_rule=", ".join(operands) + " -> " + ", ".join(results),
                    need_replication_factors=("h",))
   return op
 
 
+def _batch_partitioned(args, dims, *, partition, **rest):
+  """vmap of the per-shard op: the plain call's rule (one call over the batch, no longer per
+  shard). JAX has no batching rule for custom_partitioning; any other user of it gets the
+  error JAX gives."""
+  params = getattr(partition, "_hostopt_params", None)
+  if params is None:
+    raise NotImplementedError("Batching rule for 'custom_partitioning' not implemented")
+  n = 2 + sum(4 if d == "1" else 3 for d in params["decays"])
+  return _batch(list(args[len(args) - n:]), list(dims[len(dims) - n:]), **params)
+
+
 # Per-shard execution needs Shardy's sharding rules (jax >= 0.5); under GSPMD (jax 0.4) the
 # call sees whole arrays (XLA gathers sharded ones around it).
 _SHARDY = ("sharding_rule" in inspect.signature(custom_partitioning.def_partition).parameters and
            bool(getattr(jax.config, "jax_use_shardy_partitioner", False)))
+if _SHARDY:
+  from jax._src.custom_partitioning import custom_partitioning_p as _cp_prim
+  _registered = getattr(batching, "fancy_primitive_batchers", None)  # where current jax keeps them
+  if _registered is None or _cp_prim not in _registered:
+    batching.primitive_batchers[_cp_prim] = _batch_partitioned

@@ -432,8 +432,10 @@ def _mirror(name: str, decoupled: bool, nesterov_default: Optional[bool] = None)
   factory.__signature__ = sig
   factory.__name__ = factory.__qualname__ = name
   factory.__doc__ = (f"optax.{name} on hostopt's kernels: optax {optax.__version__}'s arguments, defaults, mask "
-                     "semantics and state. hostopt's own keyword options: threads (int, 0 = default) and "
-                     "reuse_state (numpy states: update mu/nu in place). See hostopt.optax.")
+                     "semantics and state. hostopt's own keyword options: threads (int, 0 = default), "
+                     "reuse_state (numpy states: update mu/nu in place) and state_memory ('pinned_host': mu/nu in "
+                     "the devices' pinned host memory; init places them, so call init outside jit or give "
+                     "jit(init) out_shardings in that memory). See hostopt.optax.")
   return factory
 
 

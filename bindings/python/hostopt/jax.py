@@ -1,0 +1,300 @@
+r"""hostopt.jax: JAX training with the optimizer state resident in hostopt (host memory).
+
+optax's contract hands the whole state back to JAX every step; this front does not. The
+float32 master parameters and Adam moments live in a hostopt arena (12 bytes per parameter
+of state), gradients come in zero-copy from JAX CPU arrays, one fused pass updates
+everything, and the new parameters come out in ``param_dtype`` straight into buffers handed
+to JAX without a copy:
+
+  >>> import hostopt.jax as hj
+  >>> opt = hj.adamw(params, learning_rate=schedule, weight_decay=0.1, mask=decay_mask,
+  ...                param_dtype=jnp.bfloat16)
+  >>> grads_fn = jax.jit(jax.grad(loss))
+  >>> for batch in data:
+  ...   params = opt.step(grads_fn(params, batch))      # same tree, new jax arrays
+
+Also ``opt.accumulate(grads)`` (micro-batches summed in a host f32 accumulator; the next
+``step`` averages them like optax.MultiSteps), ``step(grads, grad_norm=...)`` (a norm
+computed on the device), ``max_grad_norm`` (clipping by global norm, optax's rule) and
+``skip_nonfinite`` (a step with a non-finite gradient changes nothing and is reported in
+``opt.last_step``), schedules for ``learning_rate`` and ``weight_decay`` (called with the
+step count, as optax), ``save``/``load`` (the library's atomic safetensors checkpoints),
+``state_dict``/``load_state_dict`` and ``optax_state()``, an optax-shaped
+``ScaleByAdamState`` of read-only views for inspection.
+
+The update is the fused step of hostopt.Optimizer (DESIGN.md's update rule: AdamW decays
+the master by ``1 - lr*wd`` before the Adam step), bit for bit; against optax.adamw it
+agrees to float rounding (optax adds a separately rounded update). Masters stay float32
+whatever ``param_dtype`` is, unlike casting optax's result to bf16.
+
+Parameters handed out are double-buffered: the arrays returned by a step are valid until
+the step after next, when their buffers are reused — those arrays are then deleted (as
+JAX deletes a donated array), so a stale reference raises instead of changing under you.
+Copy (``jnp.copy``) what you keep longer. CPU devices only in this version.
+"""
+
+import threading
+from typing import Any, Callable, List, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import Optimizer as _Optimizer
+from . import _core
+from ._arrays import as_buffer
+
+__all__ = ["adam", "adamw", "HostAdam"]
+
+_OUT_DTYPES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(jnp.bfloat16): "bf16"}
+
+
+def _aligned(n: int, dtype) -> np.ndarray:
+  """n elements of `dtype`, 64-byte aligned (JAX imports such memory without a copy)."""
+  dtype = np.dtype(dtype)
+  raw = np.empty(n * dtype.itemsize + 64, np.uint8)
+  off = (-raw.ctypes.data) % 64
+  return raw[off:off + n * dtype.itemsize].view(dtype)
+
+
+def _to_jax(buf: np.ndarray) -> jax.Array:
+  """A JAX array over `buf`'s memory (no copy; bfloat16 costs one copy: numpy cannot export
+  bfloat16 through DLPack, so its bits go over as uint16 and are converted by XLA)."""
+  if buf.dtype == np.dtype(jnp.bfloat16):
+    return jax.lax.bitcast_convert_type(jax.dlpack.from_dlpack(buf.view(np.uint16)), jnp.bfloat16)
+  return jax.dlpack.from_dlpack(buf)
+
+
+def _decays(mask, params, treedef, n: int) -> List[bool]:
+  if mask is None:
+    return [True] * n
+  tree = mask(params) if callable(mask) else mask
+  full = jax.tree_util.tree_map(lambda m, sub: jax.tree_util.tree_map(lambda _: bool(m), sub), tree, params)
+  return [bool(x) for x in treedef.flatten_up_to(full)]
+
+
+class HostAdam:
+  """Adam/AdamW whose state lives in a hostopt arena; see the module docstring."""
+
+  def __init__(self, params, *, learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+               eps_root: float = 0.0, weight_decay=0.0, mask=None, decoupled: bool = True, nesterov: bool = False,
+               param_dtype=None, max_grad_norm: Optional[float] = None, skip_nonfinite: bool = False,
+               threads: int = 0):
+    leaves_with_path, self._treedef = jax.tree_util.tree_flatten_with_path(params)
+    if not leaves_with_path:
+      raise ValueError("params: an empty tree (nothing to optimize)")
+    self._names = [jax.tree_util.keystr(path) for path, _ in leaves_with_path]
+    leaves = [x for _, x in leaves_with_path]
+    for name, x in zip(self._names, leaves):
+      if np.dtype(x.dtype) not in _OUT_DTYPES:
+        raise TypeError(f"params{name}: dtype {x.dtype} (expected float32, bfloat16 or float16)")
+    self._shapes = [tuple(np.shape(x)) for x in leaves]
+    self._out_dtypes = [np.dtype(param_dtype) if param_dtype is not None else np.dtype(x.dtype) for x in leaves]
+    if param_dtype is not None and np.dtype(param_dtype) not in _OUT_DTYPES:
+      raise TypeError(f"param_dtype {param_dtype}: expected float32, bfloat16 or float16")
+    self._lr, self._wd = learning_rate, weight_decay
+    decays = _decays(mask, params, self._treedef, len(leaves)) if decoupled else [False] * len(leaves)
+    common = dict(lr=0.0 if callable(learning_rate) else float(learning_rate), beta1=float(b1), beta2=float(b2),
+                  eps=float(eps), eps_root=float(eps_root), nesterov=bool(nesterov),
+                  mode="adamw" if decoupled else "adam")
+    wd0 = 0.0 if callable(weight_decay) else float(weight_decay)
+    groups, self._group_of = [], []
+    for decay in (False, True):
+      members = [(n, s) for n, s, d in zip(self._names, self._shapes, decays) if d == decay]
+      if members:
+        groups.append({"params": members, **common, "weight_decay": wd0 if decay else 0.0})
+        self._group_of.append(decay)
+    self._decay_groups = [g for g, decay in enumerate(self._group_of) if decay]
+    self._core = _Optimizer(groups, threads=int(threads))
+    for name, x in zip(self._names, leaves):
+      self._core.params(name)[...] = np.asarray(jax.device_get(x), dtype=np.float32)
+    self._threads = int(threads)
+    self._max_grad_norm = float(max_grad_norm or 0.0)
+    self._skip_nonfinite = bool(skip_nonfinite)
+    # One copy-out dtype per step (the core's rule): float32 when the leaves' dtypes differ.
+    kinds = {d for d in self._out_dtypes}
+    self._copy_out = kinds.pop() if len(kinds) == 1 else np.dtype(np.float32)
+    self._buffers = [None, None]  # two sets of copy-out buffers, used in turn
+    self._issued = [[], []]  # the arrays handed out from each set
+    self._turn = 0
+    self._acc: Optional[List[np.ndarray]] = None
+    self._micro_batches = 0
+    self._lock = threading.RLock()
+    self._executor = None
+    self.last_step = None  # the StepResult of the last step (applied, grad_norm, skipped_steps, ...)
+
+  # --- the step -----------------------------------------------------------------------
+
+  def _grads(self, grads) -> List[np.ndarray]:
+    leaves = self._treedef.flatten_up_to(grads)
+    out = []
+    for name, shape, g in zip(self._names, self._shapes, leaves):
+      if tuple(np.shape(g)) != shape:
+        raise ValueError(f"grads{name} has shape {tuple(np.shape(g))}: expected {shape} like the params")
+      out.append(np.asarray(g))  # zero-copy for arrays on a JAX CPU device
+    if len({x.dtype for x in out}) > 1:  # one gradient dtype per step: widen 16-bit ones (exact)
+      out = [x.astype(np.float32) for x in out]
+    return out
+
+  def _set_schedules(self) -> None:
+    count = self._core.step_count
+    for g, decay in enumerate(self._group_of):
+      hyper = {}
+      if callable(self._lr):
+        hyper["lr"] = float(self._lr(count))
+      if decay and callable(self._wd):
+        hyper["weight_decay"] = float(self._wd(count))
+      if hyper:
+        self._core.set_group_config(g, **hyper)
+
+  def step(self, grads=None, *, grad_norm: Optional[float] = None):
+    """Applies one step with `grads` (a tree like the params; None after accumulate() to
+    step on the accumulated micro-batches alone) and returns the new params (jax arrays,
+    param_dtype). `grad_norm`: the gradients' global norm if already computed (e.g. on the
+    device with optax.global_norm), used for clipping and the non-finite check."""
+    with self._lock:
+      if grads is not None and self._acc is not None:
+        self._accumulate(grads)
+        grads = None
+      if grads is None:
+        if self._acc is None:
+          raise ValueError("step(None): nothing accumulated (call accumulate(grads) first, or pass grads)")
+        glist, scale = self._acc, 1.0 / self._micro_batches
+      else:
+        glist, scale = self._grads(grads), 1.0
+      self._set_schedules()
+      turn = self._turn
+      for x in self._issued[turn]:  # the arrays of two steps ago: their buffers are reused now
+        if not x.is_deleted():
+          x.delete()
+      if self._buffers[turn] is None:
+        self._buffers[turn] = [_aligned(int(np.prod(s)), self._copy_out).reshape(s) for s in self._shapes]
+      out = self._buffers[turn]
+      self.last_step = self._core.step(dict(zip(self._names, glist)), out=dict(zip(self._names, out)),
+                                       grad_scale=scale, max_grad_norm=self._max_grad_norm,
+                                       skip_nonfinite=self._skip_nonfinite, known_grad_norm=grad_norm)
+      self._acc, self._micro_batches = None, 0
+      if not self.last_step.applied:  # skipped: nothing was copied out; hand out the unchanged params
+        tag = _OUT_DTYPES[self._copy_out]
+        for name, buf in zip(self._names, out):
+          _core.convert(self._core.params(name).reshape(-1), as_buffer(buf, name, writable=True)[0].reshape(-1), tag,
+                        self._threads)
+      arrays = [_to_jax(b) for b in out]
+      self._issued[turn] = list(arrays)
+      arrays = [a if np.dtype(a.dtype) == d else a.astype(d) for a, d in zip(arrays, self._out_dtypes)]
+      self._turn = 1 - turn
+      return self._treedef.unflatten(arrays)
+
+  def step_async(self, grads=None, *, grad_norm: Optional[float] = None):
+    """step() on a worker thread: returns a concurrent.futures.Future whose result() is the
+    new params; the caller's thread (and JAX) go on meanwhile. Steps run in call order."""
+    import concurrent.futures
+    with self._lock:
+      if self._executor is None:
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hostopt-jax")
+    return self._executor.submit(self.step, grads, grad_norm=grad_norm)
+
+  def _accumulate(self, grads) -> None:
+    glist = self._grads(grads)
+    first = self._acc is None
+    if first:
+      self._acc = [_aligned(int(np.prod(s)), np.float32).reshape(s) for s in self._shapes]
+    for acc, g in zip(self._acc, glist):
+      buf, tag = as_buffer(np.ascontiguousarray(g), "grads")
+      _core.accumulate(acc.reshape(-1), buf.reshape(-1), tag, first, self._threads)
+    self._micro_batches += 1
+
+  def accumulate(self, grads) -> None:
+    """Adds one micro-batch's gradients to the host accumulator (float32); the next step
+    averages the micro-batches (optax.MultiSteps' rule) and clears it."""
+    with self._lock:
+      self._accumulate(grads)
+
+  # --- state -----------------------------------------------------------------------------
+
+  @property
+  def step_count(self) -> int:
+    return self._core.step_count
+
+  @property
+  def state_bytes(self) -> int:
+    """Bytes of host state (masters and moments: 12 per parameter, plus alignment)."""
+    return self._core.state_bytes
+
+  def params(self):
+    """The float32 master parameters, as a tree of read-only numpy views."""
+    return self._views(self._core.params)
+
+  def optax_state(self):
+    """The state as optax.adam builds it — ScaleByAdamState(count, mu, nu) — with read-only
+    numpy views of the moments, for inspection."""
+    import optax
+    return optax.ScaleByAdamState(count=np.asarray(self._core.step_count, np.int32),
+                                  mu=self._views(self._core.exp_avg), nu=self._views(self._core.exp_avg_sq))
+
+  def _views(self, getter):
+    views = []
+    for name in self._names:
+      v = getter(name)
+      v.setflags(write=False)
+      views.append(v)
+    return self._treedef.unflatten(views)
+
+  def state_dict(self) -> dict:
+    """{'step': int, 'params'/'mu'/'nu': {leaf path: float32 copy}}."""
+    with self._lock:
+      return {"step": self._core.step_count,
+              **{key: {n: np.array(getter(n)) for n in self._names}
+                 for key, getter in (("params", self._core.params), ("mu", self._core.exp_avg),
+                                     ("nu", self._core.exp_avg_sq))}}
+
+  def load_state_dict(self, state: dict) -> None:
+    """Restores a state_dict() of the same tree; checked completely before anything changes."""
+    with self._lock:
+      for key in ("params", "mu", "nu"):
+        if set(state.get(key, {})) != set(self._names):
+          raise ValueError(f"state_dict[{key!r}]: leaves {sorted(state.get(key, {}))[:5]}... differ from this "
+                           f"optimizer's {self._names[:5]}...")
+        for n, shape in zip(self._names, self._shapes):
+          if tuple(np.shape(state[key][n])) != shape:
+            raise ValueError(f"state_dict[{key!r}][{n!r}] has shape {np.shape(state[key][n])}: expected {shape}")
+      for key, getter in (("params", self._core.params), ("mu", self._core.exp_avg),
+                          ("nu", self._core.exp_avg_sq)):
+        for n in self._names:
+          getter(n)[...] = np.asarray(state[key][n], np.float32)
+      self._core.step_count = int(state["step"])
+
+  def save(self, path: str) -> None:
+    """The whole state as a safetensors checkpoint, written atomically (hostopt.Optimizer.save)."""
+    with self._lock:
+      self._core.save(path)
+
+  def load(self, path: str) -> None:
+    """Loads a checkpoint of this tree (verified before anything changes)."""
+    with self._lock:
+      self._core.load(path)
+
+  def current_params(self):
+    """The current parameters as new jax arrays in param_dtype (a copy of the masters)."""
+    with self._lock:
+      return self._treedef.unflatten([jnp.asarray(np.asarray(self._core.params(n))).astype(d)
+                                      for n, d in zip(self._names, self._out_dtypes)])
+
+
+def adamw(params, learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
+          weight_decay=1e-4, mask=None, *, nesterov: bool = False, param_dtype=None,
+          max_grad_norm: Optional[float] = None, skip_nonfinite: bool = False, threads: int = 0) -> HostAdam:
+  """AdamW (optax.adamw's hyper-parameters and defaults; `mask` as optax's: a tree of bools,
+  a prefix of one, or a callable of the params) with its state in host memory."""
+  return HostAdam(params, learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
+                  weight_decay=weight_decay, mask=mask, decoupled=True, nesterov=nesterov, param_dtype=param_dtype,
+                  max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, threads=threads)
+
+
+def adam(params, learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0, *,
+         nesterov: bool = False, param_dtype=None, max_grad_norm: Optional[float] = None,
+         skip_nonfinite: bool = False, threads: int = 0) -> HostAdam:
+  """Adam (optax.adam's hyper-parameters) with its state in host memory."""
+  return HostAdam(params, learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root, weight_decay=0.0,
+                  decoupled=False, nesterov=nesterov, param_dtype=param_dtype, max_grad_norm=max_grad_norm,
+                  skip_nonfinite=skip_nonfinite, threads=threads)

@@ -1,0 +1,173 @@
+"""hostopt.jax: the optimizer state in a hostopt arena, gradients in from JAX, params out."""
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+optax = pytest.importorskip("optax")
+import jax.numpy as jnp  # noqa: E402
+
+import hostopt.jax as hj  # noqa: E402
+
+jax.config.update("jax_platform_name", "cpu")
+
+
+def mlp(seed=1):
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.standard_normal((64, 8)).astype(np.float32))
+  y = jnp.asarray(rng.standard_normal((64, 1)).astype(np.float32))
+  params = {"l1": {"w": jnp.asarray(0.3 * rng.standard_normal((8, 16)).astype(np.float32)), "b": jnp.zeros(16)},
+            "l2": {"w": jnp.asarray(0.3 * rng.standard_normal((16, 1)).astype(np.float32)), "b": jnp.zeros(1)}}
+
+  def loss(p):
+    h = jnp.tanh(x @ p["l1"]["w"].astype(jnp.float32) + p["l1"]["b"].astype(jnp.float32))
+    return jnp.mean((h @ p["l2"]["w"].astype(jnp.float32) + p["l2"]["b"].astype(jnp.float32) - y) ** 2)
+  return params, loss, jax.jit(jax.grad(loss))
+
+
+SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 10, 100)
+
+
+def leaves(t):
+  return [np.asarray(x) for x in jax.tree_util.tree_leaves(t)]
+
+
+def test_100_steps_agree_with_optax_adamw_with_schedule_and_mask():
+  params, loss, grad = mlp()
+  mask = jax.tree_util.tree_map(lambda a: a.ndim > 1, params)
+  opt = hj.adamw(params, SCHEDULE, weight_decay=0.1, mask=mask)
+  ref = optax.adamw(SCHEDULE, weight_decay=0.1, mask=mask)
+  state = ref.init(params)
+  p = q = params
+  for _ in range(100):
+    p = opt.step(grad(p))
+    u, state = ref.update(grad(q), state, q)
+    q = optax.apply_updates(q, u)
+  assert jax.tree_util.tree_structure(p) == jax.tree_util.tree_structure(params)
+  for a, b in zip(leaves(p), leaves(q)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)  # optax rounds p + u separately: float noise
+  assert float(loss(p)) < 0.6 * float(loss(params))
+  assert opt.step_count == 100 and opt.last_step.applied
+  view = opt.optax_state()
+  for a, b in zip(leaves(view.mu), leaves(state[0].mu)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  with pytest.raises(ValueError):
+    jax.tree_util.tree_leaves(view.mu)[0][...] = 0  # read-only views
+
+
+def test_bf16_params_keep_float32_masters():
+  params, loss, grad = mlp()
+  p16 = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), params)
+  opt = hj.adamw(p16, 1e-2, param_dtype=jnp.bfloat16)
+  p = p16
+  for _ in range(5):
+    p = opt.step(grad(p))
+  masters = opt.params()
+  for got, master in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(masters)):
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(jnp.asarray(master).astype(jnp.bfloat16),
+                                                                          np.float32))
+  # The masters moved by less than bf16 can show: casting optax's result would lose that.
+  assert any(not np.array_equal(np.asarray(m), np.asarray(jnp.asarray(m).astype(jnp.bfloat16), np.float32))
+             for m in jax.tree_util.tree_leaves(masters))
+
+
+def test_params_handed_out_stay_valid_one_step_then_are_deleted():
+  params, _, grad = mlp()
+  opt = hj.adam(params, 1e-2)
+  p1 = opt.step(grad(params))
+  keep = np.asarray(jax.tree_util.tree_leaves(p1)[0]).copy()
+  p2 = opt.step(grad(p1))
+  np.testing.assert_array_equal(np.asarray(jax.tree_util.tree_leaves(p1)[0]), keep)  # still p1's values
+  opt.step(grad(p2))
+  assert jax.tree_util.tree_leaves(p1)[0].is_deleted()  # its buffer now holds p3: a stale use raises
+  assert not jax.tree_util.tree_leaves(p2)[0].is_deleted()
+
+
+def test_accumulated_micro_batches_average_like_multisteps():
+  params, _, grad = mlp()
+  g1 = grad(params)
+  g2 = jax.tree_util.tree_map(lambda a: -0.5 * a + 0.01, g1)
+  a = hj.adamw(params, 1e-2, weight_decay=0.1)
+  b = hj.adamw(params, 1e-2, weight_decay=0.1)
+  a.accumulate(g1)
+  pa = a.step(g2)
+  pb = b.step(jax.tree_util.tree_map(lambda x, y: (x + y) * 0.5, g1, g2))
+  for x, y in zip(leaves(pa), leaves(pb)):
+    np.testing.assert_array_equal(x, y)
+  with pytest.raises(ValueError, match="nothing accumulated"):
+    a.step()
+
+
+def test_nonfinite_gradients_skip_the_step_and_clipping_follows_optax():
+  params, _, grad = mlp()
+  opt = hj.adamw(params, 1e-2, skip_nonfinite=True, max_grad_norm=0.5)
+  bad = jax.tree_util.tree_map(lambda a: a.at[(0,) * a.ndim].set(jnp.nan), grad(params))
+  before = leaves(opt.params())
+  p = opt.step(bad)
+  assert not opt.last_step.applied and opt.last_step.skipped_steps == 1 and opt.step_count == 0
+  for x, y in zip(before, leaves(opt.params())):
+    np.testing.assert_array_equal(x, y)
+  for x, y in zip(leaves(p), before):
+    np.testing.assert_array_equal(x, y)
+  ref = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2))
+  state = ref.init(params)
+  q = params
+  for _ in range(20):
+    p = opt.step(grad(p))
+    u, state = ref.update(grad(q), state, q)
+    q = optax.apply_updates(q, u)
+  for x, y in zip(leaves(p), leaves(q)):
+    np.testing.assert_allclose(x, y, rtol=1e-4, atol=2e-5)
+
+
+def test_state_dict_and_checkpoint_resume_bit_exact(tmp_path):
+  params, _, grad = mlp()
+  opt = hj.adamw(params, SCHEDULE, weight_decay=0.1)
+  p = params
+  for _ in range(7):
+    p = opt.step(grad(p))
+  sd = opt.state_dict()
+  opt.save(tmp_path / "ckpt.safetensors")
+  p = jax.tree_util.tree_map(jnp.copy, p)  # kept past the next two steps: a copy (their buffers are reused)
+  cont = [p]
+  for _ in range(3):
+    cont.append(jax.tree_util.tree_map(jnp.copy, opt.step(grad(cont[-1]))))
+  for restore in ("state_dict", "checkpoint"):
+    other = hj.adamw(params, SCHEDULE, weight_decay=0.1)
+    if restore == "state_dict":
+      other.load_state_dict(sd)
+    else:
+      other.load(str(tmp_path / "ckpt.safetensors"))
+    q = p
+    for k in range(3):
+      q = other.step(grad(q))
+      for x, y in zip(leaves(q), leaves(cont[k + 1])):
+        np.testing.assert_array_equal(x, y)
+  with pytest.raises(ValueError, match="shape"):
+    bad = dict(sd, mu={**sd["mu"], "['l1']['w']": np.zeros((3, 3), np.float32)})
+    hj.adamw(params, 1e-2).load_state_dict(bad)
+
+
+def test_step_async_matches_step():
+  params, _, grad = mlp()
+  a, b = hj.adamw(params, 1e-2), hj.adamw(params, 1e-2)
+  pa = pb = params
+  for _ in range(3):
+    fut = a.step_async(grad(pa))
+    pb = b.step(grad(pb))
+    pa = fut.result()
+    for x, y in zip(leaves(pa), leaves(pb)):
+      np.testing.assert_array_equal(x, y)
+
+
+def test_bad_input_is_refused_naming_the_leaf():
+  params, _, grad = mlp()
+  opt = hj.adamw(params, 1e-2)
+  g = grad(params)
+  with pytest.raises(ValueError, match=r"\['l1'\]\['w'\]"):
+    opt.step({**g, "l1": {**g["l1"], "w": jnp.zeros((3, 3))}})
+  with pytest.raises(TypeError, match="int32"):
+    hj.adamw({"a": jnp.zeros(3, jnp.int32)}, 1e-2)
+  with pytest.raises(ValueError, match="empty"):
+    hj.adamw({}, 1e-2)
+  assert opt.step_count == 0
