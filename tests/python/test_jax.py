@@ -71,16 +71,36 @@ def test_bf16_params_keep_float32_masters():
              for m in jax.tree_util.tree_leaves(masters))
 
 
-def test_params_handed_out_stay_valid_one_step_then_are_deleted():
+def test_params_handed_out_never_change_whatever_still_reads_them():
   params, _, grad = mlp()
   opt = hj.adam(params, 1e-2)
   p1 = opt.step(grad(params))
-  keep = np.asarray(jax.tree_util.tree_leaves(p1)[0]).copy()
-  p2 = opt.step(grad(p1))
-  np.testing.assert_array_equal(np.asarray(jax.tree_util.tree_leaves(p1)[0]), keep)  # still p1's values
-  opt.step(grad(p2))
-  assert jax.tree_util.tree_leaves(p1)[0].is_deleted()  # its buffer now holds p3: a stale use raises
-  assert not jax.tree_util.tree_leaves(p2)[0].is_deleted()
+  leaf = jax.tree_util.tree_leaves(p1)[0]
+  keep = np.array(leaf)
+  snapshot = jax.device_get(p1)  # a numpy view on CPU: the usual checkpoint snapshot
+  pending = jax.jit(lambda x: jnp.sum(jnp.tanh(x[None] * jnp.arange(1, 200.0)[:, None, None])))(leaf)  # in flight
+  expect = float(jnp.sum(jnp.tanh(jnp.asarray(keep)[None] * jnp.arange(1, 200.0)[:, None, None])))
+  p = p1
+  for _ in range(4):  # buffers are reused only once nothing references them
+    p = opt.step(grad(p))
+  np.testing.assert_array_equal(np.asarray(leaf), keep)
+  np.testing.assert_array_equal(jax.tree_util.tree_leaves(snapshot)[0], keep)
+  np.testing.assert_allclose(float(pending), expect, rtol=1e-6)
+  assert not leaf.is_deleted()
+  current = opt.current_params()  # a copy: the next step leaves it alone
+  before = np.array(jax.tree_util.tree_leaves(current)[0])
+  opt.step(grad(p))
+  np.testing.assert_array_equal(np.asarray(jax.tree_util.tree_leaves(current)[0]), before)
+
+
+def test_a_loop_that_drops_old_params_reuses_two_buffer_sets():
+  params, _, grad = mlp()
+  opt = hj.adam(params, 1e-2)
+  p, seen = params, set()
+  for _ in range(6):
+    p = opt.step(grad(p))
+    seen.add(jax.tree_util.tree_leaves(p)[0].unsafe_buffer_pointer())
+  assert len(seen) <= 3  # two in turn (a third at most while the previous params are still held)
 
 
 def test_accumulated_micro_batches_average_like_multisteps():
@@ -171,3 +191,44 @@ def test_bad_input_is_refused_naming_the_leaf():
   with pytest.raises(ValueError, match="empty"):
     hj.adamw({}, 1e-2)
   assert opt.step_count == 0
+
+
+def test_failed_calls_change_nothing_and_accumulate_keeps_order_with_async_steps():
+  params, _, grad = mlp()
+  g = grad(params)
+  opt = hj.adamw(params, 1e-2)
+  with pytest.raises(TypeError, match="int32"):
+    opt.accumulate(jax.tree_util.tree_map(lambda x: x.astype(jnp.int32), g))
+  with pytest.raises(ValueError, match="nothing accumulated"):
+    opt.step()  # the failed accumulate left no accumulator behind
+  opt.accumulate(g)
+  with pytest.raises(ValueError, match="grad_norm"):
+    opt.step(g, grad_norm=float("nan"))
+  p = opt.step(g)  # the failed step did not add g a second time: the mean of two micro-batches of g
+  ref = hj.adamw(params, 1e-2).step(g)
+  for x, y in zip(leaves(p), leaves(ref)):
+    np.testing.assert_array_equal(x, y)
+  sd = opt.state_dict()
+  changed = {key: {n: v + 1 for n, v in sd[key].items()} for key in ("params", "mu")}
+  for bad in ({**changed, "nu": sd["nu"]},  # no step
+              dict(sd, **changed, nu={**sd["nu"], "['l1']['w']": -np.ones((8, 16), np.float32)})):
+    with pytest.raises(ValueError):
+      opt.load_state_dict(bad)
+  after = opt.state_dict()  # nothing was half-loaded
+  for key in ("params", "mu", "nu"):
+    for n in sd[key]:
+      np.testing.assert_array_equal(after[key][n], sd[key][n])
+  # accumulate waits for the asynchronous steps queued before it.
+  a, b = hj.adamw(params, 1e-2), hj.adamw(params, 1e-2)
+  f0, f1 = a.step_async(g), a.step_async(g)
+  a.accumulate(jax.tree_util.tree_map(lambda x: 2 * x, g))
+  pa = a.step(g)
+  b.step(g), b.step(g)
+  b.accumulate(jax.tree_util.tree_map(lambda x: 2 * x, g))
+  pb = b.step(g)
+  f0.result(), f1.result()
+  for x, y in zip(leaves(pa), leaves(pb)):
+    np.testing.assert_array_equal(x, y)
+  a.close()
+  with pytest.raises(TypeError, match="float64"):
+    opt.step(jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), g))

@@ -27,12 +27,14 @@ the master by ``1 - lr*wd`` before the Adam step), bit for bit; against optax.ad
 agrees to float rounding (optax adds a separately rounded update). Masters stay float32
 whatever ``param_dtype`` is, unlike casting optax's result to bf16.
 
-Parameters handed out are double-buffered: the arrays returned by a step are valid until
-the step after next, when their buffers are reused — those arrays are then deleted (as
-JAX deletes a donated array), so a stale reference raises instead of changing under you.
-Copy (``jnp.copy``) what you keep longer. CPU devices only in this version.
+The arrays a step hands out are never written again: their buffers return to a small pool
+only once nothing references them any more (no JAX array, no pending computation, no numpy
+view), so old params, snapshots (``jax.device_get``) and work still in flight stay valid.
+In a loop that drops the previous params, two sets of buffers serve every step. CPU devices
+only in this version.
 """
 
+import sys
 import threading
 from typing import Any, Callable, List, Optional
 
@@ -114,9 +116,7 @@ class HostAdam:
     # One copy-out dtype per step (the core's rule): float32 when the leaves' dtypes differ.
     kinds = {d for d in self._out_dtypes}
     self._copy_out = kinds.pop() if len(kinds) == 1 else np.dtype(np.float32)
-    self._buffers = [None, None]  # two sets of copy-out buffers, used in turn
-    self._issued = [[], []]  # the arrays handed out from each set
-    self._turn = 0
+    self._pool: List[List[np.ndarray]] = []  # sets of copy-out buffers, reused once unreferenced
     self._acc: Optional[List[np.ndarray]] = None
     self._micro_batches = 0
     self._lock = threading.RLock()
@@ -125,16 +125,36 @@ class HostAdam:
 
   # --- the step -----------------------------------------------------------------------
 
-  def _grads(self, grads) -> List[np.ndarray]:
+  def _grads(self, grads) -> List[Optional[np.ndarray]]:
+    """The gradient leaves as numpy arrays (zero-copy for JAX CPU arrays); None: no gradient
+    (that leaf is left as it is)."""
     leaves = self._treedef.flatten_up_to(grads)
     out = []
     for name, shape, g in zip(self._names, self._shapes, leaves):
+      if g is None:
+        out.append(None)
+        continue
       if tuple(np.shape(g)) != shape:
         raise ValueError(f"grads{name} has shape {tuple(np.shape(g))}: expected {shape} like the params")
-      out.append(np.asarray(g))  # zero-copy for arrays on a JAX CPU device
-    if len({x.dtype for x in out}) > 1:  # one gradient dtype per step: widen 16-bit ones (exact)
-      out = [x.astype(np.float32) for x in out]
+      x = np.asarray(g)
+      if x.dtype not in _OUT_DTYPES:
+        raise TypeError(f"grads{name}: dtype {x.dtype} (expected float32, bfloat16 or float16; hostopt never "
+                        "casts silently)")
+      out.append(x)
+    if len({x.dtype for x in out if x is not None}) > 1:  # one gradient dtype per step: widen (exact)
+      out = [None if x is None else x.astype(np.float32) for x in out]
     return out
+
+  def _buffers(self) -> List[np.ndarray]:
+    """A set of copy-out buffers no one references any more (else a new one)."""
+    for bufs in self._pool:
+      # The pool's list, getrefcount's argument and the loop variable: nothing else holds it
+      # (a JAX array over it, or work in flight on one, or a numpy view, would).
+      if all(sys.getrefcount(b) <= 3 for b in bufs):
+        return bufs
+    bufs = [_aligned(int(np.prod(s)), self._copy_out).reshape(s) for s in self._shapes]
+    self._pool = (self._pool + [bufs])[-2:]  # keep two sets for reuse; older ones live on with their users
+    return bufs
 
   def _set_schedules(self) -> None:
     count = self._core.step_count
@@ -153,36 +173,35 @@ class HostAdam:
     param_dtype). `grad_norm`: the gradients' global norm if already computed (e.g. on the
     device with optax.global_norm), used for clipping and the non-finite check."""
     with self._lock:
-      if grads is not None and self._acc is not None:
-        self._accumulate(grads)
-        grads = None
-      if grads is None:
-        if self._acc is None:
-          raise ValueError("step(None): nothing accumulated (call accumulate(grads) first, or pass grads)")
+      if grad_norm is not None:
+        grad_norm = float(grad_norm)
+        if not (np.isfinite(grad_norm) and grad_norm >= 0) and not self._skip_nonfinite:
+          raise ValueError(f"grad_norm = {grad_norm}: expected a finite value >= 0 (or make the optimizer with "
+                           "skip_nonfinite=True to skip such steps)")
+      if grads is None and self._acc is None:
+        raise ValueError("step(None): nothing accumulated (call accumulate(grads) first, or pass grads)")
+      glist = self._grads(grads) if grads is not None else None
+      self._set_schedules()  # everything that can fail before the accumulator changes
+      if glist is not None and self._acc is not None:
+        self._add_to_accumulator(glist)
+        glist = None
+      if glist is None:
         glist, scale = self._acc, 1.0 / self._micro_batches
       else:
-        glist, scale = self._grads(grads), 1.0
-      self._set_schedules()
-      turn = self._turn
-      for x in self._issued[turn]:  # the arrays of two steps ago: their buffers are reused now
-        if not x.is_deleted():
-          x.delete()
-      if self._buffers[turn] is None:
-        self._buffers[turn] = [_aligned(int(np.prod(s)), self._copy_out).reshape(s) for s in self._shapes]
-      out = self._buffers[turn]
-      self.last_step = self._core.step(dict(zip(self._names, glist)), out=dict(zip(self._names, out)),
-                                       grad_scale=scale, max_grad_norm=self._max_grad_norm,
-                                       skip_nonfinite=self._skip_nonfinite, known_grad_norm=grad_norm)
-      self._acc, self._micro_batches = None, 0
-      if not self.last_step.applied:  # skipped: nothing was copied out; hand out the unchanged params
-        tag = _OUT_DTYPES[self._copy_out]
-        for name, buf in zip(self._names, out):
+        scale = 1.0
+      out = self._buffers()
+      present = {n: g for n, g in zip(self._names, glist) if g is not None}
+      self.last_step = self._core.step(present, out=dict(zip(self._names, out)), grad_scale=scale,
+                                       max_grad_norm=self._max_grad_norm, skip_nonfinite=self._skip_nonfinite,
+                                       known_grad_norm=grad_norm)
+      self._acc, self._micro_batches = None, 0  # a skipped step drops the micro-batches it was given too
+      tag = _OUT_DTYPES[self._copy_out]
+      for name, buf in zip(self._names, out):  # skipped, or a leaf without a gradient: copy it out here
+        if not self.last_step.applied or name not in present:
           _core.convert(self._core.params(name).reshape(-1), as_buffer(buf, name, writable=True)[0].reshape(-1), tag,
                         self._threads)
       arrays = [_to_jax(b) for b in out]
-      self._issued[turn] = list(arrays)
       arrays = [a if np.dtype(a.dtype) == d else a.astype(d) for a, d in zip(arrays, self._out_dtypes)]
-      self._turn = 1 - turn
       return self._treedef.unflatten(arrays)
 
   def step_async(self, grads=None, *, grad_norm: Optional[float] = None):
@@ -194,21 +213,38 @@ class HostAdam:
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hostopt-jax")
     return self._executor.submit(self.step, grads, grad_norm=grad_norm)
 
-  def _accumulate(self, grads) -> None:
-    glist = self._grads(grads)
-    first = self._acc is None
-    if first:
-      self._acc = [_aligned(int(np.prod(s)), np.float32).reshape(s) for s in self._shapes]
-    for acc, g in zip(self._acc, glist):
-      buf, tag = as_buffer(np.ascontiguousarray(g), "grads")
-      _core.accumulate(acc.reshape(-1), buf.reshape(-1), tag, first, self._threads)
+  def _add_to_accumulator(self, glist) -> None:
+    """acc += grads (checked grads; a leaf without a gradient adds nothing)."""
+    bufs = [None if g is None else as_buffer(np.ascontiguousarray(g), f"grads{n}") for n, g in zip(self._names, glist)]
+    acc = self._acc
+    if acc is None:
+      acc = [_aligned(int(np.prod(s)), np.float32).reshape(s) for s in self._shapes]
+      for a in acc:
+        a[...] = 0.0
+    for a, b in zip(acc, bufs):
+      if b is not None:
+        _core.accumulate(a.reshape(-1), b[0].reshape(-1), b[1], False, self._threads)
+    self._acc = acc
     self._micro_batches += 1
+
+  def _accumulate(self, grads) -> None:
+    with self._lock:
+      self._add_to_accumulator(self._grads(grads))
 
   def accumulate(self, grads) -> None:
     """Adds one micro-batch's gradients to the host accumulator (float32); the next step
-    averages the micro-batches (optax.MultiSteps' rule) and clears it."""
-    with self._lock:
+    averages the micro-batches (optax.MultiSteps' rule) and clears it. Runs after the
+    step_async calls made before it."""
+    if self._executor is not None:  # in call order with queued asynchronous steps
+      self._executor.submit(self._accumulate, grads).result()
+    else:
       self._accumulate(grads)
+
+  def close(self) -> None:
+    """Waits for queued asynchronous steps and stops their worker thread."""
+    if self._executor is not None:
+      self._executor.shutdown(wait=True)
+      self._executor = None
 
   # --- state -----------------------------------------------------------------------------
 
@@ -251,17 +287,27 @@ class HostAdam:
   def load_state_dict(self, state: dict) -> None:
     """Restores a state_dict() of the same tree; checked completely before anything changes."""
     with self._lock:
+      if "step" not in state or int(state["step"]) < 0:
+        raise ValueError(f"state_dict: 'step' missing or negative ({state.get('step')!r})")
+      staged = {}
       for key in ("params", "mu", "nu"):
         if set(state.get(key, {})) != set(self._names):
           raise ValueError(f"state_dict[{key!r}]: leaves {sorted(state.get(key, {}))[:5]}... differ from this "
                            f"optimizer's {self._names[:5]}...")
         for n, shape in zip(self._names, self._shapes):
-          if tuple(np.shape(state[key][n])) != shape:
-            raise ValueError(f"state_dict[{key!r}][{n!r}] has shape {np.shape(state[key][n])}: expected {shape}")
+          x = np.asarray(state[key][n])
+          if tuple(x.shape) != shape:
+            raise ValueError(f"state_dict[{key!r}][{n!r}] has shape {x.shape}: expected {shape}")
+          if x.dtype.kind != "f":
+            raise TypeError(f"state_dict[{key!r}][{n!r}]: dtype {x.dtype}, expected floating point")
+          x = x.astype(np.float32)
+          if key == "nu" and np.any(x < 0):
+            raise ValueError(f"state_dict['nu'][{n!r}] has negative entries (a second moment is >= 0)")
+          staged[key, n] = x
       for key, getter in (("params", self._core.params), ("mu", self._core.exp_avg),
                           ("nu", self._core.exp_avg_sq)):
         for n in self._names:
-          getter(n)[...] = np.asarray(state[key][n], np.float32)
+          getter(n)[...] = staged[key, n]
       self._core.step_count = int(state["step"])
 
   def save(self, path: str) -> None:
@@ -277,7 +323,7 @@ class HostAdam:
   def current_params(self):
     """The current parameters as new jax arrays in param_dtype (a copy of the masters)."""
     with self._lock:
-      return self._treedef.unflatten([jnp.asarray(np.asarray(self._core.params(n))).astype(d)
+      return self._treedef.unflatten([jax.device_put(np.array(self._core.params(n), dtype=d, copy=True))
                                       for n, d in zip(self._names, self._out_dtypes)])
 
 
