@@ -56,7 +56,6 @@ def _shapes(n, leaves):
 
 def worker(size, threads, leaves, iterations):
   import jax
-  import jax.numpy as jnp
   import numpy as np
   import optax
   import hostopt

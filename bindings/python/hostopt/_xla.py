@@ -175,6 +175,14 @@ batching.primitive_batchers[_prim] = _batch
 ad.primitive_jvps[_prim] = _jvp
 
 
+def is_static_number(x) -> bool:
+  """A hyper-parameter known now (a Python or numpy real scalar, 0-d numpy arrays too): it
+  reaches the kernel as a float64 attribute, on every route alike."""
+  if isinstance(x, np.ndarray):
+    return x.ndim == 0 and x.dtype.kind in "iuf"
+  return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
 def adam_update(count, hp_values: Sequence, leaves: List[Tuple], *, nesterov: bool, threads: int,
                 per_shard: bool = True):
   """One FFI call for `leaves` = [(g, mu, nu, p or None)], all float32 and of one shape
@@ -184,7 +192,7 @@ def adam_update(count, hp_values: Sequence, leaves: List[Tuple], *, nesterov: bo
     raise RuntimeError(_unavailable)
   static, dynamic, traced = [], [], 0
   for k, v in enumerate(hp_values):
-    if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool):
+    if is_static_number(v):
       static.append(float(v))
     else:
       static.append(0.0)

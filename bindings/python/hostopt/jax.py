@@ -36,7 +36,7 @@ only in this version.
 
 import sys
 import threading
-from typing import Any, Callable, List, Optional
+from typing import List, Optional
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +45,7 @@ import numpy as np
 from . import Optimizer as _Optimizer
 from . import _core
 from ._arrays import as_buffer
+from ._masks import mask_flags
 
 __all__ = ["adam", "adamw", "HostAdam"]
 
@@ -67,14 +68,6 @@ def _to_jax(buf: np.ndarray) -> jax.Array:
   return jax.dlpack.from_dlpack(buf)
 
 
-def _decays(mask, params, treedef, n: int) -> List[bool]:
-  if mask is None:
-    return [True] * n
-  tree = mask(params) if callable(mask) else mask
-  full = jax.tree_util.tree_map(lambda m, sub: jax.tree_util.tree_map(lambda _: bool(m), sub), tree, params)
-  return [bool(x) for x in treedef.flatten_up_to(full)]
-
-
 class HostAdam:
   """Adam/AdamW whose state lives in a hostopt arena; see the module docstring."""
 
@@ -95,7 +88,7 @@ class HostAdam:
     if param_dtype is not None and np.dtype(param_dtype) not in _OUT_DTYPES:
       raise TypeError(f"param_dtype {param_dtype}: expected float32, bfloat16 or float16")
     self._lr, self._wd = learning_rate, weight_decay
-    decays = _decays(mask, params, self._treedef, len(leaves)) if decoupled else [False] * len(leaves)
+    decays = mask_flags(mask, params, self._treedef) if decoupled else [False] * len(leaves)
     common = dict(lr=0.0 if callable(learning_rate) else float(learning_rate), beta1=float(b1), beta2=float(b2),
                   eps=float(eps), eps_root=float(eps_root), nesterov=bool(nesterov),
                   mode="adamw" if decoupled else "adam")

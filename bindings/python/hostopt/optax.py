@@ -78,7 +78,8 @@ import optax
 from jax.experimental.compute_on import compute_on
 
 from . import _core, _xla
-from ._arrays import as_buffer
+from ._masks import mask_flags
+from ._xla import is_static_number
 
 __all__ = ["adam", "adamw", "nadam", "nadamw"]
 
@@ -92,14 +93,6 @@ _increment = getattr(optax, "safe_increment", None) or optax.safe_int32_incremen
 
 def _is_traced(x) -> bool:
   return isinstance(x, jax.core.Tracer)
-
-
-def _is_number(x) -> bool:
-  """A hyper-parameter known now (a Python or numpy real scalar, 0-d numpy arrays too): it
-  reaches the kernel as a float64 attribute, on every route alike."""
-  if isinstance(x, np.ndarray):
-    return x.ndim == 0 and x.dtype.kind in "iuf"
-  return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
 
 
 class _ByIdentity:
@@ -146,7 +139,7 @@ def _optax_leaves(s: _Static, hp, gs, mus, nus, ps, decays, count):
   adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=s.mu_dtype, nesterov=s.nesterov)
   u, st = adam.update(list(gs), optax.ScaleByAdamState(count=count, mu=list(mus), nu=list(nus)))
   idx = [i for i, d in enumerate(decays) if d]
-  if idx and not (_is_number(wd) and wd == 0.0):
+  if idx and not (is_static_number(wd) and wd == 0.0):
     dw = optax.add_decayed_weights(wd)
     sub, _ = dw.update([u[i] for i in idx], dw.init(None), [ps[i] for i in idx])
     for i, x in zip(idx, sub):
@@ -275,16 +268,6 @@ def _backend_is_cpu() -> bool:
 _warned_backend = False
 
 
-def _decay_mask(mask, updates, treedef, n: int):
-  """optax.masked's reading of a mask: a callable gets the updates (as optax.masked calls
-  it in update), a tree may be a prefix of the updates' tree."""
-  if mask is None:
-    return [True] * n
-  tree = mask(updates) if callable(mask) else mask
-  full = jax.tree_util.tree_map(lambda m, sub: jax.tree_util.tree_map(lambda _: bool(m), sub), tree, updates)
-  return [bool(x) for x in treedef.flatten_up_to(full)]
-
-
 def _make(args: dict, decoupled: bool) -> optax.GradientTransformationExtraArgs:
   options = dict(_HOSTOPT_OPTIONS)
   extra = args.pop("hostopt_options")
@@ -318,13 +301,13 @@ def _make(args: dict, decoupled: bool) -> optax.GradientTransformationExtraArgs:
       raise NotImplementedError(f"hostopt.optax.{name}: argument {key}={value!r} of optax {optax.__version__} is "
                                 "not supported")
   for nm, value in (("b1", b1), ("b2", b2)):
-    if _is_number(value) and not 0.0 <= float(value) < 1.0:
+    if is_static_number(value) and not 0.0 <= float(value) < 1.0:
       raise ValueError(f"{nm} = {float(value)}: expected a value in [0, 1)")
   for nm, value in (("eps", eps), ("eps_root", eps_root)):
-    if _is_number(value) and not (float(value) >= 0.0 and np.isfinite(float(value))):
+    if is_static_number(value) and not (float(value) >= 0.0 and np.isfinite(float(value))):
       raise ValueError(f"{nm} = {float(value)}: expected a finite value >= 0")
   for nm, value in (("learning_rate", learning_rate), ("weight_decay", weight_decay)):  # either sign, as optax
-    if _is_number(value) and not np.isfinite(float(value)):
+    if is_static_number(value) and not np.isfinite(float(value)):
       raise ValueError(f"{nm} = {float(value)}: expected a finite value")
 
   def init_fn(params):
@@ -368,8 +351,8 @@ def _make(args: dict, decoupled: bool) -> optax.GradientTransformationExtraArgs:
     if numpy_route:  # schedules evaluated by XLA, as inside the jitted call of the jax route
       lr = _call_jit(lr_schedule, jnp.asarray(lr_count)) if lr_schedule is not None else lr
       wd = _call_jit(wd_schedule, jnp.asarray(wd_count)) if wd_schedule is not None else wd
-    no_decay = _is_number(wd) and float(wd) == 0.0 and wd_schedule is None
-    decays = [False] * n if (not decoupled or no_decay) else _decay_mask(mask, updates, treedef, n)
+    no_decay = is_static_number(wd) and float(wd) == 0.0 and wd_schedule is None
+    decays = [False] * n if (not decoupled or no_decay) else mask_flags(mask, updates, treedef)
     if any(decays) and (p_leaves is None or any(p_leaves[i] is None for i in range(n) if decays[i])):
       raise ValueError("You are using a transformation that requires the current value of parameters, but you are "
                        "not passing `params` when calling `update`.")
@@ -379,7 +362,7 @@ def _make(args: dict, decoupled: bool) -> optax.GradientTransformationExtraArgs:
     on_host = numpy_route or state_memory is not None or _backend_is_cpu()
     kernel = tuple(on_host and _on_kernel(g_leaves[i], mu_leaves[i], nu_leaves[i], p_leaves[i] if decays[i] else None,
                                           decays[i]) for i in range(n))
-    static_hp = tuple(float(v) if _is_number(v) else None for v in hp)
+    static_hp = tuple(float(v) if is_static_number(v) else None for v in hp)
     if not numpy_route:  # the schedules' slots are evaluated inside the jitted call
       static_hp = tuple(None if (k == 0 and lr_schedule is not None) or (k == 5 and wd_schedule is not None) else v
                         for k, v in enumerate(static_hp))
