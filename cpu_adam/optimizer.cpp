@@ -177,7 +177,34 @@ struct optimizer::impl {
     return lock;
   }
 
+  // A chunked step's tensors without a gradient: valid indices, and only where each
+  // tensor has its own step count (an optimizer holding the whole layout).
+  void check_without_grad(const std::vector<std::size_t>& tensors, const char* what) const {
+    if (tensors.empty()) return;
+    if (!whole())
+      throw std::invalid_argument(std::string(what) + ": tensors_without_grad on an optimizer that holds a range of "
+                                  "the arena (a shard), whose tensors share one step count");
+    for (const std::size_t t : tensors)
+      if (t >= segs.size())
+        throw std::invalid_argument(std::string(what) + ": tensors_without_grad names tensor " + std::to_string(t) +
+                                    ": expected an index below " + std::to_string(segs.size()));
+  }
+
+  // Writes the unchanged parameters of the pieces without a gradient inside [begin, end)
+  // to `out` (flat layout, element `begin` first).
+  void copy_out_without_grad(std::size_t begin, std::size_t end, void* out) const {
+    for (const update_piece& piece : pieces) {
+      if (!piece.no_grad) continue;
+      const std::size_t a = std::max(begin, piece.offset), b = std::min(end, piece.offset + piece.size);
+      if (a >= b) continue;
+      convert_params(p() + a,
+                     {static_cast<char*>(out) + (a - begin) * dtype_size(chunked.out_type), b - a, chunked.out_type},
+                     exec);
+    }
+  }
+
   void close_chunked() {
+    for (update_piece& piece : pieces) piece.no_grad = false;
     chunked_open = false;
     chunk_updates = 0;
     chunk_covered = 0;
@@ -596,6 +623,7 @@ step_result optimizer::begin_step(const chunk_step_options& o) {
   const auto lock = s.acquire("begin_step");
   check_dtype("grad_type", o.grad_type);
   if (o.copy_out) check_dtype("out_type", o.out_type);
+  s.check_without_grad(o.tensors_without_grad, "begin_step");
   // The gradients arrive later: a norm the checks need must be known already.
   const step_plan pl = s.plan({o.grad_type, out_of(o.copy_out, o.out_type), o.accumulator}, o.checks,
                               []() -> double { refuse_unknown_norm("begin_step"); });
@@ -605,6 +633,7 @@ step_result optimizer::begin_step(const chunk_step_options& o) {
   s.chunked_open = true;
   s.chunk_owner = std::this_thread::get_id();
   s.chunk_updates = 0;
+  for (const std::size_t t : o.tensors_without_grad) s.pieces[t].no_grad = true; // whole: piece t is tensor t
   return s.result_of(pl);
 }
 
@@ -614,6 +643,7 @@ void optimizer::check_options(const chunk_step_options& o) const {
   decide_step(o.checks, 0.0);
   if (needs_unknown_norm(o.checks)) refuse_unknown_norm("begin_step");
   const auto lock = impl_->acquire("begin_step"); // a failed state, a step count at its limit
+  impl_->check_without_grad(o.tensors_without_grad, "begin_step");
   if (impl_->count >= max_step_count)
     throw std::invalid_argument("begin_step: the step count is at its limit (" + std::to_string(max_step_count) +
                                 ", hostopt::max_step_count)");
@@ -659,6 +689,7 @@ void optimizer::update_range(std::size_t begin, std::size_t end, const void* gra
   ++s.chunk_updates;
   s.chunk_covered = end;
   run_update(job, s.exec.threads);
+  if (out) s.copy_out_without_grad(begin, end, out);
 }
 
 step_result optimizer::finish_step() {
@@ -667,6 +698,11 @@ step_result optimizer::finish_step() {
   if (s.chunk_covered != s.arena)
     throw std::logic_error("finish_step: the chunks cover [0, " + std::to_string(s.chunk_covered) + ") of the " +
                            std::to_string(s.arena) + " elements: update the rest first, or abort_step()");
+  for (std::size_t t = 0; t < s.pieces.size(); ++t)
+    if (s.pieces[t].no_grad) { // not stepped: its own count stays (whole: piece t is tensor t)
+      ++s.lag[t];
+      s.lagging = true;
+    }
   s.close_chunked();
   ++s.count;
   step_result r;

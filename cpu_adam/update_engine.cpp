@@ -42,6 +42,7 @@ void run_slice(const update_job& job, std::size_t lo, std::size_t hi) noexcept {
     const void* grad;
     void* out;
     if (job.flat_grad) {
+      if (it->no_grad) continue; // a tensor without a gradient this step (chunked step)
       grad = static_cast<const char*>(job.flat_grad) + (a - job.flat_origin) * job.grad_elem_bytes;
       out = job.flat_out ? static_cast<char*>(job.flat_out) + (a - job.flat_origin) * job.out_elem_bytes : nullptr;
     } else {

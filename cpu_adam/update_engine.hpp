@@ -19,6 +19,7 @@ struct update_piece {
   std::size_t group = 0;      // index into update_job::groups
   const void* grad = nullptr; // its first element's gradient (per-tensor views)
   void* out = nullptr;        // its first element's copy-out, or null (per-tensor views)
+  bool no_grad = false;       // flat buffers: no gradient this step, left untouched
 };
 
 /// A group's kernel and its per-step constants.

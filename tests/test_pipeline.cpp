@@ -617,3 +617,83 @@ TEST_CASE("the pipeline drives a shard's optimizer (a range of the arena) like a
     }
   }
 }
+
+namespace {
+// Options that trust the gradients (no checks): a streamed step cannot read them first.
+const step_options trusted = [] {
+  step_options o;
+  o.skip_nonfinite = false;
+  return o;
+}();
+} // namespace
+
+TEST_CASE("a pipeline step leaves tensors without a gradient alone, as the per-tensor step does",
+          "[pipeline][determinism]") {
+  std::mt19937 rng(33);
+  auto engine = make_host_copy_engine();
+  const device_order ready = device_order::after(engine->create_stream());
+  {
+    for (int trial = 0; trial < 4; ++trial) { // the every-kernel run covers each kernel against the scalar one
+      const auto groups = random_model(rng, 3 + int(rng() % 12), 2500);
+      optimizer piped(groups, {2, ""}), sync(groups, {1, "scalar"});
+      randomize_params(piped, sync, rng);
+      pipeline_options po;
+      po.chunk_elems = 1 + rng() % 3000;
+      po.param_type = trial % 2 ? dtype::bf16 : dtype::f32;
+      offload_pipeline pipe(piped, *engine, po);
+      const std::size_t n = piped.arena_size(), esz = dtype_size(po.param_type);
+      const auto segs = sync.segments();
+      device_buffer dgrad(*engine, n * 4), dparams(*engine, n * esz);
+      INFO("trial " << trial << ": " << segs.size() << " tensors, chunk " << po.chunk_elems);
+      for (int step = 0; step < 4; ++step) {
+        std::vector<std::size_t> without;
+        std::vector<float> g(n);
+        std::normal_distribution<float> nd;
+        for (auto& x : g) x = nd(rng);
+        std::vector<const_view> views;
+        std::vector<mut_view> outs;
+        std::vector<unsigned char> out_sync(n * esz);
+        for (std::size_t t = 0; t < segs.size(); ++t) {
+          const bool none = rng() % 3 == 0;
+          if (none) {
+            without.push_back(t);
+            std::fill_n(g.begin() + std::ptrdiff_t(segs[t].offset), segs[t].size,
+                        std::numeric_limits<float>::quiet_NaN()); // never read
+            views.push_back({});
+            piped.read_params(segs[t].offset, segs[t].offset + segs[t].size, out_sync.data() + segs[t].offset * esz,
+                              po.param_type); // what the device must get: the unchanged values
+          } else {
+            views.push_back({g.data() + segs[t].offset, segs[t].size, dtype::f32});
+          }
+          outs.push_back({out_sync.data() + segs[t].offset * esz, segs[t].size, po.param_type});
+        }
+        std::memcpy(dgrad.data, g.data(), n * 4);
+        const auto r = pipe.step_async({dgrad.data, n, dtype::f32}, {dparams.data, n, po.param_type}, ready,
+                                       trusted, without)
+                           .wait();
+        CHECK(r.applied);
+        sync.step(views, outs, trusted);
+        REQUIRE(same_state(piped, sync));
+        CHECK(piped.tensor_steps() == sync.tensor_steps());
+        for (const auto& seg : segs)
+          CHECK(std::memcmp(static_cast<char*>(dparams.data) + seg.offset * esz, out_sync.data() + seg.offset * esz,
+                            seg.size * esz) == 0);
+      }
+    }
+  }
+  SECTION("a tensor index out of range, or a shard's optimizer, is refused at the call") {
+    const std::vector<param_group> groups{{adam_config{}, {{"a", {100}}, {"b", {50}}}}};
+    optimizer opt(groups);
+    offload_pipeline pipe(opt, *engine, {});
+    device_buffer dgrad(*engine, opt.arena_size() * 4), dparams(*engine, opt.arena_size() * 2);
+    CHECK_THROWS_WITH(pipe.step_async({dgrad.data, opt.arena_size(), dtype::f32},
+                                      {dparams.data, opt.arena_size(), dtype::bf16}, ready, trusted, {2}),
+                      Catch::Contains("tensors_without_grad names tensor 2: expected an index below 2"));
+    CHECK(opt.step_count() == 0);
+    optimizer shard(groups, arena_range{0, 64});
+    offload_pipeline shard_pipe(shard, *engine, {});
+    CHECK_THROWS_WITH(shard_pipe.step_async({dgrad.data, 64, dtype::f32}, {dparams.data, 64, dtype::bf16}, ready,
+                                            trusted, {0}),
+                      Catch::Contains("holds a range of the arena"));
+  }
+}

@@ -11,6 +11,7 @@
 #include <condition_variable>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <set>
@@ -368,4 +369,99 @@ TEST_CASE("trainer loops on the simulated GPU never starve the compute stream an
     engine->free_device(grads);
     for (auto* p : params) engine->free_device(p);
   }
+}
+
+namespace {
+// Options that trust the gradients (no checks): a streamed step cannot read them first.
+const step_options trusted = [] {
+  step_options o;
+  o.skip_nonfinite = false;
+  return o;
+}();
+} // namespace
+
+TEST_CASE("per-chunk gradient events let early chunks be copied and updated while the backward still runs",
+          "[contract][pipeline]") {
+  auto engine = make_host_copy_engine();
+  const device_stream compute = engine->create_stream();
+  const std::vector<param_group> groups{{adam_config{}, {{"head", {1024}}, {"mid", {1024}}, {"embed", {2048}}}}};
+  const std::size_t n = optimizer(groups).arena_size();
+  float* dgrad = static_cast<float*>(engine->allocate_device(n * 4));
+  float* dparams = static_cast<float*>(engine->allocate_device(n * 4));
+  std::vector<float> fresh(n);
+  for (std::size_t i = 0; i < n; ++i) fresh[i] = 0.02f * float(i % 89) - 0.7f;
+  optimizer reference(groups);
+  reference.step(const_view{fresh.data(), n, dtype::f32});
+
+  // A backward that writes chunk 0's gradients at once and the rest when the gate opens,
+  // with an event recorded after each chunk's last gradient (what backward hooks do).
+  std::vector<device_event> events;
+  for (int k = 0; k < 4; ++k) events.push_back(engine->create_event());
+  const auto backward = [&](gate& late) {
+    std::fill_n(dgrad, n, std::numeric_limits<float>::quiet_NaN()); // what the buffer held before
+    engine->launch_host_function(compute, [&] { std::memcpy(dgrad, fresh.data(), 1024 * 4); });
+    engine->record_event(events[0], compute);
+    engine->launch_host_function(compute, [&, gp = &late] {
+      gp->wait();
+      std::memcpy(dgrad + 1024, fresh.data() + 1024, (n - 1024) * 4);
+    });
+    for (int k = 1; k < 4; ++k) engine->record_event(events[std::size_t(k)], compute);
+  };
+
+  for (const bool per_chunk : {true, false}) {
+    INFO((per_chunk ? "per-chunk events" : "one dependency for all chunks"));
+    optimizer opt(groups);
+    std::atomic<int> updated{0};
+    pipeline_options po;
+    po.chunk_elems = 1024;
+    po.param_type = dtype::f32;
+    po.before_update = [&](std::size_t) { ++updated; };
+    offload_pipeline pipe(opt, *engine, po);
+    REQUIRE(pipe.num_chunks() == 4);
+    gate late;
+    backward(late);
+    device_order order = device_order::after(compute);
+    if (per_chunk) order.chunk_grads_ready = {events[0], {}, {}, {}}; // chunks 1-3: the whole dependency
+    auto h = pipe.step_async({dgrad, n, dtype::f32}, {dparams, n, dtype::f32}, order, trusted);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (per_chunk && updated.load() == 0 && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (!per_chunk) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    CHECK(updated.load() == (per_chunk ? 1 : 0)); // chunk 0 only, and only with its own event
+    CHECK_FALSE(h.done());
+    late.release();
+    h.wait();
+    CHECK(updated.load() == 4);
+    CHECK(std::memcmp(opt.params().data(), reference.params().data(), n * 4) == 0);
+    for (const auto& seg : opt.segments())
+      CHECK(std::memcmp(dparams + seg.offset, opt.params().data() + seg.offset, seg.size * 4) == 0);
+  }
+  SECTION("every chunk with its own event: the synchronous step's bits") {
+    optimizer opt(groups);
+    pipeline_options po;
+    po.chunk_elems = 1024;
+    po.param_type = dtype::f32;
+    offload_pipeline pipe(opt, *engine, po);
+    gate late;
+    backward(late);
+    device_order order = device_order::after(compute);
+    order.chunk_grads_ready = events;
+    auto h = pipe.step_async({dgrad, n, dtype::f32}, {dparams, n, dtype::f32}, order, trusted);
+    late.release();
+    h.wait();
+    CHECK(std::memcmp(opt.params().data(), reference.params().data(), n * 4) == 0);
+  }
+  SECTION("a wrong number of chunk events is refused before anything is enqueued") {
+    optimizer opt(groups);
+    offload_pipeline pipe(opt, *engine, {1024, 2, dtype::f32, dtype::f32, {}});
+    device_order order = device_order::after(compute);
+    order.chunk_grads_ready = {events[0], events[1]};
+    CHECK_THROWS_WITH(pipe.step_async({dgrad, n, dtype::f32}, {dparams, n, dtype::f32}, order, trusted),
+                      Catch::Contains("expected none or one per chunk (4)"));
+    CHECK(opt.step_count() == 0);
+  }
+  engine->synchronize_stream(compute);
+  for (auto e : events) engine->destroy_event(e);
+  engine->free_device(dgrad);
+  engine->free_device(dparams);
 }

@@ -3,7 +3,8 @@
 // rings and one host-written flag `released` counting chunks the CPU is done with (chunks
 // are numbered g = 0, 1, 2, ... across operations):
 //
-//   copy-in stream:  [wait the gradients' producer]
+//   copy-in stream:  [wait the gradients' producer]  (or, with per-chunk gradient events,
+//                    chunk k waits its own event until the first chunk without one)
 //                    for g: wait released >= g - depth + 1 (its buffer is free); copy g in
 //                    record "gradients consumed"
 //   copy-out stream: [wait the parameters' last reader]
@@ -178,6 +179,7 @@ struct offload_pipeline::impl {
     const void* grads;
     void* params;
     step_options checks;
+    std::vector<std::size_t> without_grad; // tensors the step leaves alone
     std::uint64_t first_chunk; // g of chunk 0
     std::int64_t issued_ns;
     std::shared_ptr<pipeline_handle::state> handle;
@@ -292,16 +294,25 @@ struct offload_pipeline::impl {
       throw std::invalid_argument("device_order: both params_free and params_stream are set: pass one");
   }
 
+  void check_chunk_events(const device_order& order) const {
+    if (!order.chunk_grads_ready.empty() && order.chunk_grads_ready.size() != chunks)
+      throw std::invalid_argument("device_order.chunk_grads_ready: " + std::to_string(order.chunk_grads_ready.size()) +
+                                  " events: expected none or one per chunk (" + std::to_string(chunks) + ")");
+  }
+
+  void wait_on(device_stream copy_stream, device_event ev, device_stream after) {
+    if (ev) {
+      engine.stream_wait_event(copy_stream, ev);
+    } else {
+      engine.record_event(order_event, after);
+      engine.stream_wait_event(copy_stream, order_event);
+    }
+  }
+
+  // The order's waits that come first on the copy streams: the parameters' (for a step),
+  // and the gradients' unless chunk events defer it to the first chunk without one.
   void enqueue_order(const device_order& order, bool params) {
-    const auto wait_on = [&](device_stream copy_stream, device_event ev, device_stream after) {
-      if (ev) {
-        engine.stream_wait_event(copy_stream, ev);
-      } else {
-        engine.record_event(order_event, after);
-        engine.stream_wait_event(copy_stream, order_event);
-      }
-    };
-    wait_on(in_stream, order.grads_ready, order.grads_stream);
+    if (order.chunk_grads_ready.empty()) wait_on(in_stream, order.grads_ready, order.grads_stream);
     if (!params) return;
     if (order.params_free || order.params_stream) wait_on(out_stream, order.params_free, order.params_stream);
     else wait_on(out_stream, order.grads_ready, order.grads_stream);
@@ -309,6 +320,7 @@ struct offload_pipeline::impl {
 
   pipeline_handle submit(operation op, const device_order& order) {
     check_order(order);
+    check_chunk_events(order);
     std::unique_lock<std::mutex> lock(mu);
     cv.wait(lock, [&] { return queue.size() < max_queued; }); // documented: a fifth call waits
     refuse_if_unusable();
@@ -319,7 +331,7 @@ struct offload_pipeline::impl {
     op.issued_ns = now_ns();
     enqueue_order(order, op.kind == op_kind::step); // may throw: nothing else is queued yet
     try {
-      enqueue_device_work(op);
+      enqueue_device_work(op, order);
     } catch (const std::exception& e) { // only a device failure gets here: the device is lost
       note_device_failure();
       if (device_failure.empty()) device_failure = std::string("device error while enqueueing: ") + e.what();
@@ -344,11 +356,18 @@ struct offload_pipeline::impl {
   // copy streams share one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) every flag wait
   // can be satisfied by work queued before it: a flag-gated copy never blocks work the
   // CPU needs first (CUDA cannot see the dependency through the flag).
-  void enqueue_device_work(const operation& op) {
+  void enqueue_device_work(const operation& op, const device_order& order) {
     const op_events& ev = *op.handle->events;
+    bool grads_waited = order.chunk_grads_ready.empty(); // enqueue_order did it
     const auto copy_in = [&](std::size_t k) {
       const std::uint64_t g = op.first_chunk + k;
       const auto [lo, hi] = range(k);
+      if (!grads_waited && order.chunk_grads_ready[k]) {
+        engine.stream_wait_event(in_stream, order.chunk_grads_ready[k]);
+      } else if (!grads_waited) { // this chunk and all after it: the whole gradient dependency
+        wait_on(in_stream, order.grads_ready, order.grads_stream);
+        grads_waited = true;
+      }
       if (g >= depth) engine.stream_wait_flag(in_stream, released, std::uint32_t(g - depth + 1));
       engine.record_event(ev.in_start[k], in_stream);
       engine.copy_async(in_stream, copy_direction::to_host, grad_bufs[g % depth].data(),
@@ -505,7 +524,8 @@ struct offload_pipeline::impl {
     bool begun_step = false;
     try {
       before = opt.step_count();
-      const step_result begun = opt.begin_step({options.grad_type, true, options.param_type, use_acc, op.checks});
+      const step_result begun =
+          opt.begin_step({options.grad_type, true, options.param_type, use_acc, op.checks, op.without_grad});
       if (!begun.applied) { // skipped by the checks: the device still gets (unchanged) parameters
         micro_batches = 0;  // a skipped step drops its accumulated micro-batches too
         const bool valid = release_rest(op, 0);
@@ -614,22 +634,25 @@ pipeline_handle offload_pipeline::step_async(const_view device_grads, mut_view d
 }
 
 pipeline_handle offload_pipeline::step_async(const_view device_grads, mut_view device_params,
-                                             const device_order& order, const step_options& options) {
+                                             const device_order& order, const step_options& options,
+                                             std::vector<std::size_t> tensors_without_grad) {
   impl& s = *impl_;
   check_device_view("device_grads", device_grads.data, device_grads.size, device_grads.type, s.arena,
                     s.options.grad_type);
   check_device_view("device_params", device_params.data, device_params.size, device_params.type, s.arena,
                     s.options.param_type);
   // Bad options are refused here, on the caller's thread, before anything is enqueued.
-  s.opt.check_options({s.options.grad_type, true, s.options.param_type, false, options});
-  return s.submit({impl::op_kind::step, device_grads.data, device_params.data, options, 0, 0, nullptr}, order);
+  s.opt.check_options({s.options.grad_type, true, s.options.param_type, false, options, tensors_without_grad});
+  return s.submit({impl::op_kind::step, device_grads.data, device_params.data, options,
+                   std::move(tensors_without_grad), 0, 0, nullptr},
+                  order);
 }
 
 pipeline_handle offload_pipeline::accumulate_async(const_view device_grads, const device_order& order) {
   impl& s = *impl_;
   check_device_view("device_grads", device_grads.data, device_grads.size, device_grads.type, s.arena,
                     s.options.grad_type);
-  return s.submit({impl::op_kind::accumulate, device_grads.data, nullptr, step_options{}, 0, 0, nullptr}, order);
+  return s.submit({impl::op_kind::accumulate, device_grads.data, nullptr, step_options{}, {}, 0, 0, nullptr}, order);
 }
 
 step_result offload_pipeline::step(const_view device_grads, mut_view device_params, const device_order& order,

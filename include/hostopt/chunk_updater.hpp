@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "hostopt/dtype.hpp"
 #include "hostopt/step_options.hpp"
@@ -24,6 +25,11 @@ struct chunk_step_options {
   /// that need their norm need checks.known_grad_norm (computed where they are, e.g. on
   /// the GPU); without it such a begin_step is refused. Unchecked by default.
   step_options checks = {1.0f, 0.0, false, -1.0};
+  /// Tensors (indices into the updater's tensors) that have no gradient this step, as
+  /// torch skips a parameter whose .grad is None: their parameters, moments and own step
+  /// count stay; their output elements get the unchanged parameters. Their gradient
+  /// elements are never read. Refused by an updater that cannot keep per-tensor counts.
+  std::vector<std::size_t> tensors_without_grad;
 };
 
 /// The chunked step's contract. Elements are those of the updater's flat layout

@@ -69,11 +69,18 @@ struct device_order {
   /// (the usual case: the forward that read the parameters ran before the backward).
   device_event params_free;
   device_stream params_stream;
+  /// Optional, one per chunk (num_chunks(); an empty event where there is none): chunk k's
+  /// gradients are complete once chunk_grads_ready[k] is. Lets the copy-in (and the CPU
+  /// update) of early chunks start while later gradients are still being produced, e.g.
+  /// events recorded by backward hooks as each chunk's last gradient is written. From
+  /// the first chunk without its own event on, the gradient dependency above orders the
+  /// copies; it is required all the same. The parameter copies keep their own order.
+  std::vector<device_event> chunk_grads_ready;
 
   /// Ordered after all work enqueued on `s` so far (gradients and parameters).
-  static device_order after(device_stream s) { return {{}, s, {}, {}}; }
+  static device_order after(device_stream s) { return {{}, s, {}, {}, {}}; }
   /// Ordered after the event `e` (gradients and parameters).
-  static device_order after(device_event e) { return {e, {}, {}, {}}; }
+  static device_order after(device_event e) { return {e, {}, {}, {}, {}}; }
 };
 
 /// A step or accumulation in flight. Copyable; every copy refers to the same operation.
@@ -140,8 +147,12 @@ public:
   /// device parameters are rewritten with the unchanged ones), and max_grad_norm clips by
   /// folding the factor into the scale. Checks that need the norm and get none
   /// (known_grad_norm < 0) are refused with std::invalid_argument at the call.
+  /// `tensors_without_grad` (the updater's tensor indices) are left alone as torch leaves
+  /// a parameter whose .grad is None (chunk_step_options::tensors_without_grad): their
+  /// device parameters get their unchanged values and their gradient elements are copied
+  /// but never read.
   pipeline_handle step_async(const_view device_grads, mut_view device_params, const device_order& order,
-                             const step_options& options);
+                             const step_options& options, std::vector<std::size_t> tensors_without_grad = {});
   /// Streams a non-final micro-batch's gradients into the f32 host accumulator; after the
   /// handle's grads_consumed() the device may reuse the gradient buffer. The next step adds
   /// the accumulator in its fused pass.
