@@ -114,20 +114,25 @@ void bind_pipeline(py::module_& m) {
           [](pipeline_holder& h, std::uintptr_t grads, const std::string& grad_type, std::uintptr_t params,
              const std::string& param_type, std::size_t size, std::uintptr_t grads_stream, std::uintptr_t grads_event,
              std::uintptr_t params_stream, std::uintptr_t params_event, float grad_scale, double max_grad_norm,
-             bool skip_nonfinite, double known_grad_norm) {
+             bool skip_nonfinite, double known_grad_norm, const std::vector<std::uintptr_t>& chunk_grads_events,
+             std::vector<std::size_t> tensors_without_grad) {
             step_options o;
             o.grad_scale = grad_scale;
             o.max_grad_norm = max_grad_norm;
             o.skip_nonfinite = skip_nonfinite;
             o.known_grad_norm = known_grad_norm;
+            device_order order = order_of(grads_stream, grads_event, params_stream, params_event);
+            for (const std::uintptr_t e : chunk_grads_events) order.chunk_grads_ready.push_back({address(e)});
             return h.pipe->step_async({address(grads), size, dtype_named("grad_type", grad_type)},
-                                      {address(params), size, dtype_named("param_type", param_type)},
-                                      order_of(grads_stream, grads_event, params_stream, params_event), o);
+                                      {address(params), size, dtype_named("param_type", param_type)}, order, o,
+                                      std::move(tensors_without_grad));
           },
           py::arg("grads"), py::arg("grad_type"), py::arg("params"), py::arg("param_type"), py::arg("size"),
           py::arg("grads_stream") = 0, py::arg("grads_event") = 0, py::arg("params_stream") = 0,
           py::arg("params_event") = 0, py::arg("grad_scale") = 1.0f, py::arg("max_grad_norm") = 0.0,
           py::arg("skip_nonfinite") = false, py::arg("known_grad_norm") = -1.0,
+          py::arg("chunk_grads_events") = std::vector<std::uintptr_t>{},
+          py::arg("tensors_without_grad") = std::vector<std::size_t>{},
           py::keep_alive<0, 1>()) // the handle's events live in the pipeline's pool (and engine)
       .def(
           "accumulate_async",

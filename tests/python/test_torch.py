@@ -1,5 +1,7 @@
 """hostopt.torch side by side with torch.optim (Debian's torch)."""
 import copy
+import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -444,17 +446,101 @@ def test_offloaded_parameters_through_the_pipeline_match_the_in_place_step(dtype
     assert torch.equal(oc.state[next(c.parameters())][key], ob.state[next(b.parameters())][key])
 
 
-def test_offloaded_step_refuses_a_parameter_without_gradient():
+def test_offloaded_step_skips_parameters_without_gradient_like_torch():
+  # torch leaves a parameter whose .grad is None alone (its moments and its own step); the
+  # offloaded step does too, bit for bit with the in-place step, and unfreezes at t = 1.
+  a, b = _twin_models(torch.float32)
+  c = copy.deepcopy(a)
+  oa = htorch.AdamW(a.parameters(), lr=1e-2, offload="host", offload_chunk=64)
+  ob = htorch.AdamW(b.parameters(), lr=1e-2)
+  oc = torch.optim.AdamW(c.parameters(), lr=1e-2)
+  g = torch.Generator().manual_seed(3)
+  for step in range(6):
+    x = torch.randn(4, 8, generator=g)
+    for m, o in ((a, oa), (b, ob), (c, oc)):
+      o.zero_grad()
+      m(x).pow(2).mean().backward()
+      if step < 3:
+        m[2].bias.grad = None  # frozen for three steps, then trained from its step 1
+      if step == 4:
+        m[0].weight.grad = None
+      o.step()
+    for p, q, r in zip(a.parameters(), b.parameters(), c.parameters()):
+      assert torch.equal(p, q)
+      torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+  steps = [float(oa.state[p]["step"]) for p in a.parameters()]
+  assert steps == [float(oc.state[p]["step"]) for p in c.parameters()] == [5.0, 6.0, 6.0, 3.0]
+  # No gradient at all: nothing happens, as in torch.
+  before = [p.detach().clone() for p in a.parameters()]
+  oa.zero_grad(set_to_none=True)
+  oa.step()
+  assert all(torch.equal(p, q) for p, q in zip(a.parameters(), before))
+  assert [float(oa.state[p]["step"]) for p in a.parameters()] == steps
+
+
+def test_offload_options_are_checked():
   a, _ = _twin_models(torch.float32)
-  oa = htorch.AdamW(a.parameters(), lr=1e-2, offload="host")
-  a(torch.ones(2, 8)).sum().backward()
-  a[2].bias.grad = None
-  with pytest.raises(ValueError, match="no gradient in this step"):
-    oa.step()
   with pytest.raises(ValueError, match="offload="):
     htorch.AdamW(a.parameters(), offload="gpu")
   with pytest.raises(ValueError, match="overlap=True needs CUDA"):
     htorch.AdamW(a.parameters(), offload="host", overlap=True)
+
+
+_HOOKS = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
+
+
+@pytest.mark.skipif(not _HOOKS, reason="post-accumulate-grad hooks need torch >= 2.1")
+def test_backward_hooks_move_gradients_into_the_pipeline_as_they_complete():
+  # With hooks, each gradient lands in the flat device gradient buffer as the backward
+  # completes it, and each chunk gets an event the pipeline's copy of it waits on (so
+  # copies and CPU updates overlap the rest of the backward on a GPU). Gradients written
+  # after the backward (clipping in place, a partial backward) make the step fall back
+  # to the whole stream; the results are the in-place step's bits in every case.
+  torch.manual_seed(0)
+  a = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                          torch.nn.Linear(32, 4))
+  b = copy.deepcopy(a)
+  oa = htorch.AdamW(a.parameters(), lr=1e-2, offload="host", offload_chunk=256)
+  ob = htorch.AdamW(b.parameters(), lr=1e-2)
+  g = torch.Generator().manual_seed(5)
+  chunks = oa._layout["f32"][5]["pipe"].num_chunks if oa._layout else None
+
+  def step(clip=False, micro=1, freeze=None):
+    for m, o in ((a, oa), (b, ob)):
+      o.zero_grad(set_to_none=True)
+      if freeze is not None:  # no gradient in this backward, so no hook: its chunks are not complete
+        m[freeze].weight.requires_grad_(False)
+    for _ in range(micro):
+      x = torch.randn(4, 8, generator=g)
+      for m in (a, b):
+        m(x).pow(2).mean().backward()
+    for m, o in ((a, oa), (b, ob)):
+      if freeze is not None:
+        m[freeze].weight.requires_grad_(True)
+      if clip:
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+      o.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+      assert torch.equal(p, q)
+    return oa._last_chunk_events
+
+  assert step() == 0  # the first step builds the layout: no hooks ran yet
+  dev = oa._layout["f32"][5]
+  chunks = dev["pipe"].num_chunks
+  assert chunks >= 4
+  assert step() == chunks  # every chunk completed by the backward
+  base, end = dev["grads"].data_ptr(), dev["grads"].data_ptr() + dev["grads"].numel() * 4
+  assert all(base <= p.grad.data_ptr() < end for p in a.parameters())  # no separate gradient tensors
+  assert step(micro=2) == chunks  # accumulation: the last backward completes every chunk
+  assert step(clip=True) == 0  # written after the backward: the whole stream orders the copies
+  partial = step(freeze=0)  # the first layer (last in the arena) gets no gradient
+  assert 0 < partial < chunks
+  # The hooks do not keep the optimizer alive.
+  ref = weakref.ref(oa)
+  del oa, dev
+  gc.collect()
+  assert ref() is None
+  a(torch.ones(1, 8)).sum().backward()  # the stale hooks do nothing
 
 
 def test_state_dict_has_entries_only_for_parameters_that_were_stepped_like_torch():

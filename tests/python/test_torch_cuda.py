@@ -31,3 +31,40 @@ def test_cuda_parameters_train_like_torch_on_the_gpu(overlap):
   for a, b in zip(ours.parameters(), theirs.parameters()):
     assert a.is_cuda
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"), reason="torch < 2.1")
+def test_gradients_stream_to_the_host_during_the_backward_and_train_like_torch():
+  # A deeper model so the backward is long: with hooks, each chunk's copy waits only on
+  # the event its last gradient recorded. Wrong ordering would read gradients the backward
+  # had not written yet and depart from torch; clipping in place and a frozen layer make
+  # the step fall back to the whole stream for the chunks concerned.
+  torch.manual_seed(0)
+  layers = []
+  for _ in range(6):
+    layers += [torch.nn.Linear(512, 512), torch.nn.GELU()]
+  ours = torch.nn.Sequential(*layers, torch.nn.Linear(512, 8)).cuda()
+  theirs = copy.deepcopy(ours)
+  oo = htorch.AdamW(ours.parameters(), lr=1e-3, weight_decay=0.1, offload_chunk=1 << 16)
+  ot = torch.optim.AdamW(theirs.parameters(), lr=1e-3, weight_decay=0.1)
+  g = torch.Generator(device="cuda").manual_seed(2)
+  streamed = []
+  for step in range(24):
+    x = torch.randn(256, 512, device="cuda", generator=g)
+    for m, o in ((ours, oo), (theirs, ot)):
+      o.zero_grad(set_to_none=True)
+      if step % 8 == 5:
+        m[0].weight.requires_grad_(False)
+      m(x).pow(2).mean().backward()
+      m[0].weight.requires_grad_(True)
+      if step % 8 == 3:
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 0.01)
+      o.step()
+    streamed.append(oo._last_chunk_events)
+  torch.cuda.synchronize()
+  chunks = oo._layout["f32"][5]["pipe"].num_chunks
+  assert chunks > 8
+  assert streamed[1] == streamed[2] == chunks  # plain steps: every chunk on its own event
+  assert streamed[3] == 0 and 0 < streamed[5] < chunks
+  for a, b in zip(ours.parameters(), theirs.parameters()):
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -27,6 +27,13 @@ take effect at the next step, as in torch. Gradients and parameters in any dense
 from its parameter's is copied once into the parameter's layout. Duplicate parameters are
 refused (torch warns and applies them twice).
 
+CUDA parameters (or ``offload="host"``) go through the offload pipeline: parameters become
+views of one flat device buffer, laid out in reverse order (the order the backward produces
+gradients); with torch >= 2.1 backward hooks move each gradient into the flat gradient buffer
+as it completes and mark pipeline chunks complete, so the step copies and updates early chunks
+while the device still runs the rest of the backward. Parameters without a gradient are left
+alone, as torch does.
+
 ``foreach`` and ``fused`` are accepted for compatibility and change nothing: hostopt's step is
 always one fused pass. ``amsgrad``, ``capturable`` and ``differentiable`` are refused.
 Threads: all physical cores of the process's CPU set unless ``threads=`` says otherwise
@@ -35,6 +42,7 @@ Threads: all physical cores of the process's CPU set unless ``threads=`` says ot
 
 import os
 import warnings
+import weakref
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
@@ -120,9 +128,102 @@ class _Tracked:
     self.shape, self.stride = tuple(p.shape), tuple(p.stride())
 
 
+class _ChunkEvents:
+  """The offload pipeline's chunks as the backward completes them. A post-accumulate-grad
+  hook reports each parameter whose gradient is complete; when every parameter overlapping
+  a chunk has reported in the current backward, an event is recorded on the stream that
+  produced them, and the step lets that chunk's copy (and CPU update) start once the device
+  is past it instead of after the whole backward. An event stands only if nothing wrote
+  the gradients after that backward (clipping or unscaling in place, another backward
+  partly over them): the step then falls back to the whole stream for every chunk."""
+
+  def __init__(self, engine, chunks: int, chunk_elems: int, arena: int):
+    self.engine = engine
+    # The pipeline's cut: chunk_elems capped at the arena, rounded up to 16.
+    self.chunk = (min(chunk_elems, max(arena, 1)) + 15) // 16 * 16
+    self.events = []
+    for _ in range(chunks):
+      self.events.append(engine.create_event())
+    self.chunks_of: List[range] = []
+    self.tensors_in = [0] * chunks
+    self.in_backward = False
+    self.version = None
+    self.forget()
+
+  def cover(self, segments, seg_of) -> None:
+    """The chunks each tracked parameter overlaps (segments: the core's (offset, size))."""
+    self.chunks_of = []
+    self.tensors_in = [0] * len(self.events)
+    for si in seg_of:
+      off, size = segments[si]
+      span = range(off // self.chunk, (off + size - 1) // self.chunk + 1) if size else range(0)
+      self.chunks_of.append(span)
+      for c in span:
+        self.tensors_in[c] += 1
+    self.forget()
+
+  def forget(self) -> None:
+    self.missing = list(self.tensors_in)
+    self.recorded = [False] * len(self.events)
+    self.version = None
+
+  def hooked(self, k: int, stream: int, grads: torch.Tensor) -> None:
+    """Tracked parameter k's gradient is complete (in the flat buffer) on `stream`."""
+    if not self.in_backward:  # the first report of a backward: earlier ones no longer count
+      self.forget()
+      self.in_backward = True
+      torch.autograd.Variable._execution_engine.queue_callback(lambda: self._backward_done(grads))
+    for c in self.chunks_of[k]:
+      self.missing[c] -= 1
+      if self.missing[c] == 0:
+        self.engine.record_event(self.events[c], stream)
+        self.recorded[c] = True
+
+  def _backward_done(self, grads: torch.Tensor) -> None:
+    self.in_backward = False
+    self.version = grads._version  # any later write to the flat gradients changes it
+
+  def ready_events(self, grads: torch.Tensor) -> list:
+    """One event handle per chunk (0: none) for the step about to read `grads`; forgets them."""
+    valid = self.version is not None and not self.in_backward and grads._version == self.version
+    events = [e if valid and r else 0 for e, r in zip(self.events, self.recorded)]
+    self.forget()
+    self.in_backward = False  # a backward that failed midway never ran its callback
+    return events
+
+  def __del__(self):
+    for e in getattr(self, "events", []):
+      try:
+        self.engine.destroy_event(e)
+      except Exception:  # interpreter shutdown
+        pass
+
+
 def _rounds_to(master: torch.Tensor, p: torch.Tensor) -> bool:
   """Whether the f32 master still stands for the 16-bit parameter (rounds to its values)."""
   return tuple(master.shape) == tuple(p.shape) and torch.equal(master.detach().to(p.dtype), p.detach())
+
+
+def _grad_hook(opt_ref, tag: str, k: int):
+  """Runs when parameter k's gradient is complete in a backward: moves it into the flat
+  device gradient buffer at once (later backwards then accumulate in place there) and
+  reports it, so that the pipeline may start on its chunk."""
+
+  @torch.no_grad()
+  def hook(p: torch.Tensor) -> None:
+    opt = opt_ref()
+    layout = None if opt is None or opt._layout is None else opt._layout.get(tag)
+    if layout is None or k >= len(layout[1]) or layout[1][k].param is not p:
+      return  # an optimizer gone or being rebuilt: the step gathers the gradients itself
+    t, dev, g = layout[1][k], layout[5], p.grad
+    if g is None or g.is_sparse or g.dtype != p.dtype or g.device != t.grad_view.device:
+      return
+    if g.data_ptr() != t.grad_view.data_ptr():
+      t.grad_view.copy_(g.reshape(-1))  # on the backward's stream
+      p.grad = t.grad_view.view(p.shape)
+    dev["chunks"].hooked(k, opt._stream(), dev["grads"])
+
+  return hook
 
 
 class _HostAdam(torch.optim.Optimizer):
@@ -165,6 +266,7 @@ class _HostAdam(torch.optim.Optimizer):
     self._offload, self._offload_chunk, self._overlap = offload, int(offload_chunk), bool(overlap)
     self._engine, self._engine_stream, self._pending = None, 0, []
     self._layout = None  # set by _build
+    self._hook_handles, self._last_chunk_events = [], 0
     super().__init__(params, defaults)
 
   def __getstate__(self) -> dict:
@@ -180,6 +282,7 @@ class _HostAdam(torch.optim.Optimizer):
       self.__dict__.setdefault(key, value)
     self._engine, self._engine_stream, self._pending = None, 0, []
     self._layout = None
+    self._hook_handles, self._last_chunk_events = [], 0
 
   @staticmethod
   def _refuse_unsupported(group: dict, where: str) -> None:
@@ -236,20 +339,26 @@ class _HostAdam(torch.optim.Optimizer):
       self._engine = (_core.CopyEngine.cuda(device.index or 0) if offload == "cuda" else _core.CopyEngine.host())
       if offload == "host":
         self._engine_stream = self._engine.create_stream()  # stands in for torch's (synchronous) CPU stream
+    self._remove_grad_hooks()
     layout = {}
     for tag, entries in by_dtype.items():
-      groups = [{"config": self._config(g), "tensors": []} for g in self.param_groups]
-      for k, (gi, p) in enumerate(entries):
-        groups[gi]["tensors"].append((f"{gi}.{k}", [p.numel()]))
+      # Offloaded: the backward produces the last parameters' gradients first, so they lead
+      # the arena and the pipeline's first chunks are complete first (see _grad_hook).
+      order = list(range(len(self.param_groups)))[::-1] if offload else list(range(len(self.param_groups)))
+      group_of = {gi: j for j, gi in enumerate(order)}  # torch's group -> the core's
+      groups = [{"config": self._config(self.param_groups[gi]), "tensors": []} for gi in order]
+      for k, (gi, p) in (reversed(list(enumerate(entries))) if offload else enumerate(entries)):
+        groups[group_of[gi]]["tensors"].append((f"{gi}.{k}", [p.numel()]))
       core = _core.Optimizer(groups, self._threads, "")
       segs = {s[0]: (i, s) for i, s in enumerate(core.segments())}
       flat_p, flat_m, flat_v = core.params(), core.exp_avg(), core.exp_avg_sq()
       dev = None
       if offload:  # flat device buffers in the arena's layout: the pipeline's two ends
         n = core.arena_size
+        pipe = _core.OffloadPipeline(core, self._engine, self._offload_chunk, 2, tag, tag)
         dev = {"params": torch.zeros(n, dtype=entries[0][1].dtype, device=device),
-               "grads": torch.zeros(n, dtype=entries[0][1].dtype, device=device), "n": n,
-               "pipe": _core.OffloadPipeline(core, self._engine, self._offload_chunk, 2, tag, tag)}
+               "grads": torch.zeros(n, dtype=entries[0][1].dtype, device=device), "n": n, "pipe": pipe,
+               "chunks": _ChunkEvents(self._engine, pipe.num_chunks, self._offload_chunk, n)}
       steps = np.zeros(len(entries), dtype=np.float32)  # torch's per-parameter "step", one view each
       seg_steps = [0] * len(segs)
       tracked, seg_of = [], []
@@ -296,10 +405,27 @@ class _HostAdam(torch.optim.Optimizer):
         seg_of.append(si)
       core.tensor_steps = seg_steps
       steps[:] = [seg_steps[si] for si in seg_of]
+      if dev is not None:
+        dev["group_of"] = group_of
+        dev["chunks"].cover([(off, size) for _, _, off, size, _ in core.segments()], seg_of)
+        self._add_grad_hooks(tag, tracked, dev)
       layout[tag] = [core, tracked, steps, seg_of, steps.tolist(), dev]
     self._layout = layout
     self._applied = {}  # (dtype, group) -> config last given to the core
     self._views = {}  # (dtype, index) -> (grad tensor, data_ptr, numpy view), reused while unchanged
+
+  # --- gradients as the backward produces them (offloaded, torch >= 2.1) ---------------
+  def _add_grad_hooks(self, tag: str, tracked: list, dev: dict) -> None:
+    if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+      return  # torch < 2.1: the step gathers the gradients after the backward
+    me = weakref.ref(self)  # the hooks must not keep the optimizer alive
+    for k, t in enumerate(tracked):
+      self._hook_handles.append(t.param.register_post_accumulate_grad_hook(_grad_hook(me, tag, k)))
+
+  def _remove_grad_hooks(self) -> None:
+    for handle in self._hook_handles:
+      handle.remove()
+    self._hook_handles = []
 
   def adopt_params(self) -> None:
     """Takes every parameter's current values as the master weights (after writes the
@@ -404,19 +530,25 @@ class _HostAdam(torch.optim.Optimizer):
     """Gradients gathered into the flat device buffer, then one pipeline step ordered after
     the current stream; the stream waits (on the device) for the gradients to be consumed
     and the parameters to be ready, so the next forward and backward need no host wait."""
-    for t in tracked:
+    without = []
+    for k, t in enumerate(tracked):
       g = t.param.grad
       if g is not None and g.is_sparse:
         raise RuntimeError("hostopt.torch does not support sparse gradients")
-      if g is None:
-        raise ValueError(f"hostopt.torch (offloaded): {t.where} has no gradient in this step; the "
-                         "offloaded step updates every parameter at once (torch would skip it): set "
-                         "requires_grad=False on frozen parameters before making the optimizer, or step them on the CPU")
-      if g.data_ptr() != t.grad_view.data_ptr():
+      if g is None:  # as torch: left alone, its own step count stays
+        without.append(self._layout[tag][3][k])
+      elif g.data_ptr() != t.grad_view.data_ptr():
         t.grad_view.copy_(g.reshape(-1))  # on the device, on the current stream
+    if len(without) == len(tracked):
+      dev["chunks"].forget()
+      return  # no gradient at all: nothing to step (torch does nothing either)
     stream = self._stream()
+    # Chunks whose gradients the backward hooks saw complete (and nobody wrote since) are
+    # copied as soon as the device is past them; the rest wait for the whole stream.
+    events = dev["chunks"].ready_events(dev["grads"])
     h = dev["pipe"].step_async(dev["grads"].data_ptr(), tag, dev["params"].data_ptr(), tag, dev["n"],
-                               grads_stream=stream)
+                               grads_stream=stream, chunk_grads_events=events, tensors_without_grad=without)
+    self._last_chunk_events = sum(1 for e in events if e)
     self._engine.stream_wait_event(stream, h.grads_consumed)
     self._engine.stream_wait_event(stream, h.params_ready)
     self._pending.append((h, tag))
@@ -457,7 +589,7 @@ class _HostAdam(torch.optim.Optimizer):
     for tag, (core, tracked, steps, seg_of, _, dev) in self._layout.items():
       for gi, cfg in enumerate(configs):
         if self._applied.get((tag, gi)) != cfg:
-          core.set_group_config(gi, cfg)
+          core.set_group_config(dev["group_of"][gi] if dev is not None else gi, cfg)
           self._applied[(tag, gi)] = cfg
       if dev is not None:
         self._offloaded_step(tag, tracked, dev)
