@@ -490,25 +490,26 @@ _HOOKS = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
 
 
 @pytest.mark.skipif(not _HOOKS, reason="post-accumulate-grad hooks need torch >= 2.1")
-def test_backward_hooks_move_gradients_into_the_pipeline_as_they_complete():
-  # With hooks, each gradient lands in the flat device gradient buffer as the backward
-  # completes it, and each chunk gets an event the pipeline's copy of it waits on (so
-  # copies and CPU updates overlap the rest of the backward on a GPU). Gradients written
-  # after the backward (clipping in place, a partial backward) make the step fall back
-  # to the whole stream; the results are the in-place step's bits in every case.
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_overlap_backward_moves_gradients_into_the_pipeline_as_they_complete():
+  # Each gradient lands in the flat device gradient buffer as the backward completes it,
+  # and each chunk gets an event the pipeline's copy of it waits on (so copies and CPU
+  # updates overlap the rest of the backward on a GPU). Gradients written after the
+  # backward (clipping in place), or chunks the backward reached in part (a frozen layer),
+  # fall back to the whole stream; the results are the in-place step's bits in every case.
   torch.manual_seed(0)
   a = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
                           torch.nn.Linear(32, 4))
+  a[2].bias.requires_grad_(False)  # frozen when the optimizer is made: no hook can be put on it yet
   b = copy.deepcopy(a)
-  oa = htorch.AdamW(a.parameters(), lr=1e-2, offload="host", offload_chunk=256)
+  oa = htorch.AdamW(a.parameters(), lr=1e-2, offload="host", offload_chunk=256, overlap_backward=True)
   ob = htorch.AdamW(b.parameters(), lr=1e-2)
   g = torch.Generator().manual_seed(5)
-  chunks = oa._layout["f32"][5]["pipe"].num_chunks if oa._layout else None
 
-  def step(clip=False, micro=1, freeze=None):
+  def step(clip=False, micro=1, freeze=None, set_to_none=True):
     for m, o in ((a, oa), (b, ob)):
-      o.zero_grad(set_to_none=True)
-      if freeze is not None:  # no gradient in this backward, so no hook: its chunks are not complete
+      o.zero_grad(set_to_none=set_to_none)
+      if freeze is not None:  # no gradient in this backward, so no report: its chunks are not complete
         m[freeze].weight.requires_grad_(False)
     for _ in range(micro):
       x = torch.randn(4, 8, generator=g)
@@ -528,19 +529,102 @@ def test_backward_hooks_move_gradients_into_the_pipeline_as_they_complete():
   dev = oa._layout["f32"][5]
   chunks = dev["pipe"].num_chunks
   assert chunks >= 4
+  frozen = step()  # the chunk of the frozen bias never completes
+  assert 0 < frozen < chunks
+  for m in (a, b):
+    m[2].bias.requires_grad_(True)  # unfrozen: hooked at the next step
+  step()
   assert step() == chunks  # every chunk completed by the backward
   base, end = dev["grads"].data_ptr(), dev["grads"].data_ptr() + dev["grads"].numel() * 4
-  assert all(base <= p.grad.data_ptr() < end for p in a.parameters())  # no separate gradient tensors
-  assert step(micro=2) == chunks  # accumulation: the last backward completes every chunk
+  assert all(base <= p.grad.data_ptr() < end for p in a.parameters())  # gradients are views of the flat buffer
+  assert step(micro=2) == chunks  # accumulation: complete again in the last backward
+  assert step(micro=3, set_to_none=False) == chunks
   assert step(clip=True) == 0  # written after the backward: the whole stream orders the copies
   partial = step(freeze=0)  # the first layer (last in the arena) gets no gradient
   assert 0 < partial < chunks
-  # The hooks do not keep the optimizer alive.
+  # create_graph=True: the differentiable gradient stays torch's; the step gathers it.
+  for m, o in ((a, oa), (b, ob)):
+    o.zero_grad(set_to_none=True)
+    m(torch.ones(2, 8)).pow(2).sum().backward(create_graph=True)
+    assert all(p.grad.requires_grad for p in m.parameters())
+    o.step()
+  for p, q in zip(a.parameters(), b.parameters()):
+    assert torch.equal(p, q)
+  # The hooks do not keep the optimizer alive, and go with it.
+  hooks = lambda: sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in a.parameters())
+  assert hooks() == 6
   ref = weakref.ref(oa)
   del oa, dev
   gc.collect()
-  assert ref() is None
-  a(torch.ones(1, 8)).sum().backward()  # the stale hooks do nothing
+  assert ref() is None and hooks() == 0
+  a(torch.ones(1, 8)).sum().backward()
+
+
+def test_overlap_backward_is_refused_where_it_cannot_apply():
+  a, _ = _twin_models(torch.float32)
+  if not _HOOKS:
+    with pytest.raises(ValueError, match="torch >= 2.1"):
+      htorch.AdamW(a.parameters(), offload="host", overlap_backward=True)
+    return
+  with pytest.raises(ValueError, match="applies to offloaded parameters"):
+    htorch.AdamW(a.parameters(), overlap_backward=True)
+  # Without it, no hooks: gradients stay the user's tensors.
+  oa = htorch.AdamW(a.parameters(), offload="host")
+  a(torch.ones(2, 8)).sum().backward()
+  oa.step()
+  kept = [p.grad for p in a.parameters()]
+  oa.zero_grad(set_to_none=True)
+  a(torch.ones(2, 8)).sum().backward()
+  assert all(p.grad is not k for p, k in zip(a.parameters(), kept)) and oa._last_chunk_events == 0
+
+
+class _RecordingEngine:
+  """Stands in for a copy engine: logs which events are recorded when."""
+
+  def __init__(self):
+    self.log, self.count = [], 0
+
+  def create_event(self):
+    self.count += 1
+    return self.count
+
+  def record_event(self, event, stream):
+    self.log.append(event)
+
+  def destroy_event(self, event):
+    pass
+
+
+def test_a_chunk_event_is_recorded_only_once_all_its_parameters_reported():
+  # A chunk's event recorded before its last gradient would let the copy read gradients
+  # the backward has not written yet (on a GPU): check the rule itself. Chunks of 16
+  # elements; tensors at (offset, size): t0 [0, 20) spans chunks 0-1, t1 [32, 8) chunk 2,
+  # t2 [48, 40) chunks 3-5, t3 [96, 0) none.
+  from hostopt.torch import _ChunkEvents
+  engine = _RecordingEngine()
+  ev = _ChunkEvents(engine, 6, 16, 96)
+  ev.cover([(0, 20), (32, 8), (48, 40), (96, 0)], [0, 1, 2, 3])
+  ev.callback_queued = ev2_queued = True  # outside a backward: no end-of-backward callback to queue
+  grads = torch.zeros(96)
+  ev.hooked(2, 0, grads)  # chunks 3-5 (only t2 in them)
+  assert engine.log == [4, 5, 6]
+  ev.hooked(1, 0, grads)
+  assert engine.log[3:] == [3]
+  ev.hooked(0, 0, grads)
+  assert engine.log[4:] == [1, 2] and ev.recorded == [True] * 6
+  # A second backward (accumulation) reaching only t0: chunks 0-1 are recorded again; a
+  # chunk shared by a tensor that reported again and one that did not is cancelled.
+  ev2 = _ChunkEvents(engine, 2, 16, 32)
+  ev2.cover([(0, 20), (20, 12)], [0, 1])  # chunk 1 holds both
+  ev2.callback_queued = ev2_queued
+  ev2.hooked(0, 0, grads)
+  assert ev2.recorded == [True, False]
+  ev2.hooked(1, 0, grads)
+  assert ev2.recorded == [True, True]
+  ev2.hooked(0, 0, grads)  # t0 again: chunk 1's event predates this write
+  assert ev2.recorded == [True, False]
+  ev2.hooked(1, 0, grads)
+  assert ev2.recorded == [True, True]
 
 
 def test_state_dict_has_entries_only_for_parameters_that_were_stepped_like_torch():

@@ -29,10 +29,15 @@ refused (torch warns and applies them twice).
 
 CUDA parameters (or ``offload="host"``) go through the offload pipeline: parameters become
 views of one flat device buffer, laid out in reverse order (the order the backward produces
-gradients); with torch >= 2.1 backward hooks move each gradient into the flat gradient buffer
-as it completes and mark pipeline chunks complete, so the step copies and updates early chunks
-while the device still runs the rest of the backward. Parameters without a gradient are left
-alone, as torch does.
+gradients). Parameters without a gradient are left alone, as torch does. With
+``overlap_backward=True`` (torch >= 2.1) backward hooks move each gradient into the flat
+gradient buffer as it completes (``p.grad`` becomes a view of it, as DeepSpeed's contiguous
+gradients: clone a gradient to keep it past the next backward) and mark pipeline chunks
+complete, so the step copies and updates early chunks while the device still runs the rest
+of the backward. Its contract: between the backward and ``step()``, write gradients only
+through torch ops on ``p.grad`` (clipping, scaling: seen, the step then waits for the whole
+stream); writes through ``.data``, numpy or collectives (``all_reduce`` on the gradients) are
+not seen — do not combine them with ``overlap_backward``.
 
 ``foreach`` and ``fused`` are accepted for compatibility and change nothing: hostopt's step is
 always one fused pass. ``amsgrad``, ``capturable`` and ``differentiable`` are refused.
@@ -129,13 +134,18 @@ class _Tracked:
 
 
 class _ChunkEvents:
-  """The offload pipeline's chunks as the backward completes them. A post-accumulate-grad
-  hook reports each parameter whose gradient is complete; when every parameter overlapping
-  a chunk has reported in the current backward, an event is recorded on the stream that
-  produced them, and the step lets that chunk's copy (and CPU update) start once the device
-  is past it instead of after the whole backward. An event stands only if nothing wrote
-  the gradients after that backward (clipping or unscaling in place, another backward
-  partly over them): the step then falls back to the whole stream for every chunk."""
+  """The offload pipeline's chunks as the backward completes them (overlap_backward=True).
+
+  A post-accumulate-grad hook reports each parameter whose gradient is complete. A chunk is
+  complete when every parameter overlapping it has reported as often as the one reported
+  most (in every backward since the last step, so accumulation over micro-batches and
+  reentrant checkpointing count right); an event is then recorded on the reporting stream,
+  and the step lets that chunk's copy and CPU update start once the device is past it. A
+  report that leaves a chunk incomplete cancels its event (its gradients changed after it).
+  Events stand only if the flat gradient buffer's version is what it was when the last
+  backward ended: a write through torch in place (clipping, p.grad.mul_) sends every chunk
+  back to the whole stream. Writes that bypass the version counter (.data, numpy,
+  collectives such as all_reduce) are not seen: the documented contract."""
 
   def __init__(self, engine, chunks: int, chunk_elems: int, arena: int):
     self.engine = engine
@@ -146,8 +156,7 @@ class _ChunkEvents:
       self.events.append(engine.create_event())
     self.chunks_of: List[range] = []
     self.tensors_in = [0] * chunks
-    self.in_backward = False
-    self.version = None
+    self.callback_queued = False
     self.forget()
 
   def cover(self, segments, seg_of) -> None:
@@ -163,32 +172,41 @@ class _ChunkEvents:
     self.forget()
 
   def forget(self) -> None:
-    self.missing = list(self.tensors_in)
+    """A new step's window: no reports, no events."""
+    self.reports = [0] * len(self.chunks_of)
+    self.top = [0] * len(self.events)  # the most reports of a tensor in the chunk
+    self.at_top = [0] * len(self.events)  # tensors of the chunk with that many
     self.recorded = [False] * len(self.events)
     self.version = None
 
   def hooked(self, k: int, stream: int, grads: torch.Tensor) -> None:
     """Tracked parameter k's gradient is complete (in the flat buffer) on `stream`."""
-    if not self.in_backward:  # the first report of a backward: earlier ones no longer count
-      self.forget()
-      self.in_backward = True
-      torch.autograd.Variable._execution_engine.queue_callback(lambda: self._backward_done(grads))
+    self.reports[k] += 1
+    x = self.reports[k]
     for c in self.chunks_of[k]:
-      self.missing[c] -= 1
-      if self.missing[c] == 0:
+      if x > self.top[c]:
+        self.top[c], self.at_top[c] = x, 1
+      elif x == self.top[c]:
+        self.at_top[c] += 1
+      self.recorded[c] = self.at_top[c] == self.tensors_in[c]
+      if self.recorded[c]:
         self.engine.record_event(self.events[c], stream)
-        self.recorded[c] = True
+    self.version = None
+    if not self.callback_queued:  # the version is read when this backward ends
+      self.callback_queued = True
+      torch.autograd.Variable._execution_engine.queue_callback(lambda: self._backward_done(grads))
 
   def _backward_done(self, grads: torch.Tensor) -> None:
-    self.in_backward = False
-    self.version = grads._version  # any later write to the flat gradients changes it
+    self.callback_queued = False
+    self.version = grads._version  # any later write through torch changes it
 
   def ready_events(self, grads: torch.Tensor) -> list:
-    """One event handle per chunk (0: none) for the step about to read `grads`; forgets them."""
-    valid = self.version is not None and not self.in_backward and grads._version == self.version
+    """One event handle per chunk (0: none) for the step about to read `grads`; then a
+    new window starts."""
+    valid = self.version is not None and not self.callback_queued and grads._version == self.version
     events = [e if valid and r else 0 for e, r in zip(self.events, self.recorded)]
     self.forget()
-    self.in_backward = False  # a backward that failed midway never ran its callback
+    self.callback_queued = False  # a backward that failed midway never ran its callback
     return events
 
   def __del__(self):
@@ -204,6 +222,13 @@ def _rounds_to(master: torch.Tensor, p: torch.Tensor) -> bool:
   return tuple(master.shape) == tuple(p.shape) and torch.equal(master.detach().to(p.dtype), p.detach())
 
 
+def _remove_handles(handles: list) -> None:
+  """Removes hook handles in place (also when the optimizer is collected: weakref.finalize)."""
+  for handle in handles:
+    handle.remove()
+  handles.clear()
+
+
 def _grad_hook(opt_ref, tag: str, k: int):
   """Runs when parameter k's gradient is complete in a backward: moves it into the flat
   device gradient buffer at once (later backwards then accumulate in place there) and
@@ -216,8 +241,8 @@ def _grad_hook(opt_ref, tag: str, k: int):
     if layout is None or k >= len(layout[1]) or layout[1][k].param is not p:
       return  # an optimizer gone or being rebuilt: the step gathers the gradients itself
     t, dev, g = layout[1][k], layout[5], p.grad
-    if g is None or g.is_sparse or g.dtype != p.dtype or g.device != t.grad_view.device:
-      return
+    if g is None or g.is_sparse or g.requires_grad or g.dtype != p.dtype or g.device != t.grad_view.device:
+      return  # create_graph=True keeps its differentiable .grad: the step gathers it (no event)
     if g.data_ptr() != t.grad_view.data_ptr():
       t.grad_view.copy_(g.reshape(-1))  # on the backward's stream
       p.grad = t.grad_view.view(p.shape)
@@ -233,7 +258,8 @@ class _HostAdam(torch.optim.Optimizer):
                amsgrad: bool = False, *, foreach: Optional[bool] = None, maximize: bool = False,
                capturable: bool = False, differentiable: bool = False, fused: Optional[bool] = None,
                decoupled_weight_decay: Optional[bool] = None, threads: Optional[int] = None,
-               offload: Optional[str] = None, offload_chunk: int = 1 << 22, overlap: bool = False):
+               offload: Optional[str] = None, offload_chunk: int = 1 << 22, overlap: bool = False,
+               overlap_backward: bool = False):
     # torch's own checks and messages.
     if not 0.0 <= lr:
       raise ValueError(f"Invalid learning rate: {lr}")
@@ -263,26 +289,37 @@ class _HostAdam(torch.optim.Optimizer):
                        "with offload='host' torch's CPU ops are not stream-ordered, so step() must wait")
     if int(offload_chunk) <= 0:
       raise ValueError(f"offload_chunk={offload_chunk}: expected a positive number of elements per chunk")
+    if overlap_backward and not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+      raise ValueError(f"overlap_backward=True needs post-accumulate-grad hooks (torch >= 2.1); this is torch "
+                       f"{torch.__version__}")
     self._offload, self._offload_chunk, self._overlap = offload, int(offload_chunk), bool(overlap)
+    self._overlap_backward = bool(overlap_backward)
     self._engine, self._engine_stream, self._pending = None, 0, []
     self._layout = None  # set by _build
     self._hook_handles, self._last_chunk_events = [], 0
+    weakref.finalize(self, _remove_handles, self._hook_handles)  # a dropped optimizer's hooks go too
     super().__init__(params, defaults)
+    if self._overlap_backward and offload != "host" and all(
+        p.device.type == "cpu" for g in self.param_groups for p in g["params"]):
+      raise ValueError("overlap_backward=True applies to offloaded parameters (CUDA ones, or offload='host'): "
+                       "CPU parameters are stepped in place")
 
   def __getstate__(self) -> dict:
     state = super().__getstate__()
     state.update(_threads=self._threads, _offload=self._offload, _offload_chunk=self._offload_chunk,
-                 _overlap=self._overlap)
+                 _overlap=self._overlap, _overlap_backward=self._overlap_backward)
     return state
 
   def __setstate__(self, state: dict) -> None:  # copy.deepcopy, pickle
     super().__setstate__(state)
     self.__dict__.setdefault("_threads", default_threads())
-    for key, value in (("_offload", None), ("_offload_chunk", 1 << 22), ("_overlap", False)):
+    for key, value in (("_offload", None), ("_offload_chunk", 1 << 22), ("_overlap", False),
+                       ("_overlap_backward", False)):
       self.__dict__.setdefault(key, value)
     self._engine, self._engine_stream, self._pending = None, 0, []
     self._layout = None
     self._hook_handles, self._last_chunk_events = [], 0
+    weakref.finalize(self, _remove_handles, self._hook_handles)
 
   @staticmethod
   def _refuse_unsupported(group: dict, where: str) -> None:
@@ -416,16 +453,22 @@ class _HostAdam(torch.optim.Optimizer):
 
   # --- gradients as the backward produces them (offloaded, torch >= 2.1) ---------------
   def _add_grad_hooks(self, tag: str, tracked: list, dev: dict) -> None:
-    if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
-      return  # torch < 2.1: the step gathers the gradients after the backward
+    """Hooks on the parameters that require a gradient now (frozen ones cannot have one:
+    they get it at a later step, once unfrozen)."""
+    if not self._overlap_backward:
+      return
     me = weakref.ref(self)  # the hooks must not keep the optimizer alive
+    hooked = dev.setdefault("hooked", set())
     for k, t in enumerate(tracked):
-      self._hook_handles.append(t.param.register_post_accumulate_grad_hook(_grad_hook(me, tag, k)))
+      if k not in hooked and t.param.requires_grad:
+        self._hook_handles.append(t.param.register_post_accumulate_grad_hook(_grad_hook(me, tag, k)))
+        hooked.add(k)
 
   def _remove_grad_hooks(self) -> None:
-    for handle in self._hook_handles:
-      handle.remove()
-    self._hook_handles = []
+    _remove_handles(self._hook_handles)
+    for layout in (self._layout or {}).values():
+      if layout[5] is not None:
+        layout[5].pop("hooked", None)
 
   def adopt_params(self) -> None:
     """Takes every parameter's current values as the master weights (after writes the
@@ -548,7 +591,7 @@ class _HostAdam(torch.optim.Optimizer):
     events = dev["chunks"].ready_events(dev["grads"])
     h = dev["pipe"].step_async(dev["grads"].data_ptr(), tag, dev["params"].data_ptr(), tag, dev["n"],
                                grads_stream=stream, chunk_grads_events=events, tensors_without_grad=without)
-    self._last_chunk_events = sum(1 for e in events if e)
+    self._last_chunk_events += sum(1 for e in events if e)
     self._engine.stream_wait_event(stream, h.grads_consumed)
     self._engine.stream_wait_event(stream, h.params_ready)
     self._pending.append((h, tag))
@@ -586,6 +629,7 @@ class _HostAdam(torch.optim.Optimizer):
     else:
       self._adopt_user_changes()
     configs = [self._config(g) for g in self.param_groups]  # lr schedulers and edits take effect here
+    self._last_chunk_events = 0
     for tag, (core, tracked, steps, seg_of, _, dev) in self._layout.items():
       for gi, cfg in enumerate(configs):
         if self._applied.get((tag, gi)) != cfg:
@@ -593,6 +637,7 @@ class _HostAdam(torch.optim.Optimizer):
           self._applied[(tag, gi)] = cfg
       if dev is not None:
         self._offloaded_step(tag, tracked, dev)
+        self._add_grad_hooks(tag, tracked, dev)  # parameters unfrozen since
         continue
       grads: List = [None] * len(seg_of)
       outs: List = [None] * len(seg_of)
