@@ -59,6 +59,11 @@ struct simd_ops<scalar_arch> {
   static vec load(const f16_t* p) noexcept { return f16_to_f32(p->bits); }
   static void store(bf16_t* p, vec x) noexcept { p->bits = f32_to_bf16(x); }
   static void store(f16_t* p, vec x) noexcept { p->bits = f32_to_f16(x); }
+  // Non-temporal stores (see stream_copy_out): none here; stream() is store().
+  static constexpr bool streams_f32 = false, streams_16 = false;
+  template <class T>
+  static void stream(T* p, vec x) noexcept { store(p, x); }
+  static void stream_fence() noexcept {}
 };
 
 #if defined(HOSTOPT_USE_XSIMD)
@@ -94,6 +99,10 @@ struct xsimd_ops {
     x.store_aligned(tmp);
     for (std::size_t i = 0; i < width; ++i) p[i].bits = f32_to_f16(tmp[i]);
   }
+  static constexpr bool streams_f32 = false, streams_16 = false;
+  template <class T>
+  static void stream(T* p, vec x) noexcept { simd_ops<Arch>::store(p, x); }
+  static void stream_fence() noexcept {}
 };
 
 template <class Arch>
@@ -112,19 +121,24 @@ struct simd_ops<xsimd::avx512bw> : xsimd_ops<xsimd::avx512bw> {
   static vec load(const f16_t* p) noexcept {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
-  static void store(bf16_t* p, vec x) noexcept {
+  static __m256i bf16_bits(vec x) noexcept {
     const __m512 f = x;
     const __m512i u = _mm512_castps_si512(f);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
     const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
     r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+    return _mm512_cvtepi32_epi16(r);
   }
-  static void store(f16_t* p, vec x) noexcept {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
+  static __m256i f16_bits(vec x) noexcept { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static void store(bf16_t* p, vec x) noexcept { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_bits(x)); }
+  static void store(f16_t* p, vec x) noexcept { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), f16_bits(x)); }
+  // Non-temporal stores, to addresses aligned to a vector's bytes.
+  static constexpr bool streams_f32 = true, streams_16 = true;
+  static void stream(float* p, vec x) noexcept { _mm512_stream_ps(p, x); }
+  static void stream(bf16_t* p, vec x) noexcept { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), bf16_bits(x)); }
+  static void stream(f16_t* p, vec x) noexcept { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), f16_bits(x)); }
+  static void stream_fence() noexcept { _mm_sfence(); }
 };
 #endif
 
@@ -140,7 +154,7 @@ struct simd_ops<xsimd::fma3<xsimd::avx2>> : xsimd_ops<xsimd::fma3<xsimd::avx2>> 
   static vec load(const f16_t* p) noexcept {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
-  static void store(bf16_t* p, vec x) noexcept {
+  static __m128i bf16_bits(vec x) noexcept {
     const __m256 f = x;
     const __m256i u = _mm256_castps_si256(f);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
@@ -148,13 +162,16 @@ struct simd_ops<xsimd::fma3<xsimd::avx2>> : xsimd_ops<xsimd::fma3<xsimd::avx2>> 
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
     const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
     r = _mm256_blendv_epi8(r, quiet, nan);
-    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
   }
-  static void store(f16_t* p, vec x) noexcept {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
-                     _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
+  static __m128i f16_bits(vec x) noexcept { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static void store(bf16_t* p, vec x) noexcept { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16_bits(x)); }
+  static void store(f16_t* p, vec x) noexcept { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), f16_bits(x)); }
+  static constexpr bool streams_f32 = true, streams_16 = true;
+  static void stream(float* p, vec x) noexcept { _mm256_stream_ps(p, x); }
+  static void stream(bf16_t* p, vec x) noexcept { _mm_stream_si128(reinterpret_cast<__m128i*>(p), bf16_bits(x)); }
+  static void stream(f16_t* p, vec x) noexcept { _mm_stream_si128(reinterpret_cast<__m128i*>(p), f16_bits(x)); }
+  static void stream_fence() noexcept { _mm_sfence(); }
 };
 #endif
 
@@ -180,6 +197,11 @@ struct simd_ops<xsimd::sse2> : xsimd_ops<xsimd::sse2> {
     r = _mm_srai_epi32(_mm_slli_epi32(r, 16), 16);
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi32(r, r));
   }
+  // Four 16-bit values are 8 bytes, below SSE2's non-temporal vector store: f32 only.
+  static constexpr bool streams_f32 = true, streams_16 = false;
+  using xsimd_ops::stream;
+  static void stream(float* p, vec x) noexcept { _mm_stream_ps(p, x); }
+  static void stream_fence() noexcept { _mm_sfence(); }
 };
 #endif
 

@@ -8,6 +8,7 @@
 #include <limits>
 #include <optional>
 #include <sstream>
+#include <vector>
 
 #include "reference.hpp"
 
@@ -251,6 +252,59 @@ TEST_CASE("identical bits across kernels, thread counts and splits of the range"
         CHECK(split.first == base.first);
         CHECK(split.second == base.second);
       }
+}
+
+TEST_CASE("large copy-outs (non-temporal stores) give the same bits, aligned or not", "[determinism][per_arch]") {
+  // Copy-outs of 1 MiB and more are written around the caches when the buffer is aligned
+  // to a vector; check that path, the unaligned one and the optax form's update against
+  // the scalar kernel, with a tail.
+  const std::size_t n = (std::size_t(1) << 19) + 37; // 2 MiB of f32, 1 MiB of 16-bit values, a tail
+  std::mt19937 rng(41);
+  const adam_config c = test_configs()[0];
+  for (dtype gt : all_dtypes)
+    for (dtype ot : all_dtypes) {
+      const ref::state start = ref::random_state(n, rng);
+      const ref::grad_buffer g = ref::random_grad(gt, n, rng);
+      const std::size_t esz = dtype_size(ot);
+      // 64-byte aligned, and one element past that.
+      std::vector<unsigned char> storage((n + 64) * esz + 64);
+      const auto base = reinterpret_cast<std::uintptr_t>(storage.data());
+      unsigned char* aligned = storage.data() + (64 - base % 64) % 64;
+      auto step = [&](const std::string& kernel, unsigned char* out, int threads) {
+        ref::state s = start;
+        std::memset(out, 0xAB, n * esz);
+        adam_step(s.p.data(), s.m.data(), s.v.data(), n, g.view(), {out, n, ot}, c, 3, 1.0f, {threads, kernel});
+        return std::make_pair(s, std::vector<unsigned char>(out, out + n * esz));
+      };
+      const auto want = step("scalar", aligned, 1);
+      for (const auto& kernel : supported_kernels())
+        for (std::size_t shift : {std::size_t(0), esz}) {
+          INFO("kernel " << kernel << " grad " << dtype_name(gt) << " out " << dtype_name(ot) << " shift " << shift);
+          const auto got = step(kernel, aligned + shift, 1 + int(shift != 0));
+          CHECK((got.first == want.first)); // no printing of megabytes on failure
+          CHECK((got.second == want.second));
+        }
+      if (ot != gt) continue;
+      // The optax form: the update in the gradient's dtype, separate and over the gradient.
+      std::vector<unsigned char> grad_storage(n * esz + 64);
+      unsigned char* grad_copy =
+          grad_storage.data() + (64 - reinterpret_cast<std::uintptr_t>(grad_storage.data()) % 64) % 64;
+      auto update = [&](const std::string& kernel, bool in_place) {
+        ref::state s = start;
+        std::memcpy(grad_copy, g.view().data, n * esz); // aligned: the update over it is streamed too
+        unsigned char* u = in_place ? grad_copy : aligned;
+        adam_update(s.p.data(), s.m.data(), s.v.data(), n, {grad_copy, n, gt}, {u, n, gt}, c, 3, 1.0f, {1, kernel});
+        return std::make_pair(s, std::vector<unsigned char>(u, u + n * esz));
+      };
+      const auto want_u = update("scalar", false);
+      for (const auto& kernel : supported_kernels())
+        for (bool in_place : {false, true}) {
+          INFO("adam_update kernel " << kernel << " grad " << dtype_name(gt) << " in place " << in_place);
+          const auto got = update(kernel, in_place);
+          CHECK((got.first == want_u.first));
+          CHECK((got.second == want_u.second));
+        }
+    }
 }
 
 TEST_CASE("adam_update (optax form) gives adam_step's moments and the update new_p - p", "[adam][per_arch]") {
