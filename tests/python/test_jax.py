@@ -232,3 +232,71 @@ def test_failed_calls_change_nothing_and_accumulate_keeps_order_with_async_steps
   a.close()
   with pytest.raises(TypeError, match="float64"):
     opt.step(jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), g))
+
+
+def _norm(tree):
+  return float(jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree_util.tree_leaves(tree))))
+
+
+def _bits(x):
+  a = np.asarray(x)
+  return a.view(np.uint16) if a.dtype.itemsize == 2 else a.view(np.uint32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_offloaded_parameters_through_the_pipeline_match_the_in_place_step(dtype):
+  # CPU arrays stand in for device arrays through the host engine (offload="host"): the
+  # code path of parameters on a GPU — gradients gathered into one flat device buffer,
+  # streamed to the host chunk by chunk (16 chunks here), new params streamed back and
+  # split on the device. Bit for bit the in-place step, with leaves without gradient,
+  # accumulation, a schedule, a mask, and clipping by a norm the caller computed.
+  params, loss, grad = mlp()
+  params = jax.tree_util.tree_map(lambda a: a.astype(dtype), params)
+  mask = jax.tree_util.tree_map(lambda a: a.ndim > 1, params)
+  kw = dict(weight_decay=0.1, mask=mask, max_grad_norm=0.5)
+  a = hj.adamw(params, SCHEDULE, offload="host", offload_chunk=16, **kw)
+  b = hj.adamw(params, SCHEDULE, **kw)
+  assert a._device_step.pipe.num_chunks >= 10
+  p = q = params
+  for step in range(12):
+    g = jax.tree_util.tree_map(lambda x: x.astype(dtype), grad(p))
+    norm = _norm(g)
+    if step == 3:
+      g["l1"]["b"] = None  # left alone, as torch leaves a parameter without .grad
+    if step in (5, 6):
+      a.accumulate(g)
+      b.accumulate(g)
+      continue
+    p, q = a.step(g, grad_norm=norm), b.step(g, grad_norm=norm)
+    for x, y in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(q)):
+      assert x.dtype == y.dtype == dtype
+      assert np.array_equal(_bits(x), _bits(y)), step
+  for x, y in zip(leaves(a.params()), leaves(b.params())):
+    assert np.array_equal(_bits(x), _bits(y))
+  assert a.step_count == b.step_count == 10
+
+
+def test_offloaded_step_checks_on_the_device_and_refuses_what_it_cannot_do():
+  params, loss, grad = mlp()
+  opt = hj.adamw(params, 1e-2, offload="host", offload_chunk=64, max_grad_norm=1.0, skip_nonfinite=True)
+  ref = hj.adamw(params, 1e-2, max_grad_norm=1.0, skip_nonfinite=True)
+  g = grad(params)
+  p, q = opt.step(g), ref.step(g)  # the norm taken on the device (f32) vs the host's: equal to rounding
+  for x, y in zip(leaves(p), leaves(q)):
+    np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+  bad = jax.tree_util.tree_map(lambda x: x.at[0].set(jnp.nan) if x.ndim == 1 else x, g)
+  before = leaves(opt.params())
+  p2 = opt.step(bad)
+  assert not opt.last_step.applied and opt.last_step.skipped_steps == 1
+  assert all(np.array_equal(x, y) for x, y in zip(leaves(opt.params()), before))
+  assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(leaves(p2), leaves(p)))
+  opt.accumulate(g)
+  with pytest.raises(ValueError, match="accumulated micro-batches on the offloaded path"):
+    opt.step(g)
+  opt.step(g, grad_norm=_norm(g))  # the caller's norm: fine
+  with pytest.raises(TypeError, match="never narrows"):
+    hj.adamw(jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), params), 1e-2, offload="host").step(g)
+  with pytest.raises(ValueError, match="offload='cuda' but the params are on the CPU"):
+    hj.adamw(params, 1e-2, offload="cuda")
+  with pytest.raises(ValueError, match="offload="):
+    hj.adamw(params, 1e-2, offload="gpu")

@@ -30,8 +30,17 @@ whatever ``param_dtype`` is, unlike casting optax's result to bf16.
 The arrays a step hands out are never written again: their buffers return to a small pool
 only once nothing references them any more (no JAX array, no pending computation, no numpy
 view), so old params, snapshots (``jax.device_get``) and work still in flight stay valid.
-In a loop that drops the previous params, two sets of buffers serve every step. CPU devices
-only in this version.
+In a loop that drops the previous params, two sets of buffers serve every step.
+
+Parameters on a GPU go through the offload pipeline (``offload="cuda"``, chosen by itself):
+one jitted gather puts the gradients into one flat device buffer, the pipeline's CUDA engine
+streams it to pinned host memory chunk by chunk while the CPU updates the chunks before it,
+and the new parameters stream back into a flat device buffer that one jitted split hands out
+as the tree's leaves — JAX-side memory is the parameters and gradients, the state stays in
+host memory. The step is synchronous with the device (JAX does not lend its stream); clipping
+and the non-finite check take the norm on the device; over accumulated micro-batches (summed
+in the pipeline's host accumulator) they need ``grad_norm=``. ``offload="host"`` runs the same
+path with CPU arrays standing in for device arrays (how it is tested without a GPU).
 """
 
 import sys
@@ -74,7 +83,10 @@ class HostAdam:
   def __init__(self, params, *, learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                eps_root: float = 0.0, weight_decay=0.0, mask=None, decoupled: bool = True, nesterov: bool = False,
                param_dtype=None, max_grad_norm: Optional[float] = None, skip_nonfinite: bool = False,
-               threads: int = 0):
+               threads: int = 0, offload: Optional[str] = None, offload_chunk: int = 1 << 22):
+    if offload not in (None, "host", "cuda"):
+      raise ValueError(f"offload={offload!r}: expected None (parameters on a GPU go through the pipeline, CPU ones "
+                       "are stepped in place), 'cuda', or 'host' (CPU arrays stand in for device arrays)")
     leaves_with_path, self._treedef = jax.tree_util.tree_flatten_with_path(params)
     if not leaves_with_path:
       raise ValueError("params: an empty tree (nothing to optimize)")
@@ -115,6 +127,29 @@ class HostAdam:
     self._lock = threading.RLock()
     self._executor = None
     self.last_step = None  # the StepResult of the last step (applied, grad_norm, skipped_steps, ...)
+    self._device_step = self._device_path(leaves, offload, offload_chunk)
+
+  def _device_path(self, leaves, offload, chunk):
+    """The offload pipeline for parameters on an accelerator (or offload='host'); None for
+    CPU parameters stepped in place."""
+    devices = {d for x in leaves if isinstance(x, jax.Array) for d in x.devices()}
+    if any(d.platform != "cpu" for d in devices):
+      if len(devices) != 1:
+        raise ValueError(f"params on {sorted(str(d) for d in devices)}: hostopt.jax offloads the parameters of one "
+                         "device per optimizer")
+      if offload == "host":
+        raise ValueError("offload='host' stands CPU arrays in for device arrays; these params are on "
+                         f"{next(iter(devices))}")
+      offload = "cuda"
+    elif offload == "cuda":
+      raise ValueError("offload='cuda' but the params are on the CPU")
+    if offload is None:
+      return None
+    from ._jax_offload import DeviceStep
+    device = next(iter(devices)) if devices else jax.devices("cpu")[0]
+    kinds = {np.dtype(x.dtype) for x in leaves}
+    grad_dtype = kinds.pop() if len(kinds) == 1 else np.dtype(np.float32)
+    return DeviceStep(self._core._core, offload, device, self._names, self._shapes, grad_dtype, self._copy_out, chunk)
 
   # --- the step -----------------------------------------------------------------------
 
@@ -171,6 +206,8 @@ class HostAdam:
         if not (np.isfinite(grad_norm) and grad_norm >= 0) and not self._skip_nonfinite:
           raise ValueError(f"grad_norm = {grad_norm}: expected a finite value >= 0 (or make the optimizer with "
                            "skip_nonfinite=True to skip such steps)")
+      if self._device_step is not None:
+        return self._offloaded_step(grads, grad_norm)
       if grads is None and self._acc is None:
         raise ValueError("step(None): nothing accumulated (call accumulate(grads) first, or pass grads)")
       glist = self._grads(grads) if grads is not None else None
@@ -197,6 +234,41 @@ class HostAdam:
       arrays = [a if np.dtype(a.dtype) == d else a.astype(d) for a, d in zip(arrays, self._out_dtypes)]
       return self._treedef.unflatten(arrays)
 
+  def _device_grads(self, grads) -> List[Optional[jax.Array]]:
+    """The gradient leaves as they are (device arrays; None: no gradient), checked."""
+    leaves = self._treedef.flatten_up_to(grads)
+    for name, shape, g in zip(self._names, self._shapes, leaves):
+      if g is None:
+        continue
+      if tuple(np.shape(g)) != shape:
+        raise ValueError(f"grads{name} has shape {tuple(np.shape(g))}: expected {shape} like the params")
+      if np.dtype(g.dtype) not in _OUT_DTYPES:
+        raise TypeError(f"grads{name}: dtype {g.dtype} (expected float32, bfloat16 or float16; hostopt never "
+                        "casts silently)")
+    return leaves
+
+  def _offloaded_step(self, grads, grad_norm):
+    ds = self._device_step
+    if grads is None and ds.micro_batches == 0:
+      raise ValueError("step(None): nothing accumulated (call accumulate(grads) first, or pass grads)")
+    leaves = None if grads is None else self._device_grads(grads)
+    needs_norm = (self._max_grad_norm > 0 or self._skip_nonfinite) and grad_norm is None
+    if needs_norm and ds.micro_batches:
+      raise ValueError("max_grad_norm/skip_nonfinite over accumulated micro-batches on the offloaded path: the "
+                       "accumulator is in host memory, so the norm of the averaged gradients cannot be taken on the "
+                       "device; pass step(grads, grad_norm=...) (computed by the caller)")
+    self._set_schedules()
+    flat = None
+    if leaves is not None:
+      flat, sq = ds.gather(leaves, needs_norm)
+      if needs_norm:
+        grad_norm = float(jnp.sqrt(sq))  # on the device, f32 (optax.global_norm's arithmetic)
+    without = [] if leaves is None else [i for i, g in enumerate(leaves) if g is None]
+    self.last_step, out = ds.step(flat, without=without, max_grad_norm=self._max_grad_norm,
+                                  skip_nonfinite=self._skip_nonfinite, known_grad_norm=grad_norm)
+    out = [a if np.dtype(a.dtype) == d else a.astype(d) for a, d in zip(out, self._out_dtypes)]
+    return self._treedef.unflatten(out)
+
   def step_async(self, grads=None, *, grad_norm: Optional[float] = None):
     """step() on a worker thread: returns a concurrent.futures.Future whose result() is the
     new params; the caller's thread (and JAX) go on meanwhile. Steps run in call order."""
@@ -222,6 +294,10 @@ class HostAdam:
 
   def _accumulate(self, grads) -> None:
     with self._lock:
+      if self._device_step is not None:  # summed in the pipeline's host accumulator
+        flat, _ = self._device_step.gather(self._device_grads(grads), False)
+        self._device_step.accumulate(flat)
+        return
       self._add_to_accumulator(self._grads(grads))
 
   def accumulate(self, grads) -> None:
@@ -322,18 +398,21 @@ class HostAdam:
 
 def adamw(params, learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
           weight_decay=1e-4, mask=None, *, nesterov: bool = False, param_dtype=None,
-          max_grad_norm: Optional[float] = None, skip_nonfinite: bool = False, threads: int = 0) -> HostAdam:
+          max_grad_norm: Optional[float] = None, skip_nonfinite: bool = False, threads: int = 0,
+          offload: Optional[str] = None, offload_chunk: int = 1 << 22) -> HostAdam:
   """AdamW (optax.adamw's hyper-parameters and defaults; `mask` as optax's: a tree of bools,
   a prefix of one, or a callable of the params) with its state in host memory."""
   return HostAdam(params, learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
                   weight_decay=weight_decay, mask=mask, decoupled=True, nesterov=nesterov, param_dtype=param_dtype,
-                  max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, threads=threads)
+                  max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, threads=threads, offload=offload,
+                  offload_chunk=offload_chunk)
 
 
 def adam(params, learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0, *,
          nesterov: bool = False, param_dtype=None, max_grad_norm: Optional[float] = None,
-         skip_nonfinite: bool = False, threads: int = 0) -> HostAdam:
+         skip_nonfinite: bool = False, threads: int = 0, offload: Optional[str] = None,
+         offload_chunk: int = 1 << 22) -> HostAdam:
   """Adam (optax.adam's hyper-parameters) with its state in host memory."""
   return HostAdam(params, learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root, weight_decay=0.0,
                   decoupled=False, nesterov=nesterov, param_dtype=param_dtype, max_grad_norm=max_grad_norm,
-                  skip_nonfinite=skip_nonfinite, threads=threads)
+                  skip_nonfinite=skip_nonfinite, threads=threads, offload=offload, offload_chunk=offload_chunk)

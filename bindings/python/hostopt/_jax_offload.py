@@ -1,0 +1,145 @@
+"""hostopt.jax's path for parameters that live on an accelerator: the offload pipeline.
+
+Only the gradients go down to the host and the new parameters come up: one jitted gather
+puts the gradient leaves into one flat device buffer in the arena's layout (its sum of
+squares too, when clipping or the non-finite check need the norm), the pipeline's copy
+engine streams it to pinned host memory chunk by chunk while the CPU updates the chunks
+before it (fused copy-out to param_dtype), the new parameters stream back into a flat
+device buffer, and one jitted split hands them out as the tree's leaves. JAX-side memory
+is the parameters and gradients (plus the two flat buffers); the f32 masters and moments
+stay in host memory.
+
+JAX does not lend its CUDA stream: the gather is waited for on the host before the
+pipeline's copies start, and the split is waited for before the flat parameter buffer is
+written again, so the step is synchronous with the device. With offload="host", CPU arrays
+stand in for device arrays through the host engine: the same code, tested without a GPU.
+"""
+
+from typing import List, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _core
+
+_TAGS = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(jnp.bfloat16): "bf16"}
+
+
+class DeviceStep:
+  """The pipeline between one device's flat buffers and a hostopt optimizer."""
+
+  def __init__(self, core, kind: str, device, names: Sequence[str], shapes: Sequence[tuple], grad_dtype,
+               out_dtype, chunk_elems: int):
+    if kind == "cuda" and not _core.CopyEngine.cuda_available():
+      raise RuntimeError("hostopt.jax: the parameters are on a GPU but this hostopt was built without CUDA (or no "
+                         "CUDA device is visible): rebuild with CUDA, or keep the parameters on the CPU")
+    if int(chunk_elems) <= 0:
+      raise ValueError(f"offload_chunk={chunk_elems}: expected a positive number of elements per chunk")
+    self.device = device
+    self.engine = _core.CopyEngine.cuda(device.id) if kind == "cuda" else _core.CopyEngine.host()
+    self.stream = self.engine.create_stream()  # the gradients are ready (waited for) before each call
+    self.grad_dtype, self.out_dtype = np.dtype(grad_dtype), np.dtype(out_dtype)
+    self.pipe = _core.OffloadPipeline(core, self.engine, int(chunk_elems), 2, _TAGS[self.grad_dtype],
+                                      _TAGS[self.out_dtype])
+    self.n = core.arena_size
+    segments = {s[0]: s for s in core.segments()}
+    index = {s[0]: i for i, s in enumerate(core.segments())}
+    self.spans = [(segments[n][2], segments[n][3]) for n in names]  # (offset, size) of each leaf
+    self.segment_of = [index[n] for n in names]
+    self.shapes = list(shapes)
+    self.micro_batches = 0
+    self._gathers = {}
+    self._split = jax.jit(self._split_fn)
+    self._params_flat = None  # the device buffer the pipeline writes, allocated on first use
+    self._zeros = None
+
+  # --- device-side gather and split ----------------------------------------------------
+  def _gather_fn(self, present: tuple, with_norm: bool):
+    order = sorted(range(len(self.spans)), key=lambda i: self.spans[i][0])
+    gdt = self.grad_dtype
+
+    def gather(leaves):
+      by_leaf = dict(zip(present, leaves))
+      parts, pos = [], 0
+      for i in order:
+        off, size = self.spans[i]
+        if off > pos:
+          parts.append(jnp.zeros(off - pos, gdt))  # padding between tensors: never read
+        g = by_leaf.get(i)
+        parts.append(jnp.zeros(size, gdt) if g is None else g.reshape(-1).astype(gdt))
+        pos = off + size
+      if self.n > pos:
+        parts.append(jnp.zeros(self.n - pos, gdt))
+      flat = jnp.concatenate(parts) if parts else jnp.zeros(self.n, gdt)
+      if not with_norm:
+        return flat, jnp.zeros((), jnp.float32)
+      sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in leaves) if leaves else jnp.zeros((), jnp.float32)
+      return flat, sq
+
+    return jax.jit(gather)
+
+  def _split_fn(self, flat):
+    return [flat[off:off + size].reshape(shape) for (off, size), shape in zip(self.spans, self.shapes)]
+
+  def gather(self, grads: List[Optional[jax.Array]], with_norm: bool):
+    """The gradients (None: no gradient) as one flat device buffer, ready, and the sum of
+    their squares (f32, on the device) when asked."""
+    present = tuple(i for i, g in enumerate(grads) if g is not None)
+    for i in present:
+      g = grads[i]
+      if np.dtype(g.dtype).itemsize > self.grad_dtype.itemsize:
+        raise TypeError(f"a gradient of dtype {g.dtype} for a pipeline of {self.grad_dtype} gradients: hostopt never "
+                        "narrows gradients silently (make the optimizer with float32 params, or pass "
+                        f"{self.grad_dtype} gradients)")
+    key = (present, with_norm)
+    if key not in self._gathers:
+      self._gathers[key] = self._gather_fn(present, with_norm)
+    with jax.default_device(self.device):
+      flat, sq = self._gathers[key]([jax.device_put(grads[i], self.device) for i in present])
+    flat.block_until_ready()  # JAX's stream is not ours: the copies start once it is written
+    return flat, sq
+
+  def _params_buffer(self):
+    if self._params_flat is None:
+      buf = jax.device_put(jnp.zeros(self.n, self.out_dtype), self.device)
+      buf.block_until_ready()
+      self._params_flat = buf
+    return self._params_flat
+
+  def _zero_grads(self):
+    if self._zeros is None:
+      self._zeros = jax.device_put(jnp.zeros(self.n, self.grad_dtype), self.device)
+      self._zeros.block_until_ready()
+    return self._zeros
+
+  # --- operations ----------------------------------------------------------------------
+  def accumulate(self, flat) -> None:
+    h = self.pipe.accumulate_async(flat.unsafe_buffer_pointer(), _TAGS[self.grad_dtype], self.n,
+                                   grads_stream=self.stream)
+    h.wait()
+    self.micro_batches += 1
+
+  def step(self, flat, *, without: List[int], max_grad_norm: float, skip_nonfinite: bool,
+           known_grad_norm: Optional[float]):
+    """One pipeline step with the flat gradients (None: the accumulated micro-batches
+    alone); returns (StepResult, the new parameter leaves as device arrays)."""
+    if flat is None:
+      flat = self._zero_grads()
+      scale = 1.0 / self.micro_batches
+    else:
+      scale = 1.0 / (self.micro_batches + 1)
+    params = self._params_buffer()
+    # Refused options raise here, before anything moves (the micro-batches stay).
+    h = self.pipe.step_async(flat.unsafe_buffer_pointer(), _TAGS[self.grad_dtype], params.unsafe_buffer_pointer(),
+                             _TAGS[self.out_dtype], self.n, grads_stream=self.stream, grad_scale=scale,
+                             max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite,
+                             known_grad_norm=-1.0 if known_grad_norm is None else known_grad_norm,
+                             tensors_without_grad=[] if self.micro_batches else [self.segment_of[i] for i in without])
+    try:
+      result = h.wait()
+    finally:
+      self.micro_batches = 0  # applied, skipped or failed: the micro-batches belong to this step
+    leaves = self._split(params)
+    jax.block_until_ready(leaves)  # the next step rewrites the flat buffer they are read from
+    return result, leaves
