@@ -128,7 +128,11 @@ def main() -> int:
   diff = max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree_util.tree_leaves(a["params"]),
                                                             jax.tree_util.tree_leaves(b["params"])))
   print(f"final loss: optax {a['losses'][-1]:.4f}, hostopt.jax {b['losses'][-1]:.4f}; "
-        f"largest final parameter difference {diff:.2e}; host state {b['opt'].state_bytes / 2**20:.1f} MiB")
+        f"largest final parameter difference {diff:.2e}")
+  mem = b["opt"].memory()
+  print(f"hostopt.jax host memory: state {mem['state_bytes'] / 2**20:.1f} MiB "
+        f"({mem['state_bytes_per_param']:.2f} bytes/param), copy-out buffers {mem['copy_out_bytes'] / 2**20:.1f} MiB; "
+        f"{mem['host_bytes_per_param']:.2f} bytes/param in all")
   if args.png:
     import matplotlib
     matplotlib.use("Agg")

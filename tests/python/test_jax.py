@@ -300,3 +300,25 @@ def test_offloaded_step_checks_on_the_device_and_refuses_what_it_cannot_do():
     hj.adamw(params, 1e-2, offload="cuda")
   with pytest.raises(ValueError, match="offload="):
     hj.adamw(params, 1e-2, offload="gpu")
+
+
+def test_memory_accounting_names_every_host_buffer():
+  params, loss, grad = mlp()
+  n = sum(x.size for x in jax.tree_util.tree_leaves(params))
+  opt = hj.adamw(params, 1e-2, param_dtype=jnp.bfloat16)
+  m = opt.memory()
+  assert m["params"] == n and m["copy_out_bytes"] == 0 and m["accumulator_bytes"] == 0
+  assert m["state_bytes"] == opt.state_bytes and 12.0 <= m["state_bytes_per_param"] < 12.0 + 4 * 12 * 16 / n
+  p = opt.step(grad(params))
+  opt.accumulate(grad(params))
+  m = opt.memory()
+  assert m["copy_out_bytes"] == 2 * n  # one set of bfloat16 buffers
+  assert m["accumulator_bytes"] == 4 * n
+  assert m["host_bytes"] == m["state_bytes"] + m["copy_out_bytes"] + m["accumulator_bytes"]
+  off = hj.adamw(params, 1e-2, offload="host", offload_chunk=32)
+  off.step(grad(params))
+  m = off.memory()
+  arena = off._core.arena_size
+  assert m["pinned_bytes"] == 2 * 32 * (4 + 4) and m["device_buffer_bytes"] == arena * 8
+  assert m["accumulator_bytes"] == 0
+  del p

@@ -37,6 +37,8 @@ class DeviceStep:
     if int(chunk_elems) <= 0:
       raise ValueError(f"offload_chunk={chunk_elems}: expected a positive number of elements per chunk")
     self.device = device
+    self.chunk_elems = int(chunk_elems)
+    self.accumulated_ever = False  # the pipeline's f32 accumulator exists from the first accumulation
     self.engine = _core.CopyEngine.cuda(device.id) if kind == "cuda" else _core.CopyEngine.host()
     self.stream = self.engine.create_stream()  # the gradients are ready (waited for) before each call
     self.grad_dtype, self.out_dtype = np.dtype(grad_dtype), np.dtype(out_dtype)
@@ -117,6 +119,7 @@ class DeviceStep:
   def accumulate(self, flat) -> None:
     h = self.pipe.accumulate_async(flat.unsafe_buffer_pointer(), _TAGS[self.grad_dtype], self.n,
                                    grads_stream=self.stream)
+    self.accumulated_ever = True
     h.wait()
     self.micro_batches += 1
 

@@ -326,6 +326,28 @@ class HostAdam:
     """Bytes of host state (masters and moments: 12 per parameter, plus alignment)."""
     return self._core.state_bytes
 
+  def memory(self) -> dict:
+    """Where this optimizer's bytes are (hostopt-bench model's accounting): host state
+    (masters and moments, 12 per parameter plus 64-byte alignment), host copy-out buffers
+    (the sets the pool keeps, param_dtype), the host f32 accumulator (allocated by the first
+    accumulate), the offload pipeline's pinned buffers and device buffers (offloaded path).
+    JAX holds the parameters and gradients besides."""
+    with self._lock:
+      n = sum(int(np.prod(s)) for s in self._shapes)
+      copy_out = sum(b.nbytes for bufs in self._pool for b in bufs)
+      acc = sum(a.nbytes for a in self._acc) if self._acc is not None else 0
+      pinned = device = 0
+      ds = self._device_step
+      if ds is not None:
+        chunk = (min(ds.chunk_elems, max(ds.n, 1)) + 15) // 16 * 16
+        pinned = 2 * min(chunk, max(ds.n, 1)) * (ds.grad_dtype.itemsize + ds.out_dtype.itemsize)
+        acc = 4 * ds.n if ds.accumulated_ever else 0
+        device = ds.n * (ds.out_dtype.itemsize + ds.grad_dtype.itemsize)
+      host = self._core.state_bytes + copy_out + acc + pinned
+      return {"params": n, "state_bytes": self._core.state_bytes, "state_bytes_per_param": self._core.state_bytes / n,
+              "copy_out_bytes": copy_out, "accumulator_bytes": acc, "pinned_bytes": pinned,
+              "host_bytes": host, "host_bytes_per_param": host / n, "device_buffer_bytes": device}
+
   def params(self):
     """The float32 master parameters, as a tree of read-only numpy views."""
     return self._views(self._core.params)
