@@ -322,3 +322,30 @@ def test_memory_accounting_names_every_host_buffer():
   assert m["pinned_bytes"] == 2 * 32 * (4 + 4) and m["device_buffer_bytes"] == arena * 8
   assert m["accumulator_bytes"] == 0
   del p
+
+
+def test_groups_follow_optax_multi_transform():
+  # Per-group hyper-parameters (a schedule in one group), labels as optax.multi_transform's.
+  params, loss, grad = mlp()
+  labels = jax.tree_util.tree_map(lambda a: "matrix" if a.ndim > 1 else "vector", params)
+  opt = hj.adamw(params, SCHEDULE, weight_decay=0.1, groups=labels,
+                 group_options={"vector": {"learning_rate": 3e-3, "b2": 0.95, "weight_decay": 0.0}})
+  ref = optax.multi_transform({"matrix": optax.adamw(SCHEDULE, weight_decay=0.1),
+                               "vector": optax.adamw(3e-3, b2=0.95, weight_decay=0.0)}, labels)
+  state = ref.init(params)
+  p = q = params
+  for _ in range(60):
+    p = opt.step(grad(p))
+    u, state = ref.update(grad(q), state, q)
+    q = optax.apply_updates(q, u)
+  for x, y in zip(leaves(p), leaves(q)):
+    np.testing.assert_allclose(x, y, rtol=2e-5, atol=2e-6)
+  assert float(loss(p)) < 0.5 * float(loss(params))
+  with pytest.raises(ValueError, match="unknown \\['lr'\\]"):
+    hj.adamw(params, 1e-2, groups=labels, group_options={"vector": {"lr": 1.0}})
+  with pytest.raises(ValueError, match="no parameter has that group label"):
+    hj.adamw(params, 1e-2, groups=labels, group_options={"bias": {"learning_rate": 1.0}})
+  with pytest.raises(ValueError, match="string label"):
+    hj.adamw(params, 1e-2, groups=jax.tree_util.tree_map(lambda a: a.ndim, params))
+  with pytest.raises(ValueError, match="use adamw"):
+    hj.adam(params, 1e-2, groups=labels, group_options={"vector": {"weight_decay": 0.1}})

@@ -83,7 +83,8 @@ class HostAdam:
   def __init__(self, params, *, learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                eps_root: float = 0.0, weight_decay=0.0, mask=None, decoupled: bool = True, nesterov: bool = False,
                param_dtype=None, max_grad_norm: Optional[float] = None, skip_nonfinite: bool = False,
-               threads: int = 0, offload: Optional[str] = None, offload_chunk: int = 1 << 22):
+               threads: int = 0, offload: Optional[str] = None, offload_chunk: int = 1 << 22, groups=None,
+               group_options: Optional[dict] = None):
     if offload not in (None, "host", "cuda"):
       raise ValueError(f"offload={offload!r}: expected None (parameters on a GPU go through the pipeline, CPU ones "
                        "are stepped in place), 'cuda', or 'host' (CPU arrays stand in for device arrays)")
@@ -99,20 +100,36 @@ class HostAdam:
     self._out_dtypes = [np.dtype(param_dtype) if param_dtype is not None else np.dtype(x.dtype) for x in leaves]
     if param_dtype is not None and np.dtype(param_dtype) not in _OUT_DTYPES:
       raise TypeError(f"param_dtype {param_dtype}: expected float32, bfloat16 or float16")
-    self._lr, self._wd = learning_rate, weight_decay
     decays = mask_flags(mask, params, self._treedef) if decoupled else [False] * len(leaves)
-    common = dict(lr=0.0 if callable(learning_rate) else float(learning_rate), beta1=float(b1), beta2=float(b2),
-                  eps=float(eps), eps_root=float(eps_root), nesterov=bool(nesterov),
-                  mode="adamw" if decoupled else "adam")
-    wd0 = 0.0 if callable(weight_decay) else float(weight_decay)
-    groups, self._group_of = [], []
-    for decay in (False, True):
-      members = [(n, s) for n, s, d in zip(self._names, self._shapes, decays) if d == decay]
-      if members:
-        groups.append({"params": members, **common, "weight_decay": wd0 if decay else 0.0})
-        self._group_of.append(decay)
-    self._decay_groups = [g for g, decay in enumerate(self._group_of) if decay]
-    self._core = _Optimizer(groups, threads=int(threads))
+    labels = self._labels(groups, params, leaves)
+    defaults = dict(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root, weight_decay=weight_decay)
+    self._options = {}  # label -> its hyper-parameters (the defaults, overridden by group_options)
+    for label in dict.fromkeys(labels):
+      extra = (group_options or {}).get(label, {})
+      unknown = set(extra) - set(defaults)
+      if unknown:
+        raise ValueError(f"group_options[{label!r}]: unknown {sorted(unknown)}; expected some of {sorted(defaults)}")
+      if not decoupled and "weight_decay" in extra:
+        raise ValueError(f"group_options[{label!r}]: weight_decay with adam (coupled L2 is not offered per group "
+                         "here): use adamw")
+      self._options[label] = {**defaults, **extra}
+    for label in set(group_options or {}) - set(self._options):
+      raise ValueError(f"group_options[{label!r}]: no parameter has that group label (labels: {sorted(self._options)})")
+    core_groups, self._group_of = [], []  # one core group per (label, decayed or not)
+    for label, o in self._options.items():
+      for decay in (False, True):
+        members = [(n, s) for n, s, lab, d in zip(self._names, self._shapes, labels, decays)
+                   if lab == label and d == decay]
+        if not members:
+          continue
+        wd = o["weight_decay"]
+        core_groups.append({"params": members, "lr": 0.0 if callable(o["learning_rate"]) else float(o["learning_rate"]),
+                            "beta1": float(o["b1"]), "beta2": float(o["b2"]), "eps": float(o["eps"]),
+                            "eps_root": float(o["eps_root"]), "nesterov": bool(nesterov),
+                            "mode": "adamw" if decoupled else "adam",
+                            "weight_decay": (0.0 if callable(wd) else float(wd)) if decay else 0.0})
+        self._group_of.append((label, decay))
+    self._core = _Optimizer(core_groups, threads=int(threads))
     for name, x in zip(self._names, leaves):
       self._core.params(name)[...] = np.asarray(jax.device_get(x), dtype=np.float32)
     self._threads = int(threads)
@@ -128,6 +145,20 @@ class HostAdam:
     self._executor = None
     self.last_step = None  # the StepResult of the last step (applied, grad_norm, skipped_steps, ...)
     self._device_step = self._device_path(leaves, offload, offload_chunk)
+
+  def _labels(self, groups, params, leaves) -> List[str]:
+    """Each leaf's group label: `groups` is a tree of labels like the params (or a prefix of
+    one, or a callable of the params giving one), as optax.multi_transform's labels."""
+    if groups is None:
+      return ["default"] * len(leaves)
+    tree = groups(params) if callable(groups) else groups
+    try:
+      labels = jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda lab, x: lab, tree, params))
+    except (ValueError, TypeError) as e:
+      raise ValueError(f"groups: a tree of labels with the params' structure (or a prefix of it) expected: {e}") from None
+    if len(labels) != len(leaves) or not all(isinstance(lab, str) for lab in labels):
+      raise ValueError("groups: every leaf needs a string label")
+    return labels
 
   def _device_path(self, leaves, offload, chunk):
     """The offload pipeline for parameters on an accelerator (or offload='host'); None for
@@ -186,12 +217,13 @@ class HostAdam:
 
   def _set_schedules(self) -> None:
     count = self._core.step_count
-    for g, decay in enumerate(self._group_of):
+    for g, (label, decay) in enumerate(self._group_of):
+      lr, wd = self._options[label]["learning_rate"], self._options[label]["weight_decay"]
       hyper = {}
-      if callable(self._lr):
-        hyper["lr"] = float(self._lr(count))
-      if decay and callable(self._wd):
-        hyper["weight_decay"] = float(self._wd(count))
+      if callable(lr):
+        hyper["lr"] = float(lr(count))
+      if decay and callable(wd):
+        hyper["weight_decay"] = float(wd(count))
       if hyper:
         self._core.set_group_config(g, **hyper)
 
@@ -421,20 +453,26 @@ class HostAdam:
 def adamw(params, learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
           weight_decay=1e-4, mask=None, *, nesterov: bool = False, param_dtype=None,
           max_grad_norm: Optional[float] = None, skip_nonfinite: bool = False, threads: int = 0,
-          offload: Optional[str] = None, offload_chunk: int = 1 << 22) -> HostAdam:
+          offload: Optional[str] = None, offload_chunk: int = 1 << 22, groups=None,
+          group_options: Optional[dict] = None) -> HostAdam:
   """AdamW (optax.adamw's hyper-parameters and defaults; `mask` as optax's: a tree of bools,
-  a prefix of one, or a callable of the params) with its state in host memory."""
+  a prefix of one, or a callable of the params) with its state in host memory. `groups`: a
+  tree of string labels (optax.multi_transform's form), and `group_options` {label: {any of
+  learning_rate (or a schedule), b1, b2, eps, eps_root, weight_decay}} overriding the
+  arguments for that group's leaves."""
   return HostAdam(params, learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
                   weight_decay=weight_decay, mask=mask, decoupled=True, nesterov=nesterov, param_dtype=param_dtype,
                   max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, threads=threads, offload=offload,
-                  offload_chunk=offload_chunk)
+                  offload_chunk=offload_chunk, groups=groups, group_options=group_options)
 
 
 def adam(params, learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0, *,
          nesterov: bool = False, param_dtype=None, max_grad_norm: Optional[float] = None,
          skip_nonfinite: bool = False, threads: int = 0, offload: Optional[str] = None,
-         offload_chunk: int = 1 << 22) -> HostAdam:
-  """Adam (optax.adam's hyper-parameters) with its state in host memory."""
+         offload_chunk: int = 1 << 22, groups=None, group_options: Optional[dict] = None) -> HostAdam:
+  """Adam (optax.adam's hyper-parameters) with its state in host memory; `groups` and
+  `group_options` as adamw's."""
   return HostAdam(params, learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root, weight_decay=0.0,
                   decoupled=False, nesterov=nesterov, param_dtype=param_dtype, max_grad_norm=max_grad_norm,
-                  skip_nonfinite=skip_nonfinite, threads=threads, offload=offload, offload_chunk=offload_chunk)
+                  skip_nonfinite=skip_nonfinite, threads=threads, offload=offload, offload_chunk=offload_chunk,
+                  groups=groups, group_options=group_options)
