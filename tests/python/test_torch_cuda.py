@@ -45,7 +45,7 @@ def test_gradients_stream_to_the_host_during_the_backward_and_train_like_torch()
     layers += [torch.nn.Linear(512, 512), torch.nn.GELU()]
   ours = torch.nn.Sequential(*layers, torch.nn.Linear(512, 8)).cuda()
   theirs = copy.deepcopy(ours)
-  oo = htorch.AdamW(ours.parameters(), lr=1e-3, weight_decay=0.1, offload_chunk=1 << 16)
+  oo = htorch.AdamW(ours.parameters(), lr=1e-3, weight_decay=0.1, offload_chunk=1 << 16, overlap_backward=True)
   ot = torch.optim.AdamW(theirs.parameters(), lr=1e-3, weight_decay=0.1)
   g = torch.Generator(device="cuda").manual_seed(2)
   streamed = []
