@@ -294,8 +294,11 @@ def test_offloaded_step_checks_on_the_device_and_refuses_what_it_cannot_do():
   with pytest.raises(ValueError, match="accumulated micro-batches on the offloaded path"):
     opt.step(g)
   opt.step(g, grad_norm=_norm(g))  # the caller's norm: fine
-  with pytest.raises(TypeError, match="never narrows"):
+  with pytest.raises(TypeError, match="never converts gradients inexactly"):
     hj.adamw(jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), params), 1e-2, offload="host").step(g)
+  for path in (opt, ref):
+    with pytest.raises(ValueError, match="a norm is >= 0"):
+      path.step(g, grad_norm=-1.0)
   with pytest.raises(ValueError, match="offload='cuda' but the params are on the CPU"):
     hj.adamw(params, 1e-2, offload="cuda")
   with pytest.raises(ValueError, match="offload="):
@@ -349,3 +352,46 @@ def test_groups_follow_optax_multi_transform():
     hj.adamw(params, 1e-2, groups=jax.tree_util.tree_map(lambda a: a.ndim, params))
   with pytest.raises(ValueError, match="use adamw"):
     hj.adam(params, 1e-2, groups=labels, group_options={"vector": {"weight_decay": 0.1}})
+
+
+@pytest.mark.parametrize("kinds", [(jnp.float16, jnp.bfloat16), (jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16)])
+def test_offloaded_gradients_of_the_params_and_of_param_dtype_widen_exactly(kinds):
+  # The first gradients come in the params' dtype, the later ones in param_dtype: the
+  # pipeline takes float32 gradients when these differ (every one widens exactly), so the
+  # offloaded step stays the in-place step's bits; 16-bit values far from 1 included.
+  dtype, param_dtype = kinds
+  params = {"w": jnp.asarray([[1.0, -2.0], [0.5, 3.0]], dtype), "b": jnp.asarray([0.25, -0.75], dtype)}
+  a = hj.adamw(params, 1e-2, param_dtype=param_dtype, offload="host", offload_chunk=16)
+  b = hj.adamw(params, 1e-2, param_dtype=param_dtype)
+  p = q = params
+  for step in range(4):
+    g = jax.tree_util.tree_map(lambda x: (x * 1e3 + 3e-6).astype(x.dtype), p)
+    p, q = a.step(g), b.step(g)
+    for x, y in zip(leaves(p), leaves(q)):
+      assert x.dtype == y.dtype == np.dtype(param_dtype)
+      assert np.array_equal(_bits(x), _bits(y)), step
+  for x, y in zip(leaves(a.params()), leaves(b.params())):
+    assert np.array_equal(x, y)
+
+
+def test_offloaded_norm_is_taken_without_overflow_and_step_none_uses_the_accumulator():
+  big = {"w": jnp.full((8, 8), 1e19, jnp.float32)}  # finite, but its sum of squares overflows f32
+  for skip in (False, True):
+    a = hj.adamw({"w": jnp.ones((8, 8))}, 1e-2, max_grad_norm=1.0, skip_nonfinite=skip, offload="host")
+    b = hj.adamw({"w": jnp.ones((8, 8))}, 1e-2, max_grad_norm=1.0, skip_nonfinite=skip)
+    a.step(big)
+    b.step(big)
+    assert a.last_step.applied and b.last_step.applied
+    np.testing.assert_allclose(a.last_step.grad_norm, 8e19, rtol=1e-6)
+    np.testing.assert_allclose(a.optax_state().nu["w"], b.optax_state().nu["w"], rtol=1e-5)
+  # Accumulated micro-batches, then step(None): the in-place step's bits.
+  params, loss, grad = mlp()
+  a = hj.adamw(params, 1e-2, offload="host", offload_chunk=32)
+  b = hj.adamw(params, 1e-2)
+  for opt in (a, b):
+    opt.accumulate(grad(params))
+    opt.accumulate(jax.tree_util.tree_map(lambda x: 0.5 * x, grad(params)))
+  p, q = a.step(), b.step()
+  for x, y in zip(leaves(p), leaves(q)):
+    assert np.array_equal(x, y)
+  assert not hasattr(a._device_step, "_zeros")  # no device buffer kept for it

@@ -39,7 +39,10 @@ class DeviceStep:
     self.device = device
     self.chunk_elems = int(chunk_elems)
     self.accumulated_ever = False  # the pipeline's f32 accumulator exists from the first accumulation
-    self.engine = _core.CopyEngine.cuda(device.id) if kind == "cuda" else _core.CopyEngine.host()
+    # The CUDA ordinal in this process (device.id is JAX's global id across processes).
+    ordinal = getattr(device, "local_hardware_id", None)
+    self.engine = (_core.CopyEngine.cuda(device.id if ordinal is None else ordinal) if kind == "cuda"
+                   else _core.CopyEngine.host())
     self.stream = self.engine.create_stream()  # the gradients are ready (waited for) before each call
     self.grad_dtype, self.out_dtype = np.dtype(grad_dtype), np.dtype(out_dtype)
     self.pipe = _core.OffloadPipeline(core, self.engine, int(chunk_elems), 2, _TAGS[self.grad_dtype],
@@ -51,10 +54,9 @@ class DeviceStep:
     self.segment_of = [index[n] for n in names]
     self.shapes = list(shapes)
     self.micro_batches = 0
-    self._gathers = {}
+    self._gathers = {}  # (leaves with a gradient, with norm) -> jitted gather, the latest few
     self._split = jax.jit(self._split_fn)
     self._params_flat = None  # the device buffer the pipeline writes, allocated on first use
-    self._zeros = None
 
   # --- device-side gather and split ----------------------------------------------------
   def _gather_fn(self, present: tuple, with_norm: bool):
@@ -74,10 +76,17 @@ class DeviceStep:
       if self.n > pos:
         parts.append(jnp.zeros(self.n - pos, gdt))
       flat = jnp.concatenate(parts) if parts else jnp.zeros(self.n, gdt)
-      if not with_norm:
-        return flat, jnp.zeros((), jnp.float32)
-      sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in leaves) if leaves else jnp.zeros((), jnp.float32)
-      return flat, sq
+      if not with_norm or not leaves:
+        return flat, jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.float32)
+      # Per leaf: its largest magnitude and the sum of squares scaled by it, so no square
+      # overflows f32; the host combines them in float64.
+      scales, sums = [], []
+      for g in leaves:
+        x = g.astype(jnp.float32)
+        m = jnp.max(jnp.abs(x)) if x.size else jnp.zeros((), jnp.float32)
+        scales.append(m)
+        sums.append(jnp.sum(jnp.square(x / jnp.where(m > 0, m, 1.0))))
+      return flat, jnp.stack(scales), jnp.stack(sums)
 
     return jax.jit(gather)
 
@@ -85,22 +94,29 @@ class DeviceStep:
     return [flat[off:off + size].reshape(shape) for (off, size), shape in zip(self.spans, self.shapes)]
 
   def gather(self, grads: List[Optional[jax.Array]], with_norm: bool):
-    """The gradients (None: no gradient) as one flat device buffer, ready, and the sum of
-    their squares (f32, on the device) when asked."""
+    """The gradients (None: no gradient) as one flat device buffer, ready, and their
+    global norm (float64 on the host, from per-leaf pieces taken on the device) when asked,
+    else None."""
     present = tuple(i for i, g in enumerate(grads) if g is not None)
     for i in present:
-      g = grads[i]
-      if np.dtype(g.dtype).itemsize > self.grad_dtype.itemsize:
-        raise TypeError(f"a gradient of dtype {g.dtype} for a pipeline of {self.grad_dtype} gradients: hostopt never "
-                        "narrows gradients silently (make the optimizer with float32 params, or pass "
-                        f"{self.grad_dtype} gradients)")
+      g = np.dtype(grads[i].dtype)
+      if g != self.grad_dtype and self.grad_dtype != np.float32:  # only widening to f32 is exact
+        raise TypeError(f"a gradient of dtype {g} for a pipeline of {self.grad_dtype} gradients (the params' and "
+                        "param_dtype's): hostopt never converts gradients inexactly")
     key = (present, with_norm)
-    if key not in self._gathers:
-      self._gathers[key] = self._gather_fn(present, with_norm)
+    gather = self._gathers.pop(key, None) or self._gather_fn(present, with_norm)
+    self._gathers[key] = gather  # most recent last; a few kept
+    while len(self._gathers) > 8:
+      self._gathers.pop(next(iter(self._gathers)))
     with jax.default_device(self.device):
-      flat, sq = self._gathers[key]([jax.device_put(grads[i], self.device) for i in present])
+      flat, scales, sums = gather([jax.device_put(grads[i], self.device) for i in present])
     flat.block_until_ready()  # JAX's stream is not ours: the copies start once it is written
-    return flat, sq
+    norm = None
+    if with_norm:
+      s, q = np.asarray(scales, np.float64), np.asarray(sums, np.float64)
+      with np.errstate(invalid="ignore", over="ignore"):
+        norm = float(np.sqrt(np.sum(s * s * q))) if s.size else 0.0
+    return flat, norm
 
   def _params_buffer(self):
     if self._params_flat is None:
@@ -109,11 +125,6 @@ class DeviceStep:
       self._params_flat = buf
     return self._params_flat
 
-  def _zero_grads(self):
-    if self._zeros is None:
-      self._zeros = jax.device_put(jnp.zeros(self.n, self.grad_dtype), self.device)
-      self._zeros.block_until_ready()
-    return self._zeros
 
   # --- operations ----------------------------------------------------------------------
   def accumulate(self, flat) -> None:
@@ -127,8 +138,9 @@ class DeviceStep:
            known_grad_norm: Optional[float]):
     """One pipeline step with the flat gradients (None: the accumulated micro-batches
     alone); returns (StepResult, the new parameter leaves as device arrays)."""
-    if flat is None:
-      flat = self._zero_grads()
+    if flat is None:  # the pipeline adds its accumulator to the gradients: zeros, for this step only
+      flat = jax.device_put(jnp.zeros(self.n, self.grad_dtype), self.device)
+      flat.block_until_ready()
       scale = 1.0 / self.micro_batches
     else:
       scale = 1.0 / (self.micro_batches + 1)

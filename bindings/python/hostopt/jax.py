@@ -178,7 +178,9 @@ class HostAdam:
       return None
     from ._jax_offload import DeviceStep
     device = next(iter(devices)) if devices else jax.devices("cpu")[0]
-    kinds = {np.dtype(x.dtype) for x in leaves}
+    # Gradients come as the params were (the first step) and as param_dtype (after): one
+    # 16-bit dtype if that is all there is, else float32 (to which every one widens exactly).
+    kinds = {np.dtype(x.dtype) for x in leaves} | set(self._out_dtypes)
     grad_dtype = kinds.pop() if len(kinds) == 1 else np.dtype(np.float32)
     return DeviceStep(self._core._core, offload, device, self._names, self._shapes, grad_dtype, self._copy_out, chunk)
 
@@ -235,7 +237,9 @@ class HostAdam:
     with self._lock:
       if grad_norm is not None:
         grad_norm = float(grad_norm)
-        if not (np.isfinite(grad_norm) and grad_norm >= 0) and not self._skip_nonfinite:
+        if grad_norm < 0:
+          raise ValueError(f"grad_norm = {grad_norm}: a norm is >= 0")
+        if not np.isfinite(grad_norm) and not self._skip_nonfinite:
           raise ValueError(f"grad_norm = {grad_norm}: expected a finite value >= 0 (or make the optimizer with "
                            "skip_nonfinite=True to skip such steps)")
       if self._device_step is not None:
@@ -292,9 +296,9 @@ class HostAdam:
     self._set_schedules()
     flat = None
     if leaves is not None:
-      flat, sq = ds.gather(leaves, needs_norm)
+      flat, norm = ds.gather(leaves, needs_norm)
       if needs_norm:
-        grad_norm = float(jnp.sqrt(sq))  # on the device, f32 (optax.global_norm's arithmetic)
+        grad_norm = norm
     without = [] if leaves is None else [i for i, g in enumerate(leaves) if g is None]
     self.last_step, out = ds.step(flat, without=without, max_grad_norm=self._max_grad_norm,
                                   skip_nonfinite=self._skip_nonfinite, known_grad_norm=grad_norm)
