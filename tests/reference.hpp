@@ -21,6 +21,14 @@ inline std::vector<std::string> supported_kernels() {
   return names;
 }
 
+/// Step options that trust the gradients (no non-finite check): what a pipeline step
+/// needs when no norm is known before its first chunk.
+inline hostopt::step_options trusting() {
+  hostopt::step_options o;
+  o.skip_nonfinite = false;
+  return o;
+}
+
 inline std::uint32_t bits(float x) {
   std::uint32_t u;
   std::memcpy(&u, &x, 4);

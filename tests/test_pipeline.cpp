@@ -618,15 +618,6 @@ TEST_CASE("the pipeline drives a shard's optimizer (a range of the arena) like a
   }
 }
 
-namespace {
-// Options that trust the gradients (no checks): a streamed step cannot read them first.
-const step_options trusted = [] {
-  step_options o;
-  o.skip_nonfinite = false;
-  return o;
-}();
-} // namespace
-
 TEST_CASE("a pipeline step leaves tensors without a gradient alone, as the per-tensor step does",
           "[pipeline][determinism]") {
   std::mt19937 rng(33);
@@ -669,10 +660,10 @@ TEST_CASE("a pipeline step leaves tensors without a gradient alone, as the per-t
         }
         std::memcpy(dgrad.data, g.data(), n * 4);
         const auto r = pipe.step_async({dgrad.data, n, dtype::f32}, {dparams.data, n, po.param_type}, ready,
-                                       trusted, without)
+                                       ref::trusting(), without)
                            .wait();
         CHECK(r.applied);
-        sync.step(views, outs, trusted);
+        sync.step(views, outs, ref::trusting());
         REQUIRE(same_state(piped, sync));
         CHECK(piped.tensor_steps() == sync.tensor_steps());
         for (const auto& seg : segs)
@@ -687,13 +678,13 @@ TEST_CASE("a pipeline step leaves tensors without a gradient alone, as the per-t
     offload_pipeline pipe(opt, *engine, {});
     device_buffer dgrad(*engine, opt.arena_size() * 4), dparams(*engine, opt.arena_size() * 2);
     CHECK_THROWS_WITH(pipe.step_async({dgrad.data, opt.arena_size(), dtype::f32},
-                                      {dparams.data, opt.arena_size(), dtype::bf16}, ready, trusted, {2}),
+                                      {dparams.data, opt.arena_size(), dtype::bf16}, ready, ref::trusting(), {2}),
                       Catch::Contains("tensors_without_grad names tensor 2: expected an index below 2"));
     CHECK(opt.step_count() == 0);
     optimizer shard(groups, arena_range{0, 64});
     offload_pipeline shard_pipe(shard, *engine, {});
     CHECK_THROWS_WITH(shard_pipe.step_async({dgrad.data, 64, dtype::f32}, {dparams.data, 64, dtype::bf16}, ready,
-                                            trusted, {0}),
+                                            ref::trusting(), {0}),
                       Catch::Contains("holds a range of the arena"));
   }
 }

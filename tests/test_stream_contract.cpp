@@ -371,15 +371,6 @@ TEST_CASE("trainer loops on the simulated GPU never starve the compute stream an
   }
 }
 
-namespace {
-// Options that trust the gradients (no checks): a streamed step cannot read them first.
-const step_options trusted = [] {
-  step_options o;
-  o.skip_nonfinite = false;
-  return o;
-}();
-} // namespace
-
 TEST_CASE("per-chunk gradient events let early chunks be copied and updated while the backward still runs",
           "[contract][pipeline]") {
   auto engine = make_host_copy_engine();
@@ -422,7 +413,7 @@ TEST_CASE("per-chunk gradient events let early chunks be copied and updated whil
     backward(late);
     device_order order = device_order::after(compute);
     if (per_chunk) order.chunk_grads_ready = {events[0], {}, {}, {}}; // chunks 1-3: the whole dependency
-    auto h = pipe.step_async({dgrad, n, dtype::f32}, {dparams, n, dtype::f32}, order, trusted);
+    auto h = pipe.step_async({dgrad, n, dtype::f32}, {dparams, n, dtype::f32}, order, ref::trusting());
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
     while (per_chunk && updated.load() == 0 && std::chrono::steady_clock::now() < deadline)
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -446,7 +437,7 @@ TEST_CASE("per-chunk gradient events let early chunks be copied and updated whil
     backward(late);
     device_order order = device_order::after(compute);
     order.chunk_grads_ready = events;
-    auto h = pipe.step_async({dgrad, n, dtype::f32}, {dparams, n, dtype::f32}, order, trusted);
+    auto h = pipe.step_async({dgrad, n, dtype::f32}, {dparams, n, dtype::f32}, order, ref::trusting());
     late.release();
     h.wait();
     CHECK(std::memcmp(opt.params().data(), reference.params().data(), n * 4) == 0);
@@ -456,7 +447,7 @@ TEST_CASE("per-chunk gradient events let early chunks be copied and updated whil
     offload_pipeline pipe(opt, *engine, {1024, 2, dtype::f32, dtype::f32, {}});
     device_order order = device_order::after(compute);
     order.chunk_grads_ready = {events[0], events[1]};
-    CHECK_THROWS_WITH(pipe.step_async({dgrad, n, dtype::f32}, {dparams, n, dtype::f32}, order, trusted),
+    CHECK_THROWS_WITH(pipe.step_async({dgrad, n, dtype::f32}, {dparams, n, dtype::f32}, order, ref::trusting()),
                       Catch::Contains("expected none or one per chunk (4)"));
     CHECK(opt.step_count() == 0);
   }
