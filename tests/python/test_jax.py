@@ -322,12 +322,14 @@ def test_memory_accounting_names_every_host_buffer():
   off.step(grad(params))
   m = off.memory()
   arena = off._core.arena_size
-  assert m["pinned_bytes"] == 2 * 32 * (4 + 4) and m["device_buffer_bytes"] == arena * 8
-  assert m["accumulator_bytes"] == 0
+  assert m["pinned_bytes"] == 2 * 32 * (4 + 4) and m["device_buffer_bytes"] == arena * 4
+  assert m["device_step_bytes"] == arena * 4 and m["accumulator_bytes"] == 0
+  assert hj.adamw(params, 1e-2, offload="host").memory()["device_buffer_bytes"] == 0  # nothing before a step
+  assert hj.adamw({"e": jnp.zeros((0,))}, 1e-2).memory()["host_bytes_per_param"] == 0.0
   del p
 
 
-def test_groups_follow_optax_multi_transform():
+def test_groups_follow_optax_multi_transform(tmp_path):
   # Per-group hyper-parameters (a schedule in one group), labels as optax.multi_transform's.
   params, loss, grad = mlp()
   labels = jax.tree_util.tree_map(lambda a: "matrix" if a.ndim > 1 else "vector", params)
@@ -344,6 +346,22 @@ def test_groups_follow_optax_multi_transform():
   for x, y in zip(leaves(p), leaves(q)):
     np.testing.assert_allclose(x, y, rtol=2e-5, atol=2e-6)
   assert float(loss(p)) < 0.5 * float(loss(params))
+  # A prefix of the params' tree (or a callable giving one), as optax.multi_transform takes.
+  prefix = {"l1": "matrix", "l2": "vector"}
+  for g in (prefix, lambda p: prefix):
+    pre = hj.adamw(params, 1e-2, groups=g, group_options={"vector": {"learning_rate": 0.0}})
+    after = pre.step(grad(params))
+    assert np.array_equal(np.asarray(after["l2"]["w"]), np.asarray(params["l2"]["w"]))  # lr 0 for l2
+    assert not np.array_equal(np.asarray(after["l1"]["w"]), np.asarray(params["l1"]["w"]))
+  # load() keeps this optimizer's hyper-parameters (as load_state_dict): only the state comes back.
+  path = str(tmp_path / "groups.safetensors")
+  opt.save(path)
+  other = hj.adamw(params, SCHEDULE, weight_decay=0.1, groups=labels,
+                   group_options={"vector": {"learning_rate": 1e-4, "b2": 0.9, "weight_decay": 0.0}})
+  other.load(path)
+  assert other.step_count == opt.step_count
+  configs = [other._core.group_config(g) for g in range(len(other._group_of))]
+  assert {round(c["lr"], 12) for c in configs if abs(c["beta2"] - 0.9) < 1e-9} == {1e-4}
   with pytest.raises(ValueError, match="unknown \\['lr'\\]"):
     hj.adamw(params, 1e-2, groups=labels, group_options={"vector": {"lr": 1.0}})
   with pytest.raises(ValueError, match="no parameter has that group label"):
@@ -375,15 +393,23 @@ def test_offloaded_gradients_of_the_params_and_of_param_dtype_widen_exactly(kind
 
 
 def test_offloaded_norm_is_taken_without_overflow_and_step_none_uses_the_accumulator():
-  big = {"w": jnp.full((8, 8), 1e19, jnp.float32)}  # finite, but its sum of squares overflows f32
-  for skip in (False, True):
-    a = hj.adamw({"w": jnp.ones((8, 8))}, 1e-2, max_grad_norm=1.0, skip_nonfinite=skip, offload="host")
-    b = hj.adamw({"w": jnp.ones((8, 8))}, 1e-2, max_grad_norm=1.0, skip_nonfinite=skip)
-    a.step(big)
-    b.step(big)
-    assert a.last_step.applied and b.last_step.applied
-    np.testing.assert_allclose(a.last_step.grad_norm, 8e19, rtol=1e-6)
-    np.testing.assert_allclose(a.optax_state().nu["w"], b.optax_state().nu["w"], rtol=1e-5)
+  # Finite gradients whose squares overflow f32, up to the largest f32: the norm the
+  # in-place step takes (float64), so clipping applies and nothing is skipped.
+  for value in (1e19, 9e37, 3e38):
+    big = {"w": jnp.full((8, 8), value, jnp.float32), "b": jnp.ones((4,))}
+    for skip in (False, True):
+      a = hj.adamw({"w": jnp.ones((8, 8)), "b": jnp.ones((4,))}, 1e-2, max_grad_norm=1.0, skip_nonfinite=skip,
+                   offload="host")
+      b = hj.adamw({"w": jnp.ones((8, 8)), "b": jnp.ones((4,))}, 1e-2, max_grad_norm=1.0, skip_nonfinite=skip)
+      a.step(big)
+      b.step(big)
+      assert a.last_step.applied and b.last_step.applied, value
+      np.testing.assert_allclose(a.last_step.grad_norm, b.last_step.grad_norm, rtol=1e-6)
+      np.testing.assert_allclose(a.optax_state().nu["w"], b.optax_state().nu["w"], rtol=1e-5)
+      assert np.all(np.isfinite(a.optax_state().nu["w"]))
+  a = hj.adamw({"w": jnp.ones((4,))}, 1e-2, skip_nonfinite=True, offload="host")
+  a.step({"w": jnp.asarray([1.0, jnp.inf, 0.0, 2.0])})
+  assert not a.last_step.applied and a.last_step.grad_norm == np.inf
   # Accumulated micro-batches, then step(None): the in-place step's bits.
   params, loss, grad = mlp()
   a = hj.adamw(params, 1e-2, offload="host", offload_chunk=32)

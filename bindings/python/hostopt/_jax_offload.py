@@ -26,6 +26,11 @@ from . import _core
 _TAGS = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(jnp.bfloat16): "bf16"}
 
 
+def _pow2(k):
+  """2^k as float32 for integer k in [-126, 127], exactly (built from its bits)."""
+  return jax.lax.bitcast_convert_type(((k + 127) << 23).astype(jnp.int32), jnp.float32)
+
+
 class DeviceStep:
   """The pipeline between one device's flat buffers and a hostopt optimizer."""
 
@@ -77,16 +82,22 @@ class DeviceStep:
         parts.append(jnp.zeros(self.n - pos, gdt))
       flat = jnp.concatenate(parts) if parts else jnp.zeros(self.n, gdt)
       if not with_norm or not leaves:
-        return flat, jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.float32)
-      # Per leaf: its largest magnitude and the sum of squares scaled by it, so no square
-      # overflows f32; the host combines them in float64.
-      scales, sums = [], []
+        return flat, jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32)
+      # Per leaf: the binary exponent e of its largest magnitude and the sum of squares of
+      # the leaf scaled by 2^-e (exact, two normal factors: XLA flushes subnormals), so no
+      # square overflows f32; the host combines them in float64. A non-finite largest
+      # magnitude is passed on as it is (the norm is then non-finite).
+      peaks, exps, sums = [], [], []
       for g in leaves:
         x = g.astype(jnp.float32)
         m = jnp.max(jnp.abs(x)) if x.size else jnp.zeros((), jnp.float32)
-        scales.append(m)
-        sums.append(jnp.sum(jnp.square(x / jnp.where(m > 0, m, 1.0))))
-      return flat, jnp.stack(scales), jnp.stack(sums)
+        e = jnp.where(jnp.isfinite(m), jnp.frexp(m)[1], 0).astype(jnp.int32)
+        h = e // 2
+        y = x * _pow2(-h) * _pow2(h - e)
+        peaks.append(m)
+        exps.append(e)
+        sums.append(jnp.sum(jnp.square(y)))
+      return flat, jnp.stack(peaks), jnp.stack(exps), jnp.stack(sums)
 
     return jax.jit(gather)
 
@@ -109,14 +120,21 @@ class DeviceStep:
     while len(self._gathers) > 8:
       self._gathers.pop(next(iter(self._gathers)))
     with jax.default_device(self.device):
-      flat, scales, sums = gather([jax.device_put(grads[i], self.device) for i in present])
+      flat, peaks, exps, sums = gather([jax.device_put(grads[i], self.device) for i in present])
     flat.block_until_ready()  # JAX's stream is not ours: the copies start once it is written
     norm = None
     if with_norm:
-      s, q = np.asarray(scales, np.float64), np.asarray(sums, np.float64)
-      with np.errstate(invalid="ignore", over="ignore"):
-        norm = float(np.sqrt(np.sum(s * s * q))) if s.size else 0.0
+      m = np.asarray(peaks, np.float64)
+      if not np.all(np.isfinite(m)):
+        norm = float(np.sum(m))  # inf, or NaN when a NaN is there
+      else:
+        scale = np.ldexp(1.0, np.asarray(exps, np.int64).astype(np.int32))  # exact in float64
+        norm = float(np.sqrt(np.sum(scale * scale * np.asarray(sums, np.float64)))) if m.size else 0.0
     return flat, norm
+
+  @property
+  def params_allocated(self) -> bool:
+    return self._params_flat is not None
 
   def _params_buffer(self):
     if self._params_flat is None:

@@ -54,7 +54,7 @@ import numpy as np
 from . import Optimizer as _Optimizer
 from . import _core
 from ._arrays import as_buffer
-from ._masks import mask_flags
+from ._masks import mask_flags, per_leaf
 
 __all__ = ["adam", "adamw", "HostAdam"]
 
@@ -129,6 +129,8 @@ class HostAdam:
                             "mode": "adamw" if decoupled else "adam",
                             "weight_decay": (0.0 if callable(wd) else float(wd)) if decay else 0.0})
         self._group_of.append((label, decay))
+    # The hyper-parameters are this optimizer's, not a checkpoint's: re-applied after load().
+    self._configs = [{k: v for k, v in g.items() if k != "params"} for g in core_groups]
     self._core = _Optimizer(core_groups, threads=int(threads))
     for name, x in zip(self._names, leaves):
       self._core.params(name)[...] = np.asarray(jax.device_get(x), dtype=np.float32)
@@ -151,9 +153,8 @@ class HostAdam:
     one, or a callable of the params giving one), as optax.multi_transform's labels."""
     if groups is None:
       return ["default"] * len(leaves)
-    tree = groups(params) if callable(groups) else groups
     try:
-      labels = jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda lab, x: lab, tree, params))
+      labels = per_leaf(groups, params, self._treedef)
     except (ValueError, TypeError) as e:
       raise ValueError(f"groups: a tree of labels with the params' structure (or a prefix of it) expected: {e}") from None
     if len(labels) != len(leaves) or not all(isinstance(lab, str) for lab in labels):
@@ -372,17 +373,20 @@ class HostAdam:
       n = sum(int(np.prod(s)) for s in self._shapes)
       copy_out = sum(b.nbytes for bufs in self._pool for b in bufs)
       acc = sum(a.nbytes for a in self._acc) if self._acc is not None else 0
-      pinned = device = 0
+      pinned = device = device_step = 0
       ds = self._device_step
       if ds is not None:
         chunk = (min(ds.chunk_elems, max(ds.n, 1)) + 15) // 16 * 16
         pinned = 2 * min(chunk, max(ds.n, 1)) * (ds.grad_dtype.itemsize + ds.out_dtype.itemsize)
         acc = 4 * ds.n if ds.accumulated_ever else 0
-        device = ds.n * (ds.out_dtype.itemsize + ds.grad_dtype.itemsize)
+        device = ds.n * ds.out_dtype.itemsize if ds.params_allocated else 0  # held between steps
+        device_step = ds.n * ds.grad_dtype.itemsize  # the flat gradients, during a step only
       host = self._core.state_bytes + copy_out + acc + pinned
-      return {"params": n, "state_bytes": self._core.state_bytes, "state_bytes_per_param": self._core.state_bytes / n,
+      per = (lambda b: b / n) if n else (lambda b: 0.0)
+      return {"params": n, "state_bytes": self._core.state_bytes, "state_bytes_per_param": per(self._core.state_bytes),
               "copy_out_bytes": copy_out, "accumulator_bytes": acc, "pinned_bytes": pinned,
-              "host_bytes": host, "host_bytes_per_param": host / n, "device_buffer_bytes": device}
+              "host_bytes": host, "host_bytes_per_param": per(host), "device_buffer_bytes": device,
+              "device_step_bytes": device_step}
 
   def params(self):
     """The float32 master parameters, as a tree of read-only numpy views."""
@@ -443,9 +447,14 @@ class HostAdam:
       self._core.save(path)
 
   def load(self, path: str) -> None:
-    """Loads a checkpoint of this tree (verified before anything changes)."""
+    """Loads a checkpoint of this tree and groups (verified before anything changes): the
+    parameters, moments and counts; the hyper-parameters stay this optimizer's, as with
+    load_state_dict (a checkpoint of other groups: use state_dict/load_state_dict)."""
     with self._lock:
       self._core.load(path)
+      for g, cfg in enumerate(self._configs):
+        self._core.set_group_config(g, **{k: cfg[k] for k in ("lr", "beta1", "beta2", "eps", "eps_root",
+                                                                 "weight_decay")})
 
   def current_params(self):
     """The current parameters as new jax arrays in param_dtype (a copy of the masters)."""
