@@ -1,5 +1,7 @@
 #include "parallel.hpp"
 
+#include "fp_environment.hpp"
+
 #if defined(HOSTOPT_THREADING_THREADS)
 #include <thread>
 #include <vector>
@@ -19,6 +21,14 @@
 
 namespace hostopt::detail {
 
+namespace {
+// Every worker runs its part in the kernels' floating-point mode, whatever its thread had.
+void run_body(void (*body)(void*, int, int) noexcept, void* ctx, int tid, int nthreads) noexcept {
+  const ieee_float_mode mode;
+  body(ctx, tid, nthreads);
+}
+} // namespace
+
 #if defined(HOSTOPT_THREADING_THREADS)
 
 // Plain std::threads, started per region: slower to start than a pool, but every
@@ -34,8 +44,8 @@ void run_parallel(int threads, void (*body)(void*, int, int) noexcept, void* ctx
   if (threads <= 0) threads = default_threads();
   std::vector<std::thread> workers;
   workers.reserve(std::size_t(threads - 1));
-  for (int t = 1; t < threads; ++t) workers.emplace_back([=] { body(ctx, t, threads); });
-  body(ctx, 0, threads);
+  for (int t = 1; t < threads; ++t) workers.emplace_back([=] { run_body(body, ctx, t, threads); });
+  run_body(body, ctx, 0, threads);
   for (auto& w : workers) w.join();
 }
 
@@ -59,14 +69,14 @@ tbb::task_arena& arena_for(int threads) {
 void run_parallel(int threads, void (*body)(void*, int, int) noexcept, void* ctx) {
   if (threads <= 0) threads = default_threads();
   if (threads == 1) {
-    body(ctx, 0, 1);
+    run_body(body, ctx, 0, 1);
     return;
   }
   arena_for(threads).execute([&] {
     tbb::parallel_for(
         tbb::blocked_range<int>(0, threads, 1),
         [&](const tbb::blocked_range<int>& r) {
-          for (int t = r.begin(); t < r.end(); ++t) body(ctx, t, threads);
+          for (int t = r.begin(); t < r.end(); ++t) run_body(body, ctx, t, threads);
         },
         tbb::static_partitioner());
   });
@@ -80,11 +90,11 @@ const char* threading_backend() { return "openmp"; }
 void run_parallel(int threads, void (*body)(void*, int, int) noexcept, void* ctx) {
   if (threads <= 0) threads = default_threads();
   if (threads == 1) {
-    body(ctx, 0, 1);
+    run_body(body, ctx, 0, 1);
     return;
   }
 #pragma omp parallel num_threads(threads)
-  body(ctx, omp_get_thread_num(), omp_get_num_threads());
+  run_body(body, ctx, omp_get_thread_num(), omp_get_num_threads());
 }
 
 #endif

@@ -12,6 +12,7 @@
 #include "hostopt/adam_config.hpp"
 #include "hostopt/dtype.hpp"
 #include "hostopt/step_options.hpp"
+#include "fp_environment.hpp"
 #include "kernel_set.hpp"
 #include "update_engine.hpp"
 
@@ -43,6 +44,7 @@ public:
   static step_plan make(const kernel_set& ks, std::span<const adam_config> configs, std::int64_t count,
                         const step_io& io, const step_options& options, NormFn&& norm_of_grads,
                         std::span<group_kernel> groups) {
+    const ieee_float_mode mode; // the scalars (e.g. a tiny clip factor) are not flushed either
     check_count(count);
     double raw = options.known_grad_norm; // negative: not known
     if (needs_unknown_norm(options)) {

@@ -12,6 +12,10 @@
 
 #include "reference.hpp"
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 using namespace hostopt;
 
 namespace {
@@ -306,6 +310,72 @@ TEST_CASE("large copy-outs (non-temporal stores) give the same bits, aligned or 
           CHECK((got.first == want_u.first));
           CHECK((got.second == want_u.second));
         }
+    }
+}
+
+namespace {
+// The calling thread's "flush subnormals" mode (what XLA leaves its threads in): FTZ and
+// DAZ on x86-64, FZ on AArch64. Returns the previous mode word.
+unsigned flush_subnormals(bool on) {
+#if defined(__x86_64__)
+  const unsigned before = _mm_getcsr();
+  _mm_setcsr(on ? (before | 0x8040u) : (before & ~0x8040u));
+  return before;
+#elif defined(__aarch64__)
+  const unsigned before = __builtin_aarch64_get_fpcr();
+  __builtin_aarch64_set_fpcr(on ? (before | (1u << 24)) : (before & ~(1u << 24)));
+  return before;
+#else
+  (void)on;
+  return 0;
+#endif
+}
+unsigned fp_mode() {
+#if defined(__x86_64__)
+  return _mm_getcsr();
+#elif defined(__aarch64__)
+  return __builtin_aarch64_get_fpcr();
+#else
+  return 0;
+#endif
+}
+} // namespace
+
+TEST_CASE("a caller that flushes subnormals (as XLA leaves its threads) gets the same bits", "[determinism][per_arch]") {
+  // A gradient scale of 1e-39 (subnormal) makes subnormal gradients and moments: with the
+  // caller's thread flushing them, its share of the range came out 0 while the worker
+  // threads' did not. Every parallel region and step plan now runs in IEEE mode, and the
+  // caller's mode is restored afterwards.
+  const std::size_t n = 4099;
+  std::mt19937 rng(43);
+  ref::state start = ref::random_state(n, rng);
+  std::fill(start.m.begin(), start.m.end(), 0.0f); // fresh moments: m becomes (1 - b1) * 1e-39 * g
+  std::fill(start.v.begin(), start.v.end(), 0.0f);
+  const ref::grad_buffer g = ref::random_grad(dtype::f32, n, rng);
+  adam_config c = test_configs()[0];
+  auto run = [&](const std::string& kernel, int threads) {
+    ref::state s = start;
+    std::vector<std::uint16_t> out(n);
+    adam_step(s.p.data(), s.m.data(), s.v.data(), n, g.view(), {out.data(), n, dtype::bf16}, c, 2, 1e-39f,
+              {threads, kernel});
+    return std::make_pair(s, out);
+  };
+  const auto want = run("scalar", 1);
+  bool any_subnormal = false;
+  for (float m : want.first.m) any_subnormal = any_subnormal || (m != 0.0f && std::fabs(m) < 1.17549435e-38f);
+  REQUIRE(any_subnormal); // the case exercises subnormals at all
+  for (const auto& kernel : supported_kernels())
+    for (int threads : {1, 2, 3}) {
+      const unsigned before = flush_subnormals(true);
+      const unsigned flushing = fp_mode();
+      const auto got = run(kernel, threads);
+      const unsigned after = fp_mode();
+      flush_subnormals(false);
+      (void)before;
+      INFO("kernel " << kernel << " threads " << threads);
+      CHECK((got.first == want.first));
+      CHECK((got.second == want.second));
+      CHECK(after == flushing); // the caller's mode is left as it was
     }
 }
 
