@@ -154,6 +154,8 @@ void bind_pipeline(py::module_& m) {
       .def_property_readonly("usable", [](const pipeline_holder& h) { return h.pipe->usable(); })
       .def_property_readonly("failure_reason", [](const pipeline_holder& h) { return h.pipe->failure_reason(); })
       .def_property_readonly("num_chunks", [](const pipeline_holder& h) { return h.pipe->num_chunks(); })
+      .def_property_readonly("chunk_elems", [](const pipeline_holder& h) { return h.pipe->chunk_elems(); })
+      .def_property_readonly("pinned_bytes", [](const pipeline_holder& h) { return h.pipe->pinned_bytes(); })
       .def("last_timeline", [](const pipeline_holder& h) {
         const pipeline_timeline tl = h.pipe->last_timeline();
         py::dict d;

@@ -193,6 +193,7 @@ struct optimizer::impl {
   // Writes the unchanged parameters of the pieces without a gradient inside [begin, end)
   // to `out` (flat layout, element `begin` first).
   void copy_out_without_grad(std::size_t begin, std::size_t end, void* out) const {
+    if (chunked.tensors_without_grad.empty()) return; // the common step: nothing to look for
     for (const update_piece& piece : pieces) {
       if (!piece.no_grad) continue;
       const std::size_t a = std::max(begin, piece.offset), b = std::min(end, piece.offset + piece.size);

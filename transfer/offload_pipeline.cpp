@@ -707,6 +707,15 @@ std::string offload_pipeline::failure_reason() const {
 
 std::size_t offload_pipeline::num_chunks() const { return impl_->chunks; }
 
+std::size_t offload_pipeline::chunk_elems() const { return impl_->chunk; }
+
+std::size_t offload_pipeline::pinned_bytes() const {
+  std::size_t bytes = 0;
+  for (const auto& b : impl_->grad_bufs) bytes += b.size();
+  for (const auto& b : impl_->param_bufs) bytes += b.size();
+  return bytes;
+}
+
 pipeline_timeline offload_pipeline::last_timeline() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->last;

@@ -179,6 +179,11 @@ public:
   std::string failure_reason() const;
   /// Number of chunks a step is cut into.
   std::size_t num_chunks() const;
+  /// Elements per chunk (the last one may be shorter): options.chunk_elems capped at the
+  /// arena and rounded up to 16.
+  std::size_t chunk_elems() const;
+  /// Pinned host memory the pipeline holds: depth x chunk x (gradient + parameter bytes).
+  std::size_t pinned_bytes() const;
   /// Timeline of the last completed operation.
   pipeline_timeline last_timeline() const;
 

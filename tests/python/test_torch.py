@@ -602,7 +602,7 @@ def test_a_chunk_event_is_recorded_only_once_all_its_parameters_reported():
   # t2 [48, 40) chunks 3-5, t3 [96, 0) none.
   from hostopt.torch import _ChunkEvents
   engine = _RecordingEngine()
-  ev = _ChunkEvents(engine, 6, 16, 96)
+  ev = _ChunkEvents(engine, 6, 16)
   ev.cover([(0, 20), (32, 8), (48, 40), (96, 0)], [0, 1, 2, 3])
   ev.callback_queued = ev2_queued = True  # outside a backward: no end-of-backward callback to queue
   grads = torch.zeros(96)
@@ -614,7 +614,7 @@ def test_a_chunk_event_is_recorded_only_once_all_its_parameters_reported():
   assert engine.log[4:] == [1, 2] and ev.recorded == [True] * 6
   # A second backward (accumulation) reaching only t0: chunks 0-1 are recorded again; a
   # chunk shared by a tensor that reported again and one that did not is cancelled.
-  ev2 = _ChunkEvents(engine, 2, 16, 32)
+  ev2 = _ChunkEvents(engine, 2, 16)
   ev2.cover([(0, 20), (20, 12)], [0, 1])  # chunk 1 holds both
   ev2.callback_queued = ev2_queued
   ev2.hooked(0, 0, grads)

@@ -23,7 +23,7 @@ import numpy as np
 
 from . import _core
 
-_TAGS = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(jnp.bfloat16): "bf16"}
+from .jax import _OUT_DTYPES as _TAGS  # dtype -> the core's name for it
 
 
 def _pow2(k):
@@ -42,7 +42,6 @@ class DeviceStep:
     if int(chunk_elems) <= 0:
       raise ValueError(f"offload_chunk={chunk_elems}: expected a positive number of elements per chunk")
     self.device = device
-    self.chunk_elems = int(chunk_elems)
     self.accumulated_ever = False  # the pipeline's f32 accumulator exists from the first accumulation
     # The CUDA ordinal in this process (device.id is JAX's global id across processes).
     ordinal = getattr(device, "local_hardware_id", None)
@@ -132,9 +131,13 @@ class DeviceStep:
         norm = float(np.sqrt(np.sum(scale * scale * np.asarray(sums, np.float64)))) if m.size else 0.0
     return flat, norm
 
-  @property
-  def params_allocated(self) -> bool:
-    return self._params_flat is not None
+  def memory(self) -> dict:
+    """Bytes held: the pipeline's pinned buffers, its f32 accumulator (from the first
+    accumulation on), the flat device parameter buffer (from the first step on); and the
+    flat gradient buffer each step takes on the device while it runs."""
+    return {"pinned_bytes": self.pipe.pinned_bytes, "accumulator_bytes": 4 * self.n if self.accumulated_ever else 0,
+            "device_buffer_bytes": self.n * self.out_dtype.itemsize if self._params_flat is not None else 0,
+            "device_step_bytes": self.n * self.grad_dtype.itemsize}
 
   def _params_buffer(self):
     if self._params_flat is None:

@@ -373,20 +373,15 @@ class HostAdam:
       n = sum(int(np.prod(s)) for s in self._shapes)
       copy_out = sum(b.nbytes for bufs in self._pool for b in bufs)
       acc = sum(a.nbytes for a in self._acc) if self._acc is not None else 0
-      pinned = device = device_step = 0
-      ds = self._device_step
-      if ds is not None:
-        chunk = (min(ds.chunk_elems, max(ds.n, 1)) + 15) // 16 * 16
-        pinned = 2 * min(chunk, max(ds.n, 1)) * (ds.grad_dtype.itemsize + ds.out_dtype.itemsize)
-        acc = 4 * ds.n if ds.accumulated_ever else 0
-        device = ds.n * ds.out_dtype.itemsize if ds.params_allocated else 0  # held between steps
-        device_step = ds.n * ds.grad_dtype.itemsize  # the flat gradients, during a step only
-      host = self._core.state_bytes + copy_out + acc + pinned
+      offloaded = {"pinned_bytes": 0, "device_buffer_bytes": 0, "device_step_bytes": 0}
+      if self._device_step is not None:
+        offloaded = self._device_step.memory()
+        acc = offloaded.pop("accumulator_bytes")
+      host = self._core.state_bytes + copy_out + acc + offloaded["pinned_bytes"]
       per = (lambda b: b / n) if n else (lambda b: 0.0)
       return {"params": n, "state_bytes": self._core.state_bytes, "state_bytes_per_param": per(self._core.state_bytes),
-              "copy_out_bytes": copy_out, "accumulator_bytes": acc, "pinned_bytes": pinned,
-              "host_bytes": host, "host_bytes_per_param": per(host), "device_buffer_bytes": device,
-              "device_step_bytes": device_step}
+              "copy_out_bytes": copy_out, "accumulator_bytes": acc, "host_bytes": host,
+              "host_bytes_per_param": per(host), **offloaded}
 
   def params(self):
     """The float32 master parameters, as a tree of read-only numpy views."""

@@ -147,10 +147,9 @@ class _ChunkEvents:
   back to the whole stream. Writes that bypass the version counter (.data, numpy,
   collectives such as all_reduce) are not seen: the documented contract."""
 
-  def __init__(self, engine, chunks: int, chunk_elems: int, arena: int):
+  def __init__(self, engine, chunks: int, chunk_elems: int):
     self.engine = engine
-    # The pipeline's cut: chunk_elems capped at the arena, rounded up to 16.
-    self.chunk = (min(chunk_elems, max(arena, 1)) + 15) // 16 * 16
+    self.chunk = chunk_elems  # the pipeline's cut (OffloadPipeline.chunk_elems)
     self.events = []
     for _ in range(chunks):
       self.events.append(engine.create_event())
@@ -395,7 +394,9 @@ class _HostAdam(torch.optim.Optimizer):
         pipe = _core.OffloadPipeline(core, self._engine, self._offload_chunk, 2, tag, tag)
         dev = {"params": torch.zeros(n, dtype=entries[0][1].dtype, device=device),
                "grads": torch.zeros(n, dtype=entries[0][1].dtype, device=device), "n": n, "pipe": pipe,
-               "chunks": _ChunkEvents(self._engine, pipe.num_chunks, self._offload_chunk, n)}
+               # Per-chunk events only where backward hooks report (overlap_backward).
+               "chunks": _ChunkEvents(self._engine, pipe.num_chunks, pipe.chunk_elems) if self._overlap_backward
+                         else None}
       steps = np.zeros(len(entries), dtype=np.float32)  # torch's per-parameter "step", one view each
       seg_steps = [0] * len(segs)
       tracked, seg_of = [], []
@@ -444,7 +445,8 @@ class _HostAdam(torch.optim.Optimizer):
       steps[:] = [seg_steps[si] for si in seg_of]
       if dev is not None:
         dev["group_of"] = group_of
-        dev["chunks"].cover([(off, size) for _, _, off, size, _ in core.segments()], seg_of)
+        if dev["chunks"] is not None:
+          dev["chunks"].cover([(off, size) for _, _, off, size, _ in core.segments()], seg_of)
         self._add_grad_hooks(tag, tracked, dev)
       layout[tag] = [core, tracked, steps, seg_of, steps.tolist(), dev]
     self._layout = layout
@@ -582,13 +584,15 @@ class _HostAdam(torch.optim.Optimizer):
         without.append(self._layout[tag][3][k])
       elif g.data_ptr() != t.grad_view.data_ptr():
         t.grad_view.copy_(g.reshape(-1))  # on the device, on the current stream
+    chunks = dev["chunks"]
     if len(without) == len(tracked):
-      dev["chunks"].forget()
+      if chunks is not None:
+        chunks.forget()
       return  # no gradient at all: nothing to step (torch does nothing either)
     stream = self._stream()
     # Chunks whose gradients the backward hooks saw complete (and nobody wrote since) are
     # copied as soon as the device is past them; the rest wait for the whole stream.
-    events = dev["chunks"].ready_events(dev["grads"])
+    events = chunks.ready_events(dev["grads"]) if chunks is not None else []
     h = dev["pipe"].step_async(dev["grads"].data_ptr(), tag, dev["params"].data_ptr(), tag, dev["n"],
                                grads_stream=stream, chunk_grads_events=events, tensors_without_grad=without)
     self._last_chunk_events += sum(1 for e in events if e)
