@@ -281,15 +281,18 @@ TEST_CASE("large copy-outs (non-temporal stores) give the same bits, aligned or 
         return std::make_pair(s, std::vector<unsigned char>(out, out + n * esz));
       };
       const auto want = step("scalar", aligned, 1);
-      for (const auto& kernel : supported_kernels())
-        for (std::size_t shift : {std::size_t(0), esz})
-          for (int threads : {1, 2}) { // each thread's slice starts 64-byte aligned: streamed too
+      for (const auto& kernel : supported_kernels()) {
+        if (kernel == "scalar") continue; // the reference itself: it has no streamed path
+        // Unaligned copy-outs are never streamed, so one thread covers them; each of two
+        // threads' slices starts 64-byte aligned and is streamed too.
+        for (auto [shift, threads] : {std::pair<std::size_t, int>{0, 1}, {0, 2}, {esz, 1}}) {
           INFO("kernel " << kernel << " grad " << dtype_name(gt) << " out " << dtype_name(ot) << " shift " << shift
                          << " threads " << threads);
           const auto got = step(kernel, aligned + shift, threads);
           CHECK((got.first == want.first)); // no printing of megabytes on failure
           CHECK((got.second == want.second));
         }
+      }
       if (ot != gt) continue;
       // The optax form: the update in the gradient's dtype, separate and over the gradient.
       std::vector<unsigned char> grad_storage(n * esz + 64);
@@ -305,6 +308,7 @@ TEST_CASE("large copy-outs (non-temporal stores) give the same bits, aligned or 
       const auto want_u = update("scalar", false);
       for (const auto& kernel : supported_kernels())
         for (bool in_place : {false, true}) {
+          if (kernel == "scalar" && !in_place) continue; // the reference
           INFO("adam_update kernel " << kernel << " grad " << dtype_name(gt) << " in place " << in_place);
           const auto got = update(kernel, in_place);
           CHECK((got.first == want_u.first));
