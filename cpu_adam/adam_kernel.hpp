@@ -151,6 +151,7 @@ template <class V>
 inline void opaque(V& x) noexcept {
 #if defined(__GNUC__)
   if constexpr (std::is_same_v<V, float>) asm volatile("" : "+x"(x));
+  else if constexpr (std::is_integral_v<V>) asm volatile("" : "+r"(x));
   else asm volatile("" : "+x"(x.data));
 #endif
 }
@@ -273,6 +274,14 @@ struct sumsq_kernel {
   }
 };
 
+} // namespace HOSTOPT_KERNEL_NS
+} // namespace hostopt::detail
+
+#include "compressed_kernel.hpp"
+
+namespace hostopt::detail {
+namespace HOSTOPT_KERNEL_NS {
+
 // --- the table an instruction set exports ------------------------------------------------
 
 template <class Arch, class G, class O>
@@ -308,6 +317,22 @@ constexpr void fill_grad_type(kernel_table& s, int gi) {
   s.roofline[gi][3] = &roofline_kernel<Arch, G, f16_t>::run;
 }
 
+template <class Arch, class G, class O>
+constexpr void fill_compressed(kernel_table& s, int gi, int oi) {
+  s.adam_compressed[0][gi][oi] = &adam_bf16_state_kernel<Arch, G, O>::run;
+  s.adam_compressed[1][gi][oi] = &adam_q8_state_kernel<Arch, G, O>::run;
+  s.roofline_compressed[0][gi][oi] = &compressed_roofline_kernel<Arch, G, O, moment_format::bf16>::run;
+  s.roofline_compressed[1][gi][oi] = &compressed_roofline_kernel<Arch, G, O, moment_format::q8>::run;
+}
+
+template <class Arch, class G>
+constexpr void fill_compressed_grad_type(kernel_table& s, int gi) {
+  fill_compressed<Arch, G, no_out>(s, gi, 0);
+  fill_compressed<Arch, G, float>(s, gi, 1);
+  fill_compressed<Arch, G, bf16_t>(s, gi, 2);
+  fill_compressed<Arch, G, f16_t>(s, gi, 3);
+}
+
 template <class Arch>
 constexpr kernel_set make_kernel_set(const char* name, const char* description, const char* required) {
   kernel_table s{};
@@ -322,6 +347,13 @@ constexpr kernel_set make_kernel_set(const char* name, const char* description, 
   s.sumsq[0] = &sumsq_kernel<Arch, float>::run;
   s.sumsq[1] = &sumsq_kernel<Arch, bf16_t>::run;
   s.sumsq[2] = &sumsq_kernel<Arch, f16_t>::run;
+  fill_compressed_grad_type<Arch, float>(s, 0);
+  fill_compressed_grad_type<Arch, bf16_t>(s, 1);
+  fill_compressed_grad_type<Arch, f16_t>(s, 2);
+  s.encode_moments[0] = &moment_conversion<Arch, moment_format::bf16>::encode;
+  s.encode_moments[1] = &moment_conversion<Arch, moment_format::q8>::encode;
+  s.decode_moments[0] = &moment_conversion<Arch, moment_format::bf16>::decode;
+  s.decode_moments[1] = &moment_conversion<Arch, moment_format::q8>::decode;
   return kernel_set(name, description, required, s);
 }
 

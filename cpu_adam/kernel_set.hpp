@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "hostopt/dtype.hpp"
+#include "hostopt/moment_format.hpp"
 
 #include "step_scalars.hpp"
 
@@ -36,6 +37,34 @@ using sumsq_fn = double (*)(const void* grad, std::size_t n) noexcept;
 /// Elements per block of the gradient statistics (block sums are added in block order).
 inline constexpr std::size_t stats_block = 4096;
 
+/// One call of a compressed-moment kernel: the step's constants and variant (runtime
+/// flags: the kernel is memory-bound, and 6 variants per table cell would double the
+/// compile time), the step's rounding key and the arena index of the call's first element
+/// (a multiple of q8_block for the 8-bit format).
+struct compressed_call {
+  step_scalars s;
+  decay_kind decay = decay_kind::none;
+  bool nesterov = false;
+  std::uint64_t key = 0;
+  std::uint64_t first = 0;
+};
+
+/// Fused step over compressed moments (cpu_adam/compressed_kernel.hpp): m and v point at
+/// the call's first element's codes, `scales` at its block's exponent bytes (8-bit only).
+using adam_compressed_fn = void (*)(const compressed_call& call, float* p, void* m, void* v, std::uint8_t* scales,
+                                    const void* grad, void* out, std::size_t n) noexcept;
+/// Its roofline twin: the same loads and stores, no arithmetic.
+using roofline_compressed_fn = void (*)(float* p, void* m, void* v, std::uint8_t* scales, const void* grad,
+                                        void* out, std::size_t n) noexcept;
+
+/// f32 moments -> a compressed format, rounded stochastically with `key` (a step key) from
+/// arena index `first` on (a multiple of q8_block for 8-bit): lossy.
+using encode_moments_fn = void (*)(const float* m, const float* v, void* m_codes, void* v_codes, std::uint8_t* scales,
+                                   std::size_t n, std::uint64_t key, std::uint64_t first) noexcept;
+/// A compressed format -> f32 moments (exact: every code is an f32 value).
+using decode_moments_fn = void (*)(const void* m_codes, const void* v_codes, const std::uint8_t* scales, float* m,
+                                   float* v, std::size_t n) noexcept;
+
 inline constexpr int num_grad_types = 3; // dtype f32, bf16, f16
 inline constexpr int num_out_types = 4;  // none, then dtype f32, bf16, f16
 inline constexpr int num_decay_kinds = 3;
@@ -51,6 +80,11 @@ struct kernel_table {
   cast_fn cast[num_out_types]; // indexed like the out column; [0] and [1] are null
   add_grad_fn add_grad[num_grad_types];
   sumsq_fn sumsq[num_grad_types];
+  // [format - 1]: bf16, q8.
+  adam_compressed_fn adam_compressed[2][num_grad_types][num_out_types];
+  roofline_compressed_fn roofline_compressed[2][num_grad_types][num_out_types];
+  encode_moments_fn encode_moments[2];
+  decode_moments_fn decode_moments[2];
 };
 
 /// One instruction set's kernels, simdjson's `implementation`: a name, a description, the
@@ -80,6 +114,19 @@ public:
   }
   /// f32 -> a 16-bit dtype, round to nearest even (null for f32: a memcpy).
   cast_fn cast(dtype out) const noexcept { return table_.cast[out_column(out)]; }
+  /// The fused step over moments stored as `format` (not f32: adam() is that one).
+  adam_compressed_fn adam_compressed(moment_format format, dtype grad, std::optional<dtype> out) const noexcept {
+    return table_.adam_compressed[int(format) - 1][int(grad)][out_column(out)];
+  }
+  roofline_compressed_fn roofline_compressed(moment_format format, dtype grad, std::optional<dtype> out) const noexcept {
+    return table_.roofline_compressed[int(format) - 1][int(grad)][out_column(out)];
+  }
+  encode_moments_fn encode_moments(moment_format format) const noexcept {
+    return table_.encode_moments[int(format) - 1];
+  }
+  decode_moments_fn decode_moments(moment_format format) const noexcept {
+    return table_.decode_moments[int(format) - 1];
+  }
   add_grad_fn add_grad(dtype grad) const noexcept { return table_.add_grad[int(grad)]; }
   sumsq_fn sumsq(dtype grad) const noexcept { return table_.sumsq[int(grad)]; }
 

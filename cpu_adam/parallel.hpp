@@ -10,6 +10,10 @@ namespace hostopt::detail {
 /// Elements per alignment unit: 64 bytes of f32.
 inline constexpr std::size_t align_elems = 16;
 
+/// Elements per unit of a thread's slice: 128 bytes of f32, whole blocks of the 8-bit
+/// moment format (q8_block), so no block is shared by two threads.
+inline constexpr std::size_t slice_elems = 32;
+
 /// Worker count used when the caller asks for 0 threads.
 int default_threads();
 
@@ -27,14 +31,14 @@ void run_parallel(int threads, F& f) {
 }
 
 /// Part `part` of `nparts` of [begin, end): contiguous, boundaries at multiples of
-/// align_elems (absolute), sizes balanced to within one alignment unit.
+/// slice_elems (absolute), sizes balanced to within one unit.
 inline std::pair<std::size_t, std::size_t> partition(std::size_t begin, std::size_t end, int part,
                                                      int nparts) {
-  const std::size_t first_unit = begin / align_elems;
-  const std::size_t units = (end + align_elems - 1) / align_elems - first_unit;
+  const std::size_t first_unit = begin / slice_elems;
+  const std::size_t units = (end + slice_elems - 1) / slice_elems - first_unit;
   const std::size_t lo_unit = first_unit + units * std::size_t(part) / std::size_t(nparts);
   const std::size_t hi_unit = first_unit + units * std::size_t(part + 1) / std::size_t(nparts);
-  std::size_t lo = lo_unit * align_elems, hi = hi_unit * align_elems;
+  std::size_t lo = lo_unit * slice_elems, hi = hi_unit * slice_elems;
   if (lo < begin) lo = begin;
   if (hi > end) hi = end;
   if (lo > hi) lo = hi;

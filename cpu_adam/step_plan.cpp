@@ -1,5 +1,7 @@
 #include "step_plan.hpp"
 
+#include "rounding_key.hpp"
+
 #include <cfloat>
 #include <cmath>
 #include <stdexcept>
@@ -59,9 +61,20 @@ void step_plan::prepare(const kernel_set& ks, std::span<const adam_config> confi
   const dtype kernel_grad = io.accumulator ? dtype::f32 : io.grad_type;
   for (std::size_t g = 0; g < configs.size(); ++g) {
     const kernel_variant var = variant_of(configs[g]);
-    groups[g].fn = io.delta ? ks.delta(io.grad_type, var.decay, var.nesterov)
-                            : ks.adam(kernel_grad, io.out, var.decay, var.nesterov);
-    groups[g].scalars = make_step_scalars(configs[g], t_, decision_.scale);
+    group_kernel& gk = groups[g];
+    gk.scalars = make_step_scalars(configs[g], t_, decision_.scale);
+    if (gk.storage.format != moment_format::f32) { // callers refuse the optax form for these
+      gk.fn = nullptr;
+      gk.compressed = ks.adam_compressed(gk.storage.format, kernel_grad, io.out);
+      gk.call.s = gk.scalars;
+      gk.call.decay = var.decay;
+      gk.call.nesterov = var.nesterov;
+      gk.call.key = rounding_key(gk.storage.seed, t_);
+      continue;
+    }
+    gk.compressed = nullptr;
+    gk.fn = io.delta ? ks.delta(io.grad_type, var.decay, var.nesterov)
+                     : ks.adam(kernel_grad, io.out, var.decay, var.nesterov);
   }
 }
 

@@ -11,11 +11,28 @@ namespace {
 // Elements per accumulator block: 16 KiB of f32, well inside L1/L2.
 constexpr std::size_t accumulate_block = 4096;
 
+// The group's kernel over arena elements [a, a + n).
+void run_kernel(const update_job& job, const group_kernel& g, std::size_t a, const void* grad, void* out,
+                std::size_t n) noexcept {
+  if (!g.compressed) {
+    g.fn(g.scalars, job.params + a, job.exp_avg + a, job.exp_avg_sq + a, grad, out, n);
+    return;
+  }
+  const moment_storage& st = g.storage;
+  const std::size_t k = a - st.origin;
+  const std::size_t code_bytes = st.format == moment_format::bf16 ? 2 : 1;
+  compressed_call call = g.call;
+  call.first = job.index_origin + a;
+  g.compressed(call, job.params + a, static_cast<char*>(st.exp_avg) + k * code_bytes,
+               static_cast<char*>(st.exp_avg_sq) + k * code_bytes,
+               st.scales ? st.scales + 2 * (k / q8_block) : nullptr, grad, out, n);
+}
+
 // Runs the kernel over [a, b) of one piece, adding the accumulator first when present.
 void run_range(const update_job& job, const group_kernel& g, std::size_t a, std::size_t b, const void* grad,
                void* out) noexcept {
   if (!job.flat_accumulator) {
-    g.fn(g.scalars, job.params + a, job.exp_avg + a, job.exp_avg_sq + a, grad, out, b - a);
+    run_kernel(job, g, a, grad, out, b - a);
     return;
   }
   alignas(64) float sum[accumulate_block];
@@ -24,8 +41,7 @@ void run_range(const update_job& job, const group_kernel& g, std::size_t a, std:
     const std::size_t skip = lo - a;
     job.add_grad(sum, job.flat_accumulator + (lo - job.flat_origin),
                  static_cast<const char*>(grad) + skip * job.grad_elem_bytes, n);
-    g.fn(g.scalars, job.params + lo, job.exp_avg + lo, job.exp_avg_sq + lo, sum,
-         out ? static_cast<char*>(out) + skip * job.out_elem_bytes : nullptr, n);
+    run_kernel(job, g, lo, sum, out ? static_cast<char*>(out) + skip * job.out_elem_bytes : nullptr, n);
   }
 }
 

@@ -22,10 +22,26 @@ struct update_piece {
   bool no_grad = false;       // flat buffers: no gradient this step, left untouched
 };
 
+/// Where a group's moments live when they are not the job's f32 arrays: compressed
+/// storage for the arena elements from `origin` (a multiple of q8_block) on.
+struct moment_storage {
+  moment_format format = moment_format::f32;
+  void* exp_avg = nullptr;        // bf16 values or 8-bit codes, one per element
+  void* exp_avg_sq = nullptr;
+  std::uint8_t* scales = nullptr; // 8-bit: two exponent bytes per block
+  std::size_t origin = 0;
+  std::uint64_t seed = 0;         // of the stochastic rounding
+};
+
 /// A group's kernel and its per-step constants.
 struct group_kernel {
   adam_fn fn = nullptr;
   step_scalars scalars{};
+  // Compressed moments (storage.format != f32): this kernel instead of fn, with call's
+  // constants (call.first is set per range).
+  moment_storage storage;
+  adam_compressed_fn compressed = nullptr;
+  compressed_call call;
 };
 
 struct update_job {
@@ -38,6 +54,9 @@ struct update_job {
   std::size_t grad_elem_bytes = 4;
   std::size_t out_elem_bytes = 4;
   std::size_t begin = 0, end = 0; // arena range to update
+  // Job index a is element index_origin + a of the whole layout (a shard's offset): the
+  // index compressed moments' rounding is keyed on.
+  std::uint64_t index_origin = 0;
   // Flat buffers in arena layout instead of the pieces' own pointers: arena element e's
   // gradient is flat_grad[e - flat_origin] (likewise flat_out, flat_accumulator).
   const void* flat_grad = nullptr;

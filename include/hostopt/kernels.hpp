@@ -11,6 +11,7 @@
 
 #include "hostopt/adam_config.hpp"
 #include "hostopt/dtype.hpp"
+#include "hostopt/moment_format.hpp"
 
 namespace hostopt {
 
@@ -54,6 +55,41 @@ void adam_step(float* params, float* exp_avg, float* exp_avg_sq, std::size_t n,
                const_view grad, mut_view out, const adam_config& config, std::int64_t step,
                float grad_scale = 1.0f, const execution_options& exec = {});
 
+/// Adam moments of n elements stored compressed (moment_format.hpp), in buffers the caller
+/// owns: exp_avg and exp_avg_sq hold n bf16 values or n 8-bit codes each; for 8-bit,
+/// `scales` holds 2 bytes (the two moments' block exponents) per started block of
+/// q8_block elements. Zero bytes everywhere are zero moments.
+struct compressed_moments {
+  moment_format format = moment_format::bf16; ///< bf16 or q8 (f32 moments: the float* overload)
+  void* exp_avg = nullptr;
+  void* exp_avg_sq = nullptr;
+  std::uint8_t* scales = nullptr; ///< q8 only (null for bf16)
+};
+/// Bytes of compressed_moments::scales for n elements (0 for bf16).
+std::size_t moment_scale_bytes(moment_format format, std::size_t n);
+/// Where the stochastic rounding of compressed moments draws from: the random bits of
+/// element i at step t are a hash of (seed, t, first_index + i) and nothing else, so the
+/// same state steps to the same bits whatever the kernel, threads or chunking. When the
+/// buffers are part of a larger state stepped in pieces, first_index is the piece's
+/// offset in it (a multiple of q8_block for 8-bit) and each piece rounds as the whole.
+struct rounding_stream {
+  std::uint64_t seed = 0;
+  std::uint64_t first_index = 0;
+};
+/// adam_step with compressed moments: decode, update (the bits the f32 step gives for the
+/// decoded moments), re-encode with stochastic rounding, copy-out, in one pass.
+/// Throws std::invalid_argument (nothing written) as adam_step does, for format f32 or an
+/// unknown one, null or overlapping moment buffers, or first_index not on a block (8-bit).
+void adam_step(float* params, const compressed_moments& moments, std::size_t n, const_view grad, mut_view out,
+               const adam_config& config, std::int64_t step, float grad_scale = 1.0f,
+               const rounding_stream& rounding = {}, const execution_options& exec = {});
+/// Lossy conversion of f32 moments to a compressed format (stochastic rounding keyed on
+/// rounding.seed with step 0 and the element indices). Throws std::invalid_argument like
+/// adam_step for bad buffers.
+void encode_moments(const float* exp_avg, const float* exp_avg_sq, const compressed_moments& out, std::size_t n,
+                    const rounding_stream& rounding = {});
+/// Compressed moments to f32 (exact: every code is an f32 value). Throws like adam_step.
+void decode_moments(const compressed_moments& in, std::size_t n, float* exp_avg, float* exp_avg_sq);
 /// The optax form of the step, for frameworks that apply updates themselves: `params` is
 /// only read (for weight decay; it may be null when weight_decay is 0), the moments are
 /// updated in place, and `update` — in the gradient's dtype — receives

@@ -1,0 +1,473 @@
+#pragma once
+// The fused Adam step over compressed moments: decode m and v, the update rule of
+// adam_kernel.hpp (the same operations in the same order, so p and the copy-out are the
+// bits the f32 kernel gives for the decoded moments), encode m and v, one pass.
+//
+// Formats (moment_format):
+// - bf16: m and v as bfloat16, stochastically rounded. With beta2 = 0.999, v moves by
+//   1e-3 of itself per step, below bf16's 2^-8 resolution: round to nearest would freeze
+//   it. Rounding up with probability (discarded bits) / 2^16 is unbiased instead.
+// - q8: 8-bit block floating point over blocks of q8_block elements, each with one shared
+//   exponent byte per moment ("base"). m's code is sign | 4-bit exponent | 3-bit mantissa,
+//   v's (never negative) a 5-bit exponent | 3-bit mantissa, both relative to the block's
+//   base, with subnormals below it: a block spans 2^17 (m) and 2^33 (v) of dynamic range,
+//   and a power-of-two scale makes encoding bit arithmetic (no code-book search, no
+//   division). Rounding is stochastic as for bf16. A block whose moment is not finite
+//   has base 255 and decodes as NaN. 2 + 2/32 bytes per element.
+// The random bits of element i at step t come from lowbias32(i ^ span_key) (rounding_key.hpp).
+//
+// Only included by the per-instruction-set translation units (cpu_adam/arch_*.cpp).
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "adam_kernel.hpp"
+#include "rounding_key.hpp"
+#include "simd_ops.hpp"
+#include "simd_uint_ops.hpp"
+
+namespace hostopt::detail {
+namespace HOSTOPT_KERNEL_NS {
+
+template <class Arch>
+struct moment_codec {
+  using ops = simd_ops<Arch>;
+  using uo = uint_ops<Arch>;
+  using vec = typename ops::vec;
+  using uvec = typename uo::uvec;
+
+  /// lowbias32 of each lane (rounding_key.hpp's, on vectors).
+  static uvec hash(uvec x) noexcept {
+    x = x ^ (x >> 16);
+    x = uo::mul(x, uo::splat(0x7FEB352Du));
+    x = x ^ (x >> 15);
+    x = uo::mul(x, uo::splat(0x846CA68Bu));
+    return x ^ (x >> 16);
+  }
+  /// Random bits of lanes at indices lo, lo + 1, ... (low 32 bits) in a span with `key`.
+  static uvec random(std::uint32_t lo, std::uint32_t key) noexcept { return hash(uo::iota(lo) ^ uo::splat(key)); }
+
+  // --- bf16 -----------------------------------------------------------------------------
+  /// Rounds x (canonical) to bf16 up in magnitude when its low 16 bits + r16 carry.
+  static void store_bf16(bf16_t* p, vec x, uvec r16) noexcept {
+    uo::store_u16(reinterpret_cast<std::uint16_t*>(p), (uo::bits(x) + r16) >> 16);
+  }
+
+  // --- q8 -------------------------------------------------------------------------------
+  static constexpr std::uint32_t poisoned = 255;
+  /// Magnitude codes: 7 bits for m (a sign beside), 8 for v.
+  static constexpr std::uint32_t m_max_code = 127, v_max_code = 255;
+  /// The base that puts a block's largest exponent at the top of the code's exponents.
+  /// The exponent is the largest value's after rounding up (its 20 discarded bits all
+  /// carrying), so no code ever saturates: a base from the exponent alone would clamp a
+  /// value just below a power of two (v = 0.999 of 1) to 15/16 of it, biased.
+  static std::uint32_t base_for(std::uint32_t max_magnitude_bits, std::uint32_t max_code) noexcept {
+    if (max_magnitude_bits >= 0x7F800000u) return poisoned; // inf or NaN
+    const std::uint32_t rounded_up = (max_magnitude_bits + 0xFFFFFu) >> 23;
+    const std::uint32_t e = rounded_up < 254 ? rounded_up : 254;
+    const std::uint32_t top = max_code >> 3; // 15 (m) or 31 (v)
+    return e > top ? e - top : 0;
+  }
+  /// Magnitude code -> value: code >= 8 is the float with exponent base + code / 8 and
+  /// mantissa code % 8; code < 8 is code / 8 * 2^(base + 1) (the subnormals).
+  static vec decode_magnitude(uvec code, std::uint32_t base) noexcept {
+    const uvec eight = uo::splat(8);
+    const uvec k = uo::select_lt(code, eight, code + eight, code);
+    const vec x = uo::from_bits((k + uo::splat(base * 8)) << 20);
+    const vec c = ops::splat(bits_float((base + 1) << 23));
+    return uo::select_lt(code, eight, x - c, x);
+  }
+  /// |x| (magnitude bits a) -> magnitude code, rounding stochastically with r20 (random
+  /// bits in [0, 2^20)), at most max_code.
+  static uvec encode_magnitude(uvec a, std::uint32_t base, uvec r20, std::uint32_t max_code) noexcept {
+    const std::uint32_t c_bits = (base + 1) << 23;
+    // Below 2^(base+1): |x| + 2^(base+1) puts |x|'s eighths of 2^(base+1) in the top
+    // mantissa bits (the add rounds to nearest below 2^-20 of them: deterministic).
+    const vec shifted = uo::from_bits(a) + ops::splat(bits_float(c_bits));
+    const uvec y = uo::select_lt(a, uo::splat(c_bits), uo::bits(shifted), a);
+    const uvec origin = uo::select_lt(a, uo::splat(c_bits), uo::splat((base + 1) * 8), uo::splat(base * 8));
+    return uo::min(((y + r20) >> 20) - origin, uo::splat(max_code));
+  }
+  /// Spreads 16 random bits over the 20 discarded ones, with their midpoint as offset:
+  /// P(round up) = discarded fraction (to 2^-16), exactly unbiased on average.
+  static uvec spread20(uvec r16) noexcept { return (r16 << 4) | uo::splat(8); }
+
+  static vec decode_m(const std::uint8_t* c, std::uint32_t base) noexcept {
+    if (base == poisoned) return ops::splat(canonical_nan());
+    const uvec code = uo::load_u8(c);
+    const vec mag = decode_magnitude(code & uo::splat(0x7F), base);
+    return uo::from_bits(uo::bits(mag) | ((code >> 7) << 31));
+  }
+  static vec decode_v(const std::uint8_t* c, std::uint32_t base) noexcept {
+    if (base == poisoned) return ops::splat(canonical_nan());
+    return decode_magnitude(uo::load_u8(c), base);
+  }
+  static void encode_m(std::uint8_t* c, vec x, std::uint32_t base, uvec r16) noexcept {
+    if (base == poisoned) return uo::store_u8(c, uo::splat(0));
+    const uvec u = uo::bits(x);
+    const uvec mag = encode_magnitude(u & uo::splat(0x7FFFFFFFu), base, spread20(r16), m_max_code);
+    uo::store_u8(c, mag | ((u >> 31) << 7));
+  }
+  static void encode_v(std::uint8_t* c, vec x, std::uint32_t base, uvec r16) noexcept {
+    if (base == poisoned) return uo::store_u8(c, uo::splat(0));
+    uo::store_u8(c, encode_magnitude(uo::bits(x) & uo::splat(0x7FFFFFFFu), base, spread20(r16), v_max_code));
+  }
+};
+
+/// The update rule on one vector (adam_kernel's body, non-optax form): new m, v and p.
+template <class Arch>
+struct adam_rule {
+  using ops = simd_ops<Arch>;
+  using vec = typename ops::vec;
+  struct constants {
+    vec grad_scale, l2, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, inv_bc2, eps, eps_root, decay,
+        lr, nesterov_m, nesterov_g;
+    decay_kind decay_mode;
+    bool nesterov;
+    explicit constants(const compressed_call& k)
+        : grad_scale(ops::splat(k.s.grad_scale)), l2(ops::splat(k.s.l2)), beta1(ops::splat(k.s.beta1)),
+          one_minus_beta1(ops::splat(k.s.one_minus_beta1)), beta2(ops::splat(k.s.beta2)),
+          one_minus_beta2(ops::splat(k.s.one_minus_beta2)), step_size(ops::splat(k.s.step_size)),
+          inv_bc2(ops::splat(k.s.inv_bc2)), eps(ops::splat(k.s.eps)), eps_root(ops::splat(k.s.eps_root)),
+          decay(ops::splat(k.s.decay)), lr(ops::splat(k.s.lr)), nesterov_m(ops::splat(k.s.nesterov_m)),
+          nesterov_g(ops::splat(k.s.nesterov_g)), decay_mode(k.decay), nesterov(k.nesterov) {}
+  };
+  /// m and v in, new m and v out (canonical); returns the new p (canonical).
+  static vec apply(const constants& c, vec g, vec pp, vec& m, vec& v) noexcept {
+    g = g * c.grad_scale;
+    if (c.decay_mode == decay_kind::coupled) g = g + c.l2 * pp;
+    const vec mm = c.beta1 * m + c.one_minus_beta1 * g;
+    const vec vv = c.beta2 * v + c.one_minus_beta2 * (g * g);
+    m = ops::canon(mm);
+    v = ops::canon(vv);
+    const vec denom = ops::sqrt(vv * c.inv_bc2 + c.eps_root) + c.eps;
+    if (c.decay_mode == decay_kind::decoupled) pp = pp * c.decay;
+    if (c.nesterov) pp = pp - ops::div(c.lr * (c.nesterov_m * mm + c.nesterov_g * g), denom);
+    else pp = pp - ops::div(c.step_size * mm, denom);
+    return ops::canon(pp);
+  }
+};
+
+template <class Ops, class O>
+inline void store_out_maybe_streamed(O* out, typename Ops::vec x, bool stream) noexcept {
+  if constexpr (!std::is_same_v<O, no_out>) {
+    if (stream) Ops::stream(out, x);
+    else Ops::store(out, x);
+  }
+}
+
+template <class O>
+inline O* out_at(O* out, std::size_t i) noexcept {
+  if constexpr (std::is_same_v<O, no_out>) return out;
+  else return out + i;
+}
+
+/// Runs fn(call, p, m, v, scales, grad, out, n) on pieces that each lie in one 2^32-element
+/// span of indices (one span key), advancing every pointer.
+template <class Step>
+inline void by_index_span(const compressed_call& k, std::size_t n, Step&& step) noexcept {
+  std::size_t done = 0;
+  while (done < n) {
+    const std::uint64_t first = k.first + done;
+    const std::uint64_t span_end = ((first >> 32) + 1) << 32;
+    const std::size_t len = std::size_t(std::min<std::uint64_t>(n - done, span_end - first));
+    step(done, len, span_key(k.key, first), std::uint32_t(first));
+    done += len;
+  }
+}
+
+// bf16 moments: m and v are bf16_t arrays at element `first`; `scales` is unused.
+template <class Arch, class G, class O>
+struct adam_bf16_state_kernel {
+  using ops = simd_ops<Arch>;
+  using uo = uint_ops<Arch>;
+  using codec = moment_codec<Arch>;
+  using rule = adam_rule<Arch>;
+  using vec = typename ops::vec;
+  using uvec = typename uo::uvec;
+  static constexpr std::size_t W = ops::width;
+
+  static void block(const typename rule::constants& c, float* p, bf16_t* m, bf16_t* v, const G* grad, O* out,
+                    std::uint32_t lo, std::uint32_t key, bool stream) noexcept {
+    vec mm = ops::load(m), vv = ops::load(v);
+    const vec pp = rule::apply(c, ops::load(grad), ops::load(p), mm, vv);
+    ops::store(p, pp);
+    store_out_maybe_streamed<ops>(out, pp, stream);
+    const uvec r = codec::random(lo, key);
+    codec::store_bf16(m, mm, r & uo::splat(0xFFFF));
+    codec::store_bf16(v, vv, r >> 16);
+  }
+
+  static void run(const compressed_call& k, float* p, void* m_raw, void* v_raw, std::uint8_t*, const void* grad_raw,
+                  void* out_raw, std::size_t n) noexcept {
+    const typename rule::constants c(k);
+    const G* grad = static_cast<const G*>(grad_raw);
+    O* out = static_cast<O*>(out_raw);
+    bf16_t* m = static_cast<bf16_t*>(m_raw);
+    bf16_t* v = static_cast<bf16_t*>(v_raw);
+    const bool stream = stream_copy_out<ops>(out, n);
+    by_index_span(k, n, [&](std::size_t at, std::size_t len, std::uint32_t key, std::uint32_t lo) {
+      std::size_t i = 0;
+      for (; i + W <= len; i += W)
+        block(c, p + at + i, m + at + i, v + at + i, grad + at + i, out_at(out, at + i), lo + std::uint32_t(i), key,
+              stream);
+      if (i == len) return;
+      // Tail: the same vector code on a zero-padded copy.
+      const std::size_t r = len - i, j = at + i;
+      alignas(64) float pb[W] = {};
+      bf16_t mb[W] = {}, vb[W] = {};
+      G gb[W] = {};
+      O ob[W] = {};
+      std::memcpy(pb, p + j, r * sizeof(float));
+      std::memcpy(mb, m + j, r * sizeof(bf16_t));
+      std::memcpy(vb, v + j, r * sizeof(bf16_t));
+      std::memcpy(gb, grad + j, r * sizeof(G));
+      block(c, pb, mb, vb, gb, ob, lo + std::uint32_t(i), key, false);
+      std::memcpy(p + j, pb, r * sizeof(float));
+      std::memcpy(m + j, mb, r * sizeof(bf16_t));
+      std::memcpy(v + j, vb, r * sizeof(bf16_t));
+      if constexpr (!std::is_same_v<O, no_out>) std::memcpy(out + j, ob, r * sizeof(O));
+    });
+    if (stream) ops::stream_fence();
+  }
+};
+
+// q8 moments: m and v are one code byte per element at element `first` (a multiple of
+// q8_block); scales holds two bytes per block (m's base, v's base) from block first / q8_block.
+// A call covers whole blocks, except that its last block may end early (a tensor's end).
+template <class Arch, class G, class O>
+struct adam_q8_state_kernel {
+  using ops = simd_ops<Arch>;
+  using uo = uint_ops<Arch>;
+  using codec = moment_codec<Arch>;
+  using rule = adam_rule<Arch>;
+  using vec = typename ops::vec;
+  using uvec = typename uo::uvec;
+  static constexpr std::size_t W = ops::width;
+  static constexpr std::size_t V = q8_block / W;
+
+  static void block(const typename rule::constants& c, float* p, std::uint8_t* m, std::uint8_t* v,
+                    std::uint8_t* scales, const G* grad, O* out, std::uint32_t lo, std::uint32_t key,
+                    bool stream) noexcept {
+    vec mm[V], vv[V];
+    uvec m_max = uo::splat(0), v_max = uo::splat(0);
+    const std::uint32_t m_base = scales[0], v_base = scales[1];
+    for (std::size_t j = 0; j < V; ++j) {
+      mm[j] = codec::decode_m(m + j * W, m_base);
+      vv[j] = codec::decode_v(v + j * W, v_base);
+      const vec pp = rule::apply(c, ops::load(grad + j * W), ops::load(p + j * W), mm[j], vv[j]);
+      ops::store(p + j * W, pp);
+      store_out_maybe_streamed<ops>(out_at(out, j * W), pp, stream);
+      m_max = uo::max(m_max, uo::bits(mm[j]) & uo::splat(0x7FFFFFFFu));
+      v_max = uo::max(v_max, uo::bits(vv[j]) & uo::splat(0x7FFFFFFFu));
+    }
+    const std::uint32_t new_m_base = codec::base_for(uo::reduce_max(m_max), codec::m_max_code);
+    const std::uint32_t new_v_base = codec::base_for(uo::reduce_max(v_max), codec::v_max_code);
+    for (std::size_t j = 0; j < V; ++j) {
+      const uvec r = codec::random(lo + std::uint32_t(j * W), key);
+      codec::encode_m(m + j * W, mm[j], new_m_base, r & uo::splat(0xFFFF));
+      codec::encode_v(v + j * W, vv[j], new_v_base, r >> 16);
+    }
+    scales[0] = std::uint8_t(new_m_base);
+    scales[1] = std::uint8_t(new_v_base);
+  }
+
+  static void run(const compressed_call& k, float* p, void* m_raw, void* v_raw, std::uint8_t* scales,
+                  const void* grad_raw, void* out_raw, std::size_t n) noexcept {
+    const typename rule::constants c(k);
+    const G* grad = static_cast<const G*>(grad_raw);
+    O* out = static_cast<O*>(out_raw);
+    std::uint8_t* m = static_cast<std::uint8_t*>(m_raw);
+    std::uint8_t* v = static_cast<std::uint8_t*>(v_raw);
+    const bool stream = stream_copy_out<ops>(out, n);
+    // Spans of 2^32 indices start on block boundaries: blocks never straddle them.
+    by_index_span(k, n, [&](std::size_t at, std::size_t len, std::uint32_t key, std::uint32_t lo) {
+      std::size_t i = 0;
+      for (; i + q8_block <= len; i += q8_block)
+        block(c, p + at + i, m + at + i, v + at + i, scales + 2 * ((at + i) / q8_block), grad + at + i,
+              out_at(out, at + i), lo + std::uint32_t(i), key, stream);
+      if (i == len) return;
+      // A last block that ends early: on zero-padded copies (zeros never raise its base).
+      const std::size_t r = len - i, j = at + i;
+      alignas(64) float pb[q8_block] = {};
+      std::uint8_t mb[q8_block] = {}, vb[q8_block] = {};
+      G gb[q8_block] = {};
+      O ob[q8_block] = {};
+      std::memcpy(pb, p + j, r * sizeof(float));
+      std::memcpy(mb, m + j, r);
+      std::memcpy(vb, v + j, r);
+      std::memcpy(gb, grad + j, r * sizeof(G));
+      block(c, pb, mb, vb, scales + 2 * (j / q8_block), gb, ob, lo + std::uint32_t(i), key, false);
+      std::memcpy(p + j, pb, r * sizeof(float));
+      std::memcpy(m + j, mb, r);
+      std::memcpy(v + j, vb, r);
+      if constexpr (!std::is_same_v<O, no_out>) std::memcpy(out + j, ob, r * sizeof(O));
+    });
+    if (stream) ops::stream_fence();
+  }
+};
+
+/// Explicit conversions between f32 moments and a compressed format (lossy one way):
+/// the kernels' codecs, blocks and tails alike.
+template <class Arch, moment_format F>
+struct moment_conversion {
+  using ops = simd_ops<Arch>;
+  using uo = uint_ops<Arch>;
+  using codec = moment_codec<Arch>;
+  using vec = typename ops::vec;
+  using uvec = typename uo::uvec;
+  static constexpr std::size_t W = ops::width;
+  static constexpr std::size_t B = F == moment_format::q8 ? q8_block : W; // elements per unit
+  using code = std::conditional_t<F == moment_format::bf16, bf16_t, std::uint8_t>;
+
+  static void encode_unit(const float* m, const float* v, code* mc, code* vc, std::uint8_t* scales, std::uint32_t lo,
+                          std::uint32_t key) noexcept {
+    if constexpr (F == moment_format::bf16) {
+      const uvec r = codec::random(lo, key);
+      codec::store_bf16(mc, ops::canon(ops::load(m)), r & uo::splat(0xFFFF));
+      codec::store_bf16(vc, ops::canon(ops::load(v)), r >> 16);
+    } else {
+      uvec m_max = uo::splat(0), v_max = uo::splat(0);
+      for (std::size_t j = 0; j < B; j += W) {
+        m_max = uo::max(m_max, uo::bits(ops::canon(ops::load(m + j))) & uo::splat(0x7FFFFFFFu));
+        v_max = uo::max(v_max, uo::bits(ops::canon(ops::load(v + j))) & uo::splat(0x7FFFFFFFu));
+      }
+      const std::uint32_t mb = codec::base_for(uo::reduce_max(m_max), codec::m_max_code);
+      const std::uint32_t vb = codec::base_for(uo::reduce_max(v_max), codec::v_max_code);
+      for (std::size_t j = 0; j < B; j += W) {
+        const uvec r = codec::random(lo + std::uint32_t(j), key);
+        codec::encode_m(mc + j, ops::canon(ops::load(m + j)), mb, r & uo::splat(0xFFFF));
+        codec::encode_v(vc + j, ops::canon(ops::load(v + j)), vb, r >> 16);
+      }
+      scales[0] = std::uint8_t(mb);
+      scales[1] = std::uint8_t(vb);
+    }
+  }
+
+  static void decode_unit(const code* mc, const code* vc, const std::uint8_t* scales, float* m, float* v) noexcept {
+    for (std::size_t j = 0; j < B; j += W) {
+      if constexpr (F == moment_format::bf16) {
+        ops::store(m + j, ops::load(mc + j));
+        ops::store(v + j, ops::load(vc + j));
+      } else {
+        ops::store(m + j, codec::decode_m(mc + j, scales[0]));
+        ops::store(v + j, codec::decode_v(vc + j, scales[1]));
+      }
+    }
+  }
+
+  static void encode(const float* m, const float* v, void* mc_raw, void* vc_raw, std::uint8_t* scales, std::size_t n,
+                     std::uint64_t key, std::uint64_t first) noexcept {
+    code* mc = static_cast<code*>(mc_raw);
+    code* vc = static_cast<code*>(vc_raw);
+    const compressed_call k{{}, decay_kind::none, false, key, first};
+    by_index_span(k, n, [&](std::size_t at, std::size_t len, std::uint32_t span, std::uint32_t lo) {
+      std::size_t i = 0;
+      for (; i + B <= len; i += B)
+        encode_unit(m + at + i, v + at + i, mc + at + i, vc + at + i, scale_at(scales, at + i), lo + std::uint32_t(i),
+                    span);
+      if (i == len) return;
+      const std::size_t r = len - i, j = at + i;
+      alignas(64) float mb[B] = {}, vb[B] = {};
+      code mo[B] = {}, vo[B] = {};
+      std::memcpy(mb, m + j, r * sizeof(float));
+      std::memcpy(vb, v + j, r * sizeof(float));
+      encode_unit(mb, vb, mo, vo, scale_at(scales, j), lo + std::uint32_t(i), span);
+      std::memcpy(mc + j, mo, r * sizeof(code));
+      std::memcpy(vc + j, vo, r * sizeof(code));
+    });
+  }
+
+  static void decode(const void* mc_raw, const void* vc_raw, const std::uint8_t* scales, float* m, float* v,
+                     std::size_t n) noexcept {
+    const code* mc = static_cast<const code*>(mc_raw);
+    const code* vc = static_cast<const code*>(vc_raw);
+    std::size_t i = 0;
+    for (; i + B <= n; i += B) decode_unit(mc + i, vc + i, scale_at(scales, i), m + i, v + i);
+    if (i == n) return;
+    const std::size_t r = n - i;
+    alignas(64) float mb[B], vb[B];
+    code mi[B] = {}, vi[B] = {};
+    std::memcpy(mi, mc + i, r * sizeof(code));
+    std::memcpy(vi, vc + i, r * sizeof(code));
+    decode_unit(mi, vi, scale_at(scales, i), mb, vb);
+    std::memcpy(m + i, mb, r * sizeof(float));
+    std::memcpy(v + i, vb, r * sizeof(float));
+  }
+
+  template <class S>
+  static S* scale_at(S* scales, std::size_t i) noexcept {
+    if constexpr (F == moment_format::q8) return scales + 2 * (i / q8_block);
+    else return scales;
+  }
+};
+
+/// Roofline twins: the same loads and stores as the compressed kernels, no arithmetic.
+template <class Arch, class G, class O, moment_format F>
+struct compressed_roofline_kernel {
+  using ops = simd_ops<Arch>;
+  using uo = uint_ops<Arch>;
+  using vec = typename ops::vec;
+  using uvec = typename uo::uvec;
+  static constexpr std::size_t W = ops::width;
+  using code = std::conditional_t<F == moment_format::bf16, std::uint16_t, std::uint8_t>;
+
+  static void run(float* p, void* m_raw, void* v_raw, std::uint8_t* scales, const void* grad_raw, void* out_raw,
+                  std::size_t n) noexcept {
+    const G* grad = static_cast<const G*>(grad_raw);
+    O* out = static_cast<O*>(out_raw);
+    code* m = static_cast<code*>(m_raw);
+    code* v = static_cast<code*>(v_raw);
+    const bool stream = stream_copy_out<ops>(out, n);
+    std::size_t i = 0;
+    for (; i + W <= n; i += W) {
+      vec g = ops::load(grad + i), pp = ops::load(p + i);
+      uvec mm = load(m + i), vv = load(v + i);
+      opaque(g);
+      opaque(pp);
+      opaque(mm);
+      opaque(vv);
+      store(m + i, mm);
+      store(v + i, vv);
+      ops::store(p + i, pp);
+      store_out_maybe_streamed<ops>(out_at(out, i), pp, stream);
+      if constexpr (F == moment_format::q8) {
+        if (i % q8_block == 0) { // the block's two base bytes
+          std::uint8_t* s = scales + 2 * (i / q8_block);
+          std::uint8_t a = s[0], b = s[1];
+          asm volatile("" : "+r"(a), "+r"(b));
+          s[0] = a;
+          s[1] = b;
+        }
+      }
+    }
+    if (stream) ops::stream_fence();
+    for (; i < n; ++i) { // scalar tail: only its memory traffic matters here
+      float x = p[i], g = simd_ops<scalar_arch>::load(grad + i);
+      opaque(x);
+      opaque(g);
+      p[i] = x;
+      std::uint32_t a = m[i], b = v[i];
+      opaque(a);
+      opaque(b);
+      m[i] = code(a);
+      v[i] = code(b);
+      if constexpr (!std::is_same_v<O, no_out>) simd_ops<scalar_arch>::store(out + i, x);
+    }
+  }
+
+  static uvec load(const code* c) noexcept {
+    if constexpr (F == moment_format::bf16) return uo::load_u16(c);
+    else return uo::load_u8(c);
+  }
+  static void store(code* c, uvec x) noexcept {
+    if constexpr (F == moment_format::bf16) uo::store_u16(c, x);
+    else uo::store_u8(c, x);
+  }
+};
+
+} // namespace HOSTOPT_KERNEL_NS
+} // namespace hostopt::detail

@@ -1,0 +1,166 @@
+#pragma once
+// 32-bit unsigned integer lanes beside simd_ops' floats, for the compressed moment codecs
+// (stochastic rounding's hash, 8-bit codes): bit casts, the hash's multiply, narrow loads
+// and stores of 8- and 16-bit codes. Generic xsimd code, with instructions where xsimd
+// 8.1 has none (SSE2's 32-bit multiply) or goes lane by lane (AVX-512's narrowing).
+// Integer arithmetic is exact, so every path gives the same bits.
+//
+// Only included by the per-instruction-set translation units (cpu_adam/arch_*.cpp).
+
+#include <cstddef>
+#include <cstdint>
+
+#include "simd_ops.hpp"
+
+namespace hostopt::detail {
+namespace HOSTOPT_KERNEL_NS {
+
+template <class Arch>
+struct uint_ops;
+
+template <>
+struct uint_ops<scalar_arch> {
+  using vec = float;
+  using uvec = std::uint32_t;
+  static uvec splat(std::uint32_t x) noexcept { return x; }
+  static uvec bits(vec x) noexcept { return float_bits(x); }
+  static vec from_bits(uvec u) noexcept { return bits_float(u); }
+  static uvec mul(uvec a, uvec b) noexcept { return a * b; }
+  static uvec iota(std::uint32_t first) noexcept { return first; }
+  static uvec select_lt(uvec a, uvec b, uvec yes, uvec no) noexcept { return a < b ? yes : no; }
+  static vec select_lt(uvec a, uvec b, vec yes, vec no) noexcept { return a < b ? yes : no; }
+  static uvec min(uvec a, uvec b) noexcept { return a < b ? a : b; }
+  static uvec max(uvec a, uvec b) noexcept { return a < b ? b : a; }
+  static std::uint32_t reduce_max(uvec a) noexcept { return a; }
+  static uvec load_u8(const std::uint8_t* p) noexcept { return *p; }
+  static void store_u8(std::uint8_t* p, uvec x) noexcept { *p = std::uint8_t(x); }
+  static uvec load_u16(const std::uint16_t* p) noexcept { return *p; }
+  static void store_u16(std::uint16_t* p, uvec x) noexcept { *p = std::uint16_t(x); }
+};
+
+#if defined(HOSTOPT_USE_XSIMD)
+template <class Arch>
+struct xsimd_uint_ops {
+  using vec = xsimd::batch<float, Arch>;
+  using uvec = xsimd::batch<std::uint32_t, Arch>;
+  static constexpr std::size_t width = vec::size;
+  static uvec splat(std::uint32_t x) noexcept { return uvec(x); }
+  static uvec bits(vec x) noexcept { return xsimd::bitwise_cast<uvec>(x); }
+  static vec from_bits(uvec u) noexcept { return xsimd::bitwise_cast<vec>(u); }
+  static uvec mul(uvec a, uvec b) noexcept { return a * b; }
+  static uvec iota(std::uint32_t first) noexcept {
+    alignas(64) std::uint32_t t[width];
+    for (std::size_t i = 0; i < width; ++i) t[i] = first + std::uint32_t(i);
+    return uvec::load_aligned(t);
+  }
+  // Operands below 2^31 only (magnitudes' bits, codes): a signed compare is exact there,
+  // and every instruction set has one.
+  static uvec select_lt(uvec a, uvec b, uvec yes, uvec no) noexcept {
+    using ivec = xsimd::batch<std::int32_t, Arch>;
+    const auto lt = xsimd::bitwise_cast<ivec>(a) < xsimd::bitwise_cast<ivec>(b);
+    return xsimd::bitwise_cast<uvec>(
+        xsimd::select(lt, xsimd::bitwise_cast<ivec>(yes), xsimd::bitwise_cast<ivec>(no)));
+  }
+  static vec select_lt(uvec a, uvec b, vec yes, vec no) noexcept {
+    return from_bits(select_lt(a, b, bits(yes), bits(no)));
+  }
+  static uvec min(uvec a, uvec b) noexcept { return select_lt(a, b, a, b); }
+  static uvec max(uvec a, uvec b) noexcept { return select_lt(a, b, b, a); }
+  static std::uint32_t reduce_max(uvec a) noexcept {
+    alignas(64) std::uint32_t t[width];
+    a.store_aligned(t);
+    std::uint32_t r = t[0];
+    for (std::size_t i = 1; i < width; ++i) r = t[i] > r ? t[i] : r;
+    return r;
+  }
+  static uvec load_u8(const std::uint8_t* p) noexcept {
+    alignas(64) std::uint32_t t[width];
+    for (std::size_t i = 0; i < width; ++i) t[i] = p[i];
+    return uvec::load_aligned(t);
+  }
+  static void store_u8(std::uint8_t* p, uvec x) noexcept {
+    alignas(64) std::uint32_t t[width];
+    x.store_aligned(t);
+    for (std::size_t i = 0; i < width; ++i) p[i] = std::uint8_t(t[i]);
+  }
+  static uvec load_u16(const std::uint16_t* p) noexcept {
+    alignas(64) std::uint32_t t[width];
+    for (std::size_t i = 0; i < width; ++i) t[i] = p[i];
+    return uvec::load_aligned(t);
+  }
+  static void store_u16(std::uint16_t* p, uvec x) noexcept {
+    alignas(64) std::uint32_t t[width];
+    x.store_aligned(t);
+    for (std::size_t i = 0; i < width; ++i) p[i] = std::uint16_t(t[i]);
+  }
+};
+
+template <class Arch>
+struct uint_ops : xsimd_uint_ops<Arch> {};
+#endif
+
+#if defined(HOSTOPT_USE_XSIMD) && defined(__AVX512BW__)
+template <>
+struct uint_ops<xsimd::avx512bw> : xsimd_uint_ops<xsimd::avx512bw> {
+  static uvec select_lt(uvec a, uvec b, uvec yes, uvec no) noexcept {
+    return _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(a, b), no, yes);
+  }
+  static vec select_lt(uvec a, uvec b, vec yes, vec no) noexcept {
+    return _mm512_mask_blend_ps(_mm512_cmplt_epu32_mask(a, b), no, yes);
+  }
+  static uvec min(uvec a, uvec b) noexcept { return _mm512_min_epu32(a, b); }
+  static uvec max(uvec a, uvec b) noexcept { return _mm512_max_epu32(a, b); }
+  static std::uint32_t reduce_max(uvec a) noexcept { return _mm512_reduce_max_epu32(a); }
+  static uvec load_u8(const std::uint8_t* p) noexcept {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void store_u8(std::uint8_t* p, uvec x) noexcept {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x));
+  }
+  static uvec load_u16(const std::uint16_t* p) noexcept {
+    return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static void store_u16(std::uint16_t* p, uvec x) noexcept {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(x));
+  }
+};
+#endif
+
+#if defined(HOSTOPT_USE_XSIMD) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+template <>
+struct uint_ops<xsimd::fma3<xsimd::avx2>> : xsimd_uint_ops<xsimd::fma3<xsimd::avx2>> {
+  static uvec min(uvec a, uvec b) noexcept { return _mm256_min_epu32(a, b); }
+  static uvec max(uvec a, uvec b) noexcept { return _mm256_max_epu32(a, b); }
+  static uvec load_u8(const std::uint8_t* p) noexcept {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void store_u8(std::uint8_t* p, uvec x) noexcept { // lanes are < 256
+    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(w, w));
+  }
+  static uvec load_u16(const std::uint16_t* p) noexcept {
+    return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void store_u16(std::uint16_t* p, uvec x) noexcept { // lanes are < 65536
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1)));
+  }
+};
+#endif
+
+#if defined(HOSTOPT_USE_XSIMD) && defined(__SSE2__) && !defined(__AVX__)
+template <>
+struct uint_ops<xsimd::sse2> : xsimd_uint_ops<xsimd::sse2> {
+  // SSE2 has no 32-bit low multiply (SSE4.1's pmulld): two 32x32->64 multiplies of the
+  // even and odd lanes, low halves interleaved back.
+  static uvec mul(uvec a, uvec b) noexcept {
+    const __m128i even = _mm_mul_epu32(a, b);
+    const __m128i odd = _mm_mul_epu32(_mm_srli_epi64(a, 32), _mm_srli_epi64(b, 32));
+    return _mm_unpacklo_epi32(_mm_shuffle_epi32(even, _MM_SHUFFLE(0, 0, 2, 0)),
+                              _mm_shuffle_epi32(odd, _MM_SHUFFLE(0, 0, 2, 0)));
+  }
+};
+#endif
+
+} // namespace HOSTOPT_KERNEL_NS
+} // namespace hostopt::detail

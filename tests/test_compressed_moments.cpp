@@ -1,0 +1,284 @@
+// Compressed Adam moments (bf16 and 8-bit) through the public one-buffer step and
+// conversions, on every kernel this CPU supports: the same bits whatever the kernel,
+// threads or chunking; the update is the f32 step's for the decoded moments; the rounding
+// is unbiased, so moments do not stall where round-to-nearest would.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "hostopt/kernels.hpp"
+#include "reference.hpp"
+
+using namespace hostopt;
+using ref::supported_kernels;
+
+namespace {
+
+/// Compressed moments owned by a test.
+struct packed {
+  moment_format format;
+  std::vector<unsigned char> m, v, scales;
+  packed(moment_format f, std::size_t n)
+      : format(f), m(n * (f == moment_format::bf16 ? 2 : 1)), v(m.size()), scales(moment_scale_bytes(f, n)) {}
+  compressed_moments view() {
+    return {format, m.data(), v.data(), scales.empty() ? nullptr : scales.data()};
+  }
+  bool operator==(const packed& o) const { return m == o.m && v == o.v && scales == o.scales; }
+};
+
+struct decoded {
+  std::vector<float> m, v;
+};
+
+decoded decode(packed& s, std::size_t n) {
+  decoded d{std::vector<float>(n), std::vector<float>(n)};
+  decode_moments(s.view(), n, d.m.data(), d.v.data());
+  return d;
+}
+
+packed encode(moment_format f, const ref::state& s, std::uint64_t seed = 7) {
+  const std::size_t n = s.p.size();
+  packed out(f, n);
+  encode_moments(s.m.data(), s.v.data(), out.view(), n, {seed, 0});
+  return out;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+}
+
+adam_config adamw() {
+  adam_config c;
+  c.lr = 1e-2;
+  c.weight_decay = 0.01;
+  return c;
+}
+
+const moment_format formats[] = {moment_format::bf16, moment_format::q8};
+
+} // namespace
+
+TEST_CASE("compressed steps give the same bits on every kernel, thread count and chunking", "[compressed]") {
+  const std::size_t n = 3 * 1024 + 45; // a tail, and a last block that ends early
+  std::mt19937 rng(5);
+  for (moment_format f : formats)
+    for (dtype gt : {dtype::f32, dtype::bf16}) {
+      const ref::state start = ref::random_state(n, rng);
+      const ref::grad_buffer g = ref::random_grad(gt, n, rng);
+      const packed moments0 = encode(f, start);
+      struct result {
+        std::vector<float> p;
+        packed moments;
+        std::vector<std::uint16_t> out;
+      };
+      // Steps 3 and 4 over the whole buffer, or over pieces (each with its first_index).
+      auto run = [&](const std::string& kernel, int threads, std::size_t cut) {
+        result r{start.p, moments0, std::vector<std::uint16_t>(n)};
+        for (std::int64_t t : {3, 4}) {
+          auto piece = [&](std::size_t lo, std::size_t hi) {
+            const std::size_t cb = f == moment_format::bf16 ? 2 : 1;
+            compressed_moments mo{f, r.moments.m.data() + lo * cb, r.moments.v.data() + lo * cb,
+                                  f == moment_format::q8 ? r.moments.scales.data() + 2 * (lo / q8_block) : nullptr};
+            adam_step(r.p.data() + lo, mo, hi - lo, g.view(lo, hi - lo), {r.out.data() + lo, hi - lo, dtype::bf16},
+                      adamw(), t, 0.5f, {11, lo}, {threads, kernel});
+          };
+          if (cut == 0) piece(0, n);
+          else {
+            piece(0, cut);
+            piece(cut, n);
+          }
+        }
+        return r;
+      };
+      const result want = run("scalar", 1, 0);
+      for (const auto& kernel : supported_kernels())
+        for (int threads : {1, 2})
+          for (std::size_t cut : {std::size_t(0), std::size_t(32 * 37)}) {
+            INFO("format " << moment_format_name(f) << " grad " << dtype_name(gt) << " kernel " << kernel
+                           << " threads " << threads << " cut " << cut);
+            const result got = run(kernel, threads, cut);
+            CHECK(same_bits(got.p, want.p));
+            CHECK((got.moments == want.moments));
+            CHECK((got.out == want.out));
+          }
+    }
+}
+
+TEST_CASE("a compressed step updates as the f32 step does from the decoded moments", "[compressed]") {
+  const std::size_t n = 2048 + 19;
+  std::mt19937 rng(9);
+  for (const auto& kernel : supported_kernels())
+    for (moment_format f : formats) {
+      INFO("kernel " << kernel << " format " << moment_format_name(f));
+      ref::state s = ref::random_state(n, rng);
+      packed mo = encode(f, s);
+      const decoded d = decode(mo, n);
+      const ref::grad_buffer g = ref::random_grad(dtype::f32, n, rng);
+      // The f32 step from the decoded moments...
+      ref::state want{n};
+      want.p = s.p;
+      want.m = d.m;
+      want.v = d.v;
+      std::vector<float> want_out(n), got_out(n);
+      adam_step(want.p.data(), want.m.data(), want.v.data(), n, g.view(), {want_out.data(), n, dtype::f32}, adamw(),
+                5, 1.0f, {1, kernel});
+      // ...gives the compressed step's parameters bit for bit,
+      adam_step(s.p.data(), mo.view(), n, g.view(), {got_out.data(), n, dtype::f32}, adamw(), 5, 1.0f, {3, 0},
+                {1, kernel});
+      CHECK(same_bits(s.p, want.p));
+      CHECK(same_bits(got_out, want_out));
+      // and its moments within one step of the format's grid of the f32 step's.
+      const decoded after = decode(mo, n);
+      int far = 0;
+      for (std::size_t i = 0; i < n; ++i) {
+        if (f == moment_format::bf16) {
+          // Stochastic rounding lands on one of the two bf16 values around the exact one.
+          const float lo_m = ref::from_bf16(std::uint16_t(ref::bits(want.m[i]) >> 16));
+          const float lo_v = ref::from_bf16(std::uint16_t(ref::bits(want.v[i]) >> 16));
+          const double ulp_m = std::ldexp(1.0, std::ilogb(want.m[i]) - 7), ulp_v = std::ldexp(1.0, std::ilogb(want.v[i]) - 7);
+          far += std::fabs(after.m[i] - lo_m) > 1.0001 * ulp_m || std::fabs(after.v[i] - lo_v) > 1.0001 * ulp_v;
+        } else {
+          // 3 mantissa bits: within 1/8 of the value's binade, or of the block's smallest step.
+          const std::size_t b = i / q8_block * q8_block;
+          float block_max_m = 0, block_max_v = 0;
+          for (std::size_t j = b; j < std::min(n, b + q8_block); ++j) {
+            block_max_m = std::max(block_max_m, std::fabs(want.m[j]));
+            block_max_v = std::max(block_max_v, want.v[j]);
+          }
+          const double floor_m = std::ldexp(1.0, std::ilogb(block_max_m) - 17);
+          const double floor_v = std::ldexp(1.0, std::ilogb(block_max_v) - 33);
+          const double q_m = std::max(std::ldexp(1.0, std::ilogb(want.m[i]) - 3), floor_m);
+          const double q_v = std::max(std::ldexp(1.0, std::ilogb(want.v[i]) - 3), floor_v);
+          far += std::fabs(after.m[i] - want.m[i]) > q_m || std::fabs(after.v[i] - want.v[i]) > q_v;
+        }
+      }
+      CHECK(far == 0);
+    }
+}
+
+TEST_CASE("stochastically rounded moments follow the exact recurrence where round-to-nearest stalls",
+          "[compressed]") {
+  // v decays by beta2 = 0.999 per step with no gradient (and grows towards g^2 = 1 with
+  // one). Per step that is 1e-3 of v, below bf16's 2^-8: round to nearest keeps v = 1
+  // for ever. The mean over many elements must follow the exact curve.
+  const std::size_t n = 4096;
+  for (const auto& kernel : supported_kernels())
+    for (moment_format f : formats)
+      for (bool grow : {false, true}) {
+        INFO("kernel " << kernel << " format " << moment_format_name(f) << (grow ? " growing" : " decaying"));
+        ref::state s(n);
+        for (std::size_t i = 0; i < n; ++i) s.v[i] = grow ? 0.0f : 1.0f;
+        packed mo = encode(f, s);
+        std::vector<float> grad(n, grow ? 1.0f : 0.0f);
+        adam_config c;
+        c.lr = 1e-6;
+        const int steps = kernel == "scalar" ? 300 : 700;
+        for (int t = 1; t <= steps; ++t)
+          adam_step(s.p.data(), mo.view(), n, {grad.data(), n, dtype::f32}, {}, c, t, 1.0f, {42, 0}, {1, kernel});
+        const decoded d = decode(mo, n);
+        double mean = 0;
+        for (float x : d.v) mean += x;
+        mean /= double(n);
+        const double exact = grow ? 1.0 - std::pow(0.999, steps) : std::pow(0.999, steps);
+        CHECK(std::fabs(mean - exact) < 0.01 * exact);
+      }
+}
+
+TEST_CASE("conversions: decode is exact, encode is unbiased and seeded, blocks with NaN decode as NaN",
+          "[compressed]") {
+  const std::size_t n = 64 * 1024;
+  std::mt19937 rng(3);
+  ref::state s = ref::random_state(n, rng);
+  for (moment_format f : formats) {
+    INFO("format " << moment_format_name(f));
+    packed a = encode(f, s, 1), b = encode(f, s, 1), c = encode(f, s, 2);
+    CHECK((a == b));
+    CHECK_FALSE((a == c));
+    // Decoded values re-encode to themselves (they are on the grid). An 8-bit block whose
+    // largest value is in its binade's top eighth takes the next base (room to round up):
+    // its grid is then a different one.
+    decoded d = decode(a, n);
+    ref::state again{n};
+    again.m = d.m;
+    again.v = d.v;
+    packed a2 = encode(f, again, 99);
+    if (f == moment_format::bf16) {
+      CHECK((a2 == a));
+    } else {
+      std::size_t same_base = 0, same_codes = 0;
+      for (std::size_t b = 0; b < n / q8_block; ++b)
+        for (int k : {0, 1}) {
+          if (a2.scales[2 * b + k] != a.scales[2 * b + k]) continue;
+          ++same_base;
+          const auto& x = k ? a.v : a.m;
+          const auto& y = k ? a2.v : a2.m;
+          same_codes += std::equal(x.begin() + b * q8_block, x.begin() + (b + 1) * q8_block, y.begin() + b * q8_block);
+        }
+      CHECK(same_codes == same_base);
+      CHECK(same_base > n / q8_block); // most of the 2 n / 32 moments' blocks
+    }
+    // Unbiased: the mean error over many elements is far below one rounding step.
+    double err_m = 0, err_v = 0, mag_m = 0, mag_v = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      err_m += double(d.m[i]) - s.m[i];
+      err_v += double(d.v[i]) - s.v[i];
+      mag_m += std::fabs(s.m[i]);
+      mag_v += s.v[i];
+    }
+    const double step = f == moment_format::bf16 ? 1.0 / 256 : 1.0 / 8; // relative rounding step
+    CHECK(std::fabs(err_m) < 0.05 * step * mag_m);
+    CHECK(std::fabs(err_v) < 0.05 * step * mag_v);
+  }
+  // A NaN moment: the 8-bit block holding it decodes as NaN, the next block does not.
+  ref::state nan_state = s;
+  nan_state.v[40] = std::nanf("");
+  packed q = encode(moment_format::q8, nan_state);
+  const decoded dq = decode(q, n);
+  for (std::size_t i = 32; i < 64; ++i) CHECK(std::isnan(dq.v[i]));
+  CHECK(std::isfinite(dq.v[31]));
+  CHECK(std::isfinite(dq.v[64]));
+  CHECK(std::isfinite(dq.m[40]));
+  // bf16: only that element.
+  packed h = encode(moment_format::bf16, nan_state);
+  const decoded dh = decode(h, n);
+  CHECK(std::isnan(dh.v[40]));
+  CHECK(std::isfinite(dh.v[41]));
+}
+
+TEST_CASE("compressed steps refuse bad input and write nothing", "[compressed][errors]") {
+  const std::size_t n = 100;
+  std::mt19937 rng(1);
+  ref::state s = ref::random_state(n, rng);
+  packed mo = encode(moment_format::q8, s);
+  const packed before = mo;
+  const std::vector<float> p0 = s.p;
+  std::vector<float> grad(n, 1.0f);
+  const const_view g{grad.data(), n, dtype::f32};
+  auto refused = [&](compressed_moments m, const rounding_stream& r, const std::string& what) {
+    INFO(what);
+    CHECK_THROWS_WITH(adam_step(s.p.data(), m, n, g, {}, adamw(), 1, 1.0f, r), Catch::Contains(what));
+    CHECK(same_bits(s.p, p0));
+    CHECK((mo == before));
+  };
+  compressed_moments m = mo.view();
+  m.format = moment_format::f32;
+  refused(m, {}, "moments.format = f32");
+  m.format = moment_format(7);
+  refused(m, {}, "not a format");
+  m = mo.view();
+  m.scales = nullptr;
+  refused(m, {}, "moments.scales is null");
+  m = mo.view();
+  m.exp_avg_sq = nullptr;
+  refused(m, {}, "moments.exp_avg_sq is null");
+  refused(mo.view(), {0, 16}, "first_index = 16");
+  m = mo.view();
+  m.exp_avg_sq = mo.m.data() + 10; // overlaps exp_avg
+  refused(m, {}, "overlap");
+  CHECK_THROWS_WITH(parse_moment_format("int4"), Catch::Contains("unknown name 'int4'"));
+  CHECK(parse_moment_format("8bit") == moment_format::q8);
+  CHECK(moment_bytes(moment_format::q8, 1 << 20) + 4 * (1 << 20) <= std::size_t(6.1 * (1 << 20)));
+}
