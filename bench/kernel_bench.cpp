@@ -48,6 +48,10 @@ void add_kernel_command(CLI::App& app, kernel_options& o) {
       ->check(CLI::Range(1, 100000));
   cmd->add_option("-w,--warmup", o.warmup, "Untimed warm-up iterations")->capture_default_str()->check(CLI::Range(0, 1000));
   cmd->add_option("-k,--kernel", o.kernel, "Kernel to run (default: the active one; see `hostopt-bench kernels`)");
+  cmd->add_option("--state", o.states,
+                  "Moment formats, timed interleaved: f32, bf16, 8bit (compressed rows report their speedup over "
+                  "f32 when it is listed)")
+      ->capture_default_str()->delimiter(',');
   cmd->add_option("--baseline", o.baseline,
                   "Also time 'two-pass': the f32 step, then a separate cast pass to OUT (for mixes with a 16-bit OUT)")
       ->capture_default_str()->check(CLI::IsMember({"none", "two-pass"}));
@@ -56,6 +60,7 @@ void add_kernel_command(CLI::App& app, kernel_options& o) {
 namespace {
 
 using hostopt::dtype;
+using hostopt::moment_format;
 using hostopt::detail::kernel_set;
 
 // Runs fn(lo, hi) over [0, n) with the library's partition on `threads` workers.
@@ -82,9 +87,27 @@ struct arena_buffers {
   }
 };
 
-std::size_t bytes_per_param(const dtype_mix& mix) {
-  return 24 + hostopt::dtype_size(dtype(mix.grad)) + (mix.out < 0 ? 0 : hostopt::dtype_size(dtype(mix.out)));
+// Bytes a step moves per parameter: the master read and written, both moments read and
+// written (block exponents included), the gradient read and the copy-out written.
+double bytes_per_param(const dtype_mix& mix, moment_format state = moment_format::f32) {
+  const double moments = double(hostopt::moment_bytes(state, std::size_t(1) << 20)) / double(1 << 20);
+  return 8 + 2 * moments + double(hostopt::dtype_size(dtype(mix.grad))) +
+         (mix.out < 0 ? 0 : double(hostopt::dtype_size(dtype(mix.out))));
 }
+
+// Compressed moments for the benchmark, encoded from the f32 arena's starting moments.
+struct compressed_buffers {
+  hostopt::moment_format format;
+  float_buffer m, v, scales; // float_buffer: first-touched by the threads that use it
+  compressed_buffers(moment_format f, const arena_buffers& b, std::size_t n, int threads)
+      : format(f), m(n / (f == moment_format::bf16 ? 2 : 4) + 16, threads), v(m.size, threads),
+        scales(hostopt::moment_scale_bytes(f, n) / 4 + 16, threads) {
+    hostopt::encode_moments(b.m.data, b.v.data, view(), n);
+  }
+  hostopt::compressed_moments view() const {
+    return {format, m.data, v.data, format == moment_format::q8 ? reinterpret_cast<std::uint8_t*>(scales.data) : nullptr};
+  }
+};
 
 } // namespace
 
@@ -93,6 +116,9 @@ report run_kernel_bench(const kernel_options& o, const common_options& c) {
   for (const auto& s : o.sizes) sizes.push_back(parse_size(s));
   std::vector<dtype_mix> mixes;
   for (const auto& m : o.mixes) mixes.push_back(parse_mix(m));
+  std::vector<moment_format> states;
+  for (const auto& s : o.states) states.push_back(hostopt::parse_moment_format(s));
+  if (states.empty()) throw std::invalid_argument("--state: expected at least one of f32, bf16, 8bit");
   const std::vector<int> threads = parse_threads(o.threads);
   const kernel_set& ks = hostopt::detail::kernel_set_by_name(o.kernel);
   const bool two_pass = o.baseline == "two-pass";
@@ -100,9 +126,12 @@ report run_kernel_bench(const kernel_options& o, const common_options& c) {
     return two_pass && (mix.out == int(dtype::bf16) || mix.out == int(dtype::f16));
   };
   for (std::size_t n : sizes)
-    for (const auto& mix : mixes)
-      check_memory(n * (bytes_per_param(mix) + (has_two_pass(mix) ? 2 : 0)),
-                   "kernel benchmark of " + format_size(n) + " parameters (" + mix.name() + ")");
+    for (const auto& mix : mixes) {
+      double bytes = double(n) * (bytes_per_param(mix) + (has_two_pass(mix) ? 2 : 0));
+      for (moment_format f : states)
+        if (f != moment_format::f32) bytes += double(hostopt::moment_bytes(f, n));
+      check_memory(std::size_t(bytes), "kernel benchmark of " + format_size(n) + " parameters (" + mix.name() + ")");
+    }
 
   report r("kernel");
   add_machine_context(r);
@@ -118,6 +147,9 @@ report run_kernel_bench(const kernel_options& o, const common_options& c) {
           prog.update(done++, "kernel " + format_size(n) + " " + mix.name() + " " + mode + " threads=" + std::to_string(t));
           const bool with_two_pass = has_two_pass(mix);
           arena_buffers b(n, mix, with_two_pass, t);
+          std::vector<compressed_buffers> packed;
+          for (moment_format f : states)
+            if (f != moment_format::f32) packed.emplace_back(f, b, n, t);
           hostopt::adam_config cfg;
           cfg.mode = mode == "adam" ? hostopt::adam_mode::adam : hostopt::adam_mode::adamw;
           cfg.weight_decay = 0.01;
@@ -125,24 +157,50 @@ report run_kernel_bench(const kernel_options& o, const common_options& c) {
           const hostopt::const_view grad{b.grad.data, n, dtype(mix.grad)};
           const hostopt::mut_view out = mix.out < 0 ? hostopt::mut_view{} : hostopt::mut_view{b.out.data, n, dtype(mix.out)};
           const std::optional<dtype> out_type = mix.out < 0 ? std::nullopt : std::optional<dtype>(dtype(mix.out));
-          const auto roof = ks.roofline(dtype(mix.grad), out_type);
           const std::size_t gsz = hostopt::dtype_size(dtype(mix.grad));
           const std::size_t osz = mix.out < 0 ? 0 : hostopt::dtype_size(dtype(mix.out));
-          std::vector<double> ours, roofline, twopass;
+          const char* grad_bytes = reinterpret_cast<const char*>(b.grad.data);
+          char* out_bytes = osz ? reinterpret_cast<char*>(b.out.data) : nullptr;
+          // Per state: our step's times and its roofline twin's, interleaved state by state.
+          std::vector<std::vector<double>> ours(states.size()), roofline(states.size());
+          std::vector<double> twopass;
           std::int64_t step = 1;
           for (int it = 0; it < o.warmup + o.iterations; ++it) {
-            double t0 = now_seconds();
-            hostopt::adam_step(b.p.data, b.m.data, b.v.data, n, grad, out, cfg, step++, 1.0f, exec);
-            double t1 = now_seconds();
-            parallel_over(n, t, [&](std::size_t lo, std::size_t hi) {
-              roof(b.p.data + lo, b.m.data + lo, b.v.data + lo, reinterpret_cast<const char*>(b.grad.data) + lo * gsz,
-                   osz ? reinterpret_cast<char*>(b.out.data) + lo * osz : nullptr, hi - lo);
-            });
-            double t2 = now_seconds();
-            if (it >= o.warmup) {
-              ours.push_back(t1 - t0);
-              roofline.push_back(t2 - t1);
+            std::size_t next_packed = 0;
+            for (std::size_t k = 0; k < states.size(); ++k) {
+              double t0, t1, t2;
+              if (states[k] == moment_format::f32) {
+                const auto roof = ks.roofline(dtype(mix.grad), out_type);
+                t0 = now_seconds();
+                hostopt::adam_step(b.p.data, b.m.data, b.v.data, n, grad, out, cfg, step, 1.0f, exec);
+                t1 = now_seconds();
+                parallel_over(n, t, [&](std::size_t lo, std::size_t hi) {
+                  roof(b.p.data + lo, b.m.data + lo, b.v.data + lo, grad_bytes + lo * gsz,
+                       out_bytes ? out_bytes + lo * osz : nullptr, hi - lo);
+                });
+                t2 = now_seconds();
+              } else {
+                const compressed_buffers& cb = packed[next_packed++];
+                const auto roof = ks.roofline_compressed(cb.format, dtype(mix.grad), out_type);
+                const std::size_t code = cb.format == moment_format::bf16 ? 2 : 1;
+                char* m = reinterpret_cast<char*>(cb.m.data);
+                char* v = reinterpret_cast<char*>(cb.v.data);
+                auto* scales = reinterpret_cast<std::uint8_t*>(cb.scales.data);
+                t0 = now_seconds();
+                hostopt::adam_step(b.p.data, cb.view(), n, grad, out, cfg, step, 1.0f, {}, exec);
+                t1 = now_seconds();
+                parallel_over(n, t, [&](std::size_t lo, std::size_t hi) { // slices start on blocks
+                  roof(b.p.data + lo, m + lo * code, v + lo * code, scales + 2 * (lo / hostopt::q8_block),
+                       grad_bytes + lo * gsz, out_bytes ? out_bytes + lo * osz : nullptr, hi - lo);
+                });
+                t2 = now_seconds();
+              }
+              if (it >= o.warmup) {
+                ours[k].push_back(t1 - t0);
+                roofline[k].push_back(t2 - t1);
+              }
             }
+            ++step;
             if (with_two_pass) {
               const double t3 = now_seconds();
               hostopt::adam_step(b.p.data, b.m.data, b.v.data, n, grad, {}, cfg, step++, 1.0f, exec);
@@ -153,31 +211,44 @@ report run_kernel_bench(const kernel_options& o, const common_options& c) {
               if (it >= o.warmup) twopass.push_back(now_seconds() - t3);
             }
           }
-          const timing a = summarize(ours), rf = summarize(roofline);
-          const double bytes = double(n) * double(bytes_per_param(mix));
-          nlohmann::ordered_json row;
-          row["size"] = format_size(n);
-          row["threads"] = t;
-          row["mode"] = mode;
-          row["grad"] = std::string(hostopt::dtype_name(dtype(mix.grad)));
-          row["out"] = mix.out < 0 ? "none" : std::string(hostopt::dtype_name(dtype(mix.out)));
-          row["kernel"] = ks.name();
-          row["ms"] = a.median * 1e3;
-          row["ms_min"] = a.min * 1e3;
-          row["Mparam/s"] = double(n) / a.median / 1e6;
-          row["GB/s"] = bytes / a.median / 1e9;
-          row["roofline_GB/s"] = bytes / rf.median / 1e9;
-          row["%roofline"] = 100.0 * rf.median / a.median;
-          if (two_pass) {
-            const timing tp = summarize(twopass);
-            row["two_pass_ms"] = with_two_pass ? nlohmann::ordered_json(tp.median * 1e3) : nullptr;
-            row["fused_speedup"] = with_two_pass ? nlohmann::ordered_json(tp.median / a.median) : nullptr;
+          double f32_ms = -1;
+          for (std::size_t k = 0; k < states.size(); ++k)
+            if (states[k] == moment_format::f32) f32_ms = summarize(ours[k]).median * 1e3;
+          for (std::size_t k = 0; k < states.size(); ++k) {
+            const timing a = summarize(ours[k]), rf = summarize(roofline[k]);
+            const double bytes = double(n) * bytes_per_param(mix, states[k]);
+            nlohmann::ordered_json row;
+            row["size"] = format_size(n);
+            row["threads"] = t;
+            row["mode"] = mode;
+            row["grad"] = std::string(hostopt::dtype_name(dtype(mix.grad)));
+            row["out"] = mix.out < 0 ? "none" : std::string(hostopt::dtype_name(dtype(mix.out)));
+            row["state"] = std::string(hostopt::moment_format_name(states[k]));
+            row["state_B/param"] = 4.0 + double(hostopt::moment_bytes(states[k], n)) / double(n);
+            row["kernel"] = ks.name();
+            row["ms"] = a.median * 1e3;
+            row["ms_min"] = a.min * 1e3;
+            row["Mparam/s"] = double(n) / a.median / 1e6;
+            row["GB/s"] = bytes / a.median / 1e9;
+            row["roofline_GB/s"] = bytes / rf.median / 1e9;
+            row["%roofline"] = 100.0 * rf.median / a.median;
+            if (states.size() > 1)
+              row["speedup_vs_f32"] = f32_ms > 0 ? nlohmann::ordered_json(f32_ms / (a.median * 1e3)) : nullptr;
+            if (two_pass) {
+              const bool here = with_two_pass && states[k] == moment_format::f32;
+              const timing tp = summarize(twopass);
+              row["two_pass_ms"] = here ? nlohmann::ordered_json(tp.median * 1e3) : nullptr;
+              row["fused_speedup"] = here ? nlohmann::ordered_json(tp.median / a.median) : nullptr;
+            }
+            r.add_row(row);
           }
-          r.add_row(row);
         }
   prog.finish();
-  r.add_note("GB/s counts the bytes each step must move: params, exp_avg, exp_avg_sq read and written (24 B), the gradient "
-             "read and the copy-out written. %roofline = roofline time / step time, both medians of interleaved runs.");
+  r.add_note("GB/s counts the bytes each step must move: the master parameters read and written (8 B), both moments read "
+             "and written (16 B in f32, 8 B in bf16, 4.125 B in 8bit with its block exponents), the gradient read and the "
+             "copy-out written. %roofline = the state's roofline twin's time (same loads and stores, no arithmetic) / "
+             "step time; speedup_vs_f32 = the f32-state step's time / this one's; medians of interleaved runs. "
+             "state_B/param: bytes of optimizer state per parameter (f32 master included).");
   return r;
 }
 

@@ -28,6 +28,7 @@ struct kernel_options {
   int warmup = 1;
   std::string kernel;
   std::string baseline = "none";
+  std::vector<std::string> states{"f32"}; // moment formats: f32, bf16, 8bit
 };
 void add_kernel_command(CLI::App& app, kernel_options& o);
 report run_kernel_bench(const kernel_options& o, const common_options& c);

@@ -48,10 +48,12 @@ struct xsimd_uint_ops {
   static uvec bits(vec x) noexcept { return xsimd::bitwise_cast<uvec>(x); }
   static vec from_bits(uvec u) noexcept { return xsimd::bitwise_cast<vec>(u); }
   static uvec mul(uvec a, uvec b) noexcept { return a * b; }
+  /// first, first + 1, ...: a constant vector plus a broadcast (building it through
+  /// memory each call would stall on store forwarding).
   static uvec iota(std::uint32_t first) noexcept {
-    alignas(64) std::uint32_t t[width];
-    for (std::size_t i = 0; i < width; ++i) t[i] = first + std::uint32_t(i);
-    return uvec::load_aligned(t);
+    alignas(64) static constexpr std::uint32_t lanes[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    static_assert(width <= 16);
+    return uvec::load_aligned(lanes) + uvec(first);
   }
   // Operands below 2^31 only (magnitudes' bits, codes): a signed compare is exact there,
   // and every instruction set has one.
