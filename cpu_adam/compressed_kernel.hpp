@@ -95,14 +95,18 @@ struct moment_codec {
   /// P(round up) = discarded fraction (to 2^-16), exactly unbiased on average.
   static uvec spread20(uvec r16) noexcept { return (r16 << 4) | uo::splat(8); }
 
+  /// Largest base the encoder writes (its top code's exponent is at most 254): larger
+  /// bytes (poisoned, or corrupt input) decode as NaN rather than spill into the sign.
+  static constexpr std::uint32_t m_max_base = 254 - (m_max_code >> 3), v_max_base = 254 - (v_max_code >> 3);
+
   static vec decode_m(const std::uint8_t* c, std::uint32_t base) noexcept {
-    if (base == poisoned) return ops::splat(canonical_nan());
+    if (base > m_max_base) return ops::splat(canonical_nan());
     const uvec code = uo::load_u8(c);
     const vec mag = decode_magnitude(code & uo::splat(0x7F), base);
     return uo::from_bits(uo::bits(mag) | ((code >> 7) << 31));
   }
   static vec decode_v(const std::uint8_t* c, std::uint32_t base) noexcept {
-    if (base == poisoned) return ops::splat(canonical_nan());
+    if (base > v_max_base) return ops::splat(canonical_nan());
     return decode_magnitude(uo::load_u8(c), base);
   }
   static void encode_m(std::uint8_t* c, vec x, std::uint32_t base, uvec r16) noexcept {
@@ -208,8 +212,11 @@ struct adam_bf16_state_kernel {
     O* out = static_cast<O*>(out_raw);
     bf16_t* m = static_cast<bf16_t*>(m_raw);
     bf16_t* v = static_cast<bf16_t*>(v_raw);
-    const bool stream = stream_copy_out<ops>(out, n);
+    bool streamed = false;
     by_index_span(k, n, [&](std::size_t at, std::size_t len, std::uint32_t key, std::uint32_t lo) {
+      // Per piece: the one after a 2^32 index boundary may not start aligned.
+      const bool stream = stream_copy_out<ops>(out_at(out, at), len);
+      streamed = streamed || stream;
       std::size_t i = 0;
       for (; i + W <= len; i += W)
         block(c, p + at + i, m + at + i, v + at + i, grad + at + i, out_at(out, at + i), lo + std::uint32_t(i), key,
@@ -231,7 +238,7 @@ struct adam_bf16_state_kernel {
       std::memcpy(v + j, vb, r * sizeof(bf16_t));
       if constexpr (!std::is_same_v<O, no_out>) std::memcpy(out + j, ob, r * sizeof(O));
     });
-    if (stream) ops::stream_fence();
+    if (streamed) ops::stream_fence();
   }
 };
 
@@ -282,9 +289,11 @@ struct adam_q8_state_kernel {
     O* out = static_cast<O*>(out_raw);
     std::uint8_t* m = static_cast<std::uint8_t*>(m_raw);
     std::uint8_t* v = static_cast<std::uint8_t*>(v_raw);
-    const bool stream = stream_copy_out<ops>(out, n);
+    bool streamed = false;
     // Spans of 2^32 indices start on block boundaries: blocks never straddle them.
     by_index_span(k, n, [&](std::size_t at, std::size_t len, std::uint32_t key, std::uint32_t lo) {
+      const bool stream = stream_copy_out<ops>(out_at(out, at), len);
+      streamed = streamed || stream;
       std::size_t i = 0;
       for (; i + q8_block <= len; i += q8_block)
         block(c, p + at + i, m + at + i, v + at + i, scales + 2 * ((at + i) / q8_block), grad + at + i,
@@ -306,7 +315,7 @@ struct adam_q8_state_kernel {
       std::memcpy(v + j, vb, r);
       if constexpr (!std::is_same_v<O, no_out>) std::memcpy(out + j, ob, r * sizeof(O));
     });
-    if (stream) ops::stream_fence();
+    if (streamed) ops::stream_fence();
   }
 };
 

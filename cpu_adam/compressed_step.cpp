@@ -19,28 +19,38 @@ namespace {
 
 std::size_t code_bytes(moment_format f) { return f == moment_format::bf16 ? 2 : 1; }
 
-// The format is a compressed one, the buffers are there for n elements, and first_index
-// starts a block (8-bit); appends the moments' byte ranges for the overlap check.
-void check_moments(const compressed_moments& mo, std::size_t n, const rounding_stream& r,
+// The format is a compressed one, the buffers are there for n elements, and an 8-bit
+// piece starts on a block and ends on one or at the state's end; appends the moments'
+// byte ranges for the overlap check. `what` names the argument ("moments", "out", "in").
+void check_moments(const std::string& what, const compressed_moments& mo, std::size_t n, const rounding_stream& r,
                    std::vector<byte_range>& ranges, int kind) {
   const moment_format f = mo.format;
   if (f != moment_format::bf16 && f != moment_format::q8) {
     if (f == moment_format::f32)
-      throw std::invalid_argument("moments.format = f32: compressed moments are bf16 or 8bit (f32 moments take "
-                                  "the float* overload)");
+      throw std::invalid_argument(what + ".format = f32: compressed moments are bf16 or 8bit");
     detail::bad_moment_format(f);
   }
   if (n == 0) return;
   if (!mo.exp_avg || !mo.exp_avg_sq)
-    throw std::invalid_argument(std::string("moments.") + (mo.exp_avg ? "exp_avg_sq" : "exp_avg") +
-                                " is null for " + std::to_string(n) + " elements: expected a buffer");
-  if (f == moment_format::q8 && !mo.scales)
-    throw std::invalid_argument("moments.scales is null: the 8bit format needs " +
-                                std::to_string(moment_scale_bytes(f, n)) + " bytes of block exponents");
-  if (f == moment_format::q8 && r.first_index % q8_block)
-    throw std::invalid_argument("rounding.first_index = " + std::to_string(r.first_index) +
-                                ": the 8bit format's pieces start on a block (a multiple of " +
-                                std::to_string(q8_block) + ")");
+    throw std::invalid_argument(what + (mo.exp_avg ? ".exp_avg_sq" : ".exp_avg") + " is null for " +
+                                std::to_string(n) + " elements: expected a buffer");
+  if (f == moment_format::q8) {
+    if (!mo.scales)
+      throw std::invalid_argument(what + ".scales is null: the 8bit format needs " +
+                                  std::to_string(moment_scale_bytes(f, n)) + " bytes of block exponents");
+    if (r.first_index % q8_block)
+      throw std::invalid_argument("rounding.first_index = " + std::to_string(r.first_index) +
+                                  ": 8bit pieces start on a block (a multiple of " + std::to_string(q8_block) + ")");
+    const std::uint64_t end = r.first_index + n;
+    if (r.state_size != 0 && end > r.state_size)
+      throw std::invalid_argument("rounding.state_size = " + std::to_string(r.state_size) + ": below the piece's end " +
+                                  std::to_string(end));
+    if (r.state_size != 0 && end != r.state_size && end % q8_block)
+      throw std::invalid_argument("the piece ends at element " + std::to_string(end) + ", inside an 8bit block and " +
+                                  "before the state's end (" + std::to_string(r.state_size) +
+                                  "): it would re-scale elements it does not hold; end pieces on a multiple of " +
+                                  std::to_string(q8_block));
+  }
   ranges.push_back(range_of(mo.exp_avg, n * code_bytes(f), true, kind, 0));
   ranges.push_back(range_of(mo.exp_avg_sq, n * code_bytes(f), true, kind + 1, 0));
   if (f == moment_format::q8) ranges.push_back(range_of(mo.scales, moment_scale_bytes(f, n), true, kind + 2, 0));
@@ -68,7 +78,7 @@ void adam_step(float* params, const compressed_moments& moments, std::size_t n, 
   std::vector<byte_range> ranges{range_of(params, n * 4, true, 0, 0),
                                  range_of(grad.data, n * dtype_size(grad.type), false, 1, 0)};
   if (has_out) ranges.push_back(range_of(out.data, n * dtype_size(out.type), true, 2, 0));
-  check_moments(moments, n, rounding, ranges, 3);
+  check_moments("moments", moments, n, rounding, ranges, 3);
   check_step_number(step);
   validate(config, "config");
 
@@ -100,7 +110,7 @@ void encode_moments(const float* exp_avg, const float* exp_avg_sq, const compres
   check_view("exp_avg_sq", exp_avg_sq, n, dtype::f32, n);
   const char* names[] = {"exp_avg", "exp_avg_sq", "out.exp_avg", "out.exp_avg_sq", "out.scales"};
   std::vector<byte_range> ranges{range_of(exp_avg, n * 4, false, 0, 0), range_of(exp_avg_sq, n * 4, false, 1, 0)};
-  check_moments(out, n, rounding, ranges, 2);
+  check_moments("out", out, n, rounding, ranges, 2);
   if (n == 0) return;
   check_no_overlap(ranges, names);
   const ieee_float_mode mode;
@@ -113,7 +123,7 @@ void decode_moments(const compressed_moments& in, std::size_t n, float* exp_avg,
   check_view("exp_avg_sq", exp_avg_sq, n, dtype::f32, n);
   const char* names[] = {"exp_avg", "exp_avg_sq", "in.exp_avg", "in.exp_avg_sq", "in.scales"};
   std::vector<byte_range> ranges{range_of(exp_avg, n * 4, true, 0, 0), range_of(exp_avg_sq, n * 4, true, 1, 0)};
-  check_moments(in, n, rounding_stream{}, ranges, 2);
+  check_moments("in", in, n, rounding_stream{}, ranges, 2);
   if (n == 0) return;
   check_no_overlap(ranges, names);
   const ieee_float_mode mode;

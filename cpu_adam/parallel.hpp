@@ -31,14 +31,14 @@ void run_parallel(int threads, F& f) {
 }
 
 /// Part `part` of `nparts` of [begin, end): contiguous, boundaries at multiples of
-/// slice_elems (absolute), sizes balanced to within one unit.
+/// `unit` (absolute; threads' slices: slice_elems), sizes balanced to within one unit.
 inline std::pair<std::size_t, std::size_t> partition(std::size_t begin, std::size_t end, int part,
-                                                     int nparts) {
-  const std::size_t first_unit = begin / slice_elems;
-  const std::size_t units = (end + slice_elems - 1) / slice_elems - first_unit;
+                                                     int nparts, std::size_t unit = slice_elems) {
+  const std::size_t first_unit = begin / unit;
+  const std::size_t units = (end + unit - 1) / unit - first_unit;
   const std::size_t lo_unit = first_unit + units * std::size_t(part) / std::size_t(nparts);
   const std::size_t hi_unit = first_unit + units * std::size_t(part + 1) / std::size_t(nparts);
-  std::size_t lo = lo_unit * slice_elems, hi = hi_unit * slice_elems;
+  std::size_t lo = lo_unit * unit, hi = hi_unit * unit;
   if (lo < begin) lo = begin;
   if (hi > end) hi = end;
   if (lo > hi) lo = hi;

@@ -40,7 +40,7 @@ shard_range shard_of(std::size_t arena_size, int world_size, int rank) {
   if (rank < 0 || rank >= world_size)
     throw std::invalid_argument("rank = " + std::to_string(rank) + ": expected a value in [0, " +
                                 std::to_string(world_size) + ")");
-  const auto [b, e] = detail::partition(0, arena_size, rank, world_size);
+  const auto [b, e] = detail::partition(0, arena_size, rank, world_size, detail::align_elems);
   return {b, e};
 }
 

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include "hostopt/kernels.hpp"
@@ -59,13 +60,23 @@ adam_config adamw() {
 
 const moment_format formats[] = {moment_format::bf16, moment_format::q8};
 
+// AdamW, Adam (coupled L2) and NAdam: the kernels take the variant at run time.
+adam_config variant(int k) {
+  adam_config c = adamw();
+  if (k == 1) c.mode = adam_mode::adam;
+  if (k == 2) c.nesterov = true;
+  return c;
+}
+
 } // namespace
 
 TEST_CASE("compressed steps give the same bits on every kernel, thread count and chunking", "[compressed]") {
   const std::size_t n = 3 * 1024 + 45; // a tail, and a last block that ends early
   std::mt19937 rng(5);
   for (moment_format f : formats)
-    for (dtype gt : {dtype::f32, dtype::bf16}) {
+    for (dtype gt : {dtype::f32, dtype::bf16, dtype::f16}) {
+      const adam_config config = variant(int(gt));
+      const dtype ot = gt == dtype::f16 ? dtype::f16 : dtype::bf16;
       const ref::state start = ref::random_state(n, rng);
       const ref::grad_buffer g = ref::random_grad(gt, n, rng);
       const packed moments0 = encode(f, start);
@@ -82,8 +93,8 @@ TEST_CASE("compressed steps give the same bits on every kernel, thread count and
             const std::size_t cb = f == moment_format::bf16 ? 2 : 1;
             compressed_moments mo{f, r.moments.m.data() + lo * cb, r.moments.v.data() + lo * cb,
                                   f == moment_format::q8 ? r.moments.scales.data() + 2 * (lo / q8_block) : nullptr};
-            adam_step(r.p.data() + lo, mo, hi - lo, g.view(lo, hi - lo), {r.out.data() + lo, hi - lo, dtype::bf16},
-                      adamw(), t, 0.5f, {11, lo}, {threads, kernel});
+            adam_step(r.p.data() + lo, mo, hi - lo, g.view(lo, hi - lo), {r.out.data() + lo, hi - lo, ot}, config, t,
+                      0.5f, {11, lo, n}, {threads, kernel});
           };
           if (cut == 0) piece(0, n);
           else {
@@ -275,10 +286,56 @@ TEST_CASE("compressed steps refuse bad input and write nothing", "[compressed][e
   m.exp_avg_sq = nullptr;
   refused(m, {}, "moments.exp_avg_sq is null");
   refused(mo.view(), {0, 16}, "first_index = 16");
+  refused(mo.view(), {0, 0, 200}, "inside an 8bit block"); // elements 100..127 share its last block
+  refused(mo.view(), {0, 0, 50}, "state_size = 50");
   m = mo.view();
   m.exp_avg_sq = mo.m.data() + 10; // overlaps exp_avg
   refused(m, {}, "overlap");
   CHECK_THROWS_WITH(parse_moment_format("int4"), Catch::Contains("unknown name 'int4'"));
   CHECK(parse_moment_format("8bit") == moment_format::q8);
   CHECK(moment_bytes(moment_format::q8, 1 << 20) + 4 * (1 << 20) <= std::size_t(6.1 * (1 << 20)));
+}
+
+TEST_CASE("compressed steps across element index 2^32, with streamed copy-outs, round as one call does",
+          "[compressed]") {
+  // A state past 4G elements: its rounding key changes at index 2^32. A call crossing it
+  // gives the bits of two calls split there, on every kernel; the f32 copy-out is large and
+  // aligned (streamed), and the part after the split starts unaligned.
+  const std::size_t n = (std::size_t(1) << 18) + 93;
+  std::mt19937 rng(17);
+  const ref::state start = ref::random_state(n, rng);
+  const ref::grad_buffer g = ref::random_grad(dtype::bf16, n, rng);
+  for (moment_format f : formats) {
+    // 8-bit pieces start on a block; bf16 ones anywhere: its split falls off the vector grid.
+    const std::uint64_t first = (std::uint64_t(1) << 32) - (f == moment_format::q8 ? 192 : 197);
+    const packed moments0 = encode(f, start);
+    std::vector<float> out_storage(n + 16);
+    float* out = out_storage.data() + (16 - reinterpret_cast<std::uintptr_t>(out_storage.data()) / 4 % 16) % 16;
+    auto run = [&](const std::string& kernel, bool split) {
+      std::vector<float> p = start.p;
+      packed mo = moments0;
+      auto piece = [&](std::size_t lo, std::size_t hi) {
+        const std::size_t cb = f == moment_format::bf16 ? 2 : 1;
+        compressed_moments v{f, mo.m.data() + lo * cb, mo.v.data() + lo * cb,
+                             f == moment_format::q8 ? mo.scales.data() + 2 * (lo / q8_block) : nullptr};
+        adam_step(p.data() + lo, v, hi - lo, g.view(lo, hi - lo), {out + lo, hi - lo, dtype::f32}, adamw(), 2, 1.0f,
+                  {5, first + lo, first + n}, {1, kernel});
+      };
+      if (split) {
+        piece(0, std::size_t((std::uint64_t(1) << 32) - first));
+        piece(std::size_t((std::uint64_t(1) << 32) - first), n);
+      } else {
+        piece(0, n);
+      }
+      return std::make_tuple(p, mo, std::vector<float>(out, out + n));
+    };
+    const auto want = run("scalar", true);
+    for (const auto& kernel : supported_kernels()) {
+      INFO("format " << moment_format_name(f) << " kernel " << kernel);
+      const auto got = run(kernel, false);
+      CHECK(same_bits(std::get<0>(got), std::get<0>(want)));
+      CHECK((std::get<1>(got) == std::get<1>(want)));
+      CHECK(same_bits(std::get<2>(got), std::get<2>(want)));
+    }
+  }
 }

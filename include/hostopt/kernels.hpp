@@ -72,9 +72,15 @@ std::size_t moment_scale_bytes(moment_format format, std::size_t n);
 /// same state steps to the same bits whatever the kernel, threads or chunking. When the
 /// buffers are part of a larger state stepped in pieces, first_index is the piece's
 /// offset in it (a multiple of q8_block for 8-bit) and each piece rounds as the whole.
+///
+/// An 8-bit block's exponents are shared by its 32 elements, so a piece must end on a
+/// block or where the state ends: state_size (0: this piece ends the state) says where.
+/// A piece ending inside a block anywhere else is refused (it would re-scale elements it
+/// does not hold).
 struct rounding_stream {
   std::uint64_t seed = 0;
   std::uint64_t first_index = 0;
+  std::uint64_t state_size = 0;
 };
 /// adam_step with compressed moments: decode, update (the bits the f32 step gives for the
 /// decoded moments), re-encode with stochastic rounding, copy-out, in one pass.
@@ -84,8 +90,8 @@ void adam_step(float* params, const compressed_moments& moments, std::size_t n, 
                const adam_config& config, std::int64_t step, float grad_scale = 1.0f,
                const rounding_stream& rounding = {}, const execution_options& exec = {});
 /// Lossy conversion of f32 moments to a compressed format (stochastic rounding keyed on
-/// rounding.seed with step 0 and the element indices). Throws std::invalid_argument like
-/// adam_step for bad buffers.
+/// rounding.seed with step 0 and the element indices; pieces as for adam_step). Throws
+/// std::invalid_argument like adam_step for bad buffers.
 void encode_moments(const float* exp_avg, const float* exp_avg_sq, const compressed_moments& out, std::size_t n,
                     const rounding_stream& rounding = {});
 /// Compressed moments to f32 (exact: every code is an f32 value). Throws like adam_step.
