@@ -139,14 +139,21 @@ struct adam_rule {
           decay(ops::splat(k.s.decay)), lr(ops::splat(k.s.lr)), nesterov_m(ops::splat(k.s.nesterov_m)),
           nesterov_g(ops::splat(k.s.nesterov_g)), decay_mode(k.decay), nesterov(k.nesterov) {}
   };
-  /// m and v in, new m and v out (canonical); returns the new p (canonical).
+  /// m and v in, new m and v out (canonical NaNs when CanonMoments: the 8-bit codec
+  /// poisons a block for any NaN, so it skips that); returns the new p (canonical).
+  template <bool CanonMoments = true>
   static vec apply(const constants& c, vec g, vec pp, vec& m, vec& v) noexcept {
     g = g * c.grad_scale;
     if (c.decay_mode == decay_kind::coupled) g = g + c.l2 * pp;
     const vec mm = c.beta1 * m + c.one_minus_beta1 * g;
     const vec vv = c.beta2 * v + c.one_minus_beta2 * (g * g);
-    m = ops::canon(mm);
-    v = ops::canon(vv);
+    if constexpr (CanonMoments) {
+      m = ops::canon(mm);
+      v = ops::canon(vv);
+    } else {
+      m = mm;
+      v = vv;
+    }
     const vec denom = ops::sqrt(vv * c.inv_bc2 + c.eps_root) + c.eps;
     if (c.decay_mode == decay_kind::decoupled) pp = pp * c.decay;
     if (c.nesterov) pp = pp - ops::div(c.lr * (c.nesterov_m * mm + c.nesterov_g * g), denom);
@@ -194,12 +201,13 @@ struct adam_bf16_state_kernel {
   using uvec = typename uo::uvec;
   static constexpr std::size_t W = ops::width;
 
+  template <bool Stream>
   static void block(const typename rule::constants& c, float* p, bf16_t* m, bf16_t* v, const G* grad, O* out,
-                    std::uint32_t lo, std::uint32_t key, bool stream) noexcept {
+                    std::uint32_t lo, std::uint32_t key) noexcept {
     vec mm = ops::load(m), vv = ops::load(v);
     const vec pp = rule::apply(c, ops::load(grad), ops::load(p), mm, vv);
     ops::store(p, pp);
-    store_out_maybe_streamed<ops>(out, pp, stream);
+    store_out_maybe_streamed<ops>(out, pp, Stream);
     const uvec r = codec::random(lo, key);
     codec::store_bf16(m, mm, r & uo::splat(0xFFFF));
     codec::store_bf16(v, vv, r >> 16);
@@ -218,9 +226,14 @@ struct adam_bf16_state_kernel {
       const bool stream = stream_copy_out<ops>(out_at(out, at), len);
       streamed = streamed || stream;
       std::size_t i = 0;
-      for (; i + W <= len; i += W)
-        block(c, p + at + i, m + at + i, v + at + i, grad + at + i, out_at(out, at + i), lo + std::uint32_t(i), key,
-              stream);
+      // The copy-out's store kind as a template argument: no test per vector.
+      auto body = [&](auto stream_tag) {
+        for (; i + W <= len; i += W)
+          block<decltype(stream_tag)::value>(c, p + at + i, m + at + i, v + at + i, grad + at + i,
+                                             out_at(out, at + i), lo + std::uint32_t(i), key);
+      };
+      if (stream) body(std::true_type{});
+      else body(std::false_type{});
       if (i == len) return;
       // Tail: the same vector code on a zero-padded copy.
       const std::size_t r = len - i, j = at + i;
@@ -232,7 +245,7 @@ struct adam_bf16_state_kernel {
       std::memcpy(mb, m + j, r * sizeof(bf16_t));
       std::memcpy(vb, v + j, r * sizeof(bf16_t));
       std::memcpy(gb, grad + j, r * sizeof(G));
-      block(c, pb, mb, vb, gb, ob, lo + std::uint32_t(i), key, false);
+      block<false>(c, pb, mb, vb, gb, ob, lo + std::uint32_t(i), key);
       std::memcpy(p + j, pb, r * sizeof(float));
       std::memcpy(m + j, mb, r * sizeof(bf16_t));
       std::memcpy(v + j, vb, r * sizeof(bf16_t));
@@ -256,18 +269,18 @@ struct adam_q8_state_kernel {
   static constexpr std::size_t W = ops::width;
   static constexpr std::size_t V = q8_block / W;
 
+  template <bool Stream>
   static void block(const typename rule::constants& c, float* p, std::uint8_t* m, std::uint8_t* v,
-                    std::uint8_t* scales, const G* grad, O* out, std::uint32_t lo, std::uint32_t key,
-                    bool stream) noexcept {
+                    std::uint8_t* scales, const G* grad, O* out, std::uint32_t lo, std::uint32_t key) noexcept {
     vec mm[V], vv[V];
     uvec m_max = uo::splat(0), v_max = uo::splat(0);
     const std::uint32_t m_base = scales[0], v_base = scales[1];
     for (std::size_t j = 0; j < V; ++j) {
       mm[j] = codec::decode_m(m + j * W, m_base);
       vv[j] = codec::decode_v(v + j * W, v_base);
-      const vec pp = rule::apply(c, ops::load(grad + j * W), ops::load(p + j * W), mm[j], vv[j]);
+      const vec pp = rule::template apply<false>(c, ops::load(grad + j * W), ops::load(p + j * W), mm[j], vv[j]);
       ops::store(p + j * W, pp);
-      store_out_maybe_streamed<ops>(out_at(out, j * W), pp, stream);
+      store_out_maybe_streamed<ops>(out_at(out, j * W), pp, Stream);
       m_max = uo::max(m_max, uo::bits(mm[j]) & uo::splat(0x7FFFFFFFu));
       v_max = uo::max(v_max, uo::bits(vv[j]) & uo::splat(0x7FFFFFFFu));
     }
@@ -295,9 +308,14 @@ struct adam_q8_state_kernel {
       const bool stream = stream_copy_out<ops>(out_at(out, at), len);
       streamed = streamed || stream;
       std::size_t i = 0;
-      for (; i + q8_block <= len; i += q8_block)
-        block(c, p + at + i, m + at + i, v + at + i, scales + 2 * ((at + i) / q8_block), grad + at + i,
-              out_at(out, at + i), lo + std::uint32_t(i), key, stream);
+      auto body = [&](auto stream_tag) {
+        for (; i + q8_block <= len; i += q8_block)
+          block<decltype(stream_tag)::value>(c, p + at + i, m + at + i, v + at + i,
+                                             scales + 2 * ((at + i) / q8_block), grad + at + i,
+                                             out_at(out, at + i), lo + std::uint32_t(i), key);
+      };
+      if (stream) body(std::true_type{});
+      else body(std::false_type{});
       if (i == len) return;
       // A last block that ends early: on zero-padded copies (zeros never raise its base).
       const std::size_t r = len - i, j = at + i;
@@ -309,7 +327,7 @@ struct adam_q8_state_kernel {
       std::memcpy(mb, m + j, r);
       std::memcpy(vb, v + j, r);
       std::memcpy(gb, grad + j, r * sizeof(G));
-      block(c, pb, mb, vb, scales + 2 * (j / q8_block), gb, ob, lo + std::uint32_t(i), key, false);
+      block<false>(c, pb, mb, vb, scales + 2 * (j / q8_block), gb, ob, lo + std::uint32_t(i), key);
       std::memcpy(p + j, pb, r * sizeof(float));
       std::memcpy(m + j, mb, r);
       std::memcpy(v + j, vb, r);

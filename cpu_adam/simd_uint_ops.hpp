@@ -133,6 +133,12 @@ template <>
 struct uint_ops<xsimd::fma3<xsimd::avx2>> : xsimd_uint_ops<xsimd::fma3<xsimd::avx2>> {
   static uvec min(uvec a, uvec b) noexcept { return _mm256_min_epu32(a, b); }
   static uvec max(uvec a, uvec b) noexcept { return _mm256_max_epu32(a, b); }
+  static std::uint32_t reduce_max(uvec a) noexcept {
+    __m128i m = _mm_max_epu32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(1, 0, 3, 2)));
+    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(2, 3, 0, 1)));
+    return std::uint32_t(_mm_cvtsi128_si32(m));
+  }
   static uvec load_u8(const std::uint8_t* p) noexcept {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   }
