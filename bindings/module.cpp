@@ -177,6 +177,80 @@ PYBIND11_MODULE(_core, m) {
       py::arg("grad_scale") = 1.0f, py::arg("threads") = 0, py::arg("kernel") = "",
       "One fused Adam/AdamW step in place over float32 numpy arrays (see hostopt.adam_step).");
 
+  // Compressed moments: numpy arrays of codes (uint16 for bf16, uint8 for 8bit) and block
+  // exponents (uint8), checked here for kind and layout; sizes by the library.
+  auto codes = [](py::handle obj, const char* what, std::size_t itemsize) {
+    if (!py::isinstance<py::array>(obj)) throw py::type_error(std::string(what) + ": expected a numpy array");
+    auto arr = py::reinterpret_borrow<py::array>(obj);
+    // By name: pybind11's itemsize()/kind() read numpy 1's descriptor layout (numpy 2 moved it).
+    const std::string expected = "uint" + std::to_string(8 * itemsize);
+    if (std::string(py::str(arr.dtype().attr("name"))) != expected)
+      throw py::type_error(std::string(what) + ": numpy dtype " + std::string(py::str(arr.dtype())) + ", expected " +
+                           expected);
+    if (!(arr.flags() & py::array::c_style)) throw py::value_error(std::string(what) + ": array is not C-contiguous");
+    if (!arr.writeable()) throw py::value_error(std::string(what) + ": array is read-only but hostopt writes it in place");
+    return std::make_pair(const_cast<void*>(arr.data()), std::size_t(arr.size()));
+  };
+  auto moments_of = [codes](py::handle m, py::handle v, py::handle scales, const std::string& format, std::size_t n) {
+    const moment_format f = parse_moment_format(format);
+    if (f == moment_format::f32) throw py::value_error("format 'f32': compressed moments are bf16 or 8bit");
+    const std::size_t item = f == moment_format::bf16 ? 2 : 1;
+    const auto [md, mn] = codes(m, "exp_avg", item);
+    const auto [vd, vn] = codes(v, "exp_avg_sq", item);
+    const auto [sd, sn] = codes(scales, "scales", 1);
+    if (mn != n || vn != n || sn != moment_scale_bytes(f, n))
+      throw py::value_error("compressed moments: exp_avg/exp_avg_sq/scales hold " + std::to_string(mn) + "/" +
+                            std::to_string(vn) + "/" + std::to_string(sn) + " elements, expected " + std::to_string(n) +
+                            "/" + std::to_string(n) + "/" + std::to_string(moment_scale_bytes(f, n)));
+    return compressed_moments{f, md, vd, f == moment_format::q8 ? static_cast<std::uint8_t*>(sd) : nullptr};
+  };
+  m.def(
+      "adam_step_compressed",
+      [moments_of](py::handle params, py::handle exp_avg, py::handle exp_avg_sq, py::handle scales,
+                   const std::string& format, py::handle grad, const std::string& grad_dtype, py::handle out,
+                   const std::string& out_dtype, py::dict config, std::int64_t step, float grad_scale,
+                   std::uint64_t seed, std::uint64_t first_index, std::uint64_t state_size, int threads,
+                   const std::string& kernel) {
+        const buffer p = check_array(params, "params", "f32", true);
+        const compressed_moments mo = moments_of(exp_avg, exp_avg_sq, scales, format, p.size);
+        const buffer g = check_array(grad, "grad", grad_dtype, false);
+        buffer o;
+        if (!out.is_none()) o = check_array(out, "out", out_dtype, true);
+        const adam_config c = config_from(config);
+        py::gil_scoped_release release;
+        adam_step(static_cast<float*>(p.data), mo, p.size, {g.data, g.size, g.type}, {o.data, o.size, o.type}, c, step,
+                  grad_scale, {seed, first_index, state_size}, {threads, kernel});
+      },
+      py::arg("params"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("scales"), py::arg("format"),
+      py::arg("grad"), py::arg("grad_dtype") = "f32", py::arg("out") = py::none(), py::arg("out_dtype") = "f32",
+      py::arg("config") = py::dict(), py::arg("step") = 1, py::arg("grad_scale") = 1.0f, py::arg("seed") = 0,
+      py::arg("first_index") = 0, py::arg("state_size") = 0, py::arg("threads") = 0, py::arg("kernel") = "",
+      "One fused Adam/AdamW step over compressed moments (see hostopt.CompressedMoments).");
+  m.def(
+      "encode_moments",
+      [moments_of](py::handle m32, py::handle v32, py::handle exp_avg, py::handle exp_avg_sq, py::handle scales,
+                   const std::string& format, std::uint64_t seed) {
+        const buffer a = check_array(m32, "exp_avg", "f32", false);
+        const buffer b = check_array(v32, "exp_avg_sq", "f32", false);
+        const compressed_moments mo = moments_of(exp_avg, exp_avg_sq, scales, format, a.size);
+        if (b.size != a.size) throw py::value_error("exp_avg_sq: size differs from exp_avg's");
+        py::gil_scoped_release release;
+        encode_moments(static_cast<const float*>(a.data), static_cast<const float*>(b.data), mo, a.size, {seed});
+      },
+      "f32 moments -> compressed (lossy).");
+  m.def(
+      "decode_moments",
+      [moments_of](py::handle exp_avg, py::handle exp_avg_sq, py::handle scales, const std::string& format,
+                   py::handle m32, py::handle v32) {
+        const buffer a = check_array(m32, "out exp_avg", "f32", true);
+        const buffer b = check_array(v32, "out exp_avg_sq", "f32", true);
+        const compressed_moments mo = moments_of(exp_avg, exp_avg_sq, scales, format, a.size);
+        if (b.size != a.size) throw py::value_error("exp_avg_sq: size differs from exp_avg's");
+        py::gil_scoped_release release;
+        decode_moments(mo, a.size, static_cast<float*>(a.data), static_cast<float*>(b.data));
+      },
+      "compressed -> f32 moments (exact).");
+
   py::class_<adam_config>(m, "AdamConfig", "Hyper-parameters of a group (hostopt::adam_config), as a struct.")
       .def(py::init([](py::kwargs kw) { return config_from(py::dict(kw)); }))
       .def("as_dict", [](const adam_config& c) { return config_to(c); })

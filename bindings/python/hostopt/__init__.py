@@ -16,7 +16,7 @@ from ._arrays import as_buffer
 
 __version__ = _core.__version__
 
-__all__ = ["Optimizer", "StepResult", "adam_step", "active_kernel", "kernels", "as_buffer", "__version__"]
+__all__ = ["Optimizer", "StepResult", "adam_step", "CompressedMoments", "adam_step_compressed", "active_kernel", "kernels", "as_buffer", "__version__"]
 
 StepResult = _core.StepResult
 
@@ -79,6 +79,70 @@ def adam_step(params: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray, g
   cfg = _config(dict(lr=lr, betas=betas, eps=eps, eps_root=eps_root, weight_decay=weight_decay, mode=mode,
                      bias_correction=bias_correction, nesterov=nesterov))
   _core.adam_step(p, m, v, g, gt, o, ot, cfg, int(step), float(grad_scale), int(threads), kernel)
+
+
+class CompressedMoments:
+  """Adam moments of ``n`` elements stored compressed: ``"bf16"`` (4 bytes per element,
+  stochastically rounded) or ``"8bit"`` (8-bit block floating point over 32-element blocks:
+  2 + 2/32 bytes per element). README: "Compressed moments". Zero moments to start;
+  :meth:`encode` converts f32 moments (lossy), :meth:`decode` reads them back (exact).
+
+  Attributes: ``format``, ``exp_avg`` and ``exp_avg_sq`` (uint16 or uint8 codes),
+  ``scales`` (uint8 block exponents; empty for bf16).
+  """
+
+  def __init__(self, n: int, format: str = "8bit"):
+    n = int(n)
+    if format not in ("bf16", "bfloat16", "8bit", "q8"):
+      raise ValueError(f"format {format!r}: expected 'bf16' or '8bit'")
+    self.format = "bf16" if format in ("bf16", "bfloat16") else "8bit"
+    code = np.uint16 if self.format == "bf16" else np.uint8
+    self.exp_avg = np.zeros(n, code)
+    self.exp_avg_sq = np.zeros(n, code)
+    self.scales = np.zeros(2 * ((n + 31) // 32) if self.format == "8bit" else 0, np.uint8)
+
+  def __len__(self) -> int:
+    return self.exp_avg.size
+
+  @property
+  def nbytes(self) -> int:
+    return self.exp_avg.nbytes + self.exp_avg_sq.nbytes + self.scales.nbytes
+
+  @classmethod
+  def encode(cls, exp_avg: np.ndarray, exp_avg_sq: np.ndarray, format: str = "8bit",
+             seed: int = 0) -> "CompressedMoments":
+    """Compressed copies of float32 moments (lossy: stochastic rounding keyed on ``seed``)."""
+    m32 = np.ascontiguousarray(exp_avg, np.float32).ravel()
+    out = cls(m32.size, format)
+    _core.encode_moments(m32, np.ascontiguousarray(exp_avg_sq, np.float32).ravel(), out.exp_avg, out.exp_avg_sq,
+                         out.scales, out.format, int(seed))
+    return out
+
+  def decode(self) -> Tuple[np.ndarray, np.ndarray]:
+    """The moments as float32 arrays (every code is a float32 value: exact)."""
+    m = np.empty(len(self), np.float32)
+    v = np.empty(len(self), np.float32)
+    _core.decode_moments(self.exp_avg, self.exp_avg_sq, self.scales, self.format, m, v)
+    return m, v
+
+
+def adam_step_compressed(params: np.ndarray, moments: CompressedMoments, grad, *, step: int, seed: int = 0,
+                         first_index: int = 0, state_size: int = 0, lr: float = 1e-3,
+                         betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, eps_root: float = 0.0,
+                         weight_decay: float = 0.0, mode: str = "adamw", bias_correction: bool = True,
+                         nesterov: bool = False, out=None, grad_scale: float = 1.0, threads: int = 0,
+                         kernel: str = "") -> None:
+  """:func:`adam_step` with the moments in a :class:`CompressedMoments`: decoded, updated and
+  re-encoded (stochastic rounding from (seed, step, first_index + i)) in the same pass.
+  ``params`` is the float32 master (updated in place)."""
+  p, _ = as_buffer(params, "params", writable=True)
+  g, gt = as_buffer(grad, "grad")
+  o, ot = (None, "f32") if out is None else as_buffer(out, "out", writable=True)
+  cfg = _config(dict(lr=lr, betas=betas, eps=eps, eps_root=eps_root, weight_decay=weight_decay, mode=mode,
+                     bias_correction=bias_correction, nesterov=nesterov))
+  _core.adam_step_compressed(p, moments.exp_avg, moments.exp_avg_sq, moments.scales, moments.format, g, gt, o, ot,
+                             cfg, int(step), float(grad_scale), int(seed), int(first_index), int(state_size),
+                             int(threads), kernel)
 
 
 class Optimizer:
