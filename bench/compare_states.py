@@ -4,6 +4,7 @@ masters), the same seed, batches, cosine schedule, clipping and weight decay on 
 
   PYTHONPATH=build/release/python python bench/compare_states.py [--steps 300] [--png states.png]
 
+`--states f32,bf16,8bit,torchao-8bit` adds torchao's AdamW8bit on the same model (needs torchao).
 Prints each format's final loss (mean of the last 10 steps), its ratio to the f32 state's and
 the optimizer state's bytes per parameter.
 """
@@ -68,6 +69,34 @@ class FlatAdamW:
         hostopt.adam_step_compressed(g["flat"], g["moments"], g["grad"], seed=self.seed, **hyper)
 
 
+class TorchaoAdamW8bit:
+  """torchao's AdamW8bit (block-wise 8-bit moments, GPU-first; it runs on CPU tensors too),
+  with the same interface as FlatAdamW, for the same comparison."""
+
+  def __init__(self, groups: List[Dict], betas=(0.9, 0.95)):
+    from torchao.optim import AdamW8bit
+    self.params = [p for g in groups for p in g["params"]]
+    self.opt = AdamW8bit(groups, lr=3e-3, betas=betas)
+
+  def state_bytes(self) -> int:
+    total = sum(p.numel() * 4 for p in self.params)
+    for st in self.opt.state.values():
+      for v in st.values():
+        if torch.is_tensor(v) and v.numel() > 1:
+          # torchao's 8-bit state: codes plus per-block scales (its tensor subclass)
+          inner = [getattr(v, a) for a in ("codes", "scale", "qmap") if hasattr(v, a)]
+          total += sum(t.numel() * t.element_size() for t in inner) if inner else v.numel() * v.element_size()
+    return total
+
+  def num_params(self) -> int:
+    return sum(p.numel() for p in self.params)
+
+  def step(self, lr: float) -> None:
+    for g in self.opt.param_groups:
+      g["lr"].fill_(lr)  # torchao keeps lr as a tensor (no recompiles)
+    self.opt.step()
+
+
 def train(state: str, steps: int, seed: int = 0, rounding_seed: int = 0) -> Dict:
   batch, ctx = 16, 64
   data = torch.frombuffer(bytearray(torch_lm.stdlib_text()), dtype=torch.uint8).long()
@@ -75,8 +104,8 @@ def train(state: str, steps: int, seed: int = 0, rounding_seed: int = 0) -> Dict
   model = torch_lm.CharGPT(d=64, layers=2, ctx=ctx)
   decay = [p for p in model.parameters() if p.dim() >= 2]
   other = [p for p in model.parameters() if p.dim() < 2]
-  opt = FlatAdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}], state,
-                  seed=rounding_seed)
+  groups = [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}]
+  opt = TorchaoAdamW8bit(groups) if state == "torchao-8bit" else FlatAdamW(groups, state, seed=rounding_seed)
   schedule = torch_lm.cosine(max(1, steps // 10), steps)
   gen = torch.Generator().manual_seed(seed + 1)
   losses = []
@@ -97,16 +126,27 @@ def train(state: str, steps: int, seed: int = 0, rounding_seed: int = 0) -> Dict
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--steps", type=int, default=300)
-  ap.add_argument("--states", default="f32,bf16,8bit")
+  ap.add_argument("--states", default="f32,bf16,8bit",
+                  help="comma-separated: f32, bf16, 8bit, and torchao-8bit (torchao.optim.AdamW8bit, if installed)")
+  ap.add_argument("--rounding-seeds", type=int, default=1,
+                  help="runs of bf16/8bit with rounding seeds 0..N-1: the final loss's mean and range")
   ap.add_argument("--png", help="write the loss curves to this PNG (needs matplotlib)")
   a = ap.parse_args(argv)
-  runs = {s: train(s, a.steps) for s in a.states.split(",")}
-  final = {s: sum(r["losses"][-10:]) / 10 for s, r in runs.items()}
-  base = final.get("f32")
+  runs, finals = {}, {}
+  for s in a.states.split(","):
+    seeds = range(a.rounding_seeds) if s in ("bf16", "8bit") else [0]
+    for k in seeds:
+      r = train(s, a.steps, rounding_seed=k)
+      runs.setdefault(s, r)  # the curve drawn: rounding seed 0
+      finals.setdefault(s, []).append(sum(r["losses"][-10:]) / 10)
+  base = finals["f32"][0] if "f32" in finals else None
   for s, r in runs.items():
-    ratio = f"  {final[s] / base:.4f}x the f32 state's" if base else ""
-    print(f"{s:5s} state {r['bytes_per_param']:.3f} B/param  loss {r['losses'][0]:.4f} -> {final[s]:.4f} "
-          f"(mean of the last 10 steps){ratio}")
+    f = finals[s]
+    mean = sum(f) / len(f)
+    spread = f" (range {min(f):.4f}..{max(f):.4f} over {len(f)} rounding seeds)" if len(f) > 1 else ""
+    ratio = f"  {mean / base:.4f}x the f32 state's" if base else ""
+    print(f"{s:12s} state {r['bytes_per_param']:.3f} B/param  loss {r['losses'][0]:.4f} -> {mean:.4f} "
+          f"(mean of the last 10 steps){spread}{ratio}")
   if a.png:
     import matplotlib
     matplotlib.use("Agg")

@@ -179,25 +179,27 @@ PYBIND11_MODULE(_core, m) {
 
   // Compressed moments: numpy arrays of codes (uint16 for bf16, uint8 for 8bit) and block
   // exponents (uint8), checked here for kind and layout; sizes by the library.
-  auto codes = [](py::handle obj, const char* what, std::size_t itemsize) {
+  auto codes = [](py::handle obj, const char* what, std::size_t itemsize, bool writable) {
     if (!py::isinstance<py::array>(obj)) throw py::type_error(std::string(what) + ": expected a numpy array");
     auto arr = py::reinterpret_borrow<py::array>(obj);
     // By name: pybind11's itemsize()/kind() read numpy 1's descriptor layout (numpy 2 moved it).
     const std::string expected = "uint" + std::to_string(8 * itemsize);
-    if (std::string(py::str(arr.dtype().attr("name"))) != expected)
-      throw py::type_error(std::string(what) + ": numpy dtype " + std::string(py::str(arr.dtype())) + ", expected " +
-                           expected);
+    if (std::string(py::str(arr.dtype().attr("name"))) != expected || !arr.dtype().attr("isnative").cast<bool>())
+      throw py::type_error(std::string(what) + ": numpy dtype " + std::string(py::str(arr.dtype())) +
+                           ", expected native-endian " + expected);
     if (!(arr.flags() & py::array::c_style)) throw py::value_error(std::string(what) + ": array is not C-contiguous");
-    if (!arr.writeable()) throw py::value_error(std::string(what) + ": array is read-only but hostopt writes it in place");
+    if (writable && !arr.writeable())
+      throw py::value_error(std::string(what) + ": array is read-only but hostopt writes it in place");
     return std::make_pair(const_cast<void*>(arr.data()), std::size_t(arr.size()));
   };
-  auto moments_of = [codes](py::handle m, py::handle v, py::handle scales, const std::string& format, std::size_t n) {
+  auto moments_of = [codes](py::handle m, py::handle v, py::handle scales, const std::string& format, std::size_t n,
+                            bool writable) {
     const moment_format f = parse_moment_format(format);
     if (f == moment_format::f32) throw py::value_error("format 'f32': compressed moments are bf16 or 8bit");
     const std::size_t item = f == moment_format::bf16 ? 2 : 1;
-    const auto [md, mn] = codes(m, "exp_avg", item);
-    const auto [vd, vn] = codes(v, "exp_avg_sq", item);
-    const auto [sd, sn] = codes(scales, "scales", 1);
+    const auto [md, mn] = codes(m, "exp_avg", item, writable);
+    const auto [vd, vn] = codes(v, "exp_avg_sq", item, writable);
+    const auto [sd, sn] = codes(scales, "scales", 1, writable);
     if (mn != n || vn != n || sn != moment_scale_bytes(f, n))
       throw py::value_error("compressed moments: exp_avg/exp_avg_sq/scales hold " + std::to_string(mn) + "/" +
                             std::to_string(vn) + "/" + std::to_string(sn) + " elements, expected " + std::to_string(n) +
@@ -212,7 +214,7 @@ PYBIND11_MODULE(_core, m) {
                    std::uint64_t seed, std::uint64_t first_index, std::uint64_t state_size, int threads,
                    const std::string& kernel) {
         const buffer p = check_array(params, "params", "f32", true);
-        const compressed_moments mo = moments_of(exp_avg, exp_avg_sq, scales, format, p.size);
+        const compressed_moments mo = moments_of(exp_avg, exp_avg_sq, scales, format, p.size, true);
         const buffer g = check_array(grad, "grad", grad_dtype, false);
         buffer o;
         if (!out.is_none()) o = check_array(out, "out", out_dtype, true);
@@ -232,7 +234,7 @@ PYBIND11_MODULE(_core, m) {
                    const std::string& format, std::uint64_t seed) {
         const buffer a = check_array(m32, "exp_avg", "f32", false);
         const buffer b = check_array(v32, "exp_avg_sq", "f32", false);
-        const compressed_moments mo = moments_of(exp_avg, exp_avg_sq, scales, format, a.size);
+        const compressed_moments mo = moments_of(exp_avg, exp_avg_sq, scales, format, a.size, true);
         if (b.size != a.size) throw py::value_error("exp_avg_sq: size differs from exp_avg's");
         py::gil_scoped_release release;
         encode_moments(static_cast<const float*>(a.data), static_cast<const float*>(b.data), mo, a.size, {seed});
@@ -244,7 +246,7 @@ PYBIND11_MODULE(_core, m) {
                    py::handle m32, py::handle v32) {
         const buffer a = check_array(m32, "out exp_avg", "f32", true);
         const buffer b = check_array(v32, "out exp_avg_sq", "f32", true);
-        const compressed_moments mo = moments_of(exp_avg, exp_avg_sq, scales, format, a.size);
+        const compressed_moments mo = moments_of(exp_avg, exp_avg_sq, scales, format, a.size, false); // read only
         if (b.size != a.size) throw py::value_error("exp_avg_sq: size differs from exp_avg's");
         py::gil_scoped_release release;
         decode_moments(mo, a.size, static_cast<float*>(a.data), static_cast<float*>(b.data));

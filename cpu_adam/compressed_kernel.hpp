@@ -115,9 +115,14 @@ struct moment_codec {
     const uvec mag = encode_magnitude(u & uo::splat(0x7FFFFFFFu), base, spread20(r16), m_max_code);
     uo::store_u8(c, mag | ((u >> 31) << 7));
   }
+  /// A positive v never codes as 0: beside a block maximum 2^33 larger, v could round to
+  /// 0 while m (whose range is 2^17, about 2^34 squared) does not, and the step would be
+  /// lr m / eps. The smallest code instead (v >= 2^(base-2)) errs toward smaller steps.
   static void encode_v(std::uint8_t* c, vec x, std::uint32_t base, uvec r16) noexcept {
     if (base == poisoned) return uo::store_u8(c, uo::splat(0));
-    uo::store_u8(c, encode_magnitude(uo::bits(x) & uo::splat(0x7FFFFFFFu), base, spread20(r16), v_max_code));
+    const uvec a = uo::bits(x) & uo::splat(0x7FFFFFFFu);
+    const uvec code = encode_magnitude(a, base, spread20(r16), v_max_code);
+    uo::store_u8(c, uo::select_lt(uo::splat(0), a, uo::max(code, uo::splat(1)), code));
   }
 };
 

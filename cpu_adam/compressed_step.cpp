@@ -112,6 +112,10 @@ void encode_moments(const float* exp_avg, const float* exp_avg_sq, const compres
   std::vector<byte_range> ranges{range_of(exp_avg, n * 4, false, 0, 0), range_of(exp_avg_sq, n * 4, false, 1, 0)};
   check_moments("out", out, n, rounding, ranges, 2);
   if (n == 0) return;
+  for (std::size_t i = 0; i < n; ++i) // a pass over the input: conversions are rare
+    if (exp_avg_sq[i] < 0.0f)
+      throw std::invalid_argument("exp_avg_sq[" + std::to_string(i) + "] = " + std::to_string(exp_avg_sq[i]) +
+                                  ": a second moment is never negative");
   check_no_overlap(ranges, names);
   const ieee_float_mode mode;
   active_kernel_set().encode_moments(out.format)(exp_avg, exp_avg_sq, out.exp_avg, out.exp_avg_sq, out.scales, n,

@@ -455,3 +455,40 @@ TEST_CASE("a small MLP trains to the f32 state's loss with bf16 and 8-bit moment
     }
   }
 }
+
+TEST_CASE("8-bit moments never step tiny-gradient elements further than f32 does beside a large one",
+          "[compressed]") {
+  // One element's gradient is 1, the other 31 of its block get 1e-5 or 1e-7: their v is
+  // 2^33 and more below the block's largest. Rounded to 0, v would make their step lr m/eps.
+  for (const auto& kernel : supported_kernels())
+    for (float tiny : {1e-5f, 1e-7f}) {
+      INFO("kernel " << kernel << " tiny gradient " << tiny);
+      const std::size_t n = 32;
+      std::vector<float> g(n, tiny);
+      g[0] = 1.0f;
+      ref::state f32(n);
+      std::vector<float> p(n, 0.0f);
+      packed mo(moment_format::q8, n);
+      adam_config c;
+      c.lr = 1e-3;
+      for (int t = 1; t <= 200; ++t) {
+        adam_step(f32.p.data(), f32.m.data(), f32.v.data(), n, {g.data(), n, dtype::f32}, {}, c, t, 1.0f, {1, kernel});
+        adam_step(p.data(), mo.view(), n, {g.data(), n, dtype::f32}, {}, c, t, 1.0f, {9, 0}, {1, kernel});
+      }
+      // f32 moves each by 0.2; rounded-to-0 v moved them 0.6 on average (up to 11). Rounding
+      // noise of 3-bit mantissas moves a single one by some percent.
+      double mean = 0, largest = 0;
+      for (std::size_t i = 1; i < n; ++i) {
+        const double r = std::fabs(p[i]) / std::fabs(f32.p[i]);
+        mean += r / double(n - 1);
+        largest = std::max(largest, r);
+      }
+      INFO("step / f32 step: mean " << mean << ", largest " << largest);
+      CHECK(largest < 1.2);
+      if (tiny == 1e-5f) { // within m's 2^17 of range: the f32 step on average
+        CHECK(mean < 1.05);
+        CHECK(mean > 0.9);
+      } // 1e-7 is beyond it: m rounds to 0 mostly and they barely move (never further)
+      CHECK(std::fabs(p[0] - f32.p[0]) < 0.05f * std::fabs(f32.p[0])); // 3-bit mantissas: some % of noise
+    }
+}

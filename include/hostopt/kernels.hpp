@@ -91,7 +91,7 @@ void adam_step(float* params, const compressed_moments& moments, std::size_t n, 
                const rounding_stream& rounding = {}, const execution_options& exec = {});
 /// Lossy conversion of f32 moments to a compressed format (stochastic rounding keyed on
 /// rounding.seed with step 0 and the element indices; pieces as for adam_step). Throws
-/// std::invalid_argument like adam_step for bad buffers.
+/// std::invalid_argument like adam_step for bad buffers, and for a negative exp_avg_sq.
 void encode_moments(const float* exp_avg, const float* exp_avg_sq, const compressed_moments& out, std::size_t n,
                     const rounding_stream& rounding = {});
 /// Compressed moments to f32 (exact: every code is an f32 value). Throws like adam_step.

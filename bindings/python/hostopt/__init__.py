@@ -9,6 +9,8 @@ cannot be used in place is an error, never a silent copy. Steps release the GIL.
 
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
+import operator
+
 import numpy as np
 
 from . import _core
@@ -92,7 +94,9 @@ class CompressedMoments:
   """
 
   def __init__(self, n: int, format: str = "8bit"):
-    n = int(n)
+    n = operator.index(n)
+    if n < 0:
+      raise ValueError(f"n = {n}: expected >= 0")
     if format not in ("bf16", "bfloat16", "8bit", "q8"):
       raise ValueError(f"format {format!r}: expected 'bf16' or '8bit'")
     self.format = "bf16" if format in ("bf16", "bfloat16") else "8bit"
@@ -112,6 +116,8 @@ class CompressedMoments:
   def encode(cls, exp_avg: np.ndarray, exp_avg_sq: np.ndarray, format: str = "8bit",
              seed: int = 0) -> "CompressedMoments":
     """Compressed copies of float32 moments (lossy: stochastic rounding keyed on ``seed``)."""
+    if np.shape(exp_avg) != np.shape(exp_avg_sq):
+      raise ValueError(f"exp_avg and exp_avg_sq shapes differ: {np.shape(exp_avg)} vs {np.shape(exp_avg_sq)}")
     m32 = np.ascontiguousarray(exp_avg, np.float32).ravel()
     out = cls(m32.size, format)
     _core.encode_moments(m32, np.ascontiguousarray(exp_avg_sq, np.float32).ravel(), out.exp_avg, out.exp_avg_sq,
@@ -135,6 +141,9 @@ def adam_step_compressed(params: np.ndarray, moments: CompressedMoments, grad, *
   """:func:`adam_step` with the moments in a :class:`CompressedMoments`: decoded, updated and
   re-encoded (stochastic rounding from (seed, step, first_index + i)) in the same pass.
   ``params`` is the float32 master (updated in place)."""
+  for name, value in (("seed", seed), ("first_index", first_index), ("state_size", state_size)):
+    if not 0 <= operator.index(value) < 2**64:
+      raise ValueError(f"{name} = {value}: expected an integer in [0, 2**64)")
   p, _ = as_buffer(params, "params", writable=True)
   g, gt = as_buffer(grad, "grad")
   o, ot = (None, "f32") if out is None else as_buffer(out, "out", writable=True)
