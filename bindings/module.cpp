@@ -207,6 +207,10 @@ PYBIND11_MODULE(_core, m) {
     return compressed_moments{f, md, vd, f == moment_format::q8 ? static_cast<std::uint8_t*>(sd) : nullptr};
   };
   m.def(
+      "moment_scale_bytes",
+      [](const std::string& format, std::size_t n) { return moment_scale_bytes(parse_moment_format(format), n); },
+      "Bytes of block exponents the format needs for n elements (hostopt::moment_scale_bytes).");
+  m.def(
       "adam_step_compressed",
       [moments_of](py::handle params, py::handle exp_avg, py::handle exp_avg_sq, py::handle scales,
                    const std::string& format, py::handle grad, const std::string& grad_dtype, py::handle out,

@@ -54,6 +54,22 @@ bool stream_copy_out(const O* out, std::size_t n) noexcept {
   }
 }
 
+/// Where element i of a copy-out is (no_out: nowhere).
+template <class O>
+inline O* out_at(O* out, std::size_t i) noexcept {
+  if constexpr (std::is_same_v<O, no_out>) return out;
+  else return out + i;
+}
+
+/// Stores x to a copy-out, non-temporally when `stream` (no_out: nothing).
+template <class Ops, class O>
+inline void store_copy_out(O* out, typename Ops::vec x, bool stream) noexcept {
+  if constexpr (!std::is_same_v<O, no_out>) {
+    if (stream) Ops::stream(out, x);
+    else Ops::store(out, x);
+  }
+}
+
 // Delta = true is the optax form: p is only read (and only for weight decay), and `out`
 // (in the gradient's dtype) receives the update u = new_p - p = -(adam step) - lr*wd*p.
 template <class Arch, class G, class O, decay_kind D, bool Nesterov, bool Delta = false>
@@ -85,7 +101,7 @@ struct adam_kernel {
       else step = ops::div(c.step_size * mm, denom);
       vec u = ops::splat(0.0f) - step;
       if constexpr (D == decay_kind::decoupled) u = u - c.lr_wd * pp;
-      store_out<Stream>(out, ops::canon(u));
+      store_copy_out<ops>(out, ops::canon(u), Stream);
       return;
     }
     if constexpr (D == decay_kind::decoupled) pp = pp * c.decay;
@@ -96,13 +112,7 @@ struct adam_kernel {
     }
     pp = ops::canon(pp);
     ops::store(p, pp);
-    if constexpr (!std::is_same_v<O, no_out>) store_out<Stream>(out, pp);
-  }
-
-  template <bool Stream>
-  static void store_out(O* out, vec x) noexcept {
-    if constexpr (Stream) ops::stream(out, x);
-    else ops::store(out, x);
+    store_copy_out<ops>(out, pp, Stream);
   }
 
   static void run(const step_scalars& s, float* p, float* m, float* v, const void* grad_raw,
@@ -139,10 +149,6 @@ struct adam_kernel {
     if constexpr (!std::is_same_v<O, no_out>) std::memcpy(out + i, ob, r * sizeof(O));
   }
 
-  static O* out_at(O* out, std::size_t i) noexcept {
-    if constexpr (std::is_same_v<O, no_out>) return out;
-    else return out + i;
-  }
 };
 
 /// Keeps a value opaque to the optimizer at no cost, so loads that feed it and stores of

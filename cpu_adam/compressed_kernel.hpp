@@ -167,20 +167,6 @@ struct adam_rule {
   }
 };
 
-template <class Ops, class O>
-inline void store_out_maybe_streamed(O* out, typename Ops::vec x, bool stream) noexcept {
-  if constexpr (!std::is_same_v<O, no_out>) {
-    if (stream) Ops::stream(out, x);
-    else Ops::store(out, x);
-  }
-}
-
-template <class O>
-inline O* out_at(O* out, std::size_t i) noexcept {
-  if constexpr (std::is_same_v<O, no_out>) return out;
-  else return out + i;
-}
-
 /// Runs fn(call, p, m, v, scales, grad, out, n) on pieces that each lie in one 2^32-element
 /// span of indices (one span key), advancing every pointer.
 template <class Step>
@@ -205,6 +191,27 @@ struct compressed_kernel_base {
   using vec = typename ops::vec;
   using uvec = typename uo::uvec;
   static constexpr std::size_t W = ops::width;
+
+  /// Runs unit(stream tag, at, lo, key) on whole units of U elements of each 2^32-index span
+  /// and tail(at, len, lo, key) on a last partial unit. The copy-out's store kind is decided
+  /// per span (the part after a 2^32 boundary may start unaligned) and passed as a type, so
+  /// no vector tests it; streamed stores are fenced at the end.
+  template <std::size_t U, class O, class Unit, class Tail>
+  static void over_units(const compressed_call& k, O* out, std::size_t n, Unit&& unit, Tail&& tail) noexcept {
+    bool streamed = false;
+    by_index_span(k, n, [&](std::size_t at, std::size_t len, std::uint32_t key, std::uint32_t lo) {
+      const bool stream = stream_copy_out<ops>(out_at(out, at), len);
+      streamed = streamed || stream;
+      std::size_t i = 0;
+      auto whole = [&](auto stream_tag) {
+        for (; i + U <= len; i += U) unit(stream_tag, at + i, lo + std::uint32_t(i), key);
+      };
+      if (stream) whole(std::true_type{});
+      else whole(std::false_type{});
+      if (i < len) tail(at + i, len - i, lo + std::uint32_t(i), key);
+    });
+    if (streamed) ops::stream_fence();
+  }
 };
 
 // bf16 moments: m and v are bf16_t arrays at element `first`; `scales` is unused.
@@ -221,7 +228,7 @@ struct adam_bf16_state_kernel : compressed_kernel_base<Arch> {
     vec mm = ops::load(m), vv = ops::load(v);
     const vec pp = rule::apply(c, ops::load(grad), ops::load(p), mm, vv);
     ops::store(p, pp);
-    store_out_maybe_streamed<ops>(out, pp, Stream);
+    store_copy_out<ops>(out, pp, Stream);
     const uvec r = codec::random(lo, key);
     codec::store_bf16(m, mm, r & uo::splat(0xFFFF));
     codec::store_bf16(v, vv, r >> 16);
@@ -234,38 +241,27 @@ struct adam_bf16_state_kernel : compressed_kernel_base<Arch> {
     O* out = static_cast<O*>(out_raw);
     bf16_t* m = static_cast<bf16_t*>(m_raw);
     bf16_t* v = static_cast<bf16_t*>(v_raw);
-    bool streamed = false;
-    by_index_span(k, n, [&](std::size_t at, std::size_t len, std::uint32_t key, std::uint32_t lo) {
-      // Per piece: the one after a 2^32 index boundary may not start aligned.
-      const bool stream = stream_copy_out<ops>(out_at(out, at), len);
-      streamed = streamed || stream;
-      std::size_t i = 0;
-      // The copy-out's store kind as a template argument: no test per vector.
-      auto body = [&](auto stream_tag) {
-        for (; i + W <= len; i += W)
-          block<decltype(stream_tag)::value>(c, p + at + i, m + at + i, v + at + i, grad + at + i,
-                                             out_at(out, at + i), lo + std::uint32_t(i), key);
-      };
-      if (stream) body(std::true_type{});
-      else body(std::false_type{});
-      if (i == len) return;
-      // Tail: the same vector code on a zero-padded copy.
-      const std::size_t r = len - i, j = at + i;
-      alignas(64) float pb[W] = {};
-      bf16_t mb[W] = {}, vb[W] = {};
-      G gb[W] = {};
-      O ob[W] = {};
-      std::memcpy(pb, p + j, r * sizeof(float));
-      std::memcpy(mb, m + j, r * sizeof(bf16_t));
-      std::memcpy(vb, v + j, r * sizeof(bf16_t));
-      std::memcpy(gb, grad + j, r * sizeof(G));
-      block<false>(c, pb, mb, vb, gb, ob, lo + std::uint32_t(i), key);
-      std::memcpy(p + j, pb, r * sizeof(float));
-      std::memcpy(m + j, mb, r * sizeof(bf16_t));
-      std::memcpy(v + j, vb, r * sizeof(bf16_t));
-      if constexpr (!std::is_same_v<O, no_out>) std::memcpy(out + j, ob, r * sizeof(O));
-    });
-    if (streamed) ops::stream_fence();
+    base::template over_units<W>(
+        k, out, n,
+        [&](auto stream, std::size_t j, std::uint32_t lo, std::uint32_t key) {
+          block<decltype(stream)::value>(c, p + j, m + j, v + j, grad + j, out_at(out, j), lo, key);
+        },
+        [&](std::size_t j, std::size_t r, std::uint32_t lo, std::uint32_t key) {
+          // Tail: the same vector code on a zero-padded copy.
+          alignas(64) float pb[W] = {};
+          bf16_t mb[W] = {}, vb[W] = {};
+          G gb[W] = {};
+          O ob[W] = {};
+          std::memcpy(pb, p + j, r * sizeof(float));
+          std::memcpy(mb, m + j, r * sizeof(bf16_t));
+          std::memcpy(vb, v + j, r * sizeof(bf16_t));
+          std::memcpy(gb, grad + j, r * sizeof(G));
+          block<false>(c, pb, mb, vb, gb, ob, lo, key);
+          std::memcpy(p + j, pb, r * sizeof(float));
+          std::memcpy(m + j, mb, r * sizeof(bf16_t));
+          std::memcpy(v + j, vb, r * sizeof(bf16_t));
+          if constexpr (!std::is_same_v<O, no_out>) std::memcpy(out + j, ob, r * sizeof(O));
+        });
   }
 };
 
@@ -291,7 +287,7 @@ struct adam_q8_state_kernel : compressed_kernel_base<Arch> {
       vv[j] = codec::decode_v(v + j * W, v_base);
       const vec pp = rule::template apply<false>(c, ops::load(grad + j * W), ops::load(p + j * W), mm[j], vv[j]);
       ops::store(p + j * W, pp);
-      store_out_maybe_streamed<ops>(out_at(out, j * W), pp, Stream);
+      store_copy_out<ops>(out_at(out, j * W), pp, Stream);
       m_max = uo::max(m_max, uo::bits(mm[j]) & uo::splat(0x7FFFFFFFu));
       v_max = uo::max(v_max, uo::bits(vv[j]) & uo::splat(0x7FFFFFFFu));
     }
@@ -313,38 +309,29 @@ struct adam_q8_state_kernel : compressed_kernel_base<Arch> {
     O* out = static_cast<O*>(out_raw);
     std::uint8_t* m = static_cast<std::uint8_t*>(m_raw);
     std::uint8_t* v = static_cast<std::uint8_t*>(v_raw);
-    bool streamed = false;
     // Spans of 2^32 indices start on block boundaries: blocks never straddle them.
-    by_index_span(k, n, [&](std::size_t at, std::size_t len, std::uint32_t key, std::uint32_t lo) {
-      const bool stream = stream_copy_out<ops>(out_at(out, at), len);
-      streamed = streamed || stream;
-      std::size_t i = 0;
-      auto body = [&](auto stream_tag) {
-        for (; i + q8_block <= len; i += q8_block)
-          block<decltype(stream_tag)::value>(c, p + at + i, m + at + i, v + at + i,
-                                             scales + 2 * ((at + i) / q8_block), grad + at + i,
-                                             out_at(out, at + i), lo + std::uint32_t(i), key);
-      };
-      if (stream) body(std::true_type{});
-      else body(std::false_type{});
-      if (i == len) return;
-      // A last block that ends early: on zero-padded copies (zeros never raise its base).
-      const std::size_t r = len - i, j = at + i;
-      alignas(64) float pb[q8_block] = {};
-      std::uint8_t mb[q8_block] = {}, vb[q8_block] = {};
-      G gb[q8_block] = {};
-      O ob[q8_block] = {};
-      std::memcpy(pb, p + j, r * sizeof(float));
-      std::memcpy(mb, m + j, r);
-      std::memcpy(vb, v + j, r);
-      std::memcpy(gb, grad + j, r * sizeof(G));
-      block<false>(c, pb, mb, vb, scales + 2 * (j / q8_block), gb, ob, lo + std::uint32_t(i), key);
-      std::memcpy(p + j, pb, r * sizeof(float));
-      std::memcpy(m + j, mb, r);
-      std::memcpy(v + j, vb, r);
-      if constexpr (!std::is_same_v<O, no_out>) std::memcpy(out + j, ob, r * sizeof(O));
-    });
-    if (streamed) ops::stream_fence();
+    base::template over_units<q8_block>(
+        k, out, n,
+        [&](auto stream, std::size_t j, std::uint32_t lo, std::uint32_t key) {
+          block<decltype(stream)::value>(c, p + j, m + j, v + j, scales + 2 * (j / q8_block), grad + j,
+                                         out_at(out, j), lo, key);
+        },
+        [&](std::size_t j, std::size_t r, std::uint32_t lo, std::uint32_t key) {
+          // A last block that ends early: on zero-padded copies (zeros never raise its base).
+          alignas(64) float pb[q8_block] = {};
+          std::uint8_t mb[q8_block] = {}, vb[q8_block] = {};
+          G gb[q8_block] = {};
+          O ob[q8_block] = {};
+          std::memcpy(pb, p + j, r * sizeof(float));
+          std::memcpy(mb, m + j, r);
+          std::memcpy(vb, v + j, r);
+          std::memcpy(gb, grad + j, r * sizeof(G));
+          block<false>(c, pb, mb, vb, scales + 2 * (j / q8_block), gb, ob, lo, key);
+          std::memcpy(p + j, pb, r * sizeof(float));
+          std::memcpy(m + j, mb, r);
+          std::memcpy(v + j, vb, r);
+          if constexpr (!std::is_same_v<O, no_out>) std::memcpy(out + j, ob, r * sizeof(O));
+        });
   }
 };
 
@@ -471,7 +458,7 @@ struct compressed_roofline_kernel {
       store(m + i, mm);
       store(v + i, vv);
       ops::store(p + i, pp);
-      store_out_maybe_streamed<ops>(out_at(out, i), pp, stream);
+      store_copy_out<ops>(out_at(out, i), pp, stream);
       if constexpr (F == moment_format::q8) {
         if (i % q8_block == 0) { // the block's two base bytes
           std::uint8_t* s = scales + 2 * (i / q8_block);

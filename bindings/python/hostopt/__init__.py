@@ -103,7 +103,7 @@ class CompressedMoments:
     code = np.uint16 if self.format == "bf16" else np.uint8
     self.exp_avg = np.zeros(n, code)
     self.exp_avg_sq = np.zeros(n, code)
-    self.scales = np.zeros(2 * ((n + 31) // 32) if self.format == "8bit" else 0, np.uint8)
+    self.scales = np.zeros(_core.moment_scale_bytes(self.format, n), np.uint8)
 
   def __len__(self) -> int:
     return self.exp_avg.size
