@@ -11,46 +11,15 @@
 #include <tuple>
 #include <vector>
 
+#include "compressed_test_support.hpp"
 #include "hostopt/kernels.hpp"
 #include "reference.hpp"
 
 using namespace hostopt;
+using namespace compressed_test;
 using ref::supported_kernels;
 
 namespace {
-
-/// Compressed moments owned by a test.
-struct packed {
-  moment_format format;
-  std::vector<unsigned char> m, v, scales;
-  packed(moment_format f, std::size_t n)
-      : format(f), m(n * (f == moment_format::bf16 ? 2 : 1)), v(m.size()), scales(moment_scale_bytes(f, n)) {}
-  compressed_moments view() {
-    return {format, m.data(), v.data(), scales.empty() ? nullptr : scales.data()};
-  }
-  bool operator==(const packed& o) const { return m == o.m && v == o.v && scales == o.scales; }
-};
-
-struct decoded {
-  std::vector<float> m, v;
-};
-
-decoded decode(packed& s, std::size_t n) {
-  decoded d{std::vector<float>(n), std::vector<float>(n)};
-  decode_moments(s.view(), n, d.m.data(), d.v.data());
-  return d;
-}
-
-packed encode(moment_format f, const ref::state& s, std::uint64_t seed = 7) {
-  const std::size_t n = s.p.size();
-  packed out(f, n);
-  encode_moments(s.m.data(), s.v.data(), out.view(), n, {seed, 0});
-  return out;
-}
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
-}
 
 adam_config adamw() {
   adam_config c;
@@ -58,8 +27,6 @@ adam_config adamw() {
   c.weight_decay = 0.01;
   return c;
 }
-
-const moment_format formats[] = {moment_format::bf16, moment_format::q8};
 
 // AdamW, Adam (coupled L2) and NAdam: the kernels take the variant at run time.
 adam_config variant(int k) {
@@ -197,67 +164,6 @@ TEST_CASE("stochastically rounded moments follow the exact recurrence where roun
         const double exact = grow ? 1.0 - std::pow(0.999, steps) : std::pow(0.999, steps);
         CHECK(std::fabs(mean - exact) < 0.01 * exact);
       }
-}
-
-TEST_CASE("conversions: decode is exact, encode is unbiased and seeded, blocks with NaN decode as NaN",
-          "[compressed]") {
-  const std::size_t n = 64 * 1024;
-  std::mt19937 rng(3);
-  ref::state s = ref::random_state(n, rng);
-  for (moment_format f : formats) {
-    INFO("format " << moment_format_name(f));
-    packed a = encode(f, s, 1), b = encode(f, s, 1), c = encode(f, s, 2);
-    CHECK((a == b));
-    CHECK_FALSE((a == c));
-    // Decoded values re-encode to themselves (they are on the grid). An 8-bit block whose
-    // largest value is in its binade's top eighth takes the next base (room to round up):
-    // its grid is then a different one.
-    decoded d = decode(a, n);
-    ref::state again{n};
-    again.m = d.m;
-    again.v = d.v;
-    packed a2 = encode(f, again, 99);
-    if (f == moment_format::bf16) {
-      CHECK((a2 == a));
-    } else {
-      std::size_t same_base = 0, same_codes = 0;
-      for (std::size_t b = 0; b < n / q8_block; ++b)
-        for (int k : {0, 1}) {
-          if (a2.scales[2 * b + k] != a.scales[2 * b + k]) continue;
-          ++same_base;
-          const auto& x = k ? a.v : a.m;
-          const auto& y = k ? a2.v : a2.m;
-          same_codes += std::equal(x.begin() + b * q8_block, x.begin() + (b + 1) * q8_block, y.begin() + b * q8_block);
-        }
-      CHECK(same_codes == same_base);
-      CHECK(same_base > n / q8_block); // most of the 2 n / 32 moments' blocks
-    }
-    // Unbiased: the mean error over many elements is far below one rounding step.
-    double err_m = 0, err_v = 0, mag_m = 0, mag_v = 0;
-    for (std::size_t i = 0; i < n; ++i) {
-      err_m += double(d.m[i]) - s.m[i];
-      err_v += double(d.v[i]) - s.v[i];
-      mag_m += std::fabs(s.m[i]);
-      mag_v += s.v[i];
-    }
-    const double step = f == moment_format::bf16 ? 1.0 / 256 : 1.0 / 8; // relative rounding step
-    CHECK(std::fabs(err_m) < 0.05 * step * mag_m);
-    CHECK(std::fabs(err_v) < 0.05 * step * mag_v);
-  }
-  // A NaN moment: the 8-bit block holding it decodes as NaN, the next block does not.
-  ref::state nan_state = s;
-  nan_state.v[40] = std::nanf("");
-  packed q = encode(moment_format::q8, nan_state);
-  const decoded dq = decode(q, n);
-  for (std::size_t i = 32; i < 64; ++i) CHECK(std::isnan(dq.v[i]));
-  CHECK(std::isfinite(dq.v[31]));
-  CHECK(std::isfinite(dq.v[64]));
-  CHECK(std::isfinite(dq.m[40]));
-  // bf16: only that element.
-  packed h = encode(moment_format::bf16, nan_state);
-  const decoded dh = decode(h, n);
-  CHECK(std::isnan(dh.v[40]));
-  CHECK(std::isfinite(dh.v[41]));
 }
 
 TEST_CASE("compressed steps refuse bad input and write nothing", "[compressed][errors]") {
