@@ -97,7 +97,31 @@ std::string hex(std::uint64_t x) {
   return buf;
 }
 
-const char* const kinds[] = {"param", "exp_avg", "exp_avg_sq"};
+// A tensor's entries: the f32 master, the moments (in its group's format) and, for 8-bit
+// moments, the block exponents ([blocks, 2] bytes: exp_avg's, exp_avg_sq's).
+const char* const kinds[] = {"param", "exp_avg", "exp_avg_sq", "moment_scales"};
+constexpr int kind_scales = 3;
+
+int kinds_of(moment_format f) { return f == moment_format::q8 ? 4 : 3; }
+
+std::uint64_t blocks_of(std::size_t n) { return (std::uint64_t(n) + q8_block - 1) / q8_block; }
+
+// Bytes of entry k for n elements (8-bit entries start on a block).
+std::uint64_t entry_bytes(int k, moment_format f, std::size_t n) {
+  if (k == kind_scales) return 2 * blocks_of(n);
+  if (k == 0 || f == moment_format::f32) return 4 * std::uint64_t(n);
+  return std::uint64_t(n) * (f == moment_format::bf16 ? 2 : 1);
+}
+
+const char* entry_dtype(int k, moment_format f) {
+  if (k == kind_scales) return "U8";
+  if (k == 0 || f == moment_format::f32) return "F32";
+  return f == moment_format::bf16 ? "BF16" : "U8";
+}
+
+json entry_shape(int k, const json& elements, std::size_t n) {
+  return k == kind_scales ? json::array({blocks_of(n), 2}) : elements;
+}
 
 json config_json(const adam_config& c) {
   json j = json::object();
@@ -352,10 +376,11 @@ void save_checkpoint(const optimizer& opt, const std::string& path, const checkp
   std::uint64_t offset = 0;
   json groups = json::array(), tensor_groups = json::object(), pieces = json::object();
   struct chunk {
-    const float* src[3];
-    std::size_t n;
+    const char* src;
+    std::uint64_t bytes;
   };
-  std::vector<chunk> chunks; // data in file order, per tensor
+  std::vector<chunk> chunks; // data in file order
+  const std::vector<moment_format> formats = st.formats();
   for (const auto& c : st.configs()) groups.push_back(config_json(c));
   for (const auto& s : segs) {
     tensor_groups[s.name] = s.group;
@@ -364,15 +389,14 @@ void save_checkpoint(const optimizer& opt, const std::string& path, const checkp
     const std::size_t n = p.b - p.a;
     const json shape = p.whole ? json(s.shape) : json::array({n});
     if (!p.whole) pieces[s.name] = {p.a, p.b};
-    chunk c{};
-    c.n = n;
-    for (int k = 0; k < 3; ++k) {
-      const std::uint64_t bytes = std::uint64_t(n) * 4;
-      header[s.name + "." + kinds[k]] = {{"dtype", "F32"}, {"shape", shape}, {"data_offsets", {offset, offset + bytes}}};
+    const moment_format f = formats[s.group];
+    for (int k = 0; k < kinds_of(f); ++k) {
+      const std::uint64_t bytes = entry_bytes(k, f, n);
+      header[s.name + "." + kinds[k]] = {
+          {"dtype", entry_dtype(k, f)}, {"shape", entry_shape(k, shape, n)}, {"data_offsets", {offset, offset + bytes}}};
       offset += bytes;
-      c.src[k] = st.array(k) + (n ? s.offset + p.a - held.begin : 0);
+      if (n) chunks.push_back({st.data_at(k, s.group, s.offset + p.a - held.begin), bytes});
     }
-    chunks.push_back(c);
   }
   json meta = {{"format", format_name},
                {"version", format_version},
@@ -384,6 +408,13 @@ void save_checkpoint(const optimizer& opt, const std::string& path, const checkp
                {"range", range_text(held)},
                {"checksum", checksum_placeholder}};
   if (!pieces.empty()) meta["pieces"] = pieces.dump();
+  if (std::any_of(formats.begin(), formats.end(), [](moment_format f) { return f != moment_format::f32; })) {
+    json names = json::array(), seeds = json::array(); // written only then: f32 files stay as they were
+    for (const moment_format f : formats) names.push_back(std::string(moment_format_name(f)));
+    for (const std::uint64_t seed : st.seeds()) seeds.push_back(std::to_string(seed));
+    meta["moments"] = names.dump();
+    meta["rounding_seeds"] = seeds.dump();
+  }
   if (const auto lags = st.tensor_lags(); !lags.empty()) { // tensors behind the count (torch's per-param steps)
     json own = json::object();
     for (std::size_t i = 0; i < segs.size(); ++i)
@@ -415,15 +446,12 @@ void save_checkpoint(const optimizer& opt, const std::string& path, const checkp
     // written, whatever another thread does to the arena through a view.
     std::vector<unsigned char> block(std::min<std::uint64_t>(io_block, std::max<std::uint64_t>(offset, 1)));
     for (const auto& c : chunks)
-      for (int k = 0; k < 3; ++k) {
-        const auto* src = reinterpret_cast<const unsigned char*>(c.src[k]);
-        for (std::size_t done = 0, n = c.n * 4; done < n;) {
-          const std::size_t len_now = std::min(block.size(), n - done);
-          std::memcpy(block.data(), src + done, len_now);
-          sum.add(block.data(), len_now);
-          write_all(fd, block.data(), len_now, tmp);
-          done += len_now;
-        }
+      for (std::uint64_t done = 0; done < c.bytes;) {
+        const std::size_t len_now = std::size_t(std::min<std::uint64_t>(block.size(), c.bytes - done));
+        std::memcpy(block.data(), c.src + done, len_now);
+        sum.add(block.data(), len_now);
+        write_all(fd, block.data(), len_now, tmp);
+        done += len_now;
       }
     const std::string digits = hex(sum.finish());
     if (::pwrite(fd, digits.data(), digits.size(), off_t(checksum_pos)) != ssize_t(digits.size()))
@@ -444,11 +472,14 @@ struct source_file {
   std::vector<adam_config> configs;
   std::int64_t step = 0, skipped = 0;
   std::vector<std::int64_t> lags; // per layout tensor, behind `step`; empty: none
+  std::vector<moment_format> formats; // per group, as the file stores its moments
+  std::vector<std::uint64_t> seeds;   // per group (all 0 in a file of f32 moments)
   struct entry {
     std::size_t tensor;
     int kind;
     std::size_t a, b;        // tensor elements [a, b)
     std::uint64_t begin;     // byte offset in the data section
+    std::uint64_t bytes;
   };
   std::vector<entry> entries;
 
@@ -467,6 +498,8 @@ struct source_file {
     step = o.step;
     skipped = o.skipped;
     std::swap(lags, o.lags);
+    std::swap(formats, o.formats);
+    std::swap(seeds, o.seeds);
     std::swap(entries, o.entries);
     return *this;
   }
@@ -488,8 +521,40 @@ arena_range parse_range(const std::string& path, const std::string& text, std::s
   return r;
 }
 
-source_file open_source(const std::string& path, std::span<const segment> segs, const checkpoint_metadata& expected,
-                        checkpoint_metadata* read_back) {
+// The file's moment formats and rounding seeds (absent: f32 moments, written before
+// compressed ones existed), one per group of the `groups` it has.
+void read_moment_formats(source_file& src, const json& meta, std::size_t groups) {
+  const std::string& path = src.path;
+  src.formats.assign(groups, moment_format::f32);
+  src.seeds.assign(groups, 0);
+  if (!meta.contains("moments") && !meta.contains("rounding_seeds")) return;
+  try {
+    if (!meta.contains("moments") || !meta.contains("rounding_seeds") || !meta["moments"].is_string() ||
+        !meta["rounding_seeds"].is_string())
+      fail(path, "__metadata__ has one of 'moments' and 'rounding_seeds' without the other");
+    const json names = json::parse(meta["moments"].get<std::string>());
+    const json seeds = json::parse(meta["rounding_seeds"].get<std::string>());
+    if (!names.is_array() || names.size() != groups || !seeds.is_array() || seeds.size() != groups)
+      fail(path, "__metadata__ 'moments' and 'rounding_seeds' must list one entry per group (" +
+                     std::to_string(groups) + ")");
+    for (std::size_t g = 0; g < groups; ++g) {
+      src.formats[g] = parse_moment_format(names[g].get<std::string>());
+      const std::string seed = seeds[g].get<std::string>();
+      const bool digits = !seed.empty() && seed.size() <= 20 &&
+                          std::all_of(seed.begin(), seed.end(), [](char c) { return c >= '0' && c <= '9'; });
+      if (!digits || (seed.size() > 1 && seed[0] == '0') || (seed.size() == 20 && seed > "18446744073709551615"))
+        fail(path, "rounding_seeds[" + std::to_string(g) + "] = \"" + seed + "\": expected a 64-bit decimal count");
+      src.seeds[g] = std::stoull(seed);
+    }
+  } catch (const std::runtime_error&) {
+    throw;
+  } catch (const std::exception& e) {
+    fail(path, std::string("bad 'moments' or 'rounding_seeds' metadata: ") + e.what());
+  }
+}
+
+source_file open_source(const std::string& path, std::span<const segment> segs, std::span<const moment_format> want,
+                        const checkpoint_metadata& expected, checkpoint_metadata* read_back) {
   check_path(path, "checkpoint");
   source_file src;
   src.path = path;
@@ -537,11 +602,38 @@ source_file open_source(const std::string& path, std::span<const segment> segs, 
     if (meta_string(k) != v) fail(path, "__metadata__ '" + k + "' = \"" + meta_string(k) + "\": expected \"" + v + "\"");
   if (read_back)
     for (auto& [k, v] : *read_back) v = meta_string(k);
+  // The moment formats first: a file of other formats has another layout too, and the
+  // user should hear that (with the way to convert), not "a different model".
+  std::size_t file_groups = 0;
+  try {
+    const json groups = json::parse(meta_string("groups"));
+    if (!groups.is_array()) fail(path, "__metadata__ 'groups' is not a list");
+    file_groups = groups.size();
+  } catch (const std::runtime_error&) {
+    throw;
+  } catch (const std::exception& e) {
+    fail(path, std::string("__metadata__ 'groups' is not valid JSON: ") + e.what());
+  }
+  read_moment_formats(src, meta, file_groups);
+  if (!want.empty() && want.size() != file_groups)
+    fail(path, std::to_string(file_groups) + " parameter groups, the optimizer has " + std::to_string(want.size()));
+  for (std::size_t g = 0; g < want.size(); ++g)
+    if (src.formats[g] != want[g])
+      fail(path, "group " + std::to_string(g) + " stores its moments as " +
+                     std::string(moment_format_name(src.formats[g])) + ", the optimizer's as " +
+                     std::string(moment_format_name(want[g])) +
+                     ": a load never converts formats (lossy); load it into an optimizer with the file's formats, "
+                     "then convert explicitly (read_moments / write_moments)");
+  for (const auto& s : segs)
+    if (s.group >= file_groups) fail(path, "tensor '" + s.name + "' belongs to a group the file does not have");
+  const bool file_q8 = std::find(src.formats.begin(), src.formats.end(), moment_format::q8) != src.formats.end();
   const std::size_t end = arena_end(segs);
   if (meta_string("arena") != std::to_string(end))
     fail(path, "it holds an arena of " + meta_string("arena") + " elements, the optimizer's has " +
                    std::to_string(end) + " (a different model)");
   src.range = parse_range(path, meta_string("range"), end);
+  if (file_q8 && (src.range.begin % q8_block || (src.range.end % q8_block && src.range.end != end)))
+    fail(path, "range " + range_text(src.range) + " cuts 8-bit blocks (its ends must be multiples of 32)");
   json pieces = json::object();
   if (meta.contains("pieces")) {
     try {
@@ -557,7 +649,8 @@ source_file open_source(const std::string& path, std::span<const segment> segs, 
   std::map<std::string, std::pair<std::size_t, int>, std::less<>> wanted; // "name.kind" -> (tensor, kind)
   for (std::size_t i = 0; i < segs.size(); ++i)
     if (piece_in(segs[i], src.range, end).held)
-      for (int k = 0; k < 3; ++k) wanted.emplace(segs[i].name + "." + kinds[k], std::make_pair(i, k));
+      for (int k = 0; k < kinds_of(src.formats[segs[i].group]); ++k)
+        wanted.emplace(segs[i].name + "." + kinds[k], std::make_pair(i, k));
   for (const auto& item : header.items()) {
     const std::string& name = item.key(); // (a plain reference: clang 14 cannot capture bindings)
     if (name == "__metadata__") continue;
@@ -579,9 +672,12 @@ source_file open_source(const std::string& path, std::span<const segment> segs, 
     const json& t = header[name];
     if (!t.is_object() || !t.contains("dtype") || !t.contains("shape") || !t.contains("data_offsets"))
       fail(path, "tensor '" + name + "' has no dtype/shape/data_offsets");
-    if (t["dtype"] != "F32") fail(path, "tensor '" + name + "' has dtype " + t["dtype"].dump() + ": expected F32");
+    const moment_format f = src.formats[s.group];
+    const int k = tk.second;
+    if (t["dtype"] != entry_dtype(k, f))
+      fail(path, "tensor '" + name + "' has dtype " + t["dtype"].dump() + ": expected " + entry_dtype(k, f));
     const piece_of p = piece_in(s, src.range, end);
-    const json want_shape = p.whole ? json(s.shape) : json::array({p.b - p.a});
+    const json want_shape = entry_shape(k, p.whole ? json(s.shape) : json::array({p.b - p.a}), p.b - p.a);
     if (!t["shape"].is_array() || t["shape"] != want_shape)
       fail(path, "tensor '" + name + "' has shape " + t["shape"].dump() + ": expected " + want_shape.dump());
     const bool listed = pieces.is_object() && pieces.contains(s.name);
@@ -594,16 +690,16 @@ source_file open_source(const std::string& path, std::span<const segment> segs, 
     if (b > e || e > src.data_size)
       fail(path, "tensor '" + name + "': data_offsets [" + std::to_string(b) + ", " + std::to_string(e) +
                      ") lie outside the " + std::to_string(src.data_size) + "-byte data section (truncated file?)");
-    if (e - b != std::uint64_t(p.b - p.a) * 4)
+    if (e - b != entry_bytes(k, f, p.b - p.a))
       fail(path, "tensor '" + name + "': " + std::to_string(e - b) + " bytes for " + std::to_string(p.b - p.a) +
-                     " f32 elements");
-    src.entries.push_back({tk.first, tk.second, p.a, p.b, b});
+                     " elements of dtype " + entry_dtype(k, f));
+    src.entries.push_back({tk.first, tk.second, p.a, p.b, b, e - b});
     total += e - b;
   }
   // Non-empty entries must not overlap; with a matching total they tile the data exactly.
   std::vector<std::pair<std::uint64_t, std::uint64_t>> spans;
   for (const auto& e : src.entries)
-    if (e.b > e.a) spans.push_back({e.begin, e.begin + std::uint64_t(e.b - e.a) * 4});
+    if (e.bytes) spans.push_back({e.begin, e.begin + e.bytes});
   std::sort(spans.begin(), spans.end());
   for (std::size_t i = 1; i < spans.size(); ++i)
     if (spans[i].first < spans[i - 1].second) fail(path, "two tensors overlap in the data section");
@@ -697,18 +793,21 @@ void load_checkpoint(optimizer& opt, std::span<const std::string> paths, std::sp
                      checkpoint_metadata* read_back) {
   try {
     const std::vector<segment> layout(opt.segments().begin(), opt.segments().end()); // fixed at construction
+    std::vector<moment_format> formats; // fixed at construction too
+    for (std::size_t g = 0; g < opt.num_groups(); ++g) formats.push_back(opt.group_moments(g));
     std::vector<source_file> sources;
     for (std::size_t f = 0; f < paths.size(); ++f)
-      sources.push_back(open_source(paths[f], layout, f < expected.size() ? expected[f] : checkpoint_metadata{},
+      sources.push_back(open_source(paths[f], layout, formats,
+                                    f < expected.size() ? expected[f] : checkpoint_metadata{},
                                     f == 0 ? read_back : nullptr));
     if (sources.empty()) throw std::invalid_argument("load_checkpoint: no file given");
     const source_file& first = sources.front();
     for (const auto& s : sources) { // one save: the same counts and hyper-parameters everywhere
       bool same = s.step == first.step && s.skipped == first.skipped && s.configs.size() == first.configs.size() &&
-                  s.lags == first.lags;
+                  s.lags == first.lags && s.seeds == first.seeds;
       for (std::size_t g = 0; same && g < s.configs.size(); ++g) same = same_config(s.configs[g], first.configs[g]);
       if (!same)
-        fail(s.path, "its step, skipped steps or hyper-parameters differ from '" + first.path +
+        fail(s.path, "its step, skipped steps, hyper-parameters or rounding seeds differ from '" + first.path +
                          "': files of different saves");
     }
 
@@ -749,7 +848,7 @@ void load_checkpoint(optimizer& opt, std::span<const std::string> paths, std::sp
         source_file& s = sources[f];
         struct copy {
           std::uint64_t begin, end; // data-section bytes
-          float* dst;
+          char* dst;
         };
         std::vector<copy> copies;
         for (const auto& e : s.entries) {
@@ -758,8 +857,12 @@ void load_checkpoint(optimizer& opt, std::span<const std::string> paths, std::sp
           const std::size_t lo = std::max(provides[f].begin, seg.offset + e.a);
           const std::size_t hi = std::min(provides[f].end, seg.offset + e.b);
           if (lo >= hi) continue;
-          const std::uint64_t from = e.begin + std::uint64_t(lo - seg.offset - e.a) * 4;
-          copies.push_back({from, from + std::uint64_t(hi - lo) * 4, state.array(e.kind) + (lo - held.begin)});
+          // Bytes from the entry's start to element lo, and of [lo, hi): ranges of files
+          // and optimizers with 8-bit groups cut no block, so lo starts one.
+          const moment_format fmt = formats[seg.group];
+          const std::uint64_t from = e.begin + entry_bytes(e.kind, fmt, lo - seg.offset - e.a);
+          copies.push_back({from, from + entry_bytes(e.kind, fmt, hi - lo),
+                            state.data_at(e.kind, seg.group, lo - held.begin)});
         }
         std::sort(copies.begin(), copies.end(), [](const copy& a, const copy& b) { return a.begin < b.begin; });
         checksum64 sum = s.head;
@@ -786,6 +889,7 @@ void load_checkpoint(optimizer& opt, std::span<const std::string> paths, std::sp
     }
     state.set_counters(first.configs, first.step, first.skipped);
     state.set_tensor_lags(first.lags);
+    state.set_seeds(first.seeds);
     state.clear_failure();
   } catch (const std::bad_alloc&) {
     throw std::runtime_error("checkpoint '" + (paths.empty() ? std::string() : paths[0]) +
@@ -795,7 +899,7 @@ void load_checkpoint(optimizer& opt, std::span<const std::string> paths, std::sp
 
 void read_checkpoint_metadata(const std::string& path, std::span<const segment> layout, checkpoint_metadata& values,
                               bool verify) {
-  source_file s = open_source(path, layout, {}, &values);
+  source_file s = open_source(path, layout, {}, {}, &values);
   if (verify) {
     std::vector<unsigned char> block(io_block);
     verify_checksum(s, block);

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "hostopt/moment_format.hpp"
 #include "hostopt/optimizer.hpp"
 
 namespace hostopt::detail {
@@ -26,8 +27,15 @@ public:
   std::span<const segment> segments() const;
   /// The part of the layout the optimizer holds (its arrays start at range().begin).
   arena_range range() const;
-  /// Array k of the arena: 0 params, 1 exp_avg, 2 exp_avg_sq (arena_size() floats each).
-  float* array(int k) const;
+  /// Where array k of held flat element `flat` (a tensor element of group `group`) lives:
+  /// 0 params (f32), 1 exp_avg and 2 exp_avg_sq (f32, bf16 or 8-bit codes, the group's
+  /// format), 3 the 8-bit block exponents (two bytes per block; `flat` starts a block).
+  char* data_at(int k, std::size_t group, std::size_t flat) const;
+  /// Each group's moment format and rounding seed.
+  std::vector<moment_format> formats() const;
+  const std::vector<std::uint64_t>& seeds() const;
+  /// Replaces the groups' rounding seeds (one per group).
+  void set_seeds(std::span<const std::uint64_t> seeds);
   std::size_t arena_size() const;
   const std::vector<adam_config>& configs() const;
   std::int64_t step_count() const;

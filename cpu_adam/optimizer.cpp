@@ -18,6 +18,7 @@
 #include "hostopt/gradient_checks.hpp"
 #include "kernel_registry.hpp"
 #include "parallel.hpp"
+#include "rounding_key.hpp"
 #include "step_plan.hpp"
 #include "step_scalars.hpp"
 #include "update_engine.hpp"
@@ -31,7 +32,15 @@ namespace {
 const char* const view_kinds[] = {"grads", "outs", "optimizer state"};
 constexpr int kind_grad = 0, kind_out = 1, kind_state = 2;
 
-std::size_t align_up(std::size_t x) { return (x + align_elems - 1) / align_elems * align_elems; }
+std::size_t align_up(std::size_t x, std::size_t unit = align_elems) { return (x + unit - 1) / unit * unit; }
+
+// Elements where an 8-bit group's blocks force alignment; else the 64-byte unit.
+std::size_t unit_of(moment_format f) { return f == moment_format::q8 ? q8_block : align_elems; }
+
+// Bytes per stored moment element.
+std::size_t moment_elem_bytes(moment_format f) {
+  return f == moment_format::f32 ? 4 : f == moment_format::bf16 ? 2 : 1;
+}
 
 // Elements the arena may hold: 3 f32 arrays within max_state_bytes. Every product and sum
 // below stays under it, so none can overflow.
@@ -73,6 +82,12 @@ std::vector<segment> arena_layout(const std::vector<param_group>& groups) {
   std::size_t offset = 0;
   for (std::size_t g = 0; g < groups.size(); ++g) {
     validate(groups[g].config, "groups[" + std::to_string(g) + "].config");
+    try {
+      moment_format_name(groups[g].moments);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument("groups[" + std::to_string(g) + "].moments: " + e.what());
+    }
+    const std::size_t unit = unit_of(groups[g].moments); // 8-bit tensors start on a block
     for (const auto& t : groups[g].tensors) {
       if (t.name.empty())
         throw std::invalid_argument("groups[" + std::to_string(g) +
@@ -80,6 +95,8 @@ std::vector<segment> arena_layout(const std::vector<param_group>& groups) {
       const std::size_t n = element_count(t);
       if (!seen.emplace(t.name, segs.size()).second)
         throw std::invalid_argument("tensor name '" + t.name + "': registered twice, expected unique names");
+      if (align_up(offset, unit) > max_arena_elems) too_large("tensor '" + t.name + "' (the sum of the tensor sizes)");
+      offset = align_up(offset, unit);
       if (n > max_arena_elems - offset || align_up(offset + n) > max_arena_elems)
         too_large("tensor '" + t.name + "' (the sum of the tensor sizes)");
       segs.push_back({t.name, t.shape, offset, n, g});
@@ -106,6 +123,20 @@ struct optimizer::impl {
   std::vector<std::string> names;
   std::map<std::string, std::size_t, std::less<>> by_name;
   std::vector<adam_config> configs;
+  std::vector<std::uint64_t> seeds; // per group: the compressed moments' rounding seed
+  // Per group: how its moments are stored. When every group is f32 (flat_moments) they
+  // are the flat arrays m() and v(); otherwise each group has its own part of `moments`
+  // covering flat elements [begin, end) (whole blocks for 8-bit).
+  struct group_store {
+    moment_format format = moment_format::f32;
+    std::size_t begin = 0, end = 0;
+    std::size_t m = 0, v = 0, scales = 0; // byte offsets in `moments`
+  };
+  std::vector<group_store> stores;
+  bool flat_moments = true;
+  bool has_q8 = false;
+  aligned_floats moments; // the groups' moment storage (not flat_moments)
+  std::size_t moments_used = 0;
   execution_options exec;
   const kernel_set* kernels = nullptr;
   arena_range held;           // the part of the layout held; flat index i is element held.begin + i
@@ -131,6 +162,7 @@ struct optimizer::impl {
   step_decision chunk_decision;
 
   float* p() const { return state.data(); }
+  char* moment_base() const { return reinterpret_cast<char*>(moments.data()); }
   float* m() const { return state.data() + arena; }
   float* v() const { return state.data() + 2 * arena; }
   bool whole() const { return held.begin == 0 && held.end == arena_end(segs); }
@@ -215,7 +247,64 @@ struct optimizer::impl {
   // Array k (params, exp_avg, exp_avg_sq), refused while the state is half-updated.
   std::span<float> view(int k, const char* what) const {
     const auto lock = acquire(what);
+    if (k > 0 && !flat_moments) {
+      std::size_t g = 0;
+      while (stores[g].format == moment_format::f32) ++g;
+      throw std::logic_error(std::string(what) + ": group " + std::to_string(g) + " stores its moments as " +
+                             std::string(moment_format_name(stores[g].format)) +
+                             ": the flat f32 moment views exist only when every group's moments are f32 (use "
+                             "read_moments/write_moments, or exp_avg(name) for tensors of f32 groups)");
+    }
     return {state.data() + std::size_t(k) * arena, arena};
+  }
+
+  // The tensor's moment storage at its first element: array k (1 exp_avg, 2 exp_avg_sq,
+  // 3 the 8-bit block exponents), bytes; `flat` is a held flat index of group g.
+  char* moment_at(int k, std::size_t g, std::size_t flat) const {
+    if (flat_moments) return reinterpret_cast<char*>((k == 1 ? m() : v()) + flat);
+    const group_store& st = stores[g];
+    const std::size_t i = flat - st.begin;
+    if (k == 3) return moment_base() + st.scales + 2 * (i / q8_block);
+    return moment_base() + (k == 1 ? st.m : st.v) + i * moment_elem_bytes(st.format);
+  }
+
+  // The optimizer's own memory, for the checks that no caller buffer overlaps it.
+  void push_state_ranges() {
+    if (flat_moments) {
+      ranges.push_back(range_of(p(), 3 * arena * sizeof(float), true, kind_state, 0));
+      return;
+    }
+    ranges.push_back(range_of(p(), arena * sizeof(float), true, kind_state, 0));
+    if (moments_used) ranges.push_back(range_of(moment_base(), moments_used, true, kind_state, 1));
+  }
+
+  // A tensor's f32 moments as a view: the flat arrays' slice, or its f32 group's storage.
+  std::span<float> moment_view(int k, std::string_view name, const char* what) const {
+    const auto lock = acquire(what);
+    const segment& s = whole_tensor(name);
+    if (stores[s.group].format != moment_format::f32)
+      throw std::invalid_argument(std::string(what) + "('" + s.name + "'): its group " + std::to_string(s.group) +
+                                  " stores its moments as " + std::string(moment_format_name(stores[s.group].format)) +
+                                  ", not f32: use read_moments/write_moments");
+    if (!s.size) return {};
+    return {reinterpret_cast<float*>(moment_at(k, s.group, s.offset - held.begin)), s.size};
+  }
+
+  void check_moment_sizes(const char* what, const segment& s, std::size_t m, std::size_t v) const {
+    if (m != s.size || v != s.size)
+      throw std::invalid_argument(std::string(what) + "('" + s.name + "'): exp_avg/exp_avg_sq hold " +
+                                  std::to_string(m) + "/" + std::to_string(v) + " elements: expected " +
+                                  std::to_string(s.size) + " each (the tensor's size)");
+  }
+
+  // A compressed group's codes from flat element `flat` on (a block start for 8-bit).
+  compressed_moments codes_at(std::size_t g, std::size_t flat) const {
+    compressed_moments c;
+    c.format = stores[g].format;
+    c.exp_avg = moment_at(1, g, flat);
+    c.exp_avg_sq = moment_at(2, g, flat);
+    if (c.format == moment_format::q8) c.scales = reinterpret_cast<std::uint8_t*>(moment_at(3, g, flat));
+    return c;
   }
 
   // A tensor held whole: its segment (flat offset = segment offset - held.begin).
@@ -228,11 +317,47 @@ struct optimizer::impl {
     return s;
   }
 
+  // Each group's moment storage: its held pieces' flat span (whole blocks for 8-bit),
+  // every array 64-byte aligned in one allocation; the groups' kernels point at it.
+  void lay_out_group_moments() {
+    const auto align64 = [](std::size_t b) { return (b + 63) / 64 * 64; };
+    std::size_t bytes = 0;
+    for (std::size_t g = 0; g < stores.size(); ++g) {
+      group_store& st = stores[g];
+      st.begin = arena;
+      st.end = 0;
+      for (const update_piece& piece : pieces)
+        if (piece.group == g && piece.size) {
+          st.begin = std::min(st.begin, piece.offset);
+          st.end = std::max(st.end, piece.offset + piece.size);
+        }
+      if (st.begin >= st.end) st.begin = st.end = 0; // holds no element
+      st.end = st.begin + align_up(st.end - st.begin, unit_of(st.format));
+      const std::size_t n = st.end - st.begin;
+      st.m = bytes;
+      st.v = bytes = align64(bytes + n * moment_elem_bytes(st.format));
+      st.scales = bytes = align64(bytes + n * moment_elem_bytes(st.format));
+      bytes = align64(bytes + moment_scale_bytes(st.format, n));
+    }
+    moments_used = bytes;
+    moments = aligned_floats(bytes / sizeof(float)); // a multiple of 64 bytes
+    for (std::size_t g = 0; g < stores.size(); ++g) {
+      const group_store& st = stores[g];
+      moment_storage& ms = group_kernels[g].storage;
+      ms.format = st.format;
+      ms.exp_avg = moment_base() + st.m;
+      ms.exp_avg_sq = moment_base() + st.v;
+      ms.scales = st.format == moment_format::q8 ? reinterpret_cast<std::uint8_t*>(moment_base() + st.scales) : nullptr;
+      ms.origin = st.begin;
+      ms.seed = seeds[g];
+    }
+  }
+
   update_job job(dtype grad_type, std::optional<dtype> out) const {
     update_job j;
     j.params = p();
-    j.exp_avg = m();
-    j.exp_avg_sq = v();
+    j.exp_avg = flat_moments ? m() : nullptr; // else every group has its own storage
+    j.exp_avg_sq = flat_moments ? v() : nullptr;
     j.pieces = pieces.data();
     j.num_pieces = pieces.size();
     j.groups = group_kernels.data();
@@ -240,6 +365,7 @@ struct optimizer::impl {
     j.out_elem_bytes = out ? dtype_size(*out) : 0;
     j.begin = 0;
     j.end = arena;
+    j.index_origin = held.begin; // compressed moments round by layout index, whatever the shard
     return j;
   }
 
@@ -279,8 +405,10 @@ struct optimizer::impl {
       pieces[k].group = g;
       if (lag[t] == 0) continue;
       group_kernel& own = group_kernels[groups + t];
-      own.fn = group_kernels[g].fn;
+      own = group_kernels[g]; // its kernel and storage
       own.scalars = make_step_scalars(configs[g], pl.step() - lag[t], pl.decision().scale);
+      own.call.s = own.scalars; // compressed moments round with the tensor's own step too
+      own.call.key = rounding_key(seeds[g], pl.step() - lag[t]);
       pieces[k].group = groups + t;
     }
   }
@@ -303,11 +431,15 @@ struct optimizer::impl {
 };
 
 namespace {
-void check_range(arena_range r, std::size_t end) {
-  if (r.begin > r.end || r.end > end || (r.begin % align_elems) || (r.end % align_elems && r.end != end))
+// `unit`: 16, or 32 when a group has 8-bit moments (a range never cuts a block).
+void check_range(arena_range r, std::size_t end, std::size_t unit) {
+  if (r.begin > r.end || r.end > end || (r.begin % unit) || (r.end % unit && r.end != end))
     throw std::invalid_argument("range [" + std::to_string(r.begin) + ", " + std::to_string(r.end) +
-                                "): expected a range of [0, " + std::to_string(end) +
-                                ") whose ends are multiples of 16 (or the arena's end)");
+                                "): expected a range of [0, " + std::to_string(end) + ") whose ends are multiples of " +
+                                std::to_string(unit) + " (or the arena's end)" +
+                                (unit > align_elems ? ": a group has 8-bit moments, whose 32-element blocks a range "
+                                                      "may not cut"
+                                                    : ""));
 }
 } // namespace
 
@@ -321,10 +453,16 @@ optimizer::optimizer(std::vector<param_group> groups, arena_range range, executi
   s.kernels = &kernel_set_by_name(exec.kernel);
   s.exec = std::move(exec);
   s.segs = arena_layout(groups);
-  check_range(range, arena_end(s.segs));
+  for (const auto& g : groups) {
+    s.configs.push_back(g.config);
+    s.seeds.push_back(g.rounding_seed);
+    s.stores.push_back({g.moments});
+    s.flat_moments = s.flat_moments && g.moments == moment_format::f32;
+    s.has_q8 = s.has_q8 || g.moments == moment_format::q8;
+  }
+  check_range(range, arena_end(s.segs), s.has_q8 ? q8_block : align_elems);
   s.held = range;
   s.arena = range.size();
-  for (const auto& g : groups) s.configs.push_back(g.config);
   for (std::size_t i = 0; i < s.segs.size(); ++i) {
     const segment& seg = s.segs[i];
     s.by_name.emplace(seg.name, i);
@@ -342,8 +480,13 @@ optimizer::optimizer(std::vector<param_group> groups, arena_range range, executi
     s.piece_tensor.push_back(i);
     s.nparams += s.pieces.back().size;
   }
-  s.state = aligned_floats(3 * s.arena); // arena <= max_arena_elems: cannot overflow
   s.group_kernels.resize(s.configs.size() + s.segs.size()); // groups, then tensors behind the count
+  if (s.flat_moments) {
+    s.state = aligned_floats(3 * s.arena); // arena <= max_arena_elems: cannot overflow
+  } else {
+    s.state = aligned_floats(s.arena);
+    s.lay_out_group_moments();
+  }
   s.lag.assign(s.segs.size(), 0);
   s.ranges.reserve(2 * s.segs.size() + 3);
   s.stat_views.reserve(s.pieces.size());
@@ -352,8 +495,14 @@ optimizer::optimizer(std::vector<param_group> groups, arena_range range, executi
   impl* self = &s;
   auto zero = [self](int tid, int nthreads) {
     const auto [lo, hi] = partition(0, self->arena, tid, nthreads);
-    for (float* base : {self->p(), self->m(), self->v()})
-      if (lo < hi) std::memset(base + lo, 0, (hi - lo) * sizeof(float));
+    if (lo < hi) std::memset(self->p() + lo, 0, (hi - lo) * sizeof(float));
+    if (self->flat_moments) {
+      for (float* base : {self->m(), self->v()})
+        if (lo < hi) std::memset(base + lo, 0, (hi - lo) * sizeof(float));
+      return;
+    }
+    const auto [blo, bhi] = partition(0, self->moments_used, tid, nthreads, 64); // zero bytes: zero moments
+    if (blo < bhi) std::memset(self->moment_base() + blo, 0, bhi - blo);
   };
   run_parallel(s.exec.threads, zero);
 }
@@ -365,7 +514,14 @@ optimizer& optimizer::operator=(optimizer&&) noexcept = default;
 std::size_t optimizer::arena_size() const { return impl_->arena; }
 arena_range optimizer::range() const { return impl_->held; }
 std::size_t optimizer::num_params() const { return impl_->nparams; }
-std::size_t optimizer::state_bytes() const { return 3 * impl_->arena * sizeof(float); }
+std::size_t optimizer::chunk_unit() const { return impl_->has_q8 ? q8_block : align_elems; }
+std::size_t optimizer::state_bytes() const {
+  const impl& s = *impl_;
+  if (s.flat_moments) return 3 * s.arena * sizeof(float);
+  std::size_t bytes = s.arena * sizeof(float);
+  for (const auto& st : s.stores) bytes += moment_bytes(st.format, st.end - st.begin);
+  return bytes;
+}
 std::span<const segment> optimizer::segments() const { return impl_->segs; } // fixed at construction
 const segment& optimizer::tensor(std::string_view name) const { return impl_->segs[impl_->index_of(name)]; }
 
@@ -374,6 +530,15 @@ adam_config optimizer::group_config(std::size_t group) const {
   const auto lock = impl_->acquire("group_config", false);
   impl_->check_group(group);
   return impl_->configs[group];
+}
+moment_format optimizer::group_moments(std::size_t group) const {
+  impl_->check_group(group); // fixed at construction
+  return impl_->stores[group].format;
+}
+std::uint64_t optimizer::group_rounding_seed(std::size_t group) const {
+  const auto lock = impl_->acquire("group_rounding_seed", false);
+  impl_->check_group(group);
+  return impl_->seeds[group];
 }
 void optimizer::set_group_config(std::size_t group, const adam_config& config) {
   const auto lock = impl_->acquire("set_group_config", false);
@@ -454,13 +619,41 @@ std::span<float> optimizer::params(std::string_view name) {
   const segment& s = impl_->whole_tensor(name);
   return params().subspan(s.size ? s.offset - impl_->held.begin : 0, s.size);
 }
-std::span<float> optimizer::exp_avg(std::string_view name) {
-  const segment& s = impl_->whole_tensor(name);
-  return exp_avg().subspan(s.size ? s.offset - impl_->held.begin : 0, s.size);
+std::span<float> optimizer::exp_avg(std::string_view name) { return impl_->moment_view(1, name, "exp_avg"); }
+std::span<float> optimizer::exp_avg_sq(std::string_view name) { return impl_->moment_view(2, name, "exp_avg_sq"); }
+
+void optimizer::read_moments(std::string_view name, std::span<float> exp_avg, std::span<float> exp_avg_sq) const {
+  const impl& s = *impl_;
+  const auto lock = s.acquire("read_moments");
+  const segment& seg = s.whole_tensor(name);
+  s.check_moment_sizes("read_moments", seg, exp_avg.size(), exp_avg_sq.size());
+  if (!seg.size) return;
+  const std::size_t flat = seg.offset - s.held.begin;
+  const moment_format f = s.stores[seg.group].format;
+  if (f == moment_format::f32) {
+    std::memcpy(exp_avg.data(), s.moment_at(1, seg.group, flat), seg.size * sizeof(float));
+    std::memcpy(exp_avg_sq.data(), s.moment_at(2, seg.group, flat), seg.size * sizeof(float));
+    return;
+  }
+  decode_moments(s.codes_at(seg.group, flat), seg.size, exp_avg.data(), exp_avg_sq.data());
 }
-std::span<float> optimizer::exp_avg_sq(std::string_view name) {
-  const segment& s = impl_->whole_tensor(name);
-  return exp_avg_sq().subspan(s.size ? s.offset - impl_->held.begin : 0, s.size);
+
+void optimizer::write_moments(std::string_view name, std::span<const float> exp_avg,
+                              std::span<const float> exp_avg_sq) {
+  impl& s = *impl_;
+  const auto lock = s.acquire("write_moments");
+  const segment& seg = s.whole_tensor(name);
+  s.check_moment_sizes("write_moments", seg, exp_avg.size(), exp_avg_sq.size());
+  if (!seg.size) return;
+  const std::size_t flat = seg.offset - s.held.begin;
+  if (s.stores[seg.group].format == moment_format::f32) {
+    std::memcpy(s.moment_at(1, seg.group, flat), exp_avg.data(), seg.size * sizeof(float));
+    std::memcpy(s.moment_at(2, seg.group, flat), exp_avg_sq.data(), seg.size * sizeof(float));
+    return;
+  }
+  // The tensor ends its part of the storage (the rest of its last block is padding).
+  encode_moments(exp_avg.data(), exp_avg_sq.data(), s.codes_at(seg.group, flat), seg.size,
+                 rounding_stream{s.seeds[seg.group], seg.offset, 0});
 }
 
 void optimizer::set_params(std::string_view name, const_view values) {
@@ -535,7 +728,7 @@ step_result optimizer::step(const_view flat_grad, mut_view flat_out, const step_
   s.ranges.push_back(range_of(flat_grad.data, s.arena * dtype_size(flat_grad.type), false, kind_grad, 0));
   if (has_out)
     s.ranges.push_back(range_of(flat_out.data, s.arena * dtype_size(flat_out.type), true, kind_out, 0));
-  s.ranges.push_back(range_of(s.p(), 3 * s.arena * sizeof(float), true, kind_state, 0));
+  s.push_state_ranges();
   check_no_overlap(s.ranges, view_kinds);
 
   s.stat_views.clear();
@@ -599,7 +792,7 @@ step_result optimizer::step(std::span<const const_view> grads, std::span<const m
     }
     s.ranges.push_back(range_of(outs[i].data, outs[i].size * dtype_size(out_type), true, kind_out, i));
   }
-  s.ranges.push_back(range_of(s.p(), 3 * s.arena * sizeof(float), true, kind_state, 0));
+  s.push_state_ranges();
   check_no_overlap(s.ranges, view_kinds, &s.names);
 
   for (std::size_t i = 0; i < n; ++i) { // whole: piece i is tensor i
@@ -662,6 +855,10 @@ void optimizer::update_range(std::size_t begin, std::size_t end, const void* gra
                                 "): expected the next chunk, starting at " + std::to_string(s.chunk_covered) +
                                 " (chunks cover the arena in order, once each)");
   if (begin == end) return;
+  if (s.has_q8 && end % q8_block && end != s.arena)
+    throw std::invalid_argument("update_range: [" + std::to_string(begin) + ", " + std::to_string(end) +
+                                "): a group has 8-bit moments: expected a chunk ending on a multiple of 32 "
+                                "(chunk_unit(), whole blocks) or at the arena's end");
   if (!grad) throw std::invalid_argument("update_range: grad is null: expected a gradient chunk");
   if (s.chunked.copy_out != (out != nullptr))
     throw std::invalid_argument(std::string("update_range: out is ") + (out ? "set" : "null") + ": expected " +
@@ -675,7 +872,7 @@ void optimizer::update_range(std::size_t begin, std::size_t end, const void* gra
   s.ranges.push_back(range_of(grad, n * dtype_size(s.chunked.grad_type), false, kind_grad, 0));
   if (out) s.ranges.push_back(range_of(out, n * dtype_size(s.chunked.out_type), true, kind_out, 0));
   if (accumulator) s.ranges.push_back(range_of(accumulator, n * sizeof(float), false, kind_grad, 1));
-  s.ranges.push_back(range_of(s.p(), 3 * s.arena * sizeof(float), true, kind_state, 0));
+  s.push_state_ranges();
   check_no_overlap(s.ranges, view_kinds);
   update_job job = s.job(s.chunked.grad_type, out_of(s.chunked.copy_out, s.chunked.out_type));
   job.begin = begin;
@@ -777,7 +974,24 @@ exclusive_state::~exclusive_state() = default;
 
 std::span<const segment> exclusive_state::segments() const { return impl_.segs; }
 arena_range exclusive_state::range() const { return impl_.held; }
-float* exclusive_state::array(int k) const { return impl_.state.data() + std::size_t(k) * impl_.arena; }
+char* exclusive_state::data_at(int k, std::size_t group, std::size_t flat) const {
+  return k == 0 ? reinterpret_cast<char*>(impl_.p() + flat) : impl_.moment_at(k, group, flat);
+}
+std::vector<moment_format> exclusive_state::formats() const {
+  std::vector<moment_format> f;
+  for (const auto& st : impl_.stores) f.push_back(st.format);
+  return f;
+}
+const std::vector<std::uint64_t>& exclusive_state::seeds() const { return impl_.seeds; }
+void exclusive_state::set_seeds(std::span<const std::uint64_t> seeds) {
+  if (seeds.size() != impl_.seeds.size())
+    throw std::invalid_argument(std::to_string(seeds.size()) + " rounding seeds: expected one per group (" +
+                                std::to_string(impl_.seeds.size()) + ")");
+  for (std::size_t g = 0; g < seeds.size(); ++g) {
+    impl_.seeds[g] = seeds[g];
+    impl_.group_kernels[g].storage.seed = seeds[g];
+  }
+}
 std::size_t exclusive_state::arena_size() const { return impl_.arena; }
 const std::vector<adam_config>& exclusive_state::configs() const { return impl_.configs; }
 std::int64_t exclusive_state::step_count() const { return impl_.count; }

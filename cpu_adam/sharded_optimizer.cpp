@@ -35,18 +35,25 @@ void check_save_id(const std::string& id) {
 
 } // namespace
 
-shard_range shard_of(std::size_t arena_size, int world_size, int rank) {
+shard_range shard_of(std::size_t arena_size, int world_size, int rank, std::size_t unit) {
+  if (unit == 0 || unit % detail::align_elems)
+    throw std::invalid_argument("unit = " + std::to_string(unit) + ": expected a multiple of 16 elements");
   if (world_size < 1) throw std::invalid_argument("world_size = " + std::to_string(world_size) + ": expected >= 1");
   if (rank < 0 || rank >= world_size)
     throw std::invalid_argument("rank = " + std::to_string(rank) + ": expected a value in [0, " +
                                 std::to_string(world_size) + ")");
-  const auto [b, e] = detail::partition(0, arena_size, rank, world_size, detail::align_elems);
+  const auto [b, e] = detail::partition(0, arena_size, rank, world_size, unit);
   return {b, e};
+}
+
+shard_range shard_of(const std::vector<param_group>& groups, int world_size, int rank) {
+  const bool q8 = std::any_of(groups.begin(), groups.end(), [](const param_group& g) { return g.moments == moment_format::q8; });
+  return shard_of(arena_end(arena_layout(groups)), world_size, rank, q8 ? q8_block : detail::align_elems);
 }
 
 sharded_optimizer::sharded_optimizer(std::vector<param_group> groups, int world_size, int rank, execution_options exec)
     : world_(world_size), rank_(rank), arena_(arena_end(arena_layout(groups))),
-      shard_(shard_of(arena_, world_size, rank)), local_(std::move(groups), shard_, std::move(exec)) {}
+      shard_(shard_of(groups, world_size, rank)), local_(std::move(groups), shard_, std::move(exec)) {}
 
 void sharded_optimizer::set_params(std::string_view name, std::span<const float> full_values) {
   local_.set_params(name, {full_values.data(), full_values.size(), dtype::f32});
@@ -116,7 +123,7 @@ void sharded_optimizer::commit_save(const std::string& dir, const std::string& s
     const std::string file = shard_file(dir, r, world_, save_id);
     detail::checkpoint_metadata meta{{"save_id", ""}, {"step", ""}, {"range", ""}};
     detail::read_checkpoint_metadata(file, local_.segments(), meta, /*verify=*/true); // whole before old saves go
-    const shard_range s = shard_of(arena_, world_, r);
+    const shard_range s = shard_of(arena_, world_, r, local_.chunk_unit());
     if (meta["save_id"] != save_id || meta["range"] != std::to_string(s.begin) + ":" + std::to_string(s.end) ||
         (r > 0 && meta["step"] != step))
       throw std::runtime_error("sharded checkpoint '" + dir + "': " + file + " is not rank " + std::to_string(r) +
@@ -171,7 +178,7 @@ void sharded_optimizer::load(const std::string& dir) {
   std::vector<std::string> files;
   std::vector<detail::checkpoint_metadata> expected;
   for (int r = 0; r < old_world; ++r) {
-    const shard_range s = shard_of(arena_, old_world, r);
+    const shard_range s = shard_of(arena_, old_world, r, local_.chunk_unit());
     if (s.end <= shard_.begin || s.begin >= shard_.end) continue;
     files.push_back(shard_file(dir, r, old_world, id));
     expected.push_back({{"save_id", id},

@@ -14,11 +14,13 @@ constexpr std::size_t accumulate_block = 4096;
 // The group's kernel over arena elements [a, a + n).
 void run_kernel(const update_job& job, const group_kernel& g, std::size_t a, const void* grad, void* out,
                 std::size_t n) noexcept {
-  if (!g.compressed) {
-    g.fn(g.scalars, job.params + a, job.exp_avg + a, job.exp_avg_sq + a, grad, out, n);
+  const moment_storage& st = g.storage;
+  if (!g.compressed) { // f32 moments: the job's flat arrays, or the group's own
+    float* m = st.exp_avg ? static_cast<float*>(st.exp_avg) + (a - st.origin) : job.exp_avg + a;
+    float* v = st.exp_avg_sq ? static_cast<float*>(st.exp_avg_sq) + (a - st.origin) : job.exp_avg_sq + a;
+    g.fn(g.scalars, job.params + a, m, v, grad, out, n);
     return;
   }
-  const moment_storage& st = g.storage;
   const std::size_t k = a - st.origin;
   const std::size_t code_bytes = st.format == moment_format::bf16 ? 2 : 1;
   compressed_call call = g.call;

@@ -22,11 +22,12 @@ struct update_piece {
   bool no_grad = false;       // flat buffers: no gradient this step, left untouched
 };
 
-/// Where a group's moments live when they are not the job's f32 arrays: compressed
-/// storage for the arena elements from `origin` (a multiple of q8_block) on.
+/// Where a group's moments live when they are not the job's f32 arrays: the group's own
+/// storage for the arena elements from `origin` (a multiple of q8_block) on. An f32 group
+/// with null pointers uses the job's arrays.
 struct moment_storage {
   moment_format format = moment_format::f32;
-  void* exp_avg = nullptr;        // bf16 values or 8-bit codes, one per element
+  void* exp_avg = nullptr;        // f32 or bf16 values or 8-bit codes, one per element
   void* exp_avg_sq = nullptr;
   std::uint8_t* scales = nullptr; // 8-bit: two exponent bytes per block
   std::size_t origin = 0;

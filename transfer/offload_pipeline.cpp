@@ -217,8 +217,10 @@ struct offload_pipeline::impl {
     dtype_size(options.param_type);
     arena = opt.arena_size();
     depth = std::size_t(options.depth);
-    // A chunk larger than the arena is the arena (rounded up to 16): no overflow near SIZE_MAX.
-    chunk = (std::min(options.chunk_elems, std::max<std::size_t>(arena, 1)) + 15) / 16 * 16;
+    // A chunk larger than the arena is the arena (rounded up to the updater's unit): no
+    // overflow near SIZE_MAX.
+    const std::size_t unit = opt.chunk_unit();
+    chunk = (std::min(options.chunk_elems, std::max<std::size_t>(arena, 1)) + unit - 1) / unit * unit;
     chunks = (arena + chunk - 1) / chunk;
     gsz = dtype_size(options.grad_type);
     psz = dtype_size(options.param_type);

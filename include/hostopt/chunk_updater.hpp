@@ -41,6 +41,9 @@ public:
 
   /// Elements of the flat layout (gradient, output and accumulator buffers).
   virtual std::size_t arena_size() const = 0;
+  /// Chunks end on multiples of this many elements (or at arena_size()): 16, or 32 where
+  /// the state has 8-bit blocks that a chunk may not cut.
+  virtual std::size_t chunk_unit() const { return 16; }
 
   /// Throws what begin_step would for these options (std::invalid_argument), without
   /// starting anything: lets a caller refuse bad options before it moves any data.

@@ -20,7 +20,7 @@ namespace hostopt {
 
 /// How the pipeline cuts and stages the arena.
 struct pipeline_options {
-  std::size_t chunk_elems = std::size_t(1) << 22; ///< elements per chunk (rounded up to 16), > 0
+  std::size_t chunk_elems = std::size_t(1) << 22; ///< elements per chunk (rounded up to the updater's chunk_unit(): 16, or 32 with 8-bit moments), > 0
   int depth = 2;                                  ///< pinned buffers per direction, in [2, 64]
   dtype grad_type = dtype::f32;                   ///< dtype of the device gradients
   dtype param_type = dtype::bf16;                 ///< dtype of the device parameters written back
@@ -180,7 +180,7 @@ public:
   /// Number of chunks a step is cut into.
   std::size_t num_chunks() const;
   /// Elements per chunk (the last one may be shorter): options.chunk_elems capped at the
-  /// arena and rounded up to 16.
+  /// arena and rounded up to the updater's chunk_unit().
   std::size_t chunk_elems() const;
   /// Pinned host memory the pipeline holds: depth x chunk x (gradient + parameter bytes).
   std::size_t pinned_bytes() const;

@@ -15,6 +15,7 @@
 #include "hostopt/chunk_updater.hpp"
 #include "hostopt/dtype.hpp"
 #include "hostopt/kernels.hpp"
+#include "hostopt/moment_format.hpp"
 #include "hostopt/step_options.hpp"
 
 namespace hostopt {
@@ -38,17 +39,24 @@ struct tensor_spec {
   std::vector<std::int64_t> shape;
 };
 
-/// Tensors that share hyper-parameters (torch param_groups, optax masks).
+/// Tensors that share hyper-parameters (torch param_groups, optax masks) and how their
+/// moments are stored. A typical choice: 8-bit moments for the large matrices, f32 for
+/// norms, biases and embeddings (moment_format.hpp; master weights are always f32).
 struct param_group {
   adam_config config;
   std::vector<tensor_spec> tensors;
+  moment_format moments = moment_format::f32;
+  /// Seed of the compressed moments' stochastic rounding (rounding_stream): the bits of
+  /// element i at step t are a hash of (seed, t, i) and nothing else. Unused for f32.
+  std::uint64_t rounding_seed = 0;
 };
 
 /// Where a registered tensor lives in the arena.
 struct segment {
   std::string name;
   std::vector<std::int64_t> shape;
-  std::size_t offset = 0; ///< first element in the arena, a multiple of 16 (64 bytes)
+  std::size_t offset = 0; ///< first element in the arena, a multiple of 16 (64 bytes); of
+                          ///< q8_block (32) in a group with 8-bit moments
   std::size_t size = 0;   ///< number of elements (product of the shape)
   std::size_t group = 0;  ///< index of its parameter group
 };
@@ -72,6 +80,14 @@ struct arena_range {
 /// aligned offset of one flat arena; params, exp_avg and exp_avg_sq are three such arenas
 /// (12 bytes per element plus alignment padding). The layout is fixed at construction.
 /// A step runs one parallel region over the whole arena and allocates nothing.
+///
+/// Compressed moments (param_group::moments bf16 or 8bit): params stay one flat f32 arena,
+/// and each group stores its moments in its own format (8 or 6.0625 bytes per element
+/// with the master). The flat exp_avg()/exp_avg_sq() views then do not exist (refused);
+/// read_moments()/write_moments() give any tensor's moments as f32, exp_avg(name) views the
+/// tensors of f32 groups. Tensors of 8-bit groups start on a 32-element block, and a range
+/// (shard) or chunk may not cut one of their blocks: with an 8-bit group, range ends and
+/// chunk ends are multiples of 32 (or the arena's end).
 ///
 /// An optimizer may hold only a range of the layout (a shard, see sharding.hpp): its flat
 /// buffers then cover that range (arena_size() = range().size()), and tensors that cross
@@ -110,11 +126,14 @@ public:
   /// Elements this optimizer holds, padding included: the size of a flat gradient or
   /// copy-out view (the whole arena, or the range's size).
   std::size_t arena_size() const override;
+  /// 32 (q8_block) when a group has 8-bit moments, else 16.
+  std::size_t chunk_unit() const override;
   /// The part of the layout held: [0, arena_end) unless constructed with a range.
   arena_range range() const;
   /// Tensor elements held, padding excluded.
   std::size_t num_params() const;
-  /// Bytes this optimizer holds for params and moments (3 x 4 x arena_size()).
+  /// Bytes this optimizer holds for params and moments: 3 x 4 x arena_size() when every
+  /// group is f32; with compressed groups, 4 x arena_size() plus each group's moments.
   std::size_t state_bytes() const;
   /// Every tensor of the layout, in arena order (offsets in the whole layout).
   std::span<const segment> segments() const;
@@ -124,6 +143,10 @@ public:
   // --- hyper-parameters and step count ------------------------------------------------
   std::size_t num_groups() const;
   adam_config group_config(std::size_t group) const;
+  /// How a group stores its moments (fixed at construction).
+  moment_format group_moments(std::size_t group) const;
+  /// The seed of a group's stochastic rounding (a checkpoint's load restores it).
+  std::uint64_t group_rounding_seed(std::size_t group) const;
   /// Replaces a group's hyper-parameters (schedules); validated first, nothing changes on error.
   void set_group_config(std::size_t group, const adam_config& config);
   /// Sets lr of one group; validated like set_group_config.
@@ -150,7 +173,8 @@ public:
   void set_execution(const execution_options& exec);
 
   // --- state --------------------------------------------------------------------------
-  /// The held elements of each array (arena_size() floats, in the flat layout).
+  /// The held elements of each array (arena_size() floats, in the flat layout). The
+  /// moment views exist when every group's moments are f32; std::logic_error otherwise.
   std::span<float> params();
   std::span<float> exp_avg();
   std::span<float> exp_avg_sq();
@@ -158,13 +182,21 @@ public:
   std::span<const float> exp_avg() const;
   std::span<const float> exp_avg_sq() const;
   /// One tensor's slice of each array; throw for an unknown name or a tensor this
-  /// optimizer does not hold whole.
+  /// optimizer does not hold whole, and (moments) a tensor of a compressed group.
   std::span<float> params(std::string_view name);
   std::span<float> exp_avg(std::string_view name);
   std::span<float> exp_avg_sq(std::string_view name);
   /// Copies `values` (any dtype, exactly tensor(name).size elements: the whole tensor)
   /// into the master parameters of `name`; of a tensor held in part, the held part.
   void set_params(std::string_view name, const_view values);
+  /// One tensor's moments as f32, whatever its group's format (exact: every code is an f32
+  /// value). Each span has tensor(name).size elements; the tensor must be held whole.
+  void read_moments(std::string_view name, std::span<float> exp_avg, std::span<float> exp_avg_sq) const;
+  /// Sets one tensor's moments from f32 values: copied for an f32 group, encoded for a
+  /// compressed one (lossy, stochastically rounded with the group's seed: the explicit
+  /// conversion between formats). Validated first (sizes, exp_avg_sq >= 0 for compressed
+  /// groups); on error nothing changes.
+  void write_moments(std::string_view name, std::span<const float> exp_avg, std::span<const float> exp_avg_sq);
 
   // --- the step -----------------------------------------------------------------------
   /// One step with a flat gradient in the flat layout (arena_size() elements; padding is

@@ -18,10 +18,13 @@
 namespace hostopt {
 
 /// Arena range [begin, end) owned by `rank` of `world_size`: contiguous, boundaries at
-/// multiples of 16 elements (64 bytes) or at arena_size, sizes balanced to within one
-/// alignment unit. Throws std::invalid_argument for world_size < 1 or rank outside it.
+/// multiples of `unit` elements (16: 64 bytes) or at arena_size, sizes balanced to within
+/// one unit. Throws std::invalid_argument for world_size < 1 or rank outside it.
 using shard_range = arena_range;
-shard_range shard_of(std::size_t arena_size, int world_size, int rank);
+shard_range shard_of(std::size_t arena_size, int world_size, int rank, std::size_t unit = 16);
+/// The shard of the groups' layout that a sharded_optimizer of rank `rank` holds: cut on
+/// multiples of 16, or of 32 (q8_block) when a group has 8-bit moments (no block is cut).
+shard_range shard_of(const std::vector<param_group>& groups, int world_size, int rank);
 
 /// Sums a value across every rank and returns the total (e.g. MPI_Allreduce with
 /// MPI_SUM, or torch.distributed.all_reduce). Called collectively: every rank must step.
