@@ -17,6 +17,10 @@ void add_model_command(CLI::App& app, model_options& o) {
   cmd->add_option("--max-params", o.max_params, "Keep whole layers of a preset while under this count")->capture_default_str();
   cmd->add_option("-t,--threads", o.threads, "Thread counts: a list like 1,2,4, or 'all'")->capture_default_str();
   cmd->add_option("--mix", o.mix, "Dtype mix GRAD:OUT")->capture_default_str();
+  cmd->add_option("--state", o.states,
+                  "Moment formats, one row each: a list of f32, bf16, 8bit (every tensor in that format)")
+      ->delimiter(',')
+      ->capture_default_str();
   cmd->add_option("-i,--iterations", o.iterations, "Timed iterations")->capture_default_str()->check(CLI::Range(1, 100000));
   cmd->add_option("-w,--warmup", o.warmup, "Untimed warm-up iterations")->capture_default_str()->check(CLI::Range(0, 1000));
 }
@@ -26,6 +30,9 @@ report run_model_bench(const model_options& o, const common_options& c) {
   const auto tensors = o.shapes_file.empty() ? preset_tensors(o.preset, max_params) : read_shapes_file(o.shapes_file);
   const dtype_mix mix = parse_mix(o.mix);
   const std::vector<int> threads = parse_threads(o.threads);
+  std::vector<hostopt::moment_format> states;
+  for (const auto& s : o.states) states.push_back(hostopt::parse_moment_format(s));
+  if (states.empty()) throw std::invalid_argument("--state: expected at least one of f32, bf16, 8bit");
   const std::size_t n = count_params(tensors);
   const std::size_t per_param = 12 + hostopt::dtype_size(hostopt::dtype(mix.grad)) +
                                 (mix.out < 0 ? 0 : hostopt::dtype_size(hostopt::dtype(mix.out)));
@@ -38,17 +45,16 @@ report run_model_bench(const model_options& o, const common_options& c) {
   r.set_context("tensors", tensors.size());
   r.set_context("parameters", n);
   r.set_context("kernel", hostopt::active_kernel());
-  progress prog(threads.size(), c.progress);
+  progress prog(threads.size() * states.size(), c.progress);
   std::size_t done = 0;
   hostopt::adam_config cfg;
   cfg.weight_decay = 0.01;
-  for (int t : threads) {
-    prog.update(done++, "model threads=" + std::to_string(t));
-    hostopt::optimizer model({{cfg, tensors}}, {t, ""});
-    hostopt::optimizer flat({{cfg, {{"flat", {std::int64_t(n)}}}}}, {t, ""});
-    // Memory of the state, from the optimizer's own layout (alignment padding included).
-    r.set_context("optimizer state MiB", double(model.state_bytes()) / (1 << 20));
-    r.set_context("state bytes per parameter", double(model.state_bytes()) / double(n));
+  for (int t : threads)
+  for (const hostopt::moment_format state : states) {
+    const std::string state_name(hostopt::moment_format_name(state));
+    prog.update(done++, "model threads=" + std::to_string(t) + " state=" + state_name);
+    hostopt::optimizer model({{cfg, tensors, state}}, {t, ""});
+    hostopt::optimizer flat({{cfg, {{"flat", {std::int64_t(n)}}}, state}}, {t, ""});
     const hostopt::dtype gt = hostopt::dtype(mix.grad);
     float_buffer grad = typed_buffer(model.arena_size(), gt, t);
     float_buffer out = mix.out < 0 ? float_buffer() : typed_buffer(model.arena_size(), hostopt::dtype(mix.out), t);
@@ -87,6 +93,10 @@ report run_model_bench(const model_options& o, const common_options& c) {
     row["params"] = n;
     row["threads"] = t;
     row["mix"] = mix.name();
+    row["state"] = state_name;
+    // Memory of the state, from the optimizer's own layout (alignment padding included).
+    row["state_MiB"] = double(model.state_bytes()) / (1 << 20);
+    row["state_B/param"] = double(model.state_bytes()) / double(n);
     row["ms"] = a.median * 1e3;
     row["flat_ms"] = b.median * 1e3;
     row["Mparam/s"] = double(n) / a.median / 1e6;
@@ -96,6 +106,8 @@ report run_model_bench(const model_options& o, const common_options& c) {
   }
   prog.finish();
   r.add_note("%flat = flat-tensor time / model time (medians of interleaved runs): the cost of many tensors.");
+  r.add_note("state_B/param = the optimizer's bytes (f32 master + moments in the row's format, block exponents and "
+             "alignment padding included) / parameters.");
   return r;
 }
 

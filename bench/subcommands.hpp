@@ -39,6 +39,7 @@ struct model_options {
   std::string max_params = "512M";
   std::string threads = "all";
   std::string mix = "f32:none";
+  std::vector<std::string> states{"f32"};
   int iterations = 5;
   int warmup = 1;
 };
