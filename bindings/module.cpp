@@ -116,6 +116,8 @@ std::vector<param_group> groups_from(py::list groups) {
     auto d = g.cast<py::dict>();
     param_group pg;
     pg.config = config_from(d["config"].cast<py::dict>());
+    if (d.contains("moments")) pg.moments = parse_moment_format(d["moments"].cast<std::string>());
+    if (d.contains("rounding_seed")) pg.rounding_seed = d["rounding_seed"].cast<std::uint64_t>();
     for (auto t : d["tensors"].cast<py::list>()) {
       auto tup = t.cast<py::tuple>();
       pg.tensors.push_back({tup[0].cast<std::string>(), tup[1].cast<std::vector<std::int64_t>>()});
@@ -329,6 +331,8 @@ PYBIND11_MODULE(_core, m) {
       py::arg("in"), py::arg("out"), py::arg("out_dtype"), py::arg("threads") = 0,
       "float32 -> out_dtype with round-to-nearest-even (the step's copy-out rounding).");
 
+  m.def("moment_format", [](const std::string& name) { return std::string(moment_format_name(parse_moment_format(name))); },
+        py::arg("name"), "The canonical name of a moment format ('f32', 'bf16', '8bit'); ValueError naming an unknown one.");
   m.def("shard_of", [](std::size_t arena_size, int world, int rank) {
     const shard_range r = shard_of(arena_size, world, rank);
     return py::make_tuple(r.begin, r.end);
@@ -443,6 +447,40 @@ PYBIND11_MODULE(_core, m) {
       .def("params", [](py::object self) { return view_of(self.cast<optimizer&>().params(), self); })
       .def("exp_avg", [](py::object self) { return view_of(self.cast<optimizer&>().exp_avg(), self); })
       .def("exp_avg_sq", [](py::object self) { return view_of(self.cast<optimizer&>().exp_avg_sq(), self); })
+      .def("moment_views", [](py::object self, const std::string& name) {
+        optimizer& o = self.cast<optimizer&>();
+        return py::make_tuple(view_of(o.exp_avg(name), self), view_of(o.exp_avg_sq(name), self));
+      }, py::arg("name"), "float32 views of the moments of a tensor of an f32 group (any arena).")
+      .def("group_moments", [](const optimizer& o, std::size_t g) {
+        return std::string(moment_format_name(o.group_moments(g)));
+      }, "How group g stores its moments: 'f32', 'bf16' or '8bit'.")
+      .def("read_moments", [](const optimizer& o, const std::string& name) {
+        const std::size_t n = o.tensor(name).size;
+        py::array_t<float> m(n), v(n);
+        o.read_moments(name, {m.mutable_data(), n}, {v.mutable_data(), n});
+        return py::make_tuple(m, v);
+      }, py::arg("name"), "One tensor's moments as new float32 arrays (exact), whatever its group's format.")
+      .def("write_moments", [](optimizer& o, const std::string& name, py::handle m, py::handle v) {
+        const buffer a = check_array(m, "exp_avg", "f32", false);
+        const buffer b = check_array(v, "exp_avg_sq", "f32", false);
+        o.write_moments(name, {static_cast<const float*>(a.data), a.size}, {static_cast<const float*>(b.data), b.size});
+      }, py::arg("name"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+         "Sets one tensor's moments from float32 arrays (encoded, lossy, for a compressed group).")
+      .def("moment_codes", [](py::object self, const std::string& name) {
+        optimizer& o = self.cast<optimizer&>();
+        const compressed_moments c = o.moment_codes(name);
+        const auto n = py::ssize_t(o.tensor(name).size);
+        if (c.format == moment_format::bf16)
+          return py::make_tuple(py::array_t<std::uint16_t>({n}, {py::ssize_t(2)}, static_cast<std::uint16_t*>(c.exp_avg), self),
+                                py::array_t<std::uint16_t>({n}, {py::ssize_t(2)}, static_cast<std::uint16_t*>(c.exp_avg_sq), self),
+                                py::none());
+        const auto blocks = py::ssize_t(moment_scale_bytes(c.format, std::size_t(n)) / 2);
+        return py::make_tuple(py::array_t<std::uint8_t>({n}, {py::ssize_t(1)}, static_cast<std::uint8_t*>(c.exp_avg), self),
+                              py::array_t<std::uint8_t>({n}, {py::ssize_t(1)}, static_cast<std::uint8_t*>(c.exp_avg_sq), self),
+                              py::array_t<std::uint8_t>({blocks, py::ssize_t(2)}, {py::ssize_t(2), py::ssize_t(1)}, c.scales, self));
+      }, py::arg("name"),
+         "Views of one tensor's compressed moments: (exp_avg, exp_avg_sq, scales) as uint16 bf16 bits, or uint8 "
+         "codes with (blocks, 2) exponent bytes (8-bit; None for bf16).")
       .def("step_flat",
            [](optimizer& o, py::handle grad, const std::string& grad_dtype, py::handle out, const std::string& out_dtype,
               float grad_scale, double max_grad_norm, bool skip_nonfinite, double known_grad_norm) {

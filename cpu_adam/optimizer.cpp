@@ -638,6 +638,17 @@ void optimizer::read_moments(std::string_view name, std::span<float> exp_avg, st
   decode_moments(s.codes_at(seg.group, flat), seg.size, exp_avg.data(), exp_avg_sq.data());
 }
 
+compressed_moments optimizer::moment_codes(std::string_view name) {
+  const impl& s = *impl_;
+  const auto lock = s.acquire("moment_codes");
+  const segment& seg = s.whole_tensor(name);
+  if (s.stores[seg.group].format == moment_format::f32)
+    throw std::invalid_argument("moment_codes('" + seg.name + "'): its group " + std::to_string(seg.group) +
+                                " stores f32 moments: use exp_avg(name)/exp_avg_sq(name)");
+  if (!seg.size) return {s.stores[seg.group].format, nullptr, nullptr, nullptr};
+  return s.codes_at(seg.group, seg.offset - s.held.begin);
+}
+
 void optimizer::write_moments(std::string_view name, std::span<const float> exp_avg,
                               std::span<const float> exp_avg_sq) {
   impl& s = *impl_;

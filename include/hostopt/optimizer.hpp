@@ -192,6 +192,11 @@ public:
   /// One tensor's moments as f32, whatever its group's format (exact: every code is an f32
   /// value). Each span has tensor(name).size elements; the tensor must be held whole.
   void read_moments(std::string_view name, std::span<float> exp_avg, std::span<float> exp_avg_sq) const;
+  /// One tensor's compressed storage in a bf16 or 8-bit group: its tensor(name).size codes
+  /// per moment and, for 8-bit, the exponent bytes of its blocks (2 per block; the tensor
+  /// starts a block). Plain views like exp_avg(name): what a framework's state dict holds.
+  /// Throws for an f32 group's tensor (use exp_avg(name)) and as exp_avg(name) does.
+  compressed_moments moment_codes(std::string_view name);
   /// Sets one tensor's moments from f32 values: copied for an f32 group, encoded for a
   /// compressed one (lossy, stochastically rounded with the group's seed: the explicit
   /// conversion between formats). Validated first (sizes, exp_avg_sq >= 0 for compressed

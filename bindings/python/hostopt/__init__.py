@@ -160,7 +160,11 @@ class Optimizer:
   Args:
     groups: a list of parameter groups, each a dict with "params" — a mapping name -> shape
       (or a list of (name, shape)) — and hyper-parameters (lr, betas or beta1/beta2, eps,
-      eps_root, weight_decay, mode "adam"/"adamw", bias_correction, nesterov).
+      eps_root, weight_decay, mode "adam"/"adamw", bias_correction, nesterov), and how the
+      group stores its moments: "moments" = "f32" (default), "bf16" or "8bit" (stochastically
+      rounded, keyed on "rounding_seed"; 8 or 6.06 bytes per parameter with the f32 master).
+      With a compressed group the flat moment views do not exist: use read_moments /
+      write_moments (f32 copies, the explicit conversions) or moment_codes.
     threads: worker threads (0 = the threading runtime's default).
     kernel: force a kernel by name ("" = the active one).
 
@@ -176,8 +180,14 @@ class Optimizer:
       if "params" not in g:
         raise ValueError(f"groups[{i}] has no 'params' (a mapping name -> shape)")
       tensors = g["params"].items() if isinstance(g["params"], Mapping) else g["params"]
-      spec.append({"config": _config({k: v for k, v in g.items() if k != "params"}),
-                   "tensors": [(str(n), [int(d) for d in shape]) for n, shape in tensors]})
+      own = ("params", "moments", "rounding_seed")
+      entry = {"config": _config({k: v for k, v in g.items() if k not in own}),
+               "tensors": [(str(n), [int(d) for d in shape]) for n, shape in tensors]}
+      if "moments" in g:
+        entry["moments"] = str(g["moments"])
+      if "rounding_seed" in g:
+        entry["rounding_seed"] = int(g["rounding_seed"])
+      spec.append(entry)
     self._core = _core.Optimizer(spec, int(threads), kernel)
     self._segments = [tuple(s) for s in self._core.segments()]
     self._index = {s[0]: i for i, s in enumerate(self._segments)}
@@ -221,6 +231,27 @@ class Optimizer:
 
   def exp_avg_sq(self, name: Optional[str] = None) -> np.ndarray:
     return self._view(self._core.exp_avg_sq(), name)
+
+  def group_moments(self, group: int) -> str:
+    """How a group stores its moments: "f32", "bf16" or "8bit"."""
+    return self._core.group_moments(int(group))
+
+  def read_moments(self, name: str) -> Tuple[np.ndarray, np.ndarray]:
+    """(exp_avg, exp_avg_sq) of one tensor as new float32 arrays, whatever its format (exact)."""
+    shape = self.segment(name)[1]
+    m, v = self._core.read_moments(name)
+    return m.reshape(shape), v.reshape(shape)
+
+  def write_moments(self, name: str, exp_avg, exp_avg_sq) -> None:
+    """Sets one tensor's moments from float32 values: copied for an f32 group, encoded for
+    a compressed one (lossy: the explicit conversion between formats)."""
+    self._core.write_moments(name, np.ascontiguousarray(exp_avg, dtype=np.float32).reshape(-1),
+                             np.ascontiguousarray(exp_avg_sq, dtype=np.float32).reshape(-1))
+
+  def moment_codes(self, name: str):
+    """Views of a compressed tensor's storage: (exp_avg, exp_avg_sq, scales) — uint16 bf16
+    bits, or uint8 8-bit codes with (blocks, 2) exponent bytes (None for bf16)."""
+    return self._core.moment_codes(name)
 
   # hyper-parameters
   @property

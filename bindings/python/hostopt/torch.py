@@ -61,6 +61,34 @@ __all__ = ["Adam", "AdamW", "default_threads"]
 _TAGS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _MASTER = "master_param"  # f32 master weights of a 16-bit parameter, in state_dict
+# Compressed moments (a group's ``moments="bf16"`` or ``"8bit"``): the state holds the codes
+# (bfloat16 values, or uint8 codes with the blocks' exponent bytes) and names the format.
+_FORMAT = "moment_format"
+_SCALES = "moment_scales"
+
+
+def _state_format(st: dict) -> str:
+  """The format of the moments in a parameter's state: plain float tensors unless named."""
+  return st.get(_FORMAT, "f32")
+
+
+def _moments_as_f32(st: dict, where: str):
+  """A state's moments as float32 numpy arrays (exact decode of compressed ones)."""
+  fmt = _state_format(st)
+  m, v = st.get("exp_avg"), st.get("exp_avg_sq")
+  if not torch.is_tensor(m) or not torch.is_tensor(v):
+    raise ValueError(f"{where}: exp_avg/exp_avg_sq missing, nothing to convert")
+  if fmt == "8bit":
+    scales = st.get(_SCALES)
+    if not torch.is_tensor(scales):
+      raise ValueError(f"{where}: 8-bit moments without '{_SCALES}'")
+    m32, v32 = np.empty(m.numel(), np.float32), np.empty(m.numel(), np.float32)
+    _core.decode_moments(m.detach().cpu().contiguous().reshape(-1).numpy(),
+                         v.detach().cpu().contiguous().reshape(-1).numpy(),
+                         scales.detach().cpu().contiguous().reshape(-1).numpy(), "8bit", m32, v32)
+    return m32, v32
+  return (m.detach().to(device="cpu", dtype=torch.float32).contiguous().reshape(-1).numpy(),
+          v.detach().to(device="cpu", dtype=torch.float32).contiguous().reshape(-1).numpy())
 
 
 def default_threads() -> int:
@@ -104,9 +132,9 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
   return t.as_strided((t.numel(),), (1,), t.storage_offset())
 
 
-def _arena_view(flat: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-  """The arena slice `flat` viewed with `like`'s shape and memory layout."""
-  t = torch.from_numpy(flat)
+def _arena_view(flat, like: torch.Tensor) -> torch.Tensor:
+  """The arena slice `flat` (numpy, or a flat tensor) viewed with `like`'s shape and memory layout."""
+  t = flat if torch.is_tensor(flat) else torch.from_numpy(flat)
   if like.is_contiguous() or not _dense_order(like):
     return t.view(like.shape)
   return t.as_strided(like.shape, like.stride())
@@ -117,10 +145,11 @@ class _Tracked:
   master, the moments, the step) and what the parameter's storage looked like after
   hostopt last wrote it (to notice the user's replacements)."""
   __slots__ = ("param", "flat", "master", "m", "v", "step", "ptr", "version", "dtype", "shape", "stride",
-               "device_view", "grad_view", "where")
+               "device_view", "grad_view", "where", "scales", "format")
 
-  def __init__(self, param, flat, master, m, v, step, device_view=None, grad_view=None):
+  def __init__(self, param, flat, master, m, v, step, device_view=None, grad_view=None, scales=None, format="f32"):
     self.param, self.flat, self.master, self.m, self.v, self.step = param, flat, master, m, v, step
+    self.scales, self.format = scales, format  # compressed moments: m, v are code views
     # Offloaded: the parameter is a view of the flat device buffer the pipeline writes,
     # its gradient is gathered into the flat device gradient buffer.
     self.device_view, self.grad_view = device_view, grad_view
@@ -258,7 +287,7 @@ class _HostAdam(torch.optim.Optimizer):
                capturable: bool = False, differentiable: bool = False, fused: Optional[bool] = None,
                decoupled_weight_decay: Optional[bool] = None, threads: Optional[int] = None,
                offload: Optional[str] = None, offload_chunk: int = 1 << 22, overlap: bool = False,
-               overlap_backward: bool = False):
+               overlap_backward: bool = False, moments: str = "f32", rounding_seed: int = 0):
     # torch's own checks and messages.
     if not 0.0 <= lr:
       raise ValueError(f"Invalid learning rate: {lr}")
@@ -278,7 +307,8 @@ class _HostAdam(torch.optim.Optimizer):
       decoupled_weight_decay = self._mode == "adamw"
     defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False, foreach=foreach,
                     maximize=bool(maximize), capturable=False, differentiable=False, fused=fused,
-                    decoupled_weight_decay=bool(decoupled_weight_decay))
+                    decoupled_weight_decay=bool(decoupled_weight_decay), moments=_core.moment_format(moments),
+                    rounding_seed=int(rounding_seed))
     self._threads = default_threads() if threads is None else int(threads)
     if offload not in (None, "host", "cuda"):
       raise ValueError(f"offload={offload!r}: expected None (CUDA parameters go through the pipeline, CPU ones are "
@@ -330,8 +360,13 @@ class _HostAdam(torch.optim.Optimizer):
   # --- layout -------------------------------------------------------------------------
   def add_param_group(self, param_group: dict) -> None:
     self._refuse_unsupported(param_group, "param group")
+    if "moments" in param_group:  # an unknown format is named now, not at the first step
+      param_group["moments"] = _core.moment_format(str(param_group["moments"]))
     super().add_param_group(param_group)
     self._layout = None  # rebuilt, with the state kept, on the next step
+
+  def _group_format(self, group: dict) -> str:
+    return group.get("moments", "f32")
 
   def _config(self, group: dict) -> dict:
     # torch 2's Adam(decoupled_weight_decay=True) is AdamW; a group says which it is.
@@ -382,12 +417,16 @@ class _HostAdam(torch.optim.Optimizer):
       # the arena and the pipeline's first chunks are complete first (see _grad_hook).
       order = list(range(len(self.param_groups)))[::-1] if offload else list(range(len(self.param_groups)))
       group_of = {gi: j for j, gi in enumerate(order)}  # torch's group -> the core's
-      groups = [{"config": self._config(self.param_groups[gi]), "tensors": []} for gi in order]
+      groups = [{"config": self._config(self.param_groups[gi]), "tensors": [],
+                 "moments": self._group_format(self.param_groups[gi]),
+                 "rounding_seed": int(self.param_groups[gi].get("rounding_seed", 0))} for gi in order]
       for k, (gi, p) in (reversed(list(enumerate(entries))) if offload else enumerate(entries)):
         groups[group_of[gi]]["tensors"].append((f"{gi}.{k}", [p.numel()]))
       core = _core.Optimizer(groups, self._threads, "")
       segs = {s[0]: (i, s) for i, s in enumerate(core.segments())}
-      flat_p, flat_m, flat_v = core.params(), core.exp_avg(), core.exp_avg_sq()
+      compressed = any(g["moments"] != "f32" for g in groups)
+      flat_p = core.params()
+      flat_m, flat_v = (None, None) if compressed else (core.exp_avg(), core.exp_avg_sq())
       dev = None
       if offload:  # flat device buffers in the arena's layout: the pipeline's two ends
         n = core.arena_size
@@ -413,14 +452,9 @@ class _HostAdam(torch.optim.Optimizer):
           master.copy_(saved)  # exact f32 masters (a checkpoint, an earlier layout) that still fit p
         else:
           master.copy_(p.detach())
-        m, v = _arena_view(flat_m[off:off + size], p), _arena_view(flat_v[off:off + size], p)
-        for key, view in zip(_MOMENTS, (m, v)):
-          if key in st:  # keep state across rebuilds and loads
-            if st[key].numel() != view.numel():
-              raise ValueError(f"state of param_groups[{gi}] parameter {k}: {key} has {st[key].numel()} elements, "
-                               f"the parameter {view.numel()}")
-            view.copy_(st[key].reshape(p.shape))
-          st[key] = view
+        fmt, name = self._group_format(self.param_groups[gi]), f"{gi}.{k}"
+        m, v, scales = self._moment_views(core, name, fmt, p, flat_m, flat_v, off, size)
+        self._keep_moments(core, name, fmt, st, m, v, scales, f"state of param_groups[{gi}] parameter {k}")
         seg_steps[si] = int(st["step"]) if "step" in st else 0
         step = torch.from_numpy(steps[k:k + 1]).reshape(())
         st["step"] = step
@@ -438,7 +472,7 @@ class _HostAdam(torch.optim.Optimizer):
           st.pop(_MASTER, None)
         else:
           st[_MASTER] = master
-        tracked.append(_Tracked(p, mp, master, m, v, step, device_view, grad_view))
+        tracked.append(_Tracked(p, mp, master, m, v, step, device_view, grad_view, scales, fmt))
         tracked[-1].where = where_of[id(p)]
         seg_of.append(si)
       core.tensor_steps = seg_steps
@@ -450,8 +484,61 @@ class _HostAdam(torch.optim.Optimizer):
         self._add_grad_hooks(tag, tracked, dev)
       layout[tag] = [core, tracked, steps, seg_of, steps.tolist(), dev]
     self._layout = layout
+    self._formats = [self._group_format(g) for g in self.param_groups]  # fixed while this layout stands
+    self._convert_moments = False  # a load_state_dict(convert_moments=True) is applied
     self._applied = {}  # (dtype, group) -> config last given to the core
     self._views = {}  # (dtype, index) -> (grad tensor, data_ptr, numpy view), reused while unchanged
+
+  @staticmethod
+  def _moment_views(core, name: str, fmt: str, p, flat_m, flat_v, off: int, size: int):
+    """A parameter's moments in the arena: f32 views, bfloat16 views of bf16 moments, or
+    uint8 codes and their blocks' (n, 2) exponent bytes (8-bit)."""
+    if flat_m is not None:
+      return _arena_view(flat_m[off:off + size], p), _arena_view(flat_v[off:off + size], p), None
+    if fmt == "f32":  # an f32 group beside compressed ones: its own storage
+      m32, v32 = core.moment_views(name)
+      return _arena_view(m32, p), _arena_view(v32, p), None
+    m_codes, v_codes, scales = core.moment_codes(name)
+    if fmt == "bf16":
+      return (_arena_view(torch.from_numpy(m_codes.view(np.int16)).view(torch.bfloat16), p),  # (torch 1 has no uint16)
+              _arena_view(torch.from_numpy(v_codes.view(np.int16)).view(torch.bfloat16), p), None)
+    return _arena_view(m_codes, p), _arena_view(v_codes, p), torch.from_numpy(scales)
+
+  def _keep_moments(self, core, name: str, fmt: str, st: dict, m, v, scales, where: str) -> None:
+    """Moments already in the state (an earlier layout, a loaded state_dict) move into the
+    new views; another format only through load_state_dict(..., convert_moments=True)."""
+    if "exp_avg" in st or "exp_avg_sq" in st:
+      have = _state_format(st)
+      if have == fmt:
+        for key, view in zip(_MOMENTS + (_SCALES,), (m, v, scales)):
+          if view is None:
+            continue
+          value = st.get(key)
+          if not torch.is_tensor(value) or value.numel() != view.numel():
+            raise ValueError(f"{where}: {key} has {value.numel() if torch.is_tensor(value) else 'no'} elements, "
+                             f"expected {view.numel()}")
+          if fmt != "f32" and value.dtype != view.dtype:
+            raise ValueError(f"{where}: {key} has dtype {value.dtype}, expected {view.dtype} ({fmt} moments)")
+          view.copy_(value.reshape(view.shape))
+      elif getattr(self, "_convert_moments", False):
+        m32, v32 = _moments_as_f32(st, where)
+        if fmt == "f32":
+          m.copy_(torch.from_numpy(m32).view(m.shape))
+          v.copy_(torch.from_numpy(v32).view(v.shape))
+        else:
+          core.write_moments(name, m32, v32)  # encoded: lossy, as asked
+      else:
+        raise ValueError(f"{where} holds {have} moments, its group stores {fmt}: load the state_dict with "
+                         "load_state_dict(state_dict, convert_moments=True) to convert them (lossy)")
+    st["exp_avg"], st["exp_avg_sq"] = m, v
+    if scales is not None:
+      st[_SCALES] = scales
+    else:
+      st.pop(_SCALES, None)
+    if fmt != "f32":
+      st[_FORMAT] = fmt
+    else:
+      st.pop(_FORMAT, None)
 
   # --- gradients as the backward produces them (offloaded, torch >= 2.1) ---------------
   def _add_grad_hooks(self, tag: str, tracked: list, dev: dict) -> None:
@@ -525,7 +612,8 @@ class _HostAdam(torch.optim.Optimizer):
           t.remember()
         st = self.state[p]
         if st.get("exp_avg") is not t.m or st.get("exp_avg_sq") is not t.v or st.get("step") is not t.step or (
-            p.dtype != torch.float32 and st.get(_MASTER) is not t.master):
+            p.dtype != torch.float32 and st.get(_MASTER) is not t.master) or (
+            t.scales is not None and st.get(_SCALES) is not t.scales) or _state_format(st) != t.format:
           self._take_state(t, st, steps, k)
       if steps.tolist() != known:  # a step count written in place or replaced
         counts = core.tensor_steps
@@ -539,14 +627,21 @@ class _HostAdam(torch.optim.Optimizer):
   @staticmethod
   def _take_state(t: _Tracked, st: dict, steps: np.ndarray, k: int) -> None:
     """The user replaced or deleted entries of opt.state[p]: as torch, they are the state."""
-    for key, view in zip(_MOMENTS, (t.m, t.v)):
+    if _state_format(st) != t.format:
+      raise ValueError(f"opt.state[p][{_FORMAT!r}] of {t.where} says {_state_format(st)!r}, its group stores "
+                       f"{t.format!r} moments: a group's format is fixed (convert through state_dict and "
+                       "load_state_dict(..., convert_moments=True))")
+    for key, view in zip(_MOMENTS + (_SCALES,), (t.m, t.v, t.scales)):
       value = st.get(key)
-      if value is view:
+      if view is None or value is view:
         continue
       if value is None:
-        view.zero_()
+        view.zero_()  # zero codes and exponents: zero moments
       elif value.numel() != view.numel():
         raise ValueError(f"opt.state[p][{key!r}] has {value.numel()} elements, the parameter {view.numel()}")
+      elif t.format != "f32" and value.dtype != view.dtype:
+        raise ValueError(f"opt.state[p][{key!r}] has dtype {value.dtype}: the group stores {t.format} moments "
+                         f"({view.dtype})")
       else:
         view.copy_(value.reshape(view.shape))
       st[key] = view
@@ -631,6 +726,11 @@ class _HostAdam(torch.optim.Optimizer):
     if self._layout is None:
       self._build()
     else:
+      for gi, group in enumerate(self.param_groups):
+        if self._group_format(group) != self._formats[gi]:
+          raise ValueError(f"param_groups[{gi}]['moments'] changed from {self._formats[gi]!r} to "
+                           f"{self._group_format(group)!r}: a group's moment format is fixed (convert through "
+                           "state_dict and load_state_dict(..., convert_moments=True) into a new optimizer)")
       self._adopt_user_changes()
     configs = [self._config(g) for g in self.param_groups]  # lr schedulers and edits take effect here
     self._last_chunk_events = 0
@@ -695,16 +795,40 @@ class _HostAdam(torch.optim.Optimizer):
                    for k, st in sd["state"].items() if not never_stepped(st)}
     return sd
 
-  def load_state_dict(self, state_dict: dict) -> None:
+  def load_state_dict(self, state_dict: dict, convert_moments: bool = False) -> None:
     """Loads torch's format (from hostopt or torch.optim.Adam/AdamW) into the arena, with
     each parameter's own step; f32 moments and masters are kept exact (torch would cast
-    them to a 16-bit parameter's dtype)."""
+    them to a 16-bit parameter's dtype).
+
+    Each group keeps the moment format it was built with. Moments saved in another format
+    (plain float moments of torch.optim or an f32 group, bf16, 8-bit) are refused, with
+    nothing changed, unless ``convert_moments=True``: they are then converted (decoded to
+    float32 and re-encoded: lossy into bf16 or 8-bit) at the next step."""
     self._drain()
     for gi, group in enumerate(state_dict["param_groups"]):
       self._refuse_unsupported(group, f"state_dict['param_groups'][{gi}]")
-    exact = {k: {key: v for key, v in st.items() if key in _MOMENTS + (_MASTER,) and torch.is_tensor(v)}
+    formats = [self._group_format(g) for g in self.param_groups]
+    seeds = [g.get("rounding_seed", 0) for g in self.param_groups]
+    if len(state_dict["param_groups"]) == len(formats):  # (torch names a count mismatch itself)
+      for gi, group in enumerate(state_dict["param_groups"]):
+        for index in group["params"]:
+          st = state_dict["state"].get(index)
+          if st is None or not any(key in st for key in _MOMENTS):
+            continue
+          have = _state_format(st)
+          if have != formats[gi] and not convert_moments:
+            raise ValueError(f"state_dict['state'][{index}] holds {have} moments, param_groups[{gi}] stores "
+                             f"{formats[gi]}: pass convert_moments=True to convert them (lossy into bf16 or "
+                             "8-bit); nothing was loaded")
+    # Moments and masters as saved: f32 ones exact, compressed ones in their own dtype.
+    # (torch casts every state tensor to a floating parameter's dtype, 8-bit codes too.)
+    exact = {k: {key: v for key, v in st.items() if key in _MOMENTS + (_MASTER, _SCALES) and torch.is_tensor(v)}
              for k, st in state_dict["state"].items()}
+    compressed = {k: _state_format(st) for k, st in state_dict["state"].items() if _state_format(st) != "f32"}
     super().load_state_dict(state_dict)
+    for gi, group in enumerate(self.param_groups):  # the formats stay; the seeds are the saved ones
+      group["moments"] = formats[gi]
+      group.setdefault("rounding_seed", seeds[gi])
     params = [p for g in self.param_groups for p in g["params"]]
     ids = [i for g in state_dict["param_groups"] for i in g["params"]]
     for index, p in zip(ids, params):
@@ -715,12 +839,17 @@ class _HostAdam(torch.optim.Optimizer):
         # Copies: the loaded dict's tensors may be another optimizer's live state (torch 2
         # does not copy), and 16-bit parameters' moments and masters stay f32 (torch casts).
         if key in exact.get(index, {}):
-          st[key] = exact[index][key].detach().to(dtype=torch.float32, device="cpu").clone()
+          keep = exact[index][key].detach()
+          st[key] = (keep.to(device="cpu") if key == _SCALES or (index in compressed and key in _MOMENTS)
+                     else keep.to(dtype=torch.float32, device="cpu")).clone()
         elif torch.is_tensor(v):
           st[key] = v.detach().clone()
+      if index in compressed:  # a string: torch 1 rebuilds it from its characters' "casts"
+        st[_FORMAT] = compressed[index]
     # Built at the next step, when the parameters hold what the caller loaded into the model
     # (before or after this call): the f32 masters are kept exactly when they still fit.
     self._layout = None
+    self._convert_moments = bool(convert_moments)
 
 
 class Adam(_HostAdam):
