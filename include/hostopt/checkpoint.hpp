@@ -4,7 +4,10 @@
 ///
 /// The file is standard safetensors (8-byte little-endian header length, JSON header,
 /// raw little-endian tensors), so any safetensors reader opens it: for each tensor NAME
-/// there are "NAME.param", "NAME.exp_avg" and "NAME.exp_avg_sq" (F32, its shape). The
+/// there are "NAME.param", "NAME.exp_avg" and "NAME.exp_avg_sq" (F32, its shape; the
+/// moments BF16 or U8 codes in a group with compressed moments, whose 8-bit tensors add
+/// "NAME.moment_scales", U8 [blocks, 2]: each group's format and rounding seed are in the
+/// metadata as "moments" and "rounding_seeds", written when a group is not f32). The
 /// header's "__metadata__" holds format "hostopt", version "2", the step and skipped-step
 /// counts, the groups' hyper-parameters, the tensors' groups, and a 64-bit checksum of the
 /// whole file — length, header (with the checksum's own 16 digits read as zeros) and data —
@@ -31,7 +34,9 @@ namespace hostopt {
 void save_checkpoint(const optimizer& opt, const std::string& path);
 
 /// Loads a checkpoint into `opt`, which must have the same tensors (names, shapes) in the
-/// same groups. Everything is verified first — a regular file (a fifo or device is refused
+/// same groups, with the same moment formats (a load never converts: that is lossy; load
+/// into an optimizer of the file's formats and convert with read_moments/write_moments).
+/// The groups' rounding seeds become the file's. Everything is verified first — a regular file (a fifo or device is refused
 /// without blocking), header size, JSON, format and version, tensor names, dtypes, shapes,
 /// offsets that tile the data section exactly (trailing bytes are refused), strictly parsed
 /// counts, valid hyper-parameters, and the checksum over the whole file, computed in a

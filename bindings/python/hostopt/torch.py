@@ -39,6 +39,13 @@ through torch ops on ``p.grad`` (clipping, scaling: seen, the step then waits fo
 stream); writes through ``.data``, numpy or collectives (``all_reduce`` on the gradients) are
 not seen — do not combine them with ``overlap_backward``.
 
+Compressed moments: ``moments="bf16"`` or ``"8bit"`` (and ``rounding_seed=``), for the
+optimizer or per param group, store Adam's moments in 8 or 6.06 bytes per parameter with the
+f32 master (README: "Compressed moments"). The state then holds ``exp_avg``/``exp_avg_sq``
+as bfloat16 tensors or uint8 codes (with ``moment_scales``, the blocks' exponent bytes) and
+``moment_format``; ``state_dict`` carries them. A group's format is fixed; moments of another
+format are refused by ``load_state_dict`` unless ``convert_moments=True`` (lossy).
+
 ``foreach`` and ``fused`` are accepted for compatibility and change nothing: hostopt's step is
 always one fused pass. ``amsgrad``, ``capturable`` and ``differentiable`` are refused.
 Threads: all physical cores of the process's CPU set unless ``threads=`` says otherwise
