@@ -35,16 +35,23 @@ def train_steps(m, opt, steps, seed=1):
   return float(loss.detach())
 
 
+def memory_order(t):
+  return t.permute(*np.argsort(t.stride())[::-1]).reshape(-1) if t.dim() else t.reshape(-1)
+
+
 def decoded(st):
-  """A parameter state's moments as float32 arrays (exact decode)."""
-  m, v = st["exp_avg"], st["exp_avg_sq"]
+  """A parameter state's moments as float32 arrays in logical order (exact decode; 8-bit
+  codes are blocks of memory order)."""
   if st.get("moment_format") == "8bit":
+    m, v = st["exp_avg_codes"], st["exp_avg_sq_codes"]
     mo = hostopt.CompressedMoments(m.numel(), "8bit")
-    mo.exp_avg[:] = m.reshape(-1).numpy()
-    mo.exp_avg_sq[:] = v.reshape(-1).numpy()
+    mo.exp_avg[:] = memory_order(m).numpy()
+    mo.exp_avg_sq[:] = memory_order(v).numpy()
     mo.scales[:] = st["moment_scales"].reshape(-1).numpy()
-    return mo.decode()
-  return m.float().reshape(-1).numpy(), v.float().reshape(-1).numpy()
+    m32, v32 = mo.decode()
+    return (torch.from_numpy(m32).as_strided(m.shape, m.stride()).reshape(-1).numpy(),
+            torch.from_numpy(v32).as_strided(v.shape, v.stride()).reshape(-1).numpy())
+  return st["exp_avg"].float().reshape(-1).numpy(), st["exp_avg_sq"].float().reshape(-1).numpy()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -61,11 +68,12 @@ def test_state_holds_codes_and_the_first_step_is_the_f32_step(fmt):
   w = ours[0].weight
   st = opt.state[w]
   assert st["moment_format"] == fmt
-  assert st["exp_avg"].shape == w.shape
-  if fmt == "bf16":
-    assert st["exp_avg"].dtype == torch.bfloat16 and "moment_scales" not in st
-  else:
-    assert st["exp_avg"].dtype == torch.uint8
+  if fmt == "bf16":  # values, under torch's keys
+    assert st["exp_avg"].dtype == torch.bfloat16 and st["exp_avg"].shape == w.shape
+    assert "moment_scales" not in st and "exp_avg_codes" not in st
+  else:  # codes, under keys of their own
+    assert "exp_avg" not in st and "exp_avg_sq" not in st
+    assert st["exp_avg_codes"].dtype == torch.uint8 and st["exp_avg_sq_codes"].shape == w.shape
     assert st["moment_scales"].shape == ((w.numel() + 31) // 32, 2)
   # The stored moments are torch's, rounded to the format's grid.
   m, v = decoded(st)
@@ -114,7 +122,7 @@ def test_state_dict_resumes_bit_for_bit_through_torch_save():
   for p, q in zip(a.parameters(), b.parameters()):
     sa, sb = opt_a.state[p], opt_b.state[q]
     assert sa.get("moment_format") == sb.get("moment_format")
-    for key in ("exp_avg", "exp_avg_sq", "moment_scales"):
+    for key in ("exp_avg", "exp_avg_sq", "exp_avg_codes", "exp_avg_sq_codes", "moment_scales"):
       if key in sa:
         assert torch.equal(sa[key], sb[key]), key
 
@@ -169,13 +177,21 @@ def test_bad_formats_and_state_are_refused():
     opt.step()
   opt.param_groups[0]["moments"] = "8bit"
   st = opt.state[m[0].weight]
-  st["exp_avg"] = torch.zeros(m[0].weight.shape)  # float values where codes belong
-  with pytest.raises(ValueError, match="dtype torch.float32: the group stores 8bit moments"):
+  st["exp_avg_codes"] = torch.zeros(m[0].weight.shape)  # float values where codes belong
+  with pytest.raises(ValueError, match="exp_avg_codes has dtype torch.float32: 8bit moments are torch.uint8"):
     opt.step()
   # Codes of the right dtype are taken, as torch takes replaced state.
-  st["exp_avg"] = torch.zeros(m[0].weight.shape, dtype=torch.uint8)
+  st["exp_avg_codes"] = torch.zeros(m[0].weight.shape, dtype=torch.uint8)
   opt.step()
-  assert opt.state[m[0].weight]["exp_avg"].dtype == torch.uint8
+  assert opt.state[m[0].weight]["exp_avg_codes"].dtype == torch.uint8
+  # A reset state starts again from zero moments at step 1, as in torch.
+  opt.state[m[0].weight] = {}
+  train_steps(m, opt, 1)
+  st = opt.state[m[0].weight]
+  assert float(st["step"]) == 1 and st["moment_format"] == "8bit"
+  for seed in (-1, 1 << 64, 1.5, "3"):
+    with pytest.raises(ValueError, match="rounding_seed"):
+      ht.AdamW(model().parameters(), rounding_seed=seed)
 
 
 def test_bytes_per_parameter_follow_the_format():
@@ -188,3 +204,108 @@ def test_bytes_per_parameter_follow_the_format():
     core = opt._layout["f32"][0]
     sizes[fmt] = core.state_bytes / core.num_params
   assert sizes == {"f32": 12.0, "bf16": 8.0, "8bit": 6.0625}
+
+
+def test_malformed_compressed_state_is_refused_on_load_and_nothing_changes():
+  a = model()
+  opt = ht.AdamW(a.parameters(), lr=1e-2, moments="8bit")
+  train_steps(a, opt, 2)
+  good = opt.state_dict()
+  b = copy.deepcopy(a)
+  opt_b = ht.AdamW(b.parameters(), lr=1e-2, moments="8bit")
+  train_steps(b, opt_b, 1)
+  before = copy.deepcopy(opt_b.state_dict())
+  cases = [("exp_avg_codes", lambda t: t.float(), "dtype torch.float32"),
+           ("exp_avg_codes", lambda t: t.reshape(-1)[:-1], "elements"),
+           ("moment_scales", lambda t: t.reshape(-1)[:-2], "moment_scales"),
+           ("moment_scales", lambda t: t.to(torch.int16), "moment_scales"),
+           ("moment_format", lambda t: "int4", "moment_format = 'int4'")]
+  for key, change, words in cases:
+    bad = copy.deepcopy(good)
+    bad["state"][0][key] = change(bad["state"][0][key])
+    for convert in (False, True):
+      with pytest.raises(ValueError, match=words):
+        opt_b.load_state_dict(bad, convert_moments=convert)
+      after = opt_b.state_dict()
+      assert all(torch.equal(after["state"][0][k], before["state"][0][k])
+                 for k in before["state"][0] if torch.is_tensor(before["state"][0][k]))
+  bad = copy.deepcopy(good)
+  del bad["state"][0]["moment_scales"]
+  with pytest.raises(ValueError, match="need 'moment_scales'"):
+    opt_b.load_state_dict(bad)
+  # torch.optim cannot take 8-bit codes for moments: it fails loudly instead.
+  c = copy.deepcopy(a)
+  torch_opt = torch.optim.AdamW(c.parameters(), lr=1e-2)
+  torch_opt.load_state_dict(copy.deepcopy(good))
+  with pytest.raises(KeyError, match="exp_avg"):
+    train_steps(c, torch_opt, 1)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_channels_last_codes_keep_their_blocks(fmt):
+  def conv(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Parameter(torch.randn(8, 6, 3, 3).contiguous(memory_format=torch.channels_last))
+
+  g = torch.Generator().manual_seed(3)
+  scale = torch.logspace(-3, 1, 432).reshape(8, 6, 3, 3)  # blocks of very different sizes
+  grads = [torch.randn(8, 6, 3, 3, generator=g) * scale for _ in range(6)]
+  w, w_ref = conv(), conv()
+  opt, ref = ht.AdamW([w], lr=1e-2, moments=fmt), torch.optim.AdamW([w_ref], lr=1e-2)
+  for x in grads[:3]:
+    for p, o in ((w, opt), (w_ref, ref)):
+      p.grad = x.clone().contiguous(memory_format=torch.channels_last)
+      o.step()
+  # Decoded in the right order, the moments are torch's up to rounding (codes read in the
+  # wrong order, as a logical copy of memory-order blocks does, are off by 100% and more).
+  def rel(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+  tol = 0.01 if fmt == "bf16" else 0.1
+  m, _ = decoded(opt.state[w])
+  tm = ref.state[w_ref]["exp_avg"].reshape(-1).numpy()
+  assert rel(m, tm) < tol
+  # torch's moments converted into a channels_last parameter track torch.optim.
+  w2 = conv()
+  w2.data.copy_(w_ref.data)
+  opt2 = ht.AdamW([w2], lr=1e-2, moments=fmt)
+  opt2.load_state_dict(ref.state_dict(), convert_moments=True)
+  # The same state into a contiguous parameter: 8-bit blocks are memory order, so the
+  # codes need a conversion (bf16 values move as they are).
+  w3 = torch.nn.Parameter(w2.detach().contiguous())
+  opt3 = ht.AdamW([w3], lr=1e-2, moments=fmt)
+  saved = opt.state_dict()
+  if fmt == "8bit":
+    opt3.load_state_dict(saved)
+    with pytest.raises(ValueError, match="another memory layout"):
+      opt3.step()
+    opt3 = ht.AdamW([w3], lr=1e-2, moments=fmt)
+  opt3.load_state_dict(saved, convert_moments=fmt == "8bit")
+  opt3.zero_grad(set_to_none=True)
+  opt3.step()
+  m3, _ = decoded(opt3.state[w3])
+  assert rel(m3, m) < (1e-7 if fmt == "bf16" else tol)
+  for x in grads[3:]:
+    for p, o in ((w2, opt2), (w_ref, ref)):
+      p.grad = x.clone().contiguous(memory_format=torch.channels_last)
+      o.step()
+  assert float((w2 - w_ref).abs().max()) < (2e-4 if fmt == "bf16" else 3e-3)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_host_offload_gives_the_bits_of_the_cpu_step(fmt):
+  a, b = model(), model()
+  opt_a = ht.AdamW([{"params": [a[0].weight, a[3].weight], "moments": fmt}, {"params": [a[0].bias, a[2].weight]}],
+                   lr=1e-2, rounding_seed=3)
+  opt_b = ht.AdamW([{"params": [b[0].weight, b[3].weight], "moments": fmt}, {"params": [b[0].bias, b[2].weight]}],
+                   lr=1e-2, rounding_seed=3, offload="host", offload_chunk=100)
+  train_steps(a, opt_a, 3)
+  train_steps(b, opt_b, 3)
+  for p, q in zip(a.parameters(), b.parameters()):
+    assert torch.equal(p, q)
+  # And each resumes from the other's state_dict.
+  opt_a.load_state_dict(opt_b.state_dict())
+  train_steps(a, opt_a, 2, seed=7)
+  train_steps(b, opt_b, 2, seed=7)
+  for p, q in zip(a.parameters(), b.parameters()):
+    assert torch.equal(p, q)

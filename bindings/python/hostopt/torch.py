@@ -68,10 +68,25 @@ __all__ = ["Adam", "AdamW", "default_threads"]
 _TAGS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _MASTER = "master_param"  # f32 master weights of a 16-bit parameter, in state_dict
-# Compressed moments (a group's ``moments="bf16"`` or ``"8bit"``): the state holds the codes
-# (bfloat16 values, or uint8 codes with the blocks' exponent bytes) and names the format.
+# Compressed moments (a group's ``moments="bf16"`` or ``"8bit"``). bf16 moments are values:
+# bfloat16 tensors under torch's keys. 8-bit ones are codes, under keys of their own (so
+# torch.optim, loading such a state, fails loudly instead of taking codes for moments),
+# with the blocks' exponent bytes; the state names its format.
+_CODES = ("exp_avg_codes", "exp_avg_sq_codes")
 _FORMAT = "moment_format"
 _SCALES = "moment_scales"
+_FORMATS = ("f32", "bf16", "8bit")
+
+
+def _moment_keys(fmt: str) -> tuple:
+  return _CODES if fmt == "8bit" else _MOMENTS
+
+
+def _check_seed(seed, where: str) -> int:
+  """A rounding seed: an integer in [0, 2^64)."""
+  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 1 << 64:
+    raise ValueError(f"{where} = {seed!r}: expected an integer in [0, 2**64)")
+  return int(seed)
 
 
 def _state_format(st: dict) -> str:
@@ -79,23 +94,50 @@ def _state_format(st: dict) -> str:
   return st.get(_FORMAT, "f32")
 
 
-def _moments_as_f32(st: dict, where: str):
-  """A state's moments as float32 numpy arrays (exact decode of compressed ones)."""
+def _has_moments(st: dict) -> bool:
+  return any(key in st for key in _MOMENTS + _CODES)
+
+
+def _check_moment_state(st: dict, numel: int, where: str) -> None:
+  """The moments of a state (to load, or as the user set them) fit a parameter of `numel`
+  elements in their own format: refused with the reason otherwise, before anything changes."""
+  if not _has_moments(st):
+    return
   fmt = _state_format(st)
-  m, v = st.get("exp_avg"), st.get("exp_avg_sq")
-  if not torch.is_tensor(m) or not torch.is_tensor(v):
-    raise ValueError(f"{where}: exp_avg/exp_avg_sq missing, nothing to convert")
+  if fmt not in _FORMATS:
+    raise ValueError(f"{where}: {_FORMAT} = {fmt!r}: expected one of {', '.join(_FORMATS)}")
+  want = {"f32": None, "bf16": torch.bfloat16, "8bit": torch.uint8}[fmt]
+  for key in _moment_keys(fmt):
+    value = st.get(key)
+    if not torch.is_tensor(value):
+      raise ValueError(f"{where}: {fmt} moments without {key!r}")
+    if value.numel() != numel:
+      raise ValueError(f"{where}: {key} has {value.numel()} elements, the parameter {numel}")
+    if want is not None and value.dtype != want:
+      raise ValueError(f"{where}: {key} has dtype {value.dtype}: {fmt} moments are {want}")
+    if fmt == "8bit" and not _dense_order(value):
+      raise ValueError(f"{where}: {key} is not dense: 8-bit codes are blocks of memory order")
   if fmt == "8bit":
     scales = st.get(_SCALES)
-    if not torch.is_tensor(scales):
-      raise ValueError(f"{where}: 8-bit moments without '{_SCALES}'")
-    m32, v32 = np.empty(m.numel(), np.float32), np.empty(m.numel(), np.float32)
-    _core.decode_moments(m.detach().cpu().contiguous().reshape(-1).numpy(),
-                         v.detach().cpu().contiguous().reshape(-1).numpy(),
-                         scales.detach().cpu().contiguous().reshape(-1).numpy(), "8bit", m32, v32)
-    return m32, v32
-  return (m.detach().to(device="cpu", dtype=torch.float32).contiguous().reshape(-1).numpy(),
-          v.detach().to(device="cpu", dtype=torch.float32).contiguous().reshape(-1).numpy())
+    blocks = -(-numel // 32)
+    if not torch.is_tensor(scales) or scales.dtype != torch.uint8 or scales.numel() != 2 * blocks:
+      raise ValueError(f"{where}: 8-bit moments need {_SCALES!r}, uint8 with {2 * blocks} elements (2 per block "
+                       f"of 32), got " + (f"{scales.dtype} with {scales.numel()}" if torch.is_tensor(scales)
+                                          else "none"))
+
+
+def _moments_as_f32(st: dict):
+  """A (checked) state's moments as float32 tensors of their own shape and layout (an exact
+  decode of compressed ones: 8-bit codes decode in memory order, the order of their blocks)."""
+  fmt = _state_format(st)
+  m, v = (st[key].detach().cpu() for key in _moment_keys(fmt))
+  if fmt != "8bit":
+    return m.float(), v.float()
+  m32, v32 = np.empty(m.numel(), np.float32), np.empty(m.numel(), np.float32)
+  _core.decode_moments(_flat(m).numpy(), _flat(v).numpy(), st[_SCALES].detach().cpu().reshape(-1).numpy(), "8bit",
+                       m32, v32)
+  return (torch.from_numpy(m32).as_strided(m.shape, m.stride()),
+          torch.from_numpy(v32).as_strided(v.shape, v.stride()))
 
 
 def default_threads() -> int:
@@ -152,7 +194,7 @@ class _Tracked:
   master, the moments, the step) and what the parameter's storage looked like after
   hostopt last wrote it (to notice the user's replacements)."""
   __slots__ = ("param", "flat", "master", "m", "v", "step", "ptr", "version", "dtype", "shape", "stride",
-               "device_view", "grad_view", "where", "scales", "format")
+               "device_view", "grad_view", "where", "scales", "format", "name")
 
   def __init__(self, param, flat, master, m, v, step, device_view=None, grad_view=None, scales=None, format="f32"):
     self.param, self.flat, self.master, self.m, self.v, self.step = param, flat, master, m, v, step
@@ -160,7 +202,7 @@ class _Tracked:
     # Offloaded: the parameter is a view of the flat device buffer the pipeline writes,
     # its gradient is gathered into the flat device gradient buffer.
     self.device_view, self.grad_view = device_view, grad_view
-    self.where = ""
+    self.where = self.name = ""
     self.remember()
 
   def remember(self) -> None:
@@ -315,7 +357,7 @@ class _HostAdam(torch.optim.Optimizer):
     defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False, foreach=foreach,
                     maximize=bool(maximize), capturable=False, differentiable=False, fused=fused,
                     decoupled_weight_decay=bool(decoupled_weight_decay), moments=_core.moment_format(moments),
-                    rounding_seed=int(rounding_seed))
+                    rounding_seed=_check_seed(rounding_seed, "rounding_seed"))
     self._threads = default_threads() if threads is None else int(threads)
     if offload not in (None, "host", "cuda"):
       raise ValueError(f"offload={offload!r}: expected None (CUDA parameters go through the pipeline, CPU ones are "
@@ -369,6 +411,8 @@ class _HostAdam(torch.optim.Optimizer):
     self._refuse_unsupported(param_group, "param group")
     if "moments" in param_group:  # an unknown format is named now, not at the first step
       param_group["moments"] = _core.moment_format(str(param_group["moments"]))
+    if "rounding_seed" in param_group:
+      param_group["rounding_seed"] = _check_seed(param_group["rounding_seed"], "param group rounding_seed")
     super().add_param_group(param_group)
     self._layout = None  # rebuilt, with the state kept, on the next step
 
@@ -418,16 +462,18 @@ class _HostAdam(torch.optim.Optimizer):
       if offload == "host":
         self._engine_stream = self._engine.create_stream()  # stands in for torch's (synchronous) CPU stream
     self._remove_grad_hooks()
-    layout = {}
+    layout, self._group_of = {}, {}
     for tag, entries in by_dtype.items():
-      # Offloaded: the backward produces the last parameters' gradients first, so they lead
-      # the arena and the pipeline's first chunks are complete first (see _grad_hook).
-      order = list(range(len(self.param_groups)))[::-1] if offload else list(range(len(self.param_groups)))
+      # The backward produces the last parameters' gradients first, so they lead the arena
+      # and an offloaded step's first chunks are complete first (see _grad_hook). CPU
+      # parameters get the same layout: compressed moments round by arena position, and
+      # both paths give the same bits (and resume from each other's state_dict).
+      order = list(range(len(self.param_groups)))[::-1]
       group_of = {gi: j for j, gi in enumerate(order)}  # torch's group -> the core's
       groups = [{"config": self._config(self.param_groups[gi]), "tensors": [],
                  "moments": self._group_format(self.param_groups[gi]),
                  "rounding_seed": int(self.param_groups[gi].get("rounding_seed", 0))} for gi in order]
-      for k, (gi, p) in (reversed(list(enumerate(entries))) if offload else enumerate(entries)):
+      for k, (gi, p) in reversed(list(enumerate(entries))):
         groups[group_of[gi]]["tensors"].append((f"{gi}.{k}", [p.numel()]))
       core = _core.Optimizer(groups, self._threads, "")
       segs = {s[0]: (i, s) for i, s in enumerate(core.segments())}
@@ -459,9 +505,11 @@ class _HostAdam(torch.optim.Optimizer):
           master.copy_(saved)  # exact f32 masters (a checkpoint, an earlier layout) that still fit p
         else:
           master.copy_(p.detach())
-        fmt, name = self._group_format(self.param_groups[gi]), f"{gi}.{k}"
+        fmt, name, where = self._group_format(self.param_groups[gi]), f"{gi}.{k}", where_of[id(p)]
         m, v, scales = self._moment_views(core, name, fmt, p, flat_m, flat_v, off, size)
-        self._keep_moments(core, name, fmt, st, m, v, scales, f"state of param_groups[{gi}] parameter {k}")
+        _check_moment_state(st, p.numel(), f"the state of {where}")
+        self._move_moments(core, name, fmt, m, v, scales, st, getattr(self, "_convert_moments", False),
+                           f"the state of {where}")
         seg_steps[si] = int(st["step"]) if "step" in st else 0
         step = torch.from_numpy(steps[k:k + 1]).reshape(())
         st["step"] = step
@@ -480,12 +528,12 @@ class _HostAdam(torch.optim.Optimizer):
         else:
           st[_MASTER] = master
         tracked.append(_Tracked(p, mp, master, m, v, step, device_view, grad_view, scales, fmt))
-        tracked[-1].where = where_of[id(p)]
+        tracked[-1].where, tracked[-1].name = where, name
         seg_of.append(si)
       core.tensor_steps = seg_steps
       steps[:] = [seg_steps[si] for si in seg_of]
+      self._group_of[tag] = group_of
       if dev is not None:
-        dev["group_of"] = group_of
         if dev["chunks"] is not None:
           dev["chunks"].cover([(off, size) for _, _, off, size, _ in core.segments()], seg_of)
         self._add_grad_hooks(tag, tracked, dev)
@@ -511,41 +559,50 @@ class _HostAdam(torch.optim.Optimizer):
               _arena_view(torch.from_numpy(v_codes.view(np.int16)).view(torch.bfloat16), p), None)
     return _arena_view(m_codes, p), _arena_view(v_codes, p), torch.from_numpy(scales)
 
-  def _keep_moments(self, core, name: str, fmt: str, st: dict, m, v, scales, where: str) -> None:
-    """Moments already in the state (an earlier layout, a loaded state_dict) move into the
-    new views; another format only through load_state_dict(..., convert_moments=True)."""
-    if "exp_avg" in st or "exp_avg_sq" in st:
-      have = _state_format(st)
-      if have == fmt:
-        for key, view in zip(_MOMENTS + (_SCALES,), (m, v, scales)):
-          if view is None:
-            continue
-          value = st.get(key)
-          if not torch.is_tensor(value) or value.numel() != view.numel():
-            raise ValueError(f"{where}: {key} has {value.numel() if torch.is_tensor(value) else 'no'} elements, "
-                             f"expected {view.numel()}")
-          if fmt != "f32" and value.dtype != view.dtype:
-            raise ValueError(f"{where}: {key} has dtype {value.dtype}, expected {view.dtype} ({fmt} moments)")
-          view.copy_(value.reshape(view.shape))
-      elif getattr(self, "_convert_moments", False):
-        m32, v32 = _moments_as_f32(st, where)
+  @staticmethod
+  def _move_moments(core, name: str, fmt: str, m, v, scales, st: dict, convert: bool, where: str) -> None:
+    """Puts the moments of `st` (checked) into a `fmt` group's views m, v (and scales) and
+    points the state at the views. Another format (or 8-bit codes of another memory
+    layout, whose blocks are not this parameter's) only with `convert`: decoded exactly,
+    then encoded (lossy) into a compressed group."""
+    have = _state_format(st)
+    if _has_moments(st):
+      src = [st[key] for key in _moment_keys(have)]
+      same_blocks = fmt != "8bit" or all(x.stride() == y.stride() for x, y in zip(src, (m, v)))
+      if have == fmt and same_blocks:
+        if fmt == "8bit":  # codes and exponents by memory order: the order of their blocks
+          _flat(m).copy_(_flat(src[0]))
+          _flat(v).copy_(_flat(src[1]))
+          scales.copy_(st[_SCALES].reshape(scales.shape))
+        else:  # values
+          m.copy_(src[0].reshape(m.shape))
+          v.copy_(src[1].reshape(v.shape))
+      elif convert:
+        m32, v32 = _moments_as_f32(st)
         if fmt == "f32":
-          m.copy_(torch.from_numpy(m32).view(m.shape))
-          v.copy_(torch.from_numpy(v32).view(v.shape))
-        else:
-          core.write_moments(name, m32, v32)  # encoded: lossy, as asked
+          m.copy_(m32.reshape(m.shape))
+          v.copy_(v32.reshape(v.shape))
+        else:  # encoded in the arena's (the parameter's) memory order: lossy, as asked
+          tm, tv = torch.empty_like(m, dtype=torch.float32), torch.empty_like(v, dtype=torch.float32)
+          tm.copy_(m32.reshape(m.shape))
+          tv.copy_(v32.reshape(v.shape))
+          core.write_moments(name, _flat(tm).numpy(), _flat(tv).numpy())
       else:
-        raise ValueError(f"{where} holds {have} moments, its group stores {fmt}: load the state_dict with "
+        what = f"{have} moments" if have != fmt else "8-bit codes in another memory layout (strides)"
+        raise ValueError(f"{where} holds {what}, its group stores {fmt}: load the state_dict with "
                          "load_state_dict(state_dict, convert_moments=True) to convert them (lossy)")
-    st["exp_avg"], st["exp_avg_sq"] = m, v
+    else:  # no moments (a fresh or reset state): zeros
+      m.zero_()
+      v.zero_()
+      if scales is not None:
+        scales.zero_()
+    for key in _MOMENTS + _CODES + (_SCALES, _FORMAT):
+      st.pop(key, None)
+    st.update(zip(_moment_keys(fmt), (m, v)))
     if scales is not None:
       st[_SCALES] = scales
-    else:
-      st.pop(_SCALES, None)
     if fmt != "f32":
       st[_FORMAT] = fmt
-    else:
-      st.pop(_FORMAT, None)
 
   # --- gradients as the backward produces them (offloaded, torch >= 2.1) ---------------
   def _add_grad_hooks(self, tag: str, tracked: list, dev: dict) -> None:
@@ -618,10 +675,11 @@ class _HostAdam(torch.optim.Optimizer):
             t.master.copy_(p.detach())
           t.remember()
         st = self.state[p]
-        if st.get("exp_avg") is not t.m or st.get("exp_avg_sq") is not t.v or st.get("step") is not t.step or (
+        keys = _moment_keys(t.format)
+        if st.get(keys[0]) is not t.m or st.get(keys[1]) is not t.v or st.get("step") is not t.step or (
             p.dtype != torch.float32 and st.get(_MASTER) is not t.master) or (
             t.scales is not None and st.get(_SCALES) is not t.scales) or _state_format(st) != t.format:
-          self._take_state(t, st, steps, k)
+          self._take_state(layout, t, st, steps, k)
       if steps.tolist() != known:  # a step count written in place or replaced
         counts = core.tensor_steps
         for k, si in enumerate(seg_of):
@@ -631,27 +689,18 @@ class _HostAdam(torch.optim.Optimizer):
     if rebuild:
       self._build()
 
-  @staticmethod
-  def _take_state(t: _Tracked, st: dict, steps: np.ndarray, k: int) -> None:
-    """The user replaced or deleted entries of opt.state[p]: as torch, they are the state."""
-    if _state_format(st) != t.format:
-      raise ValueError(f"opt.state[p][{_FORMAT!r}] of {t.where} says {_state_format(st)!r}, its group stores "
-                       f"{t.format!r} moments: a group's format is fixed (convert through state_dict and "
-                       "load_state_dict(..., convert_moments=True))")
-    for key, view in zip(_MOMENTS + (_SCALES,), (t.m, t.v, t.scales)):
-      value = st.get(key)
-      if view is None or value is view:
-        continue
-      if value is None:
-        view.zero_()  # zero codes and exponents: zero moments
-      elif value.numel() != view.numel():
-        raise ValueError(f"opt.state[p][{key!r}] has {value.numel()} elements, the parameter {view.numel()}")
-      elif t.format != "f32" and value.dtype != view.dtype:
-        raise ValueError(f"opt.state[p][{key!r}] has dtype {value.dtype}: the group stores {t.format} moments "
-                         f"({view.dtype})")
-      else:
-        view.copy_(value.reshape(view.shape))
-      st[key] = view
+  def _take_state(self, layout, t: _Tracked, st: dict, steps: np.ndarray, k: int) -> None:
+    """The user replaced or deleted entries of opt.state[p]: as torch, they are the state
+    (moments in the group's format; deleted ones are zeros)."""
+    keys = _moment_keys(t.format)
+    if any(st.get(key) is not view for key, view in zip(keys + (_SCALES,), (t.m, t.v, t.scales))
+           if view is not None) or (_has_moments(st) and _state_format(st) != t.format):
+      _check_moment_state(st, t.param.numel(), f"opt.state[p] of {t.where}")
+      if _has_moments(st) and _state_format(st) != t.format:
+        raise ValueError(f"opt.state[p] of {t.where} holds {_state_format(st)} moments, its group stores "
+                         f"{t.format}: a group's format is fixed (convert through state_dict and "
+                         "load_state_dict(..., convert_moments=True))")
+      self._move_moments(layout[0], t.name, t.format, t.m, t.v, t.scales, st, False, f"opt.state[p] of {t.where}")
     if st.get("step") is not t.step:
       value = st.get("step")
       steps[k] = 0 if value is None else float(value)
@@ -744,7 +793,7 @@ class _HostAdam(torch.optim.Optimizer):
     for tag, (core, tracked, steps, seg_of, _, dev) in self._layout.items():
       for gi, cfg in enumerate(configs):
         if self._applied.get((tag, gi)) != cfg:
-          core.set_group_config(dev["group_of"][gi] if dev is not None else gi, cfg)
+          core.set_group_config(self._group_of[tag][gi], cfg)
           self._applied[(tag, gi)] = cfg
       if dev is not None:
         self._offloaded_step(tag, tracked, dev)
@@ -796,7 +845,7 @@ class _HostAdam(torch.optim.Optimizer):
 
     def never_stepped(st: dict) -> bool:
       return ("step" in st and float(st["step"]) == 0 and
-              all(not torch.is_tensor(st.get(k)) or not torch.count_nonzero(st[k]) for k in _MOMENTS))
+              all(not torch.is_tensor(st.get(k)) or not torch.count_nonzero(st[k]) for k in _MOMENTS + _CODES))
 
     sd["state"] = {k: {key: (v.clone() if torch.is_tensor(v) else v) for key, v in st.items()}
                    for k, st in sd["state"].items() if not never_stepped(st)}
@@ -816,12 +865,19 @@ class _HostAdam(torch.optim.Optimizer):
       self._refuse_unsupported(group, f"state_dict['param_groups'][{gi}]")
     formats = [self._group_format(g) for g in self.param_groups]
     seeds = [g.get("rounding_seed", 0) for g in self.param_groups]
-    if len(state_dict["param_groups"]) == len(formats):  # (torch names a count mismatch itself)
-      for gi, group in enumerate(state_dict["param_groups"]):
-        for index in group["params"]:
+    # Every moment state is checked before anything changes: its format against the
+    # group's, its tensors against the parameter (torch names count mismatches itself).
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) == len(formats) and all(
+        len(a["params"]) == len(b["params"]) for a, b in zip(saved_groups, self.param_groups)):
+      for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+        if "rounding_seed" in saved:
+          _check_seed(saved["rounding_seed"], f"state_dict['param_groups'][{gi}]['rounding_seed']")
+        for index, p in zip(saved["params"], group["params"]):
           st = state_dict["state"].get(index)
-          if st is None or not any(key in st for key in _MOMENTS):
+          if st is None or not _has_moments(st):
             continue
+          _check_moment_state(st, p.numel(), f"state_dict['state'][{index}]")
           have = _state_format(st)
           if have != formats[gi] and not convert_moments:
             raise ValueError(f"state_dict['state'][{index}] holds {have} moments, param_groups[{gi}] stores "
@@ -829,7 +885,8 @@ class _HostAdam(torch.optim.Optimizer):
                              "8-bit); nothing was loaded")
     # Moments and masters as saved: f32 ones exact, compressed ones in their own dtype.
     # (torch casts every state tensor to a floating parameter's dtype, 8-bit codes too.)
-    exact = {k: {key: v for key, v in st.items() if key in _MOMENTS + (_MASTER, _SCALES) and torch.is_tensor(v)}
+    exact = {k: {key: v for key, v in st.items()
+                 if key in _MOMENTS + _CODES + (_MASTER, _SCALES) and torch.is_tensor(v)}
              for k, st in state_dict["state"].items()}
     compressed = {k: _state_format(st) for k, st in state_dict["state"].items() if _state_format(st) != "f32"}
     super().load_state_dict(state_dict)
@@ -847,8 +904,8 @@ class _HostAdam(torch.optim.Optimizer):
         # does not copy), and 16-bit parameters' moments and masters stay f32 (torch casts).
         if key in exact.get(index, {}):
           keep = exact[index][key].detach()
-          st[key] = (keep.to(device="cpu") if key == _SCALES or (index in compressed and key in _MOMENTS)
-                     else keep.to(dtype=torch.float32, device="cpu")).clone()
+          own_dtype = key in _CODES + (_SCALES,) or (index in compressed and key in _MOMENTS)
+          st[key] = (keep.to(device="cpu") if own_dtype else keep.to(dtype=torch.float32, device="cpu")).clone()
         elif torch.is_tensor(v):
           st[key] = v.detach().clone()
       if index in compressed:  # a string: torch 1 rebuilds it from its characters' "casts"
