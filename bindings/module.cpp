@@ -333,11 +333,12 @@ PYBIND11_MODULE(_core, m) {
 
   m.def("moment_format", [](const std::string& name) { return std::string(moment_format_name(parse_moment_format(name))); },
         py::arg("name"), "The canonical name of a moment format ('f32', 'bf16', '8bit'); ValueError naming an unknown one.");
-  m.def("shard_of", [](std::size_t arena_size, int world, int rank) {
-    const shard_range r = shard_of(arena_size, world, rank);
+  m.def("shard_of", [](std::size_t arena_size, int world, int rank, std::size_t unit) {
+    const shard_range r = shard_of(arena_size, world, rank, unit);
     return py::make_tuple(r.begin, r.end);
-  }, py::arg("arena_size"), py::arg("world_size"), py::arg("rank"),
-     "[begin, end) of the arena owned by `rank` (hostopt::shard_of).");
+  }, py::arg("arena_size"), py::arg("world_size"), py::arg("rank"), py::arg("unit") = 16,
+     "[begin, end) of the arena owned by `rank` (hostopt::shard_of): cut on multiples of `unit` (16; 32 when a "
+     "group has 8-bit moments, as ShardedOptimizer and Optimizer.chunk_unit use).");
 
   py::class_<sharded_optimizer>(m, "ShardedOptimizer",
                                 "One rank's shard of the optimizer state (see hostopt.ShardedOptimizer).")
@@ -419,6 +420,8 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("arena_size", &optimizer::arena_size)
       .def_property_readonly("num_params", &optimizer::num_params)
       .def_property_readonly("state_bytes", &optimizer::state_bytes)
+      .def_property_readonly("chunk_unit", &optimizer::chunk_unit,
+                             "Elements that chunks and shard cuts are multiples of: 16, or 32 with an 8-bit group")
       .def_property_readonly("num_groups", &optimizer::num_groups)
       .def_property("step_count", &optimizer::step_count, &optimizer::set_step_count)
       .def_property(
@@ -449,7 +452,8 @@ PYBIND11_MODULE(_core, m) {
       .def("exp_avg_sq", [](py::object self) { return view_of(self.cast<optimizer&>().exp_avg_sq(), self); })
       .def("moment_views", [](py::object self, const std::string& name) {
         optimizer& o = self.cast<optimizer&>();
-        return py::make_tuple(view_of(o.exp_avg(name), self), view_of(o.exp_avg_sq(name), self));
+        py::array_t<float> m = view_of(o.exp_avg(name), self); // in order: the first error names exp_avg
+        return py::make_tuple(m, view_of(o.exp_avg_sq(name), self));
       }, py::arg("name"), "float32 views of the moments of a tensor of an f32 group (any arena).")
       .def("group_moments", [](const optimizer& o, std::size_t g) {
         return std::string(moment_format_name(o.group_moments(g)));

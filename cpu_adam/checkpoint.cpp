@@ -109,8 +109,7 @@ std::uint64_t blocks_of(std::size_t n) { return (std::uint64_t(n) + q8_block - 1
 // Bytes of entry k for n elements (8-bit entries start on a block).
 std::uint64_t entry_bytes(int k, moment_format f, std::size_t n) {
   if (k == kind_scales) return 2 * blocks_of(n);
-  if (k == 0 || f == moment_format::f32) return 4 * std::uint64_t(n);
-  return std::uint64_t(n) * (f == moment_format::bf16 ? 2 : 1);
+  return std::uint64_t(n) * (k == 0 ? 4 : moment_code_bytes(f));
 }
 
 const char* entry_dtype(int k, moment_format f) {
@@ -616,7 +615,8 @@ source_file open_source(const std::string& path, std::span<const segment> segs, 
   }
   read_moment_formats(src, meta, file_groups);
   if (!want.empty() && want.size() != file_groups)
-    fail(path, std::to_string(file_groups) + " parameter groups, the optimizer has " + std::to_string(want.size()));
+    fail(path, std::to_string(file_groups) + " parameter groups, the optimizer has " + std::to_string(want.size()) +
+                   " (a different model)");
   for (std::size_t g = 0; g < want.size(); ++g)
     if (src.formats[g] != want[g])
       fail(path, "group " + std::to_string(g) + " stores its moments as " +
@@ -655,14 +655,18 @@ source_file open_source(const std::string& path, std::span<const segment> segs, 
     const std::string& name = item.key(); // (a plain reference: clang 14 cannot capture bindings)
     if (name == "__metadata__") continue;
     if (!wanted.count(name)) {
-      const bool known = std::any_of(segs.begin(), segs.end(), [&](const segment& s) {
+      const auto owner = std::find_if(segs.begin(), segs.end(), [&](const segment& s) {
         for (const char* k : kinds)
           if (name == s.name + "." + k) return true;
         return false;
       });
-      fail(path, "tensor '" + name + "' " +
-                     (known ? "lies outside the file's range " + range_text(src.range)
-                            : std::string("is not in the optimizer (different tensor names)")));
+      std::string why = "is not in the optimizer (different tensor names)";
+      if (owner != segs.end())
+        why = piece_in(*owner, src.range, end).held
+                  ? "is not an entry of a tensor whose group stores " +
+                        std::string(moment_format_name(src.formats[owner->group])) + " moments"
+                  : "lies outside the file's range " + range_text(src.range);
+      fail(path, "tensor '" + name + "' " + why);
     }
   }
   std::uint64_t total = 0;

@@ -17,7 +17,6 @@ using namespace detail;
 
 namespace {
 
-std::size_t code_bytes(moment_format f) { return f == moment_format::bf16 ? 2 : 1; }
 
 // The format is a compressed one, the buffers are there for n elements, and an 8-bit
 // piece starts on a block and ends on one or at the state's end; appends the moments'
@@ -51,8 +50,8 @@ void check_moments(const std::string& what, const compressed_moments& mo, std::s
                                   "): it would re-scale elements it does not hold; end pieces on a multiple of " +
                                   std::to_string(q8_block));
   }
-  ranges.push_back(range_of(mo.exp_avg, n * code_bytes(f), true, kind, 0));
-  ranges.push_back(range_of(mo.exp_avg_sq, n * code_bytes(f), true, kind + 1, 0));
+  ranges.push_back(range_of(mo.exp_avg, n * moment_code_bytes(f), true, kind, 0));
+  ranges.push_back(range_of(mo.exp_avg_sq, n * moment_code_bytes(f), true, kind + 1, 0));
   if (f == moment_format::q8) ranges.push_back(range_of(mo.scales, moment_scale_bytes(f, n), true, kind + 2, 0));
 }
 

@@ -37,11 +37,6 @@ std::size_t align_up(std::size_t x, std::size_t unit = align_elems) { return (x 
 // Elements where an 8-bit group's blocks force alignment; else the 64-byte unit.
 std::size_t unit_of(moment_format f) { return f == moment_format::q8 ? q8_block : align_elems; }
 
-// Bytes per stored moment element.
-std::size_t moment_elem_bytes(moment_format f) {
-  return f == moment_format::f32 ? 4 : f == moment_format::bf16 ? 2 : 1;
-}
-
 // Elements the arena may hold: 3 f32 arrays within max_state_bytes. Every product and sum
 // below stays under it, so none can overflow.
 constexpr std::size_t max_arena_elems = std::size_t(max_state_bytes / (3 * sizeof(float)));
@@ -265,7 +260,7 @@ struct optimizer::impl {
     const group_store& st = stores[g];
     const std::size_t i = flat - st.begin;
     if (k == 3) return moment_base() + st.scales + 2 * (i / q8_block);
-    return moment_base() + (k == 1 ? st.m : st.v) + i * moment_elem_bytes(st.format);
+    return moment_base() + (k == 1 ? st.m : st.v) + i * moment_code_bytes(st.format);
   }
 
   // The optimizer's own memory, for the checks that no caller buffer overlaps it.
@@ -335,8 +330,8 @@ struct optimizer::impl {
       st.end = st.begin + align_up(st.end - st.begin, unit_of(st.format));
       const std::size_t n = st.end - st.begin;
       st.m = bytes;
-      st.v = bytes = align64(bytes + n * moment_elem_bytes(st.format));
-      st.scales = bytes = align64(bytes + n * moment_elem_bytes(st.format));
+      st.v = bytes = align64(bytes + n * moment_code_bytes(st.format));
+      st.scales = bytes = align64(bytes + n * moment_code_bytes(st.format));
       bytes = align64(bytes + moment_scale_bytes(st.format, n));
     }
     moments_used = bytes;

@@ -22,7 +22,7 @@ void run_kernel(const update_job& job, const group_kernel& g, std::size_t a, con
     return;
   }
   const std::size_t k = a - st.origin;
-  const std::size_t code_bytes = st.format == moment_format::bf16 ? 2 : 1;
+  const std::size_t code_bytes = moment_code_bytes(st.format);
   compressed_call call = g.call;
   call.first = job.index_origin + a;
   g.compressed(call, job.params + a, static_cast<char*>(st.exp_avg) + k * code_bytes,

@@ -48,15 +48,23 @@ inline moment_format parse_moment_format(std::string_view name) {
   throw std::invalid_argument("moment_format: unknown name '" + std::string(name) + "', expected f32, bf16 or 8bit");
 }
 
+/// Bytes of one stored moment of one element: 4, 2 or 1 (8-bit: plus its block's exponent).
+inline std::size_t moment_code_bytes(moment_format f) {
+  switch (f) {
+  case moment_format::f32: return 4;
+  case moment_format::bf16: return 2;
+  case moment_format::q8: return 1;
+  }
+  detail::bad_moment_format(f);
+}
+
 /// Bytes of moment storage (both moments, block exponents included) for `elements`
 /// elements laid out from a block boundary.
 inline std::size_t moment_bytes(moment_format f, std::size_t elements) {
   switch (f) {
-  case moment_format::f32: return 8 * elements;
-  case moment_format::bf16: return 4 * elements;
   case moment_format::q8: return 2 * elements + 2 * ((elements + q8_block - 1) / q8_block);
+  default: return 2 * moment_code_bytes(f) * elements;
   }
-  detail::bad_moment_format(f);
 }
 
 } // namespace hostopt

@@ -108,13 +108,15 @@ struct arena_range {
 /// declares the state whole).
 class optimizer final : public chunk_updater {
 public:
-  /// Registers the groups' tensors and zero-initialises params and moments (first touched
-  /// by the threads that will update them). Throws std::invalid_argument for an empty or
+  /// Registers the groups' tensors and zero-initialises params and moments (the flat
+  /// arrays first touched by the threads that will update them; compressed groups' storage
+  /// in even byte slices). Throws std::invalid_argument for an empty or
   /// duplicate name, a negative extent, a layout over max_state_bytes, bad
   /// hyper-parameters or bad execution options.
   explicit optimizer(std::vector<param_group> groups, execution_options exec = {});
   /// The same holding only elements [range.begin, range.end) of the layout (both ends
-  /// multiples of 16 or the arena's end; std::invalid_argument otherwise).
+  /// multiples of 16, of 32 with an 8-bit group, or the arena's end; std::invalid_argument
+  /// otherwise).
   optimizer(std::vector<param_group> groups, arena_range range, execution_options exec = {});
   ~optimizer() override;
   optimizer(optimizer&&) noexcept;

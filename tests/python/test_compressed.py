@@ -97,3 +97,51 @@ def test_encode_and_step_arguments_are_checked():
 def test_unknown_format_name():
   with pytest.raises(ValueError, match="'bf16' or '8bit'"):
     hostopt.CompressedMoments(10, "fp8")
+
+
+def test_optimizer_groups_choose_their_moment_format(tmp_path):
+  groups = [{"params": {"embed": (10, 7), "norm": (5,)}, "lr": 1e-2},
+            {"params": {"w": (8, 9), "empty": (0,)}, "moments": "8bit", "rounding_seed": 3, "lr": 1e-2},
+            {"params": {"b": (33,)}, "moments": "bf16"}]
+  opt = hostopt.Optimizer(groups)
+  assert [opt.group_moments(g) for g in range(3)] == ["f32", "8bit", "bf16"]
+  assert opt.segment("w")[2] % 32 == 0
+  rng = np.random.default_rng(2)
+  for name in opt.names:
+    opt.params(name)[...] = rng.standard_normal(opt.segment(name)[1])
+  for _ in range(3):
+    opt.step({n: rng.standard_normal(opt.segment(n)[1]).astype(np.float32) for n in opt.names})
+  # f32 groups keep their views; compressed ones are read and written as f32 copies.
+  assert opt.exp_avg("embed").shape == (10, 7) and np.any(opt.exp_avg("embed") != 0)
+  with pytest.raises(RuntimeError, match="group 1 stores its moments as 8bit"):
+    opt.exp_avg()
+  with pytest.raises(ValueError, match=r"exp_avg\('w'\).*8bit"):
+    opt.exp_avg("w")
+  m, v = opt.read_moments("w")
+  codes_m, codes_v, scales = opt.moment_codes("w")
+  assert codes_m.dtype == np.uint8 and scales.shape == (3, 2)
+  mo = hostopt.CompressedMoments(72, "8bit")
+  mo.exp_avg[:], mo.exp_avg_sq[:], mo.scales[:] = codes_m, codes_v, scales.reshape(-1)
+  assert all(np.array_equal(a.reshape(-1), b) for a, b in zip((m, v), mo.decode()))
+  # A checkpoint resumes the compressed state bit for bit.
+  opt.save(tmp_path / "s.safetensors")
+  other = hostopt.Optimizer(groups)
+  other.load(tmp_path / "s.safetensors")
+  assert all(np.array_equal(a, b) for a, b in zip(other.read_moments("w"), (m, v)))
+  assert np.array_equal(other.params(), opt.params())
+  mixed = [dict(g) for g in groups]
+  mixed[1]["moments"] = "bf16"
+  with pytest.raises(RuntimeError, match="group 1 stores its moments as 8bit, the optimizer's as bf16"):
+    hostopt.Optimizer(mixed).load(tmp_path / "s.safetensors")
+  # Writes are checked: float32 of the tensor's shape, non-negative exp_avg_sq when encoded.
+  with pytest.raises(TypeError, match="float64"):
+    opt.write_moments("w", np.zeros((8, 9)), np.zeros((8, 9), np.float32))
+  with pytest.raises(ValueError, match="negative"):
+    opt.write_moments("w", np.zeros((8, 9), np.float32), -np.ones((8, 9), np.float32))
+  assert all(np.array_equal(a, b) for a, b in zip(opt.read_moments("w"), (m, v)))
+  with pytest.raises(ValueError, match="unknown name 'int4'"):
+    hostopt.Optimizer([{"params": {"x": (3,)}, "moments": "int4"}])
+  # Shards of a layout with 8-bit blocks are cut on 32.
+  assert opt._core.chunk_unit == 32
+  n = opt.arena_size
+  assert hostopt._core.shard_of(n, 3, 1, 32)[0] % 32 == 0

@@ -227,10 +227,17 @@ class Optimizer:
     return self._view(self._core.params(), name)
 
   def exp_avg(self, name: Optional[str] = None) -> np.ndarray:
-    return self._view(self._core.exp_avg(), name)
+    """First moments (float32 view; a tensor's when `name` is given). The flat view exists
+    when every group is f32; a tensor's, when its group is (else read_moments)."""
+    if name is None:
+      return self._core.exp_avg()
+    return self._core.moment_views(name)[0].reshape(self.segment(name)[1])
 
   def exp_avg_sq(self, name: Optional[str] = None) -> np.ndarray:
-    return self._view(self._core.exp_avg_sq(), name)
+    """Second moments, as exp_avg."""
+    if name is None:
+      return self._core.exp_avg_sq()
+    return self._core.moment_views(name)[1].reshape(self.segment(name)[1])
 
   def group_moments(self, group: int) -> str:
     """How a group stores its moments: "f32", "bf16" or "8bit"."""
@@ -245,8 +252,16 @@ class Optimizer:
   def write_moments(self, name: str, exp_avg, exp_avg_sq) -> None:
     """Sets one tensor's moments from float32 values: copied for an f32 group, encoded for
     a compressed one (lossy: the explicit conversion between formats)."""
-    self._core.write_moments(name, np.ascontiguousarray(exp_avg, dtype=np.float32).reshape(-1),
-                             np.ascontiguousarray(exp_avg_sq, dtype=np.float32).reshape(-1))
+    shape = tuple(self.segment(name)[1])
+    flat = []
+    for what, x in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+      a = np.asarray(x)
+      if a.dtype != np.float32:  # never a silent cast
+        raise TypeError(f"write_moments({name!r}): {what} has dtype {a.dtype}, expected float32")
+      if a.shape != shape:
+        raise ValueError(f"write_moments({name!r}): {what} has shape {a.shape}, the tensor {shape}")
+      flat.append(np.ascontiguousarray(a).reshape(-1))
+    self._core.write_moments(name, *flat)
 
   def moment_codes(self, name: str):
     """Views of a compressed tensor's storage: (exp_avg, exp_avg_sq, scales) — uint16 bf16
