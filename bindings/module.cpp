@@ -460,7 +460,10 @@ PYBIND11_MODULE(_core, m) {
       }, "How group g stores its moments: 'f32', 'bf16' or '8bit'.")
       .def("read_moments", [](const optimizer& o, const std::string& name) {
         const std::size_t n = o.tensor(name).size;
-        py::array_t<float> m(n), v(n);
+        // Explicit strides: pybind11 before 2.12 derives them from the dtype's item size,
+        // which it misreads under numpy 2 (every element aliased the first).
+        const std::vector<py::ssize_t> shape{py::ssize_t(n)}, strides{py::ssize_t(sizeof(float))};
+        py::array_t<float> m(shape, strides), v(shape, strides);
         o.read_moments(name, {m.mutable_data(), n}, {v.mutable_data(), n});
         return py::make_tuple(m, v);
       }, py::arg("name"), "One tensor's moments as new float32 arrays (exact), whatever its group's format.")
