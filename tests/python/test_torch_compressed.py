@@ -42,7 +42,7 @@ def memory_order(t):
 def decoded(st):
   """A parameter state's moments as float32 arrays in logical order (exact decode; 8-bit
   codes are blocks of memory order)."""
-  if st.get("moment_format") == "8bit":
+  if "exp_avg_codes" in st:
     m, v = st["exp_avg_codes"], st["exp_avg_sq_codes"]
     mo = hostopt.CompressedMoments(m.numel(), "8bit")
     mo.exp_avg[:] = memory_order(m).numpy()
@@ -67,7 +67,7 @@ def test_state_holds_codes_and_the_first_step_is_the_f32_step(fmt):
     assert torch.equal(a, b)
   w = ours[0].weight
   st = opt.state[w]
-  assert st["moment_format"] == fmt
+  assert opt.param_groups[0]["moments"] == fmt
   if fmt == "bf16":  # values, under torch's keys
     assert st["exp_avg"].dtype == torch.bfloat16 and st["exp_avg"].shape == w.shape
     assert "moment_scales" not in st and "exp_avg_codes" not in st
@@ -121,7 +121,7 @@ def test_state_dict_resumes_bit_for_bit_through_torch_save():
     assert torch.equal(p, q)
   for p, q in zip(a.parameters(), b.parameters()):
     sa, sb = opt_a.state[p], opt_b.state[q]
-    assert sa.get("moment_format") == sb.get("moment_format")
+    assert sa.keys() == sb.keys()
     for key in ("exp_avg", "exp_avg_sq", "exp_avg_codes", "exp_avg_sq_codes", "moment_scales"):
       if key in sa:
         assert torch.equal(sa[key], sb[key]), key
@@ -140,7 +140,7 @@ def test_other_formats_are_refused_on_load_unless_converted():
     opt8.load_state_dict(sd)
   after = opt8.state[b[0].weight]
   assert all(torch.equal(before[k], after[k]) for k in before)  # nothing changed
-  assert after["moment_format"] == "8bit"
+  assert "exp_avg_codes" in after
   # The explicit conversion: the f32 moments, encoded.
   opt8.load_state_dict(sd, convert_moments=True)
   assert opt8.param_groups[0]["moments"] == "8bit"
@@ -184,11 +184,19 @@ def test_bad_formats_and_state_are_refused():
   st["exp_avg_codes"] = torch.zeros(m[0].weight.shape, dtype=torch.uint8)
   opt.step()
   assert opt.state[m[0].weight]["exp_avg_codes"].dtype == torch.uint8
-  # A reset state starts again from zero moments at step 1, as in torch.
+  # Values where codes belong are named, not ignored.
+  st["exp_avg"] = torch.zeros(m[0].weight.shape)
+  with pytest.raises(ValueError, match="exp_avg in the state: it holds 8-bit codes, but its moments are 8bit"):
+    opt.step()
+  del st["exp_avg"]
+  # A deleted moment restarts from zero, and a reset state from zero moments at step 1, as in torch.
+  del st["exp_avg_sq_codes"]
+  train_steps(m, opt, 1)
+  assert torch.count_nonzero(opt.state[m[0].weight]["exp_avg_sq_codes"]) > 0  # v restarted: g*g > 0
   opt.state[m[0].weight] = {}
   train_steps(m, opt, 1)
   st = opt.state[m[0].weight]
-  assert float(st["step"]) == 1 and st["moment_format"] == "8bit"
+  assert float(st["step"]) == 1 and "exp_avg_codes" in st
   for seed in (-1, 1 << 64, 1.5, "3"):
     with pytest.raises(ValueError, match="rounding_seed"):
       ht.AdamW(model().parameters(), rounding_seed=seed)
@@ -219,10 +227,10 @@ def test_malformed_compressed_state_is_refused_on_load_and_nothing_changes():
            ("exp_avg_codes", lambda t: t.reshape(-1)[:-1], "elements"),
            ("moment_scales", lambda t: t.reshape(-1)[:-2], "moment_scales"),
            ("moment_scales", lambda t: t.to(torch.int16), "moment_scales"),
-           ("moment_format", lambda t: "int4", "moment_format = 'int4'")]
+           ("exp_avg", lambda t: torch.zeros(3), "exp_avg in the state: it holds 8-bit codes")]
   for key, change, words in cases:
     bad = copy.deepcopy(good)
-    bad["state"][0][key] = change(bad["state"][0][key])
+    bad["state"][0][key] = change(bad["state"][0].get("exp_avg_codes"))
     for convert in (False, True):
       with pytest.raises(ValueError, match=words):
         opt_b.load_state_dict(bad, convert_moments=convert)
@@ -232,6 +240,10 @@ def test_malformed_compressed_state_is_refused_on_load_and_nothing_changes():
   bad = copy.deepcopy(good)
   del bad["state"][0]["moment_scales"]
   with pytest.raises(ValueError, match="need 'moment_scales'"):
+    opt_b.load_state_dict(bad)
+  bad = copy.deepcopy(good)
+  bad["param_groups"][0]["moments"] = "int4"
+  with pytest.raises(ValueError, match="unknown name 'int4'"):
     opt_b.load_state_dict(bad)
   # torch.optim cannot take 8-bit codes for moments: it fails loudly instead.
   c = copy.deepcopy(a)
@@ -275,11 +287,10 @@ def test_channels_last_codes_keep_their_blocks(fmt):
   w3 = torch.nn.Parameter(w2.detach().contiguous())
   opt3 = ht.AdamW([w3], lr=1e-2, moments=fmt)
   saved = opt.state_dict()
-  if fmt == "8bit":
-    opt3.load_state_dict(saved)
-    with pytest.raises(ValueError, match="another memory layout"):
-      opt3.step()
-    opt3 = ht.AdamW([w3], lr=1e-2, moments=fmt)
+  if fmt == "8bit":  # refused at the load, nothing changed
+    with pytest.raises(ValueError, match="another memory order"):
+      opt3.load_state_dict(saved)
+    assert not opt3.state
   opt3.load_state_dict(saved, convert_moments=fmt == "8bit")
   opt3.zero_grad(set_to_none=True)
   opt3.step()
@@ -309,3 +320,23 @@ def test_host_offload_gives_the_bits_of_the_cpu_step(fmt):
   train_steps(b, opt_b, 2, seed=7)
   for p, q in zip(a.parameters(), b.parameters()):
     assert torch.equal(p, q)
+
+
+def test_a_bf16_state_through_torch_optim_comes_back_as_f32_moments():
+  a = model()
+  opt = ht.AdamW(a.parameters(), lr=1e-2, moments="bf16")
+  train_steps(a, opt, 2)
+  b = copy.deepcopy(a)
+  torch_opt = torch.optim.AdamW(b.parameters(), lr=1e-2)
+  torch_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+  train_steps(b, torch_opt, 1)  # torch steps the moments as values (float32 now)
+  c = copy.deepcopy(b)
+  back = ht.AdamW(c.parameters(), lr=1e-2, moments="bf16")
+  back.load_state_dict(copy.deepcopy(torch_opt.state_dict()))  # the group still says bf16
+  train_steps(c, back, 1)
+  # A conversion applied at the load is in state_dict and copies before any step.
+  d = copy.deepcopy(a)
+  conv = ht.AdamW(d.parameters(), lr=1e-2, moments="8bit")
+  conv.load_state_dict(opt.state_dict(), convert_moments=True)  # bf16 -> 8-bit
+  assert "exp_avg_codes" in conv.state_dict()["state"][0]
+  train_steps(d, copy.deepcopy(conv), 1)

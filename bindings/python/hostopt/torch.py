@@ -42,9 +42,11 @@ not seen — do not combine them with ``overlap_backward``.
 Compressed moments: ``moments="bf16"`` or ``"8bit"`` (and ``rounding_seed=``), for the
 optimizer or per param group, store Adam's moments in 8 or 6.06 bytes per parameter with the
 f32 master (README: "Compressed moments"). The state then holds ``exp_avg``/``exp_avg_sq``
-as bfloat16 tensors or uint8 codes (with ``moment_scales``, the blocks' exponent bytes) and
-``moment_format``; ``state_dict`` carries them. A group's format is fixed; moments of another
-format are refused by ``load_state_dict`` unless ``convert_moments=True`` (lossy).
+as bfloat16 tensors, or 8-bit codes as ``exp_avg_codes``/``exp_avg_sq_codes`` (uint8, in the
+parameter's memory order) with ``moment_scales`` (the 32-element blocks' exponent bytes);
+the format is the param group's ``moments``, and ``state_dict`` carries all of it. A group's
+format is fixed; ``load_state_dict`` refuses moments of another format, with nothing changed,
+unless ``convert_moments=True`` (converted then: lossy into bf16 or 8-bit).
 
 ``foreach`` and ``fused`` are accepted for compatibility and change nothing: hostopt's step is
 always one fused pass. ``amsgrad``, ``capturable`` and ``differentiable`` are refused.
@@ -68,14 +70,13 @@ __all__ = ["Adam", "AdamW", "default_threads"]
 _TAGS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _MASTER = "master_param"  # f32 master weights of a 16-bit parameter, in state_dict
-# Compressed moments (a group's ``moments="bf16"`` or ``"8bit"``). bf16 moments are values:
-# bfloat16 tensors under torch's keys. 8-bit ones are codes, under keys of their own (so
-# torch.optim, loading such a state, fails loudly instead of taking codes for moments),
-# with the blocks' exponent bytes; the state names its format.
+# Compressed moments (a group's ``moments="bf16"`` or ``"8bit"``; the format is the
+# group's, in param_groups, which torch keeps as given). bf16 moments are values: bfloat16
+# tensors under torch's keys. 8-bit ones are codes, under keys of their own (so torch.optim,
+# loading such a state, fails loudly instead of taking codes for moments), with the blocks'
+# exponent bytes; a block is 32 elements of the parameter's memory order.
 _CODES = ("exp_avg_codes", "exp_avg_sq_codes")
-_FORMAT = "moment_format"
 _SCALES = "moment_scales"
-_FORMATS = ("f32", "bf16", "8bit")
 
 
 def _moment_keys(fmt: str) -> tuple:
@@ -89,55 +90,88 @@ def _check_seed(seed, where: str) -> int:
   return int(seed)
 
 
-def _state_format(st: dict) -> str:
-  """The format of the moments in a parameter's state: plain float tensors unless named."""
-  return st.get(_FORMAT, "f32")
+def _same_memory_order(a: torch.Tensor, b: torch.Tensor) -> bool:
+  """Whether element k of a's memory is the same logical element as b's (8-bit blocks follow memory)."""
+  if a.numel() != b.numel():
+    return False
+  return (a.is_contiguous() and b.is_contiguous()) or (tuple(a.shape) == tuple(b.shape) and a.stride() == b.stride())
 
 
-def _has_moments(st: dict) -> bool:
-  return any(key in st for key in _MOMENTS + _CODES)
-
-
-def _check_moment_state(st: dict, numel: int, where: str) -> None:
-  """The moments of a state (to load, or as the user set them) fit a parameter of `numel`
-  elements in their own format: refused with the reason otherwise, before anything changes."""
-  if not _has_moments(st):
-    return
-  fmt = _state_format(st)
-  if fmt not in _FORMATS:
-    raise ValueError(f"{where}: {_FORMAT} = {fmt!r}: expected one of {', '.join(_FORMATS)}")
-  want = {"f32": None, "bf16": torch.bfloat16, "8bit": torch.uint8}[fmt]
+def _check_moment_state(st: dict, fmt: str, like: torch.Tensor, where: str) -> bool:
+  """Checks that the moments in a parameter's state are `fmt` moments fitting `like` (a
+  missing moment is zeros, as a deleted one in torch's optimizers restarts). Refused with the
+  reason otherwise, before anything changes. Returns whether 8-bit codes are laid out in
+  another memory order than `like` (their blocks are not its blocks)."""
+  own = _moment_keys(fmt) + ((_SCALES,) if fmt == "8bit" else ())
+  foreign = [key for key in _MOMENTS + _CODES + (_SCALES,) if key in st and key not in own]
+  if foreign:
+    held = "8-bit codes" if any(key in st for key in _CODES) else "moment values"
+    raise ValueError(f"{where}: {', '.join(foreign)} in the state: it holds {held}, but its moments are {fmt} "
+                     f"(keys {', '.join(own)})")
+  numel = like.numel()
   for key in _moment_keys(fmt):
     value = st.get(key)
-    if not torch.is_tensor(value):
-      raise ValueError(f"{where}: {fmt} moments without {key!r}")
-    if value.numel() != numel:
-      raise ValueError(f"{where}: {key} has {value.numel()} elements, the parameter {numel}")
-    if want is not None and value.dtype != want:
-      raise ValueError(f"{where}: {key} has dtype {value.dtype}: {fmt} moments are {want}")
+    if value is None:
+      continue
+    if not torch.is_tensor(value) or value.numel() != numel:
+      raise ValueError(f"{where}: {key} has {value.numel() if torch.is_tensor(value) else 'no'} elements, the "
+                       f"parameter {numel}")
+    if fmt == "8bit" and value.dtype != torch.uint8:
+      raise ValueError(f"{where}: {key} has dtype {value.dtype}: 8bit moments are torch.uint8 codes")
+    if fmt != "8bit" and not value.is_floating_point():
+      raise ValueError(f"{where}: {key} has dtype {value.dtype}: {fmt} moments are floating-point values")
     if fmt == "8bit" and not _dense_order(value):
       raise ValueError(f"{where}: {key} is not dense: 8-bit codes are blocks of memory order")
-  if fmt == "8bit":
+  codes = [st[key] for key in _CODES if fmt == "8bit" and st.get(key) is not None]
+  if codes:
     scales = st.get(_SCALES)
     blocks = -(-numel // 32)
     if not torch.is_tensor(scales) or scales.dtype != torch.uint8 or scales.numel() != 2 * blocks:
       raise ValueError(f"{where}: 8-bit moments need {_SCALES!r}, uint8 with {2 * blocks} elements (2 per block "
                        f"of 32), got " + (f"{scales.dtype} with {scales.numel()}" if torch.is_tensor(scales)
                                           else "none"))
+    if len(codes) == 2 and not _same_memory_order(codes[0], codes[1]):
+      raise ValueError(f"{where}: {_CODES[0]} and {_CODES[1]} are laid out differently")
+  return any(not _same_memory_order(c, like) for c in codes)
 
 
-def _moments_as_f32(st: dict):
-  """A (checked) state's moments as float32 tensors of their own shape and layout (an exact
-  decode of compressed ones: 8-bit codes decode in memory order, the order of their blocks)."""
-  fmt = _state_format(st)
-  m, v = (st[key].detach().cpu() for key in _moment_keys(fmt))
+def _moments_as_f32(st: dict, fmt: str, like: torch.Tensor):
+  """A (checked) state's `fmt` moments as float32 tensors of like's shape (zeros where one
+  is missing; 8-bit codes decode in their memory order, the order of their blocks)."""
   if fmt != "8bit":
-    return m.float(), v.float()
-  m32, v32 = np.empty(m.numel(), np.float32), np.empty(m.numel(), np.float32)
-  _core.decode_moments(_flat(m).numpy(), _flat(v).numpy(), st[_SCALES].detach().cpu().reshape(-1).numpy(), "8bit",
-                       m32, v32)
-  return (torch.from_numpy(m32).as_strided(m.shape, m.stride()),
-          torch.from_numpy(v32).as_strided(v.shape, v.stride()))
+    return tuple(st[key].detach().cpu().float().reshape(like.shape) if st.get(key) is not None
+                 else torch.zeros(like.shape) for key in _MOMENTS)
+  present = [st[key] for key in _CODES if st.get(key) is not None]
+  if not present:
+    return torch.zeros(like.shape), torch.zeros(like.shape)
+  shape_of = present[0].detach().cpu()
+  codes = [_flat(st[key].detach().cpu()).numpy() if st.get(key) is not None else np.zeros(like.numel(), np.uint8)
+           for key in _CODES]
+  m32, v32 = np.empty(like.numel(), np.float32), np.empty(like.numel(), np.float32)
+  _core.decode_moments(codes[0], codes[1], st[_SCALES].detach().cpu().reshape(-1).numpy(), "8bit", m32, v32)
+  return tuple(torch.from_numpy(x).as_strided(shape_of.shape, shape_of.stride()).reshape(like.shape)
+               for x in (m32, v32))
+
+
+def _encoded(m32: torch.Tensor, v32: torch.Tensor, fmt: str, like: torch.Tensor, seed: int) -> dict:
+  """f32 moments (like's shape) as `fmt` state entries laid out like `like` (stochastically
+  rounded with `seed`: the lossy direction of a conversion)."""
+  if fmt == "f32":
+    return {"exp_avg": m32.clone(), "exp_avg_sq": v32.clone()}
+  tm = torch.empty_like(like, dtype=torch.float32, device="cpu").copy_(m32)
+  tv = torch.empty_like(like, dtype=torch.float32, device="cpu").copy_(v32)
+  n = like.numel()
+  code = np.uint16 if fmt == "bf16" else np.uint8
+  cm, cv = np.zeros(n, code), np.zeros(n, code)
+  scales = np.zeros(_core.moment_scale_bytes(fmt, n), np.uint8)
+  _core.encode_moments(np.ascontiguousarray(_flat(tm).numpy()), np.ascontiguousarray(_flat(tv).numpy()), cm, cv,
+                       scales, fmt, seed)
+  if fmt == "bf16":  # (torch 1 has no uint16)
+    return {key: _arena_view(torch.from_numpy(c.view(np.int16)).view(torch.bfloat16), like)
+            for key, c in zip(_MOMENTS, (cm, cv))}
+  out = {key: _arena_view(c, like) for key, c in zip(_CODES, (cm, cv))}
+  out[_SCALES] = torch.from_numpy(scales).view(-1, 2)
+  return out
 
 
 def default_threads() -> int:
@@ -507,9 +541,10 @@ class _HostAdam(torch.optim.Optimizer):
           master.copy_(p.detach())
         fmt, name, where = self._group_format(self.param_groups[gi]), f"{gi}.{k}", where_of[id(p)]
         m, v, scales = self._moment_views(core, name, fmt, p, flat_m, flat_v, off, size)
-        _check_moment_state(st, p.numel(), f"the state of {where}")
-        self._move_moments(core, name, fmt, m, v, scales, st, getattr(self, "_convert_moments", False),
-                           f"the state of {where}")
+        if _check_moment_state(st, fmt, p, f"the state of {where}"):
+          raise ValueError(f"the state of {where}: its 8-bit codes are laid out in another memory order than the "
+                           "parameter (load the state_dict with convert_moments=True to re-encode them)")
+        self._move_moments(fmt, m, v, scales, st, f"the state of {where}")
         seg_steps[si] = int(st["step"]) if "step" in st else 0
         step = torch.from_numpy(steps[k:k + 1]).reshape(())
         st["step"] = step
@@ -540,7 +575,6 @@ class _HostAdam(torch.optim.Optimizer):
       layout[tag] = [core, tracked, steps, seg_of, steps.tolist(), dev]
     self._layout = layout
     self._formats = [self._group_format(g) for g in self.param_groups]  # fixed while this layout stands
-    self._convert_moments = False  # a load_state_dict(convert_moments=True) is applied
     self._applied = {}  # (dtype, group) -> config last given to the core
     self._views = {}  # (dtype, index) -> (grad tensor, data_ptr, numpy view), reused while unchanged
 
@@ -560,49 +594,28 @@ class _HostAdam(torch.optim.Optimizer):
     return _arena_view(m_codes, p), _arena_view(v_codes, p), torch.from_numpy(scales)
 
   @staticmethod
-  def _move_moments(core, name: str, fmt: str, m, v, scales, st: dict, convert: bool, where: str) -> None:
-    """Puts the moments of `st` (checked) into a `fmt` group's views m, v (and scales) and
-    points the state at the views. Another format (or 8-bit codes of another memory
-    layout, whose blocks are not this parameter's) only with `convert`: decoded exactly,
-    then encoded (lossy) into a compressed group."""
-    have = _state_format(st)
-    if _has_moments(st):
-      src = [st[key] for key in _moment_keys(have)]
-      same_blocks = fmt != "8bit" or all(x.stride() == y.stride() for x, y in zip(src, (m, v)))
-      if have == fmt and same_blocks:
-        if fmt == "8bit":  # codes and exponents by memory order: the order of their blocks
-          _flat(m).copy_(_flat(src[0]))
-          _flat(v).copy_(_flat(src[1]))
-          scales.copy_(st[_SCALES].reshape(scales.shape))
-        else:  # values
-          m.copy_(src[0].reshape(m.shape))
-          v.copy_(src[1].reshape(v.shape))
-      elif convert:
-        m32, v32 = _moments_as_f32(st)
-        if fmt == "f32":
-          m.copy_(m32.reshape(m.shape))
-          v.copy_(v32.reshape(v.shape))
-        else:  # encoded in the arena's (the parameter's) memory order: lossy, as asked
-          tm, tv = torch.empty_like(m, dtype=torch.float32), torch.empty_like(v, dtype=torch.float32)
-          tm.copy_(m32.reshape(m.shape))
-          tv.copy_(v32.reshape(v.shape))
-          core.write_moments(name, _flat(tm).numpy(), _flat(tv).numpy())
-      else:
-        what = f"{have} moments" if have != fmt else "8-bit codes in another memory layout (strides)"
-        raise ValueError(f"{where} holds {what}, its group stores {fmt}: load the state_dict with "
-                         "load_state_dict(state_dict, convert_moments=True) to convert them (lossy)")
-    else:  # no moments (a fresh or reset state): zeros
-      m.zero_()
-      v.zero_()
-      if scales is not None:
+  def _move_moments(fmt: str, m, v, scales, st: dict, where: str) -> None:
+    """Puts the moments of `st` (checked: `fmt` moments in the parameter's memory order)
+    into the views m, v (and scales), zeros where one is missing, and points the state at
+    the views."""
+    for key, view in zip(_moment_keys(fmt), (m, v)):
+      value = st.get(key)
+      if value is None:
+        view.zero_()
+      elif fmt == "8bit":  # codes by memory order: the order of their blocks
+        _flat(view).copy_(_flat(value))
+      else:  # values (torch's dtype casts, as when torch takes a replaced state)
+        view.copy_(value.reshape(view.shape))
+    if scales is not None:
+      if st.get(_SCALES) is None or all(st.get(key) is None for key in _CODES):
         scales.zero_()
-    for key in _MOMENTS + _CODES + (_SCALES, _FORMAT):
+      else:
+        scales.copy_(st[_SCALES].reshape(scales.shape))
+    for key in _MOMENTS + _CODES + (_SCALES,):
       st.pop(key, None)
     st.update(zip(_moment_keys(fmt), (m, v)))
     if scales is not None:
       st[_SCALES] = scales
-    if fmt != "f32":
-      st[_FORMAT] = fmt
 
   # --- gradients as the backward produces them (offloaded, torch >= 2.1) ---------------
   def _add_grad_hooks(self, tag: str, tracked: list, dev: dict) -> None:
@@ -678,7 +691,8 @@ class _HostAdam(torch.optim.Optimizer):
         keys = _moment_keys(t.format)
         if st.get(keys[0]) is not t.m or st.get(keys[1]) is not t.v or st.get("step") is not t.step or (
             p.dtype != torch.float32 and st.get(_MASTER) is not t.master) or (
-            t.scales is not None and st.get(_SCALES) is not t.scales) or _state_format(st) != t.format:
+            t.scales is not None and st.get(_SCALES) is not t.scales) or any(
+            key in st for key in _MOMENTS + _CODES if key not in keys):
           self._take_state(layout, t, st, steps, k)
       if steps.tolist() != known:  # a step count written in place or replaced
         counts = core.tensor_steps
@@ -694,13 +708,12 @@ class _HostAdam(torch.optim.Optimizer):
     (moments in the group's format; deleted ones are zeros)."""
     keys = _moment_keys(t.format)
     if any(st.get(key) is not view for key, view in zip(keys + (_SCALES,), (t.m, t.v, t.scales))
-           if view is not None) or (_has_moments(st) and _state_format(st) != t.format):
-      _check_moment_state(st, t.param.numel(), f"opt.state[p] of {t.where}")
-      if _has_moments(st) and _state_format(st) != t.format:
-        raise ValueError(f"opt.state[p] of {t.where} holds {_state_format(st)} moments, its group stores "
-                         f"{t.format}: a group's format is fixed (convert through state_dict and "
-                         "load_state_dict(..., convert_moments=True))")
-      self._move_moments(layout[0], t.name, t.format, t.m, t.v, t.scales, st, False, f"opt.state[p] of {t.where}")
+           if view is not None) or any(key in st for key in _MOMENTS + _CODES if key not in keys):
+      where = f"opt.state[p] of {t.where}"
+      if _check_moment_state(st, t.format, t.param, where):
+        raise ValueError(f"{where}: 8-bit codes laid out in another memory order than the parameter (their "
+                         "blocks are not its blocks)")
+      self._move_moments(t.format, t.m, t.v, t.scales, st, where)
     if st.get("step") is not t.step:
       value = st.get("step")
       steps[k] = 0 if value is None else float(value)
@@ -856,39 +869,47 @@ class _HostAdam(torch.optim.Optimizer):
     each parameter's own step; f32 moments and masters are kept exact (torch would cast
     them to a 16-bit parameter's dtype).
 
-    Each group keeps the moment format it was built with. Moments saved in another format
-    (plain float moments of torch.optim or an f32 group, bf16, 8-bit) are refused, with
-    nothing changed, unless ``convert_moments=True``: they are then converted (decoded to
-    float32 and re-encoded: lossy into bf16 or 8-bit) at the next step."""
+    Each group keeps the moment format it was built with; the saved one is the saved
+    group's ``moments`` (f32 for torch.optim's). Moments of another format (or 8-bit codes
+    of a parameter laid out in another memory order) are refused, with nothing changed,
+    unless ``convert_moments=True``: they are then converted here (decoded exactly, then
+    encoded: lossy into bf16 or 8-bit)."""
     self._drain()
-    for gi, group in enumerate(state_dict["param_groups"]):
+    saved_groups = state_dict["param_groups"]
+    for gi, group in enumerate(saved_groups):
       self._refuse_unsupported(group, f"state_dict['param_groups'][{gi}]")
     formats = [self._group_format(g) for g in self.param_groups]
     seeds = [g.get("rounding_seed", 0) for g in self.param_groups]
-    # Every moment state is checked before anything changes: its format against the
+    # Every saved moment state is checked before anything changes: its format against its
     # group's, its tensors against the parameter (torch names count mismatches itself).
-    saved_groups = state_dict["param_groups"]
+    todo = {}  # saved index -> (its format, the parameter, the group's format, seed) to convert
+    haves = {}  # saved index -> its format
     if len(saved_groups) == len(formats) and all(
         len(a["params"]) == len(b["params"]) for a, b in zip(saved_groups, self.param_groups)):
       for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
-        if "rounding_seed" in saved:
-          _check_seed(saved["rounding_seed"], f"state_dict['param_groups'][{gi}]['rounding_seed']")
+        have = _core.moment_format(str(saved.get("moments", "f32")))
+        seed = _check_seed(saved.get("rounding_seed", seeds[gi]), f"state_dict['param_groups'][{gi}]['rounding_seed']")
         for index, p in zip(saved["params"], group["params"]):
           st = state_dict["state"].get(index)
-          if st is None or not _has_moments(st):
+          if st is None:
             continue
-          _check_moment_state(st, p.numel(), f"state_dict['state'][{index}]")
-          have = _state_format(st)
-          if have != formats[gi] and not convert_moments:
-            raise ValueError(f"state_dict['state'][{index}] holds {have} moments, param_groups[{gi}] stores "
-                             f"{formats[gi]}: pass convert_moments=True to convert them (lossy into bf16 or "
-                             "8-bit); nothing was loaded")
-    # Moments and masters as saved: f32 ones exact, compressed ones in their own dtype.
-    # (torch casts every state tensor to a floating parameter's dtype, 8-bit codes too.)
+          where = f"state_dict['state'][{index}]"
+          relaid = _check_moment_state(st, have, p, where)
+          haves[index] = have
+          if have == formats[gi] and not relaid:
+            continue
+          if not convert_moments:
+            why = (f"holds {have} moments, param_groups[{gi}] stores {formats[gi]}" if have != formats[gi] else
+                   "holds 8-bit codes of a parameter laid out in another memory order (their blocks are not this "
+                   "parameter's)")
+            raise ValueError(f"{where} {why}: pass convert_moments=True to convert them (lossy into bf16 or 8-bit); "
+                             "nothing was loaded")
+          todo[index] = (have, p, formats[gi], seed)
+    # Moments, codes and masters as saved (torch casts every state tensor to a floating
+    # parameter's dtype, 8-bit codes too): f32 moments and masters exact, others their own dtype.
     exact = {k: {key: v for key, v in st.items()
                  if key in _MOMENTS + _CODES + (_MASTER, _SCALES) and torch.is_tensor(v)}
              for k, st in state_dict["state"].items()}
-    compressed = {k: _state_format(st) for k, st in state_dict["state"].items() if _state_format(st) != "f32"}
     super().load_state_dict(state_dict)
     for gi, group in enumerate(self.param_groups):  # the formats stay; the seeds are the saved ones
       group["moments"] = formats[gi]
@@ -904,16 +925,19 @@ class _HostAdam(torch.optim.Optimizer):
         # does not copy), and 16-bit parameters' moments and masters stay f32 (torch casts).
         if key in exact.get(index, {}):
           keep = exact[index][key].detach()
-          own_dtype = key in _CODES + (_SCALES,) or (index in compressed and key in _MOMENTS)
+          own_dtype = key in _CODES + (_SCALES,) or (haves.get(index) == "bf16" and key in _MOMENTS)
           st[key] = (keep.to(device="cpu") if own_dtype else keep.to(dtype=torch.float32, device="cpu")).clone()
         elif torch.is_tensor(v):
           st[key] = v.detach().clone()
-      if index in compressed:  # a string: torch 1 rebuilds it from its characters' "casts"
-        st[_FORMAT] = compressed[index]
+      if index in todo:  # the explicit conversion, applied now: state_dict and copies see its result
+        have, param, fmt, seed = todo[index]
+        m32, v32 = _moments_as_f32(st, have, param)
+        for key in _MOMENTS + _CODES + (_SCALES,):
+          st.pop(key, None)
+        st.update(_encoded(m32, v32, fmt, param, seed))
     # Built at the next step, when the parameters hold what the caller loaded into the model
     # (before or after this call): the f32 masters are kept exactly when they still fit.
     self._layout = None
-    self._convert_moments = bool(convert_moments)
 
 
 class Adam(_HostAdam):
