@@ -407,25 +407,23 @@ TEST_CASE("shards of a compressed model cut no block, step as the whole model an
     }
     return params;
   };
-  std::vector<std::uint16_t> out(n);
-  for (int i = 0; i < 3; ++i) {
-    const auto g = flat_grad(whole, rng);
-    whole.step({g.data(), n, dtype::bf16}, {out.data(), n, dtype::bf16});
-    const auto gathered = step_all(three, g);
-    for (const auto& s : whole.segments())
-      CHECK(std::memcmp(gathered.data() + s.offset, out.data() + s.offset, 2 * s.size) == 0);
-  }
+  // Steps the whole model and a world; the gathered copy-out is the whole model's.
+  auto step_both = [&](std::vector<sharded_optimizer>& ranks, int steps) {
+    std::vector<std::uint16_t> out(n);
+    for (int i = 0; i < steps; ++i) {
+      const auto g = flat_grad(whole, rng);
+      whole.step({g.data(), n, dtype::bf16}, {out.data(), n, dtype::bf16});
+      const auto gathered = step_all(ranks, g);
+      for (const auto& s : whole.segments())
+        CHECK(std::memcmp(gathered.data() + s.offset, out.data() + s.offset, 2 * s.size) == 0);
+    }
+  };
+  step_both(three, 3);
   for (auto& r : three) r.save(dir.path.string(), "s3");
   three.front().commit_save(dir.path.string(), "s3");
   auto two = make_world(2);
   for (auto& r : two) r.load(dir.path.string());
-  for (int i = 0; i < 2; ++i) {
-    const auto g = flat_grad(whole, rng);
-    whole.step({g.data(), n, dtype::bf16}, {out.data(), n, dtype::bf16});
-    const auto gathered = step_all(two, g);
-    for (const auto& s : whole.segments())
-      CHECK(std::memcmp(gathered.data() + s.offset, out.data() + s.offset, 2 * s.size) == 0);
-  }
+  step_both(two, 2);
   // Gathered into one rank, the shards' moments are the whole model's.
   for (auto& r : two) r.save(dir.path.string(), "s2");
   two.front().commit_save(dir.path.string(), "s2");
