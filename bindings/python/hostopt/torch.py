@@ -671,7 +671,20 @@ class _HostAdam(torch.optim.Optimizer):
             t.device_view.copy_(p.detach().reshape(-1))
             p.data = t.device_view.view(p.shape)
           t.remember()
-        elif p.data_ptr() != t.ptr or tuple(p.stride()) != t.stride:
+        elif tuple(p.stride()) != t.stride:
+          # Another memory layout (model.to(memory_format=...)): the arena follows the
+          # parameter's memory order, so the layout is rebuilt around it, the moments moved
+          # by logical element (8-bit codes re-encoded in the new order: their blocks change).
+          st = self.state[p]
+          if t.format == "8bit" and st.get(_CODES[0]) is t.m and st.get(_CODES[1]) is t.v:
+            seed = int(self.param_groups[int(t.name.split(".")[0])].get("rounding_seed", 0))
+            m32, v32 = _moments_as_f32(st, "8bit", p)
+            for key in _CODES + (_SCALES,):
+              st.pop(key, None)
+            st.update(_encoded(m32, v32, "8bit", p, seed))
+          rebuild = True
+          continue  # the rebuild takes the state as it is
+        elif p.data_ptr() != t.ptr:
           if p.dtype == torch.float32:
             if p.is_shared():
               warnings.warn("hostopt.torch: a parameter was moved to shared memory; its values are adopted back "
