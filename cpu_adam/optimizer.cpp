@@ -626,8 +626,9 @@ void optimizer::read_moments(std::string_view name, std::span<float> exp_avg, st
   const std::size_t flat = seg.offset - s.held.begin;
   const moment_format f = s.stores[seg.group].format;
   if (f == moment_format::f32) {
-    std::memcpy(exp_avg.data(), s.moment_at(1, seg.group, flat), seg.size * sizeof(float));
-    std::memcpy(exp_avg_sq.data(), s.moment_at(2, seg.group, flat), seg.size * sizeof(float));
+    // memmove: the caller's spans may be views of this optimizer's own state.
+    std::memmove(exp_avg.data(), s.moment_at(1, seg.group, flat), seg.size * sizeof(float));
+    std::memmove(exp_avg_sq.data(), s.moment_at(2, seg.group, flat), seg.size * sizeof(float));
     return;
   }
   decode_moments(s.codes_at(seg.group, flat), seg.size, exp_avg.data(), exp_avg_sq.data());
@@ -653,8 +654,8 @@ void optimizer::write_moments(std::string_view name, std::span<const float> exp_
   if (!seg.size) return;
   const std::size_t flat = seg.offset - s.held.begin;
   if (s.stores[seg.group].format == moment_format::f32) {
-    std::memcpy(s.moment_at(1, seg.group, flat), exp_avg.data(), seg.size * sizeof(float));
-    std::memcpy(s.moment_at(2, seg.group, flat), exp_avg_sq.data(), seg.size * sizeof(float));
+    std::memmove(s.moment_at(1, seg.group, flat), exp_avg.data(), seg.size * sizeof(float));
+    std::memmove(s.moment_at(2, seg.group, flat), exp_avg_sq.data(), seg.size * sizeof(float));
     return;
   }
   // The tensor ends its part of the storage (the rest of its last block is padding).
