@@ -281,7 +281,10 @@ struct optimizer::impl {
       throw std::invalid_argument(std::string(what) + "('" + s.name + "'): its group " + std::to_string(s.group) +
                                   " stores its moments as " + std::string(moment_format_name(stores[s.group].format)) +
                                   ", not f32: use read_moments/write_moments");
-    if (!s.size) return {};
+    if (!s.size) { // an empty span at a valid address (callers may memcmp it), as the flat views give
+      if (flat_moments) return {k == 1 ? m() : v(), 0};
+      return {reinterpret_cast<float*>(moment_base() + (k == 1 ? stores[s.group].m : stores[s.group].v)), 0};
+    }
     return {reinterpret_cast<float*>(moment_at(k, s.group, s.offset - held.begin)), s.size};
   }
 
