@@ -130,6 +130,8 @@ struct optimizer::impl {
   std::vector<group_store> stores;
   bool flat_moments = true;
   bool has_q8 = false;
+  // Ranges and chunks end on multiples of this: 16, or 32 where 8-bit blocks may not be cut.
+  std::size_t unit() const { return has_q8 ? q8_block : align_elems; }
   aligned_floats moments; // the groups' moment storage (not flat_moments)
   std::size_t moments_used = 0;
   execution_options exec;
@@ -458,7 +460,7 @@ optimizer::optimizer(std::vector<param_group> groups, arena_range range, executi
     s.flat_moments = s.flat_moments && g.moments == moment_format::f32;
     s.has_q8 = s.has_q8 || g.moments == moment_format::q8;
   }
-  check_range(range, arena_end(s.segs), s.has_q8 ? q8_block : align_elems);
+  check_range(range, arena_end(s.segs), s.unit());
   s.held = range;
   s.arena = range.size();
   for (std::size_t i = 0; i < s.segs.size(); ++i) {
@@ -512,7 +514,7 @@ optimizer& optimizer::operator=(optimizer&&) noexcept = default;
 std::size_t optimizer::arena_size() const { return impl_->arena; }
 arena_range optimizer::range() const { return impl_->held; }
 std::size_t optimizer::num_params() const { return impl_->nparams; }
-std::size_t optimizer::chunk_unit() const { return impl_->has_q8 ? q8_block : align_elems; }
+std::size_t optimizer::chunk_unit() const { return impl_->unit(); }
 std::size_t optimizer::state_bytes() const {
   const impl& s = *impl_;
   if (s.flat_moments) return 3 * s.arena * sizeof(float);
