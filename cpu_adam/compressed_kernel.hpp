@@ -60,6 +60,23 @@ struct moment_codec {
   static constexpr std::uint32_t poisoned = 255;
   /// Magnitude codes: 7 bits for m (a sign beside), 8 for v.
   static constexpr std::uint32_t m_max_code = 127, v_max_code = 255;
+  /// Largest base the encoder writes (its top code's exponent is at most 254): larger
+  /// bytes (poisoned, or corrupt input) decode as NaN rather than spill into the sign.
+  static constexpr std::uint32_t m_max_base = 254 - (m_max_code >> 3), v_max_base = 254 - (v_max_code >> 3);
+
+  /// One block's base as the vectors both directions use: the float bits of 2^(base-127)
+  /// (base << 23), the float 2^(base+1-127) (the top of the subnormal codes), its bits, and
+  /// the code origin base * 8.
+  struct scale {
+    uvec bits;
+    vec subnormal_top;
+    uvec subnormal_top_bits;
+    uvec origin;
+    explicit scale(std::uint32_t base) noexcept
+        : bits(uo::splat(base << 23)), subnormal_top(uo::from_bits(uo::splat((base + 1) << 23))),
+          subnormal_top_bits(uo::splat((base + 1) << 23)), origin(uo::splat(base << 3)) {}
+  };
+
   /// The base that puts a block's largest exponent at the top of the code's exponents.
   /// The exponent is the largest value's after rounding up (its 20 discarded bits all
   /// carrying), so no code ever saturates: a base from the exponent alone would clamp a
@@ -71,57 +88,54 @@ struct moment_codec {
     const std::uint32_t top = max_code >> 3; // 15 (m) or 31 (v)
     return e > top ? e - top : 0;
   }
-  /// Magnitude code -> value: code >= 8 is the float with exponent base + code / 8 and
-  /// mantissa code % 8; code < 8 is code / 8 * 2^(base + 1) (the subnormals).
-  static vec decode_magnitude(uvec code, std::uint32_t base) noexcept {
+  /// Magnitude code -> value: code >= 8 is the float with bits (code << 20) + (base << 23)
+  /// (exponent base + code / 8, mantissa code % 8); code < 8 is code / 8 * 2^(base + 1),
+  /// the same bits plus 2^23 less the float 2^(base + 1) (the subnormals).
+  static vec decode_magnitude(uvec code, const scale& s) noexcept {
     const uvec eight = uo::splat(8);
-    const uvec k = uo::select_lt(code, eight, code + eight, code);
-    const vec x = uo::from_bits((k + uo::splat(base * 8)) << 20);
-    const vec c = ops::splat(bits_float((base + 1) << 23));
-    return uo::select_lt(code, eight, x - c, x);
+    const uvec t = (code << 20) + s.bits;
+    const vec x = uo::from_bits(uo::add_where_lt(code, eight, t, uo::splat(1u << 23)));
+    return uo::sub_where_lt(code, eight, x, s.subnormal_top);
   }
   /// |x| (magnitude bits a) -> magnitude code, rounding stochastically with r20 (random
   /// bits in [0, 2^20)), at most max_code.
-  static uvec encode_magnitude(uvec a, std::uint32_t base, uvec r20, std::uint32_t max_code) noexcept {
-    const std::uint32_t c_bits = (base + 1) << 23;
+  static uvec encode_magnitude(uvec a, const scale& s, uvec r20, std::uint32_t max_code) noexcept {
     // Below 2^(base+1): |x| + 2^(base+1) puts |x|'s eighths of 2^(base+1) in the top
-    // mantissa bits (the add rounds to nearest below 2^-20 of them: deterministic).
-    const vec shifted = uo::from_bits(a) + ops::splat(bits_float(c_bits));
-    const uvec y = uo::select_lt(a, uo::splat(c_bits), uo::bits(shifted), a);
-    const uvec origin = uo::select_lt(a, uo::splat(c_bits), uo::splat((base + 1) * 8), uo::splat(base * 8));
+    // mantissa bits (the add rounds to nearest below 2^-20 of them: deterministic), a
+    // binade (8 codes) above the origin.
+    const uvec y = uo::add_where_lt(a, s.subnormal_top_bits, a, s.subnormal_top);
+    const uvec origin = uo::add_where_lt(a, s.subnormal_top_bits, s.origin, uo::splat(8));
     return uo::min(((y + r20) >> 20) - origin, uo::splat(max_code));
   }
-  /// Spreads 16 random bits over the 20 discarded ones, with their midpoint as offset:
-  /// P(round up) = discarded fraction (to 2^-16), exactly unbiased on average.
-  static uvec spread20(uvec r16) noexcept { return (r16 << 4) | uo::splat(8); }
+  /// 16 of a lane's random bits (its low half, or its high half) spread over the 20
+  /// discarded ones, with their midpoint as offset: P(round up) = discarded fraction (to
+  /// 2^-16), exactly unbiased on average.
+  static uvec random20_low(uvec r) noexcept { return ((r << 4) & uo::splat(0xFFFF0u)) | uo::splat(8); }
+  static uvec random20_high(uvec r) noexcept { return ((r >> 12) & uo::splat(0xFFFF0u)) | uo::splat(8); }
 
-  /// Largest base the encoder writes (its top code's exponent is at most 254): larger
-  /// bytes (poisoned, or corrupt input) decode as NaN rather than spill into the sign.
-  static constexpr std::uint32_t m_max_base = 254 - (m_max_code >> 3), v_max_base = 254 - (v_max_code >> 3);
-
-  static vec decode_m(const std::uint8_t* c, std::uint32_t base) noexcept {
+  static vec decode_m(const std::uint8_t* c, std::uint32_t base, const scale& s) noexcept {
     if (base > m_max_base) return ops::splat(canonical_nan());
     const uvec code = uo::load_u8(c);
-    const vec mag = decode_magnitude(code & uo::splat(0x7F), base);
-    return uo::from_bits(uo::bits(mag) | ((code >> 7) << 31));
+    const vec mag = decode_magnitude(code & uo::splat(0x7F), s);
+    return uo::from_bits(uo::bits(mag) | ((code << 24) & uo::splat(0x80000000u)));
   }
-  static vec decode_v(const std::uint8_t* c, std::uint32_t base) noexcept {
+  static vec decode_v(const std::uint8_t* c, std::uint32_t base, const scale& s) noexcept {
     if (base > v_max_base) return ops::splat(canonical_nan());
-    return decode_magnitude(uo::load_u8(c), base);
+    return decode_magnitude(uo::load_u8(c), s);
   }
-  static void encode_m(std::uint8_t* c, vec x, std::uint32_t base, uvec r16) noexcept {
+  static void encode_m(std::uint8_t* c, vec x, std::uint32_t base, const scale& s, uvec r20) noexcept {
     if (base == poisoned) return uo::store_u8(c, uo::splat(0));
     const uvec u = uo::bits(x);
-    const uvec mag = encode_magnitude(u & uo::splat(0x7FFFFFFFu), base, spread20(r16), m_max_code);
-    uo::store_u8(c, mag | ((u >> 31) << 7));
+    const uvec mag = encode_magnitude(u & uo::splat(0x7FFFFFFFu), s, r20, m_max_code);
+    uo::store_u8(c, mag | ((u >> 24) & uo::splat(0x80)));
   }
   /// A positive v never codes as 0: beside a block maximum 2^33 larger, v could round to
   /// 0 while m (whose range is 2^17, about 2^34 squared) does not, and the step would be
-  /// lr m / eps. The smallest code instead (v >= 2^(base-2)) errs toward smaller steps.
-  static void encode_v(std::uint8_t* c, vec x, std::uint32_t base, uvec r16) noexcept {
+  /// lr m / eps. The smallest code instead errs toward smaller steps.
+  static void encode_v(std::uint8_t* c, vec x, std::uint32_t base, const scale& s, uvec r20) noexcept {
     if (base == poisoned) return uo::store_u8(c, uo::splat(0));
     const uvec a = uo::bits(x) & uo::splat(0x7FFFFFFFu);
-    const uvec code = encode_magnitude(a, base, spread20(r16), v_max_code);
+    const uvec code = encode_magnitude(a, s, r20, v_max_code);
     uo::store_u8(c, uo::select_lt(uo::splat(0), a, uo::max(code, uo::splat(1)), code));
   }
 };
@@ -282,9 +296,10 @@ struct adam_q8_state_kernel : compressed_kernel_base<Arch> {
     vec mm[V], vv[V];
     uvec m_max = uo::splat(0), v_max = uo::splat(0);
     const std::uint32_t m_base = scales[0], v_base = scales[1];
+    const typename codec::scale m_in(m_base), v_in(v_base);
     for (std::size_t j = 0; j < V; ++j) {
-      mm[j] = codec::decode_m(m + j * W, m_base);
-      vv[j] = codec::decode_v(v + j * W, v_base);
+      mm[j] = codec::decode_m(m + j * W, m_base, m_in);
+      vv[j] = codec::decode_v(v + j * W, v_base, v_in);
       const vec pp = rule::template apply<false>(c, ops::load(grad + j * W), ops::load(p + j * W), mm[j], vv[j]);
       ops::store(p + j * W, pp);
       store_copy_out<ops>(out_at(out, j * W), pp, Stream);
@@ -293,10 +308,11 @@ struct adam_q8_state_kernel : compressed_kernel_base<Arch> {
     }
     const std::uint32_t new_m_base = codec::base_for(uo::reduce_max(m_max), codec::m_max_code);
     const std::uint32_t new_v_base = codec::base_for(uo::reduce_max(v_max), codec::v_max_code);
+    const typename codec::scale m_out(new_m_base), v_out(new_v_base);
     for (std::size_t j = 0; j < V; ++j) {
       const uvec r = codec::random(lo + std::uint32_t(j * W), key);
-      codec::encode_m(m + j * W, mm[j], new_m_base, r & uo::splat(0xFFFF));
-      codec::encode_v(v + j * W, vv[j], new_v_base, r >> 16);
+      codec::encode_m(m + j * W, mm[j], new_m_base, m_out, codec::random20_low(r));
+      codec::encode_v(v + j * W, vv[j], new_v_base, v_out, codec::random20_high(r));
     }
     scales[0] = std::uint8_t(new_m_base);
     scales[1] = std::uint8_t(new_v_base);
@@ -362,10 +378,11 @@ struct moment_conversion {
       }
       const std::uint32_t mb = codec::base_for(uo::reduce_max(m_max), codec::m_max_code);
       const std::uint32_t vb = codec::base_for(uo::reduce_max(v_max), codec::v_max_code);
+      const typename codec::scale m_scale(mb), v_scale(vb);
       for (std::size_t j = 0; j < B; j += W) {
         const uvec r = codec::random(lo + std::uint32_t(j), key);
-        codec::encode_m(mc + j, ops::canon(ops::load(m + j)), mb, r & uo::splat(0xFFFF));
-        codec::encode_v(vc + j, ops::canon(ops::load(v + j)), vb, r >> 16);
+        codec::encode_m(mc + j, ops::canon(ops::load(m + j)), mb, m_scale, codec::random20_low(r));
+        codec::encode_v(vc + j, ops::canon(ops::load(v + j)), vb, v_scale, codec::random20_high(r));
       }
       scales[0] = std::uint8_t(mb);
       scales[1] = std::uint8_t(vb);
@@ -378,8 +395,8 @@ struct moment_conversion {
         ops::store(m + j, ops::load(mc + j));
         ops::store(v + j, ops::load(vc + j));
       } else {
-        ops::store(m + j, codec::decode_m(mc + j, scales[0]));
-        ops::store(v + j, codec::decode_v(vc + j, scales[1]));
+        ops::store(m + j, codec::decode_m(mc + j, scales[0], typename codec::scale(scales[0])));
+        ops::store(v + j, codec::decode_v(vc + j, scales[1], typename codec::scale(scales[1])));
       }
     }
   }

@@ -239,6 +239,51 @@ std::string kernel_digest(const std::string& kernel) {
   return hex(h.h);
 }
 
+// Compressed moments (bf16 and 8-bit): five steps of bf16 gradients with a bf16 copy-out
+// on one kernel, two threads, over values spanning 2^40 (so 8-bit blocks use their
+// subnormal codes), a block with a NaN gradient, and a tail that ends inside a block; then
+// an explicit encode and decode. Every code, exponent byte, parameter and copy-out hashed.
+std::string compressed_digest(const std::string& kernel) {
+  fnv h;
+  const std::size_t n = 32 * 37 + 13;
+  for (moment_format f : {moment_format::bf16, moment_format::q8}) {
+    const std::size_t code_bytes = f == moment_format::bf16 ? 2 : 1;
+    std::vector<unsigned char> m(n * code_bytes), v(n * code_bytes), scales(moment_scale_bytes(f, n));
+    const compressed_moments mo{f, m.data(), v.data(), scales.empty() ? nullptr : scales.data()};
+    std::vector<float> p(n), m32(n), v32(n);
+    for (std::size_t i = 0; i < n; ++i) p[i] = value(600, i, 1.0f);
+    std::vector<std::uint16_t> g(n), out(n);
+    adam_config c;
+    c.weight_decay = 0.01;
+    for (int t = 1; t <= 5; ++t) {
+      for (std::size_t i = 0; i < n; ++i) {
+        const float scale = std::ldexp(1.0f, -int(mix(700, i) % 40)); // 1 .. 2^-39
+        g[i] = to_half(value(700 + std::uint64_t(t), i, scale), dtype::bf16);
+      }
+      if (t == 4) g[5 * 32 + 7] = 0x7FC0; // a NaN gradient poisons its 8-bit block
+      adam_step(p.data(), mo, n, {g.data(), n, dtype::bf16}, {out.data(), n, dtype::bf16}, c, t, 1.0f, {11, 0},
+                {2, kernel});
+      h.add(out.data(), n * 2);
+    }
+    h.add(p.data(), n * 4);
+    h.add(m.data(), m.size());
+    h.add(v.data(), v.size());
+    h.add(scales.data(), scales.size());
+    decode_moments(mo, n, m32.data(), v32.data());
+    h.add(m32.data(), n * 4);
+    h.add(v32.data(), n * 4);
+    for (std::size_t i = 0; i < n; ++i) { // encode finite moments again, with another seed
+      m32[i] = std::isnan(m32[i]) ? 0.0f : m32[i] * 0.75f;
+      v32[i] = std::isnan(v32[i]) ? 0.0f : v32[i] * 0.75f;
+    }
+    encode_moments(m32.data(), v32.data(), mo, n, {12, 0});
+    h.add(m.data(), m.size());
+    h.add(v.data(), v.size());
+    h.add(scales.data(), scales.size());
+  }
+  return hex(h.h);
+}
+
 std::string read_file(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
@@ -299,24 +344,34 @@ int main(int argc, char** argv) {
   try {
     if (write) make_checkpoint(golden_ckpt);
     // One digest for all kernels: each kernel's must be the same, and equal the golden.
-    std::map<std::string, std::string> got;
+    std::map<std::string, std::string> got, got_compressed;
     for (const auto& k : kernels())
-      if (k.supported) got[k.name] = kernel_digest(k.name);
+      if (k.supported) {
+        got[k.name] = kernel_digest(k.name);
+        got_compressed[k.name] = compressed_digest(k.name);
+      }
     bool same_bytes = true;
     const std::string resumed = resume_digest(golden_ckpt, scratch, "", &same_bytes);
     if (write) {
       std::ofstream f(digest_file);
-      f << "steps " << got.begin()->second << "\nresume " << resumed << "\n";
+      f << "steps " << got.begin()->second << "\nresume " << resumed << "\ncompressed "
+        << got_compressed.begin()->second << "\n";
       std::printf("wrote %s and %s\n", digest_file.c_str(), golden_ckpt.c_str());
     }
-    std::string want_steps, want_resume, word;
+    std::string want_steps, want_resume, want_compressed, word;
     std::ifstream f(digest_file);
-    f >> word >> want_steps >> word >> want_resume;
+    f >> word >> want_steps >> word >> want_resume >> word >> want_compressed;
     int bad = 0;
     for (const auto& [name, d] : got) {
       const bool ok = d == want_steps;
       bad += !ok;
       std::printf("kernel %-7s steps digest %s %s\n", name.c_str(), d.c_str(), ok ? "== golden" : "!= golden");
+    }
+    for (const auto& [name, d] : got_compressed) {
+      const bool ok = d == want_compressed;
+      bad += !ok;
+      std::printf("kernel %-7s compressed moments digest %s %s\n", name.c_str(), d.c_str(),
+                  ok ? "== golden" : "!= golden");
     }
     std::printf("checkpoint from x86-64: %s; resumed digest %s %s\n",
                 same_bytes ? "loads and saves to the same bytes" : "SAVES TO OTHER BYTES", resumed.c_str(),
