@@ -2,7 +2,7 @@ r"""hostopt.jax: JAX training with the optimizer state resident in hostopt (host
 
 optax's contract hands the whole state back to JAX every step; this front does not. The
 float32 master parameters and Adam moments live in a hostopt arena (12 bytes per parameter
-of state), gradients come in zero-copy from JAX CPU arrays, one fused pass updates
+of state; 8 with ``moments="bf16"``, 6.06 with ``moments="8bit"``), gradients come in zero-copy from JAX CPU arrays, one fused pass updates
 everything, and the new parameters come out in ``param_dtype`` straight into buffers handed
 to JAX without a copy:
 
@@ -21,6 +21,14 @@ computed on the device), ``max_grad_norm`` (clipping by global norm, optax's rul
 step count, as optax), ``save``/``load`` (the library's atomic safetensors checkpoints),
 ``state_dict``/``load_state_dict`` and ``optax_state()``, an optax-shaped
 ``ScaleByAdamState`` of read-only views for inspection.
+
+Compressed moments: ``moments="bf16"`` or ``"8bit"`` (stochastically rounded, keyed on
+``rounding_seed``, the step and the element: reproducible), for the optimizer or per group
+label (``group_options={"norms": {"moments": "f32"}}``); README: "Compressed moments".
+``moment_formats()`` tells each leaf's. ``state_dict`` carries bf16 moments as bfloat16
+``mu``/``nu`` and 8-bit ones as ``mu_codes``/``nu_codes`` (uint8) with ``moment_scales``
+(uint8 [blocks, 2]), so a resume is exact; ``load_state_dict`` refuses moments of another
+format, with nothing changed, unless ``convert_moments=True`` (lossy into bf16 or 8-bit).
 
 The update is the fused step of hostopt.Optimizer (DESIGN.md's update rule: AdamW decays
 the master by ``1 - lr*wd`` before the Adam step), bit for bit; against optax.adamw it
@@ -61,6 +69,16 @@ __all__ = ["adam", "adamw", "HostAdam"]
 _OUT_DTYPES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(jnp.bfloat16): "bf16"}
 
 
+_BF16 = np.dtype(jnp.bfloat16)
+
+
+def _check_seed(seed) -> int:
+  """A rounding seed: an integer in [0, 2^64)."""
+  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 1 << 64:
+    raise ValueError(f"rounding_seed = {seed!r}: expected an integer in [0, 2**64)")
+  return int(seed)
+
+
 def _aligned(n: int, dtype) -> np.ndarray:
   """n elements of `dtype`, 64-byte aligned (JAX imports such memory without a copy)."""
   dtype = np.dtype(dtype)
@@ -84,7 +102,7 @@ class HostAdam:
                eps_root: float = 0.0, weight_decay=0.0, mask=None, decoupled: bool = True, nesterov: bool = False,
                param_dtype=None, max_grad_norm: Optional[float] = None, skip_nonfinite: bool = False,
                threads: int = 0, offload: Optional[str] = None, offload_chunk: int = 1 << 22, groups=None,
-               group_options: Optional[dict] = None):
+               group_options: Optional[dict] = None, moments: str = "f32", rounding_seed: int = 0):
     if offload not in (None, "host", "cuda"):
       raise ValueError(f"offload={offload!r}: expected None (parameters on a GPU go through the pipeline, CPU ones "
                        "are stepped in place), 'cuda', or 'host' (CPU arrays stand in for device arrays)")
@@ -102,7 +120,9 @@ class HostAdam:
       raise TypeError(f"param_dtype {param_dtype}: expected float32, bfloat16 or float16")
     decays = mask_flags(mask, params, self._treedef) if decoupled else [False] * len(leaves)
     labels = self._labels(groups, params, leaves)
-    defaults = dict(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root, weight_decay=weight_decay)
+    defaults = dict(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root, weight_decay=weight_decay,
+                    moments=moments)
+    seed = _check_seed(rounding_seed)
     self._options = {}  # label -> its hyper-parameters (the defaults, overridden by group_options)
     for label in dict.fromkeys(labels):
       extra = (group_options or {}).get(label, {})
@@ -113,6 +133,11 @@ class HostAdam:
         raise ValueError(f"group_options[{label!r}]: weight_decay with adam (coupled L2 is not offered per group "
                          "here): use adamw")
       self._options[label] = {**defaults, **extra}
+      try:  # an unknown format is named now, not at the first step
+        self._options[label]["moments"] = _core.moment_format(str(self._options[label]["moments"]))
+      except ValueError as e:
+        where = f"group_options[{label!r}]['moments']" if "moments" in extra else "moments"
+        raise ValueError(f"{where}: {e}") from None
     for label in set(group_options or {}) - set(self._options):
       raise ValueError(f"group_options[{label!r}]: no parameter has that group label (labels: {sorted(self._options)})")
     core_groups, self._group_of = [], []  # one core group per (label, decayed or not)
@@ -127,10 +152,13 @@ class HostAdam:
                             "beta1": float(o["b1"]), "beta2": float(o["b2"]), "eps": float(o["eps"]),
                             "eps_root": float(o["eps_root"]), "nesterov": bool(nesterov),
                             "mode": "adamw" if decoupled else "adam",
-                            "weight_decay": (0.0 if callable(wd) else float(wd)) if decay else 0.0})
+                            "weight_decay": (0.0 if callable(wd) else float(wd)) if decay else 0.0,
+                            "moments": o["moments"], "rounding_seed": seed})
         self._group_of.append((label, decay))
     # The hyper-parameters are this optimizer's, not a checkpoint's: re-applied after load().
-    self._configs = [{k: v for k, v in g.items() if k != "params"} for g in core_groups]
+    self._configs = [{k: v for k, v in g.items() if k not in ("params", "moments", "rounding_seed")}
+                     for g in core_groups]
+    self._formats = [self._options[lab]["moments"] for lab in labels]  # each leaf's moment format
     self._core = _Optimizer(core_groups, threads=int(threads))
     for name, x in zip(self._names, leaves):
       self._core.params(name)[...] = np.asarray(jax.device_get(x), dtype=np.float32)
@@ -360,12 +388,13 @@ class HostAdam:
 
   @property
   def state_bytes(self) -> int:
-    """Bytes of host state (masters and moments: 12 per parameter, plus alignment)."""
+    """Bytes of host state (masters and moments: 12 per parameter with f32 moments, 8 with
+    bf16, 6.0625 with 8-bit, plus alignment)."""
     return self._core.state_bytes
 
   def memory(self) -> dict:
     """Where this optimizer's bytes are (hostopt-bench model's accounting): host state
-    (masters and moments, 12 per parameter plus 64-byte alignment), host copy-out buffers
+    (masters and moments, as state_bytes), host copy-out buffers
     (the sets the pool keeps, param_dtype), the host f32 accumulator (allocated by the first
     accumulate), the offload pipeline's pinned buffers and device buffers (offloaded path).
     JAX holds the parameters and gradients besides."""
@@ -387,12 +416,24 @@ class HostAdam:
     """The float32 master parameters, as a tree of read-only numpy views."""
     return self._views(self._core.params)
 
+  def moment_formats(self):
+    """Each leaf's moment format ("f32", "bf16" or "8bit"), as a tree like the params."""
+    return self._treedef.unflatten(list(self._formats))
+
   def optax_state(self):
-    """The state as optax.adam builds it — ScaleByAdamState(count, mu, nu) — with read-only
-    numpy views of the moments, for inspection."""
+    """The state as optax.adam builds it — ScaleByAdamState(count, mu, nu) — for
+    inspection: read-only numpy views of f32 moments, read-only float32 copies of the
+    (exactly decoded) compressed ones."""
     import optax
-    return optax.ScaleByAdamState(count=np.asarray(self._core.step_count, np.int32),
-                                  mu=self._views(self._core.exp_avg), nu=self._views(self._core.exp_avg_sq))
+    with self._lock:
+      mu, nu = [], []
+      for name, fmt in zip(self._names, self._formats):
+        m, v = (self._core.exp_avg(name), self._core.exp_avg_sq(name)) if fmt == "f32" else self._core.read_moments(name)
+        for x, out in ((m, mu), (v, nu)):
+          x.setflags(write=False)
+          out.append(x)
+      return optax.ScaleByAdamState(count=np.asarray(self._core.step_count, np.int32),
+                                    mu=self._treedef.unflatten(mu), nu=self._treedef.unflatten(nu))
 
   def _views(self, getter):
     views = []
@@ -403,37 +444,108 @@ class HostAdam:
     return self._treedef.unflatten(views)
 
   def state_dict(self) -> dict:
-    """{'step': int, 'params'/'mu'/'nu': {leaf path: float32 copy}}."""
+    """{'step': int, 'params'/'mu'/'nu': {leaf path: copy}}: params float32; mu and nu
+    float32 (f32 moments) or bfloat16 (bf16 moments, their exact bits). A leaf with 8-bit
+    moments has no mu/nu entry: its codes are under 'mu_codes'/'nu_codes' (uint8, the leaf's
+    shape) with 'moment_scales' (uint8 [blocks of 32, 2]: the blocks' exponent bytes for mu
+    and nu). Every copy is exact: loading it resumes bit for bit."""
     with self._lock:
-      return {"step": self._core.step_count,
-              **{key: {n: np.array(getter(n)) for n in self._names}
-                 for key, getter in (("params", self._core.params), ("mu", self._core.exp_avg),
-                                     ("nu", self._core.exp_avg_sq))}}
+      sd = {"step": self._core.step_count, "params": {}, "mu": {}, "nu": {}}
+      for name, fmt, shape in zip(self._names, self._formats, self._shapes):
+        sd["params"][name] = np.array(self._core.params(name))
+        if fmt == "f32":
+          sd["mu"][name], sd["nu"][name] = np.array(self._core.exp_avg(name)), np.array(self._core.exp_avg_sq(name))
+          continue
+        m, v, scales = self._core.moment_codes(name)
+        if fmt == "bf16":
+          sd["mu"][name], sd["nu"][name] = (np.array(c).view(_BF16).reshape(shape) for c in (m, v))
+        else:
+          sd.setdefault("mu_codes", {})[name] = np.array(m).reshape(shape)
+          sd.setdefault("nu_codes", {})[name] = np.array(v).reshape(shape)
+          sd.setdefault("moment_scales", {})[name] = np.array(scales)
+      return sd
 
-  def load_state_dict(self, state: dict) -> None:
-    """Restores a state_dict() of the same tree; checked completely before anything changes."""
+  def _staged_moments(self, state: dict, name: str, shape, fmt: str, convert: bool):
+    """One leaf's moments of a state_dict, checked: ("codes", m, v, scales) to copy as they
+    are (the leaf's own format) or ("values", m, v) float32 to write (an f32 leaf, or a
+    conversion)."""
+    keys = ("mu_codes", "nu_codes", "moment_scales")
+    held = [k for k in keys if name in state.get(k, {})]
+    if held:
+      if len(held) != 3 or name in state["mu"] or name in state["nu"]:
+        raise ValueError(f"state_dict: leaf {name!r} has {held}{' and mu/nu' if name in state['mu'] else ''}: 8-bit "
+                         "moments are mu_codes, nu_codes and moment_scales, and no mu/nu")
+      m, v, scales = (np.asarray(state[k][name]) for k in keys)
+      blocks = (int(np.prod(shape)) + 31) // 32
+      for what, x, want in (("mu_codes", m, shape), ("nu_codes", v, shape), ("moment_scales", scales, (blocks, 2))):
+        if x.dtype != np.uint8 or tuple(x.shape) != tuple(want):
+          raise ValueError(f"state_dict[{what!r}][{name!r}]: {x.dtype} {tuple(x.shape)}, expected uint8 {tuple(want)}")
+      held_fmt = "8bit"
+    else:
+      for key in ("mu", "nu"):
+        if name not in state[key]:
+          raise ValueError(f"state_dict[{key!r}]: leaf {name!r} missing (and no 8-bit mu_codes for it)")
+      m, v = np.asarray(state["mu"][name]), np.asarray(state["nu"][name])
+      for key, x in (("mu", m), ("nu", v)):
+        if tuple(x.shape) != tuple(shape):
+          raise ValueError(f"state_dict[{key!r}][{name!r}] has shape {x.shape}: expected {shape}")
+        if x.dtype.kind != "f" and x.dtype != _BF16:
+          raise TypeError(f"state_dict[{key!r}][{name!r}]: dtype {x.dtype}, expected floating point")
+      if (m.dtype == _BF16) != (v.dtype == _BF16):
+        raise ValueError(f"state_dict: leaf {name!r} has mu {m.dtype} and nu {v.dtype}: bf16 moments are both bfloat16")
+      held_fmt = "bf16" if m.dtype == _BF16 else "f32"
+      if np.any(v.astype(np.float32) < 0):
+        raise ValueError(f"state_dict['nu'][{name!r}] has negative entries (a second moment is >= 0)")
+    if held_fmt != fmt and not convert:
+      raise ValueError(f"state_dict: leaf {name!r} holds {held_fmt} moments, this optimizer stores its moments as "
+                       f"{fmt}: load_state_dict(..., convert_moments=True) converts them (lossy into bf16 or 8-bit)")
+    if held_fmt == fmt and fmt != "f32":
+      return ("codes", m, v, scales if fmt == "8bit" else None)
+    if held_fmt == "8bit":  # decoded exactly, then written in this leaf's format
+      m32, v32 = np.empty(m.size, np.float32), np.empty(m.size, np.float32)
+      _core.decode_moments(np.ascontiguousarray(m.reshape(-1)), np.ascontiguousarray(v.reshape(-1)),
+                           np.ascontiguousarray(scales.reshape(-1)), "8bit", m32, v32)
+      m, v = m32, v32
+    return ("values", np.asarray(m, np.float32).reshape(shape), np.asarray(v, np.float32).reshape(shape))
+
+  def load_state_dict(self, state: dict, convert_moments: bool = False) -> None:
+    """Restores a state_dict() of the same tree; checked completely before anything
+    changes. Moments of another format than a leaf's are refused unless convert_moments
+    (then converted: exactly into f32, stochastically rounded into bf16 or 8-bit)."""
     with self._lock:
       if "step" not in state or int(state["step"]) < 0:
         raise ValueError(f"state_dict: 'step' missing or negative ({state.get('step')!r})")
-      staged = {}
       for key in ("params", "mu", "nu"):
-        if set(state.get(key, {})) != set(self._names):
-          raise ValueError(f"state_dict[{key!r}]: leaves {sorted(state.get(key, {}))[:5]}... differ from this "
-                           f"optimizer's {self._names[:5]}...")
-        for n, shape in zip(self._names, self._shapes):
-          x = np.asarray(state[key][n])
-          if tuple(x.shape) != shape:
-            raise ValueError(f"state_dict[{key!r}][{n!r}] has shape {x.shape}: expected {shape}")
-          if x.dtype.kind != "f":
-            raise TypeError(f"state_dict[{key!r}][{n!r}]: dtype {x.dtype}, expected floating point")
-          x = x.astype(np.float32)
-          if key == "nu" and np.any(x < 0):
-            raise ValueError(f"state_dict['nu'][{n!r}] has negative entries (a second moment is >= 0)")
-          staged[key, n] = x
-      for key, getter in (("params", self._core.params), ("mu", self._core.exp_avg),
-                          ("nu", self._core.exp_avg_sq)):
-        for n in self._names:
-          getter(n)[...] = staged[key, n]
+        if key not in state:
+          raise ValueError(f"state_dict: no {key!r}")
+      if set(state["params"]) != set(self._names):
+        raise ValueError(f"state_dict['params']: leaves {sorted(state['params'])[:5]}... differ from this "
+                         f"optimizer's {self._names[:5]}...")
+      foreign = {n for k in ("mu", "nu", "mu_codes", "nu_codes", "moment_scales") for n in state.get(k, {})}
+      foreign -= set(self._names)
+      if foreign:
+        raise ValueError(f"state_dict: moments of leaves this optimizer does not have: {sorted(foreign)[:5]}")
+      params, moments = {}, {}
+      for n, shape, fmt in zip(self._names, self._shapes, self._formats):
+        x = np.asarray(state["params"][n])
+        if tuple(x.shape) != shape:
+          raise ValueError(f"state_dict['params'][{n!r}] has shape {x.shape}: expected {shape}")
+        if x.dtype.kind != "f" and x.dtype != _BF16:
+          raise TypeError(f"state_dict['params'][{n!r}]: dtype {x.dtype}, expected floating point")
+        params[n] = x.astype(np.float32)
+        moments[n] = self._staged_moments(state, n, shape, fmt, bool(convert_moments))
+      for n, fmt in zip(self._names, self._formats):
+        self._core.params(n)[...] = params[n]
+        staged = moments[n]
+        if staged[0] == "codes":
+          for view, x in zip(self._core.moment_codes(n), staged[1:]):
+            if view is not None:
+              view[...] = (x.view(np.uint16) if x.dtype == _BF16 else x).reshape(view.shape)
+        elif fmt == "f32":
+          self._core.exp_avg(n)[...] = staged[1]
+          self._core.exp_avg_sq(n)[...] = staged[2]
+        else:
+          self._core.write_moments(n, staged[1], staged[2])
       self._core.step_count = int(state["step"])
 
   def save(self, path: str) -> None:
@@ -462,25 +574,28 @@ def adamw(params, learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float 
           weight_decay=1e-4, mask=None, *, nesterov: bool = False, param_dtype=None,
           max_grad_norm: Optional[float] = None, skip_nonfinite: bool = False, threads: int = 0,
           offload: Optional[str] = None, offload_chunk: int = 1 << 22, groups=None,
-          group_options: Optional[dict] = None) -> HostAdam:
+          group_options: Optional[dict] = None, moments: str = "f32", rounding_seed: int = 0) -> HostAdam:
   """AdamW (optax.adamw's hyper-parameters and defaults; `mask` as optax's: a tree of bools,
   a prefix of one, or a callable of the params) with its state in host memory. `groups`: a
   tree of string labels (optax.multi_transform's form), and `group_options` {label: {any of
-  learning_rate (or a schedule), b1, b2, eps, eps_root, weight_decay}} overriding the
-  arguments for that group's leaves."""
+  learning_rate (or a schedule), b1, b2, eps, eps_root, weight_decay, moments}} overriding
+  the arguments for that group's leaves. `moments`: "f32", "bf16" or "8bit" (the module
+  docstring); `rounding_seed` keys their stochastic rounding."""
   return HostAdam(params, learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
                   weight_decay=weight_decay, mask=mask, decoupled=True, nesterov=nesterov, param_dtype=param_dtype,
                   max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, threads=threads, offload=offload,
-                  offload_chunk=offload_chunk, groups=groups, group_options=group_options)
+                  offload_chunk=offload_chunk, groups=groups, group_options=group_options, moments=moments,
+                  rounding_seed=rounding_seed)
 
 
 def adam(params, learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0, *,
          nesterov: bool = False, param_dtype=None, max_grad_norm: Optional[float] = None,
          skip_nonfinite: bool = False, threads: int = 0, offload: Optional[str] = None,
-         offload_chunk: int = 1 << 22, groups=None, group_options: Optional[dict] = None) -> HostAdam:
+         offload_chunk: int = 1 << 22, groups=None, group_options: Optional[dict] = None, moments: str = "f32",
+         rounding_seed: int = 0) -> HostAdam:
   """Adam (optax.adam's hyper-parameters) with its state in host memory; `groups` and
-  `group_options` as adamw's."""
+  `group_options`, `moments` and `rounding_seed` as adamw's."""
   return HostAdam(params, learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root, weight_decay=0.0,
                   decoupled=False, nesterov=nesterov, param_dtype=param_dtype, max_grad_norm=max_grad_norm,
                   skip_nonfinite=skip_nonfinite, threads=threads, offload=offload, offload_chunk=offload_chunk,
-                  groups=groups, group_options=group_options)
+                  groups=groups, group_options=group_options, moments=moments, rounding_seed=rounding_seed)
