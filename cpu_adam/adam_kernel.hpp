@@ -337,6 +337,8 @@ constexpr void fill_compressed_grad_type(kernel_table& s, int gi) {
   fill_compressed<Arch, G, float>(s, gi, 1);
   fill_compressed<Arch, G, bf16_t>(s, gi, 2);
   fill_compressed<Arch, G, f16_t>(s, gi, 3);
+  s.delta_compressed[0][gi] = &adam_bf16_state_kernel<Arch, G, G, true>::run;
+  s.delta_compressed[1][gi] = &adam_q8_state_kernel<Arch, G, G, true>::run;
 }
 
 template <class Arch>

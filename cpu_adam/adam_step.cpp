@@ -22,24 +22,6 @@ using namespace detail;
 
 namespace {
 
-// The plan of a one-buffer step: the same rules and scalars as the optimizer's. The optax
-// form (`signed`) takes lr and weight_decay of either sign, as optax does (a negative rate
-// ascends); everything else is validated as for the optimizer.
-step_plan plan_of(const kernel_set& ks, std::span<const adam_config> configs, std::int64_t step, const step_io& io,
-                  float grad_scale, std::span<group_kernel> groups, bool signed_rates = false) {
-  check_step_number(step);
-  for (std::size_t g = 0; g < configs.size(); ++g) {
-    adam_config c = configs[g];
-    if (signed_rates) {
-      c.lr = std::fabs(c.lr);
-      c.weight_decay = std::fabs(c.weight_decay);
-    }
-    validate(c, configs.size() == 1 ? "config" : "configs[" + std::to_string(g) + "]");
-  }
-  return step_plan::make(ks, configs, step - 1, io, unchecked(grad_scale), [] { return 0.0; }, groups);
-}
-
-// The checks both one-buffer steps share; returns the kernel set to run.
 const kernel_set& check_execution(float grad_scale, const execution_options& exec) {
   check_grad_scale(grad_scale);
   check_threads(exec.threads);
@@ -60,7 +42,7 @@ void adam_step(float* params, float* exp_avg, float* exp_avg_sq, std::size_t n, 
   if (has_out) check_view("out", out.data, out.size, out.type, n);
   group_kernel gk;
   const step_io io{grad.type, has_out ? std::optional<dtype>(out.type) : std::nullopt, false, false};
-  plan_of(ks, std::span<const adam_config>(&config, 1), step, io, grad_scale, std::span<group_kernel>(&gk, 1));
+  one_buffer_plan(ks, std::span<const adam_config>(&config, 1), step, io, grad_scale, std::span<group_kernel>(&gk, 1));
   if (n == 0) return;
 
   const char* names[] = {"params", "exp_avg", "exp_avg_sq", "grad", "out"};
@@ -132,7 +114,7 @@ void adam_update(std::span<const update_leaf> leaves, std::span<const adam_confi
     check_no_overlap(ranges, kinds, &leaf_names, /*index_every_kind=*/true);
   }
   std::vector<group_kernel> groups(configs.size());
-  plan_of(ks, configs, step, {grad_type, std::nullopt, false, true}, grad_scale, groups, /*signed_rates=*/true);
+  one_buffer_plan(ks, configs, step, {grad_type, std::nullopt, false, true}, grad_scale, groups, /*signed_rates=*/true);
   const std::size_t total = first.back();
   if (total == 0) return;
   const std::size_t esz = dtype_size(grad_type);

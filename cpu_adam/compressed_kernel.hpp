@@ -147,7 +147,7 @@ struct adam_rule {
   using vec = typename ops::vec;
   struct constants {
     vec grad_scale, l2, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, inv_bc2, eps, eps_root, decay,
-        lr, nesterov_m, nesterov_g;
+        lr, nesterov_m, nesterov_g, lr_wd;
     decay_kind decay_mode;
     bool nesterov;
     explicit constants(const compressed_call& k)
@@ -156,11 +156,13 @@ struct adam_rule {
           one_minus_beta2(ops::splat(k.s.one_minus_beta2)), step_size(ops::splat(k.s.step_size)),
           inv_bc2(ops::splat(k.s.inv_bc2)), eps(ops::splat(k.s.eps)), eps_root(ops::splat(k.s.eps_root)),
           decay(ops::splat(k.s.decay)), lr(ops::splat(k.s.lr)), nesterov_m(ops::splat(k.s.nesterov_m)),
-          nesterov_g(ops::splat(k.s.nesterov_g)), decay_mode(k.decay), nesterov(k.nesterov) {}
+          nesterov_g(ops::splat(k.s.nesterov_g)), lr_wd(ops::splat(k.s.lr_wd)), decay_mode(k.decay),
+          nesterov(k.nesterov) {}
   };
   /// m and v in, new m and v out (canonical NaNs when CanonMoments: the 8-bit codec
-  /// poisons a block for any NaN, so it skips that); returns the new p (canonical).
-  template <bool CanonMoments = true>
+  /// poisons a block for any NaN, so it skips that); returns the new p (canonical), or with
+  /// Delta (the optax form) the update new_p - p as adam_kernel's Delta computes it.
+  template <bool CanonMoments = true, bool Delta = false>
   static vec apply(const constants& c, vec g, vec pp, vec& m, vec& v) noexcept {
     g = g * c.grad_scale;
     if (c.decay_mode == decay_kind::coupled) g = g + c.l2 * pp;
@@ -174,6 +176,13 @@ struct adam_rule {
       v = vv;
     }
     const vec denom = ops::sqrt(vv * c.inv_bc2 + c.eps_root) + c.eps;
+    if constexpr (Delta) {
+      const vec step = c.nesterov ? ops::div(c.lr * (c.nesterov_m * mm + c.nesterov_g * g), denom)
+                                  : ops::div(c.step_size * mm, denom);
+      vec u = ops::splat(0.0f) - step;
+      if (c.decay_mode == decay_kind::decoupled) u = u - c.lr_wd * pp;
+      return ops::canon(u);
+    }
     if (c.decay_mode == decay_kind::decoupled) pp = pp * c.decay;
     if (c.nesterov) pp = pp - ops::div(c.lr * (c.nesterov_m * mm + c.nesterov_g * g), denom);
     else pp = pp - ops::div(c.step_size * mm, denom);
@@ -206,15 +215,24 @@ struct compressed_kernel_base {
   using uvec = typename uo::uvec;
   static constexpr std::size_t W = ops::width;
 
+  /// The parameters a vector's update reads: with Delta, null p (the optax form without
+  /// decay, which reads none) is zeros.
+  template <bool Delta>
+  static vec load_p(const float* p) noexcept {
+    if constexpr (Delta) return p ? ops::load(p) : ops::splat(0.0f);
+    else return ops::load(p);
+  }
+
   /// Runs unit(stream tag, at, lo, key) on whole units of U elements of each 2^32-index span
   /// and tail(at, len, lo, key) on a last partial unit. The copy-out's store kind is decided
   /// per span (the part after a 2^32 boundary may start unaligned) and passed as a type, so
-  /// no vector tests it; streamed stores are fenced at the end.
-  template <std::size_t U, class O, class Unit, class Tail>
+  /// no vector tests it; streamed stores are fenced at the end. Never streamed unless
+  /// MayStream (the optax form's update is read back at once: it stays cached).
+  template <std::size_t U, bool MayStream, class O, class Unit, class Tail>
   static void over_units(const compressed_call& k, O* out, std::size_t n, Unit&& unit, Tail&& tail) noexcept {
     bool streamed = false;
     by_index_span(k, n, [&](std::size_t at, std::size_t len, std::uint32_t key, std::uint32_t lo) {
-      const bool stream = stream_copy_out<ops>(out_at(out, at), len);
+      const bool stream = MayStream && stream_copy_out<ops>(out_at(out, at), len);
       streamed = streamed || stream;
       std::size_t i = 0;
       auto whole = [&](auto stream_tag) {
@@ -229,7 +247,9 @@ struct compressed_kernel_base {
 };
 
 // bf16 moments: m and v are bf16_t arrays at element `first`; `scales` is unused.
-template <class Arch, class G, class O>
+// Delta = true is the optax form (adam_kernel's): p is only read, and only when the step
+// decays (it may be null otherwise); `out` (O = G) receives the update new_p - p.
+template <class Arch, class G, class O, bool Delta = false>
 struct adam_bf16_state_kernel : compressed_kernel_base<Arch> {
   using base = compressed_kernel_base<Arch>;
   using typename base::ops, typename base::uo, typename base::codec, typename base::rule, typename base::vec,
@@ -240,8 +260,8 @@ struct adam_bf16_state_kernel : compressed_kernel_base<Arch> {
   static void block(const typename rule::constants& c, float* p, bf16_t* m, bf16_t* v, const G* grad, O* out,
                     std::uint32_t lo, std::uint32_t key) noexcept {
     vec mm = ops::load(m), vv = ops::load(v);
-    const vec pp = rule::apply(c, ops::load(grad), ops::load(p), mm, vv);
-    ops::store(p, pp);
+    const vec pp = rule::template apply<true, Delta>(c, ops::load(grad), base::template load_p<Delta>(p), mm, vv);
+    if constexpr (!Delta) ops::store(p, pp);
     store_copy_out<ops>(out, pp, Stream);
     const uvec r = codec::random(lo, key);
     codec::store_bf16(m, mm, r & uo::splat(0xFFFF));
@@ -255,10 +275,10 @@ struct adam_bf16_state_kernel : compressed_kernel_base<Arch> {
     O* out = static_cast<O*>(out_raw);
     bf16_t* m = static_cast<bf16_t*>(m_raw);
     bf16_t* v = static_cast<bf16_t*>(v_raw);
-    base::template over_units<W>(
+    base::template over_units<W, !Delta>(
         k, out, n,
         [&](auto stream, std::size_t j, std::uint32_t lo, std::uint32_t key) {
-          block<decltype(stream)::value>(c, p + j, m + j, v + j, grad + j, out_at(out, j), lo, key);
+          block<decltype(stream)::value>(c, p ? p + j : p, m + j, v + j, grad + j, out_at(out, j), lo, key);
         },
         [&](std::size_t j, std::size_t r, std::uint32_t lo, std::uint32_t key) {
           // Tail: the same vector code on a zero-padded copy.
@@ -266,12 +286,12 @@ struct adam_bf16_state_kernel : compressed_kernel_base<Arch> {
           bf16_t mb[W] = {}, vb[W] = {};
           G gb[W] = {};
           O ob[W] = {};
-          std::memcpy(pb, p + j, r * sizeof(float));
+          if (p) std::memcpy(pb, p + j, r * sizeof(float));
           std::memcpy(mb, m + j, r * sizeof(bf16_t));
           std::memcpy(vb, v + j, r * sizeof(bf16_t));
           std::memcpy(gb, grad + j, r * sizeof(G));
           block<false>(c, pb, mb, vb, gb, ob, lo, key);
-          std::memcpy(p + j, pb, r * sizeof(float));
+          if constexpr (!Delta) std::memcpy(p + j, pb, r * sizeof(float));
           std::memcpy(m + j, mb, r * sizeof(bf16_t));
           std::memcpy(v + j, vb, r * sizeof(bf16_t));
           if constexpr (!std::is_same_v<O, no_out>) std::memcpy(out + j, ob, r * sizeof(O));
@@ -282,7 +302,8 @@ struct adam_bf16_state_kernel : compressed_kernel_base<Arch> {
 // q8 moments: m and v are one code byte per element at element `first` (a multiple of
 // q8_block); scales holds two bytes per block (m's base, v's base) from block first / q8_block.
 // A call covers whole blocks, except that its last block may end early (a tensor's end).
-template <class Arch, class G, class O>
+// Delta as for adam_bf16_state_kernel.
+template <class Arch, class G, class O, bool Delta = false>
 struct adam_q8_state_kernel : compressed_kernel_base<Arch> {
   using base = compressed_kernel_base<Arch>;
   using typename base::ops, typename base::uo, typename base::codec, typename base::rule, typename base::vec,
@@ -300,8 +321,9 @@ struct adam_q8_state_kernel : compressed_kernel_base<Arch> {
     for (std::size_t j = 0; j < V; ++j) {
       mm[j] = codec::decode_m(m + j * W, m_base, m_in);
       vv[j] = codec::decode_v(v + j * W, v_base, v_in);
-      const vec pp = rule::template apply<false>(c, ops::load(grad + j * W), ops::load(p + j * W), mm[j], vv[j]);
-      ops::store(p + j * W, pp);
+      const vec pp = rule::template apply<false, Delta>(c, ops::load(grad + j * W), base::template load_p<Delta>(p ? p + j * W : p), mm[j],
+                                                        vv[j]);
+      if constexpr (!Delta) ops::store(p + j * W, pp);
       store_copy_out<ops>(out_at(out, j * W), pp, Stream);
       m_max = uo::max(m_max, uo::bits(mm[j]) & uo::splat(0x7FFFFFFFu));
       v_max = uo::max(v_max, uo::bits(vv[j]) & uo::splat(0x7FFFFFFFu));
@@ -326,10 +348,10 @@ struct adam_q8_state_kernel : compressed_kernel_base<Arch> {
     std::uint8_t* m = static_cast<std::uint8_t*>(m_raw);
     std::uint8_t* v = static_cast<std::uint8_t*>(v_raw);
     // Spans of 2^32 indices start on block boundaries: blocks never straddle them.
-    base::template over_units<q8_block>(
+    base::template over_units<q8_block, !Delta>(
         k, out, n,
         [&](auto stream, std::size_t j, std::uint32_t lo, std::uint32_t key) {
-          block<decltype(stream)::value>(c, p + j, m + j, v + j, scales + 2 * (j / q8_block), grad + j,
+          block<decltype(stream)::value>(c, p ? p + j : p, m + j, v + j, scales + 2 * (j / q8_block), grad + j,
                                          out_at(out, j), lo, key);
         },
         [&](std::size_t j, std::size_t r, std::uint32_t lo, std::uint32_t key) {
@@ -338,12 +360,12 @@ struct adam_q8_state_kernel : compressed_kernel_base<Arch> {
           std::uint8_t mb[q8_block] = {}, vb[q8_block] = {};
           G gb[q8_block] = {};
           O ob[q8_block] = {};
-          std::memcpy(pb, p + j, r * sizeof(float));
+          if (p) std::memcpy(pb, p + j, r * sizeof(float));
           std::memcpy(mb, m + j, r);
           std::memcpy(vb, v + j, r);
           std::memcpy(gb, grad + j, r * sizeof(G));
           block<false>(c, pb, mb, vb, scales + 2 * (j / q8_block), gb, ob, lo, key);
-          std::memcpy(p + j, pb, r * sizeof(float));
+          if constexpr (!Delta) std::memcpy(p + j, pb, r * sizeof(float));
           std::memcpy(m + j, mb, r);
           std::memcpy(v + j, vb, r);
           if constexpr (!std::is_same_v<O, no_out>) std::memcpy(out + j, ob, r * sizeof(O));

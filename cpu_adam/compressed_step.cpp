@@ -1,4 +1,5 @@
 // The one-buffer step over compressed moments, and the explicit format conversions.
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -22,7 +23,7 @@ namespace {
 // piece starts on a block and ends on one or at the state's end; appends the moments'
 // byte ranges for the overlap check. `what` names the argument ("moments", "out", "in").
 void check_moments(const std::string& what, const compressed_moments& mo, std::size_t n, const rounding_stream& r,
-                   std::vector<byte_range>& ranges, int kind) {
+                   std::vector<byte_range>& ranges, int kind, std::size_t leaf = 0) {
   const moment_format f = mo.format;
   if (f != moment_format::bf16 && f != moment_format::q8) {
     if (f == moment_format::f32)
@@ -50,9 +51,9 @@ void check_moments(const std::string& what, const compressed_moments& mo, std::s
                                   "): it would re-scale elements it does not hold; end pieces on a multiple of " +
                                   std::to_string(q8_block));
   }
-  ranges.push_back(range_of(mo.exp_avg, n * moment_code_bytes(f), true, kind, 0));
-  ranges.push_back(range_of(mo.exp_avg_sq, n * moment_code_bytes(f), true, kind + 1, 0));
-  if (f == moment_format::q8) ranges.push_back(range_of(mo.scales, moment_scale_bytes(f, n), true, kind + 2, 0));
+  ranges.push_back(range_of(mo.exp_avg, n * moment_code_bytes(f), true, kind, leaf));
+  ranges.push_back(range_of(mo.exp_avg_sq, n * moment_code_bytes(f), true, kind + 1, leaf));
+  if (f == moment_format::q8) ranges.push_back(range_of(mo.scales, moment_scale_bytes(f, n), true, kind + 2, leaf));
 }
 
 } // namespace
@@ -94,6 +95,95 @@ void adam_step(float* params, const compressed_moments& moments, std::size_t n, 
                                  has_out ? dtype_size(out.type) : 0);
   job.index_origin = rounding.first_index;
   run_update(job, exec.threads);
+}
+
+void adam_update(std::span<const compressed_update_leaf> leaves, std::span<const adam_config> configs,
+                 std::int64_t step, float grad_scale, std::uint64_t rounding_seed, const execution_options& exec) {
+  check_grad_scale(grad_scale);
+  check_threads(exec.threads);
+  const kernel_set& ks = kernel_set_by_name(exec.kernel);
+  const dtype grad_type = leaves.empty() ? dtype::f32 : leaves[0].grad.type;
+  // Every leaf first: nothing is written unless all are good. Leaf i runs over the region's
+  // elements [first[i], first[i] + n), each leaf starting on a slice (32 elements), so no
+  // 8-bit block is split between threads.
+  std::vector<std::size_t> first(leaves.size() + 1, 0);
+  std::vector<byte_range> ranges;
+  bool formats[2] = {false, false};
+  for (std::size_t i = 0; i < leaves.size(); ++i) {
+    const compressed_update_leaf& l = leaves[i];
+    const std::string at = leaves.size() == 1 ? std::string() : "leaves[" + std::to_string(i) + "].";
+    const std::size_t n = l.grad.size;
+    if (l.config >= configs.size())
+      throw std::invalid_argument(at + "config = " + std::to_string(l.config) + ": expected an index below " +
+                                  std::to_string(configs.size()));
+    const bool decays = variant_of(configs[l.config]).decay != decay_kind::none;
+    if (decays || l.params) check_view(at + "params", l.params, n, dtype::f32, n);
+    check_view(at + "grad", l.grad.data, n, l.grad.type, n);
+    check_view(at + "update", l.update.data, l.update.size, l.update.type, n);
+    if (l.grad.type != grad_type)
+      throw std::invalid_argument(at + "grad.type = " + std::string(dtype_name(l.grad.type)) + ": expected " +
+                                  std::string(dtype_name(grad_type)) + " (one gradient dtype per call)");
+    if (l.update.type != l.grad.type)
+      throw std::invalid_argument(at + "update.type = " + std::string(dtype_name(l.update.type)) + ": expected " +
+                                  std::string(dtype_name(l.grad.type)) + " like grad");
+    if (l.moments.format == moment_format::q8 && l.first_index % q8_block)
+      throw std::invalid_argument(at + "first_index = " + std::to_string(l.first_index) +
+                                  ": 8bit leaves start their rounding indices on a block (a multiple of " +
+                                  std::to_string(q8_block) + ")");
+    check_moments(at + "moments", l.moments, n, {rounding_seed, l.first_index, 0}, ranges, 2, i);
+    formats[int(l.moments.format) - 1] = true;
+    first[i + 1] = first[i] + (n + slice_elems - 1) / slice_elems * slice_elems;
+    if (n == 0) continue;
+    const std::size_t esz = dtype_size(grad_type);
+    ranges.push_back(range_of(l.update.data, n * esz, true, 1, i));
+    // The update may be written over its own gradient (each block of the gradient is
+    // loaded before that block's update is stored), as XLA's aliasing asks.
+    if (l.grad.data != l.update.data) ranges.push_back(range_of(l.grad.data, n * esz, false, 5, i));
+    if (l.params) ranges.push_back(range_of(l.params, n * 4, false, 0, i));
+  }
+  const char* kinds[] = {"params", "update", "moments.exp_avg", "moments.exp_avg_sq", "moments.scales", "grad"};
+  if (leaves.size() == 1) {
+    check_no_overlap(ranges, kinds);
+  } else if (!ranges.empty()) {
+    std::vector<std::string> leaf_names(leaves.size());
+    for (std::size_t i = 0; i < leaves.size(); ++i) leaf_names[i] = "leaf " + std::to_string(i);
+    check_no_overlap(ranges, kinds, &leaf_names, /*index_every_kind=*/true);
+  }
+  // One plan per format present, each with a kernel per config.
+  const step_io io{grad_type, std::nullopt, false, /*delta=*/true};
+  std::vector<group_kernel> groups[2];
+  for (int f = 0; f < 2; ++f) {
+    if (!formats[f] && !(f == 0 && leaves.empty())) continue;
+    groups[f].resize(configs.size());
+    for (group_kernel& g : groups[f]) g.storage = {moment_format(f + 1), nullptr, nullptr, nullptr, 0, rounding_seed};
+    one_buffer_plan(ks, configs, step, io, grad_scale, groups[f], /*signed_rates=*/true);
+  }
+  const std::size_t total = first.back();
+  if (total == 0) return;
+  const std::size_t esz = dtype_size(grad_type);
+  auto body = [&](int tid, int nt) {
+    const auto [lo, hi] = partition(0, total, tid, nt);
+    if (lo >= hi) return;
+    std::size_t i = std::size_t(std::upper_bound(first.begin(), first.end(), lo) - first.begin()) - 1;
+    for (std::size_t at = lo; at < hi && i < leaves.size(); ++i) {
+      const compressed_update_leaf& l = leaves[i];
+      const std::size_t a = at - first[i], b = std::min(hi - first[i], l.grad.size);
+      if (a < b) {
+        const compressed_moments& mo = l.moments;
+        const std::size_t cb = moment_code_bytes(mo.format);
+        const group_kernel& g = groups[int(mo.format) - 1][l.config];
+        compressed_call call = g.call;
+        call.first = l.first_index + a;
+        float* p = const_cast<float*>(l.params); // read only: the delta kernels never store to it
+        g.compressed(call, p ? p + a : nullptr, static_cast<char*>(mo.exp_avg) + a * cb,
+                     static_cast<char*>(mo.exp_avg_sq) + a * cb, mo.scales ? mo.scales + 2 * (a / q8_block) : nullptr,
+                     static_cast<const char*>(l.grad.data) + a * esz, static_cast<char*>(l.update.data) + a * esz,
+                     b - a);
+      }
+      at = first[i + 1];
+    }
+  };
+  run_parallel(exec.threads, body);
 }
 
 void encode_moments(const float* exp_avg, const float* exp_avg_sq, const compressed_moments& out, std::size_t n,

@@ -82,6 +82,8 @@ struct kernel_table {
   sumsq_fn sumsq[num_grad_types];
   // [format - 1]: bf16, q8.
   adam_compressed_fn adam_compressed[2][num_grad_types][num_out_types];
+  // The optax form over compressed moments (update in the gradient's dtype; p read only).
+  adam_compressed_fn delta_compressed[2][num_grad_types];
   roofline_compressed_fn roofline_compressed[2][num_grad_types][num_out_types];
   encode_moments_fn encode_moments[2];
   decode_moments_fn decode_moments[2];
@@ -117,6 +119,10 @@ public:
   /// The fused step over moments stored as `format` (not f32: adam() is that one).
   adam_compressed_fn adam_compressed(moment_format format, dtype grad, std::optional<dtype> out) const noexcept {
     return table_.adam_compressed[int(format) - 1][int(grad)][out_column(out)];
+  }
+  /// The optax form over moments stored as `format` (update = new_p - p, in grad's dtype).
+  adam_compressed_fn delta_compressed(moment_format format, dtype grad) const noexcept {
+    return table_.delta_compressed[int(format) - 1][int(grad)];
   }
   roofline_compressed_fn roofline_compressed(moment_format format, dtype grad, std::optional<dtype> out) const noexcept {
     return table_.roofline_compressed[int(format) - 1][int(grad)][out_column(out)];

@@ -63,9 +63,10 @@ void step_plan::prepare(const kernel_set& ks, std::span<const adam_config> confi
     const kernel_variant var = variant_of(configs[g]);
     group_kernel& gk = groups[g];
     gk.scalars = make_step_scalars(configs[g], t_, decision_.scale);
-    if (gk.storage.format != moment_format::f32) { // callers refuse the optax form for these
+    if (gk.storage.format != moment_format::f32) {
       gk.fn = nullptr;
-      gk.compressed = ks.adam_compressed(gk.storage.format, kernel_grad, io.out);
+      gk.compressed = io.delta ? ks.delta_compressed(gk.storage.format, io.grad_type)
+                               : ks.adam_compressed(gk.storage.format, kernel_grad, io.out);
       gk.call.s = gk.scalars;
       gk.call.decay = var.decay;
       gk.call.nesterov = var.nesterov;
@@ -83,6 +84,20 @@ void refuse_unknown_norm(const char* what) {
                               ": checks or clipping need the gradients' norm before any chunk arrives: pass "
                               "known_grad_norm (computed where the gradients are, e.g. on the GPU), or step "
                               "unchecked (skip_nonfinite = false, max_grad_norm = 0)");
+}
+
+step_plan one_buffer_plan(const kernel_set& ks, std::span<const adam_config> configs, std::int64_t step,
+                          const step_io& io, float grad_scale, std::span<group_kernel> groups, bool signed_rates) {
+  check_step_number(step);
+  for (std::size_t g = 0; g < configs.size(); ++g) {
+    adam_config c = configs[g];
+    if (signed_rates) {
+      c.lr = std::fabs(c.lr);
+      c.weight_decay = std::fabs(c.weight_decay);
+    }
+    validate(c, configs.size() == 1 ? "config" : "configs[" + std::to_string(g) + "]");
+  }
+  return step_plan::make(ks, configs, step - 1, io, unchecked(grad_scale), [] { return 0.0; }, groups);
 }
 
 } // namespace detail

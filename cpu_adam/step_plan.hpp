@@ -75,4 +75,12 @@ private:
 /// plan refuses, naming what to pass instead.
 [[noreturn]] void refuse_unknown_norm(const char* what);
 
+/// The plan of a one-buffer step (adam_step, adam_update): the same rules and scalars as
+/// the optimizer's, for step number `step` (>= 1). The optax form (`signed_rates`) takes lr
+/// and weight_decay of either sign, as optax does (a negative rate ascends); everything
+/// else is validated as for the optimizer.
+step_plan one_buffer_plan(const kernel_set& ks, std::span<const adam_config> configs, std::int64_t step,
+                          const step_io& io, float grad_scale, std::span<group_kernel> groups,
+                          bool signed_rates = false);
+
 } // namespace hostopt::detail

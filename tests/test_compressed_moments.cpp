@@ -401,3 +401,108 @@ TEST_CASE("8-bit moments never step tiny-gradient elements further than f32 does
       CHECK(std::fabs(p[0] - f32.p[0]) < 0.05f * std::fabs(f32.p[0])); // 3-bit mantissas: some % of noise
     }
 }
+
+TEST_CASE("the optax form over compressed moments: the f32 form's update for the decoded moments, adam_step's codes",
+          "[compressed][optax]") {
+  // Five leaves of edge sizes in one call (one region), each its own state: its update is
+  // the f32 adam_update's for its decoded moments, bit for bit, and its new codes are those
+  // adam_step gives from the same moments (same rounding key), whatever the threads.
+  const std::size_t sizes[] = {0, 1, 31, 33, 1001};
+  std::mt19937 rng(21);
+  for (const auto& kernel : supported_kernels())
+    for (moment_format f : formats)
+      for (dtype gt : {dtype::f32, dtype::bf16})
+        for (int threads : {1, 2}) {
+          INFO("kernel " << kernel << " format " << moment_format_name(f) << " grad " << dtype_name(gt) << " threads "
+                         << threads);
+          const std::vector<adam_config> configs{variant(0), variant(1), variant(2), adam_config{}};
+          std::vector<ref::state> s;
+          std::vector<packed> mo, want_codes;
+          std::vector<ref::grad_buffer> g;
+          std::vector<std::vector<std::uint16_t>> u16;
+          std::vector<std::vector<float>> u32;
+          std::vector<compressed_update_leaf> leaves;
+          std::uint64_t first = 0;
+          for (std::size_t l = 0; l < std::size(sizes); ++l) {
+            const std::size_t n = sizes[l];
+            s.push_back(ref::random_state(n, rng));
+            mo.push_back(encode(f, s.back(), 3 + l));
+            want_codes.push_back(mo.back());
+            g.push_back(ref::random_grad(gt, n, rng));
+            u16.emplace_back(n);
+            u32.emplace_back(n);
+          }
+          for (std::size_t l = 0; l < std::size(sizes); ++l) {
+            const std::size_t n = sizes[l], cfg = l % configs.size();
+            // No decay (config 3: Adam without L2): params may be null.
+            const float* p = cfg == 3 ? nullptr : s[l].p.data();
+            const mut_view u = gt == dtype::f32 ? mut_view{u32[l].data(), n, gt} : mut_view{u16[l].data(), n, gt};
+            leaves.push_back({p, mo[l].view(), g[l].view(), u, cfg, first});
+            first += (n + 31) / 32 * 32 + 64; // distinct, block-aligned rounding indices
+          }
+          adam_update(leaves, configs, 4, 1.0f, 99, {threads, kernel});
+          for (std::size_t l = 0; l < std::size(sizes); ++l) {
+            const std::size_t n = sizes[l], cfg = l % configs.size();
+            INFO("leaf " << l << " size " << n);
+            // The f32 optax form from the decoded moments.
+            const decoded d = decode(want_codes[l], n);
+            std::vector<float> m = d.m, v = d.v, w32(n);
+            std::vector<std::uint16_t> w16(n);
+            const mut_view w = gt == dtype::f32 ? mut_view{w32.data(), n, gt} : mut_view{w16.data(), n, gt};
+            adam_update(s[l].p.data(), m.data(), v.data(), n, g[l].view(), w, configs[cfg], 4, 1.0f, {1, kernel});
+            CHECK((gt == dtype::f32 ? same_bits(u32[l], w32) : u16[l] == w16));
+            // adam_step's codes from the same moments and rounding stream.
+            std::vector<float> p2 = s[l].p;
+            adam_step(p2.data(), want_codes[l].view(), n, g[l].view(), {}, configs[cfg], 4, 1.0f,
+                      {99, leaves[l].first_index, 0}, {1, kernel});
+            CHECK((mo[l] == want_codes[l]));
+          }
+        }
+}
+
+TEST_CASE("the optax form over compressed moments updates in place over the gradient and refuses bad leaves",
+          "[compressed][optax][errors]") {
+  std::mt19937 rng(5);
+  const std::size_t n = 100;
+  for (moment_format f : formats) {
+    ref::state s = ref::random_state(n, rng);
+    packed a = encode(f, s), b = encode(f, s);
+    ref::grad_buffer g = ref::random_grad(dtype::f32, n, rng);
+    std::vector<float> u(n), in_place = g.f32;
+    const adam_config c = adamw();
+    adam_update(std::span<const compressed_update_leaf>(
+                    std::vector<compressed_update_leaf>{{s.p.data(), a.view(), g.view(), {u.data(), n, dtype::f32}, 0, 0}}),
+                std::span<const adam_config>(&c, 1), 2, 1.0f, 7);
+    const std::vector<compressed_update_leaf> over{
+        {s.p.data(), b.view(), {in_place.data(), n, dtype::f32}, {in_place.data(), n, dtype::f32}, 0, 0}};
+    adam_update(over, std::span<const adam_config>(&c, 1), 2, 1.0f, 7);
+    CHECK(same_bits(u, in_place));
+    CHECK((a == b));
+    // Refused, nothing written: a block-misaligned 8-bit first_index, a config index past
+    // the configs, a null params with decay, moments overlapping the update.
+    const packed before = a;
+    auto refused = [&](compressed_update_leaf l, const char* what) {
+      INFO(what);
+      CHECK_THROWS_AS(adam_update(std::span<const compressed_update_leaf>(&l, 1), std::span<const adam_config>(&c, 1),
+                                  3, 1.0f, 7),
+                      std::invalid_argument);
+      CHECK((a == before));
+    };
+    const compressed_update_leaf good{s.p.data(), a.view(), g.view(), {u.data(), n, dtype::f32}, 0, 0};
+    if (f == moment_format::q8) {
+      auto l = good;
+      l.first_index = 16;
+      refused(l, "first_index inside a block");
+    }
+    auto l = good;
+    l.config = 1;
+    refused(l, "config index");
+    l = good;
+    l.params = nullptr;
+    refused(l, "no params with weight decay");
+    l = good;
+    l.update = {a.m.data(), n / 4, dtype::f32};
+    l.update.size = n;
+    refused(l, "update over the moments");
+  }
+}

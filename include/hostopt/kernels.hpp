@@ -126,6 +126,28 @@ struct update_leaf {
 void adam_update(std::span<const update_leaf> leaves, std::span<const adam_config> configs, std::int64_t step,
                  float grad_scale = 1.0f, const execution_options& exec = {});
 
+/// One leaf of an optax-form update whose moments are compressed (bf16 or 8-bit): each
+/// leaf is a whole state of its own (its last 8-bit block may end early).
+struct compressed_update_leaf {
+  const float* params = nullptr; ///< read for weight decay; may be null when its config has none
+  compressed_moments moments;    ///< updated in place (codes and, 8-bit, block exponents)
+  const_view grad;               ///< the gradient (its size is the leaf's)
+  mut_view update;               ///< receives new_p - p, in the gradient's dtype
+  std::size_t config = 0;        ///< index of its hyper-parameters in `configs`
+  /// Where its stochastic rounding's element indices start (rounding_stream::first_index;
+  /// a multiple of q8_block for 8-bit): distinct leaves should not share indices.
+  std::uint64_t first_index = 0;
+};
+
+/// adam_update over leaves with compressed moments: each leaf's update is the bits the f32
+/// form gives for its decoded moments, and its moments are re-encoded as adam_step with
+/// compressed moments does (stochastic rounding keyed on `rounding_seed`, the step and
+/// first_index + i), whatever the threads. One parallel region; no 8-bit block is split
+/// between threads. Validated like the f32 adam_update, nothing written on error.
+void adam_update(std::span<const compressed_update_leaf> leaves, std::span<const adam_config> configs,
+                 std::int64_t step, float grad_scale = 1.0f, std::uint64_t rounding_seed = 0,
+                 const execution_options& exec = {});
+
 /// Gradient accumulation across micro-batches, in f32: acc = grad when `first`, else
 /// acc = grad + acc. grad may be f32, bf16 or f16; n = grad.size elements of acc.
 /// Throws std::invalid_argument for null or overlapping buffers or a bad dtype.
