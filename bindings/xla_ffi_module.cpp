@@ -18,6 +18,16 @@
 //             write the update over the gradient, hostopt::adam_update allows exactly that)
 //   attributes: lr b1 b2 eps eps_root wd (f64, static values), traced (i64 bit mask),
 //               nesterov, threads (i64), decays (string, one '0'/'1' per leaf)
+//
+// Call "hostopt_adam_update_compressed": the same over compressed moments
+// (hostopt::compressed_update_leaf):
+//   operands: count, hp, then per leaf: g, mu, nu (bf16 values, or u8 8-bit codes), scales
+//             (u8 [blocks of 32, 2], 8-bit only), and p f32 if the leaf decays
+//   results:  per leaf: u, mu, nu, and scales (8-bit), aliased to the operands
+//   attributes: as above, plus moments ("bf16" or "8bit") and seed_lo, seed_hi (i64: the
+//               rounding seed's low and high 32 bits)
+//   Leaf i's rounding indices start at the sum of the earlier leaves' sizes, each rounded
+//   up to a 32-element block: the update is a function of the leaves alone.
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
@@ -34,6 +44,7 @@
 
 #include "hostopt/adam_config.hpp"
 #include "hostopt/kernels.hpp"
+#include "hostopt/moment_format.hpp"
 
 namespace py = pybind11;
 
@@ -69,7 +80,9 @@ struct call_attributes {
   int64_t traced = 0;
   int64_t nesterov = 0;
   int64_t threads = 0;
+  int64_t seed_lo = 0, seed_hi = 0;
   std::string decays;
+  std::string moments;
 };
 
 call_attributes read_attributes(const XLA_FFI_Attrs& attrs) {
@@ -80,6 +93,7 @@ call_attributes read_attributes(const XLA_FFI_Attrs& attrs) {
     if (attrs.types[i] == XLA_FFI_AttrType_STRING) {
       const auto* s = static_cast<const XLA_FFI_ByteSpan*>(attrs.attrs[i]);
       if (name == "decays") out.decays.assign(s->ptr, s->len);
+      if (name == "moments") out.moments.assign(s->ptr, s->len);
       continue;
     }
     if (attrs.types[i] != XLA_FFI_AttrType_SCALAR) continue;
@@ -90,7 +104,8 @@ call_attributes read_attributes(const XLA_FFI_Attrs& attrs) {
         std::memcpy(&out.values[k], s->value, sizeof(double));
       }
     int64_t* target = name == "traced" ? &out.traced : name == "nesterov" ? &out.nesterov
-                      : name == "threads" ? &out.threads : nullptr;
+                      : name == "threads" ? &out.threads : name == "seed_lo" ? &out.seed_lo
+                      : name == "seed_hi" ? &out.seed_hi : nullptr;
     if (target != nullptr) {
       if (s->dtype != XLA_FFI_DataType_S64) throw std::invalid_argument("attribute " + std::string(name) + " is not i64");
       std::memcpy(target, s->value, sizeof(int64_t));
@@ -119,17 +134,27 @@ void fill_nan(const hostopt::mut_view& u) {
   }
 }
 
-// The whole call: validates everything before the first write, then one
-// hostopt::adam_update (one parallel region) per gradient dtype.
-void adam_update_call(const XLA_FFI_CallFrame* frame) {
-  const call_attributes at = read_attributes(frame->attrs);
+// What both calls share: the step number from optax's count and the two configs (no
+// decay, decayed) from the static and traced hyper-parameters.
+struct call_setup {
+  std::int64_t step = 1;
+  adam_config configs[2];
+  // A hyper-parameter out of the kernel's range (a traced one: static ones are checked when
+  // the transformation is made) gives non-finite updates, as optax's arithmetic does for a
+  // NaN rate or a beta of 1, rather than an error that would lose a donated state: every
+  // update is NaN and the moments are left as they were.
+  bool in_range = true;
+};
+
+call_setup setup_call(const XLA_FFI_CallFrame* frame, const call_attributes& at) {
+  call_setup out;
   const XLA_FFI_Buffer* count = arg(frame, 0);
   if (count->dtype != XLA_FFI_DataType_S32 || element_count(count) != 1)
     throw std::invalid_argument("count must be an int32 scalar");
   int32_t c = 0;
   std::memcpy(&c, count->data, sizeof c);
   if (c < 0) throw std::invalid_argument("count = " + std::to_string(c) + " is negative");
-  const std::int64_t step = c == INT32_MAX ? int64_t(INT32_MAX) : int64_t(c) + 1; // optax's safe increment
+  out.step = c == INT32_MAX ? int64_t(INT32_MAX) : int64_t(c) + 1; // optax's safe increment
 
   double values[6];
   std::memcpy(values, at.values, sizeof values);
@@ -155,15 +180,20 @@ void adam_update_call(const XLA_FFI_CallFrame* frame) {
   base.nesterov = at.nesterov != 0;
   adam_config decayed = base;
   decayed.weight_decay = values[5];
-  // A hyper-parameter out of the kernel's range (a traced one: static ones are checked when
-  // the transformation is made) gives non-finite updates, as optax's arithmetic does for a
-  // NaN rate or a beta of 1, rather than an error that would lose a donated state: every
-  // update is NaN and the moments are left as they were.
-  const bool in_range = std::isfinite(values[0]) && values[1] >= 0 && values[1] < 1 && values[2] >= 0 &&
-                        values[2] < 1 && std::isfinite(values[3]) && values[3] >= 0 && std::isfinite(values[4]) &&
-                        values[4] >= 0 && std::isfinite(values[5]);
-  const adam_config configs[2] = {base, decayed};
+  out.in_range = std::isfinite(values[0]) && values[1] >= 0 && values[1] < 1 && values[2] >= 0 && values[2] < 1 &&
+                 std::isfinite(values[3]) && values[3] >= 0 && std::isfinite(values[4]) && values[4] >= 0 &&
+                 std::isfinite(values[5]);
+  out.configs[0] = base;
+  out.configs[1] = decayed;
+  return out;
+}
 
+// The whole call: validates everything before the first write, then one
+// hostopt::adam_update (one parallel region) per gradient dtype.
+void adam_update_call(const XLA_FFI_CallFrame* frame) {
+  const call_attributes at = read_attributes(frame->attrs);
+  const call_setup setup = setup_call(frame, at);
+  const adam_config* configs = setup.configs;
   const std::size_t leaves = at.decays.size();
   std::vector<hostopt::update_leaf> by_dtype[3];
   int64_t next = 2;
@@ -194,17 +224,85 @@ void adam_update_call(const XLA_FFI_CallFrame* frame) {
   }
   if (next != frame->args.size || int64_t(3 * leaves) != frame->rets.size)
     throw std::invalid_argument("operand or result count does not match the leaves");
-  if (!in_range) {
+  if (!setup.in_range) {
     for (const auto& group : by_dtype)
       for (const hostopt::update_leaf& l : group) fill_nan(l.update);
     return;
   }
   for (auto& group : by_dtype)
     if (!group.empty())
-      hostopt::adam_update(group, configs, step, 1.0f, {static_cast<int>(at.threads), ""});
+      hostopt::adam_update(group, std::span<const adam_config>(configs, 2), setup.step, 1.0f,
+                           {static_cast<int>(at.threads), ""});
 }
 
-extern "C" XLA_FFI_Error* hostopt_adam_update(XLA_FFI_CallFrame* frame) {
+// The call over compressed moments: validated completely, then one hostopt::adam_update
+// of compressed_update_leaf per gradient dtype.
+void adam_update_compressed_call(const XLA_FFI_CallFrame* frame) {
+  const call_attributes at = read_attributes(frame->attrs);
+  const call_setup setup = setup_call(frame, at);
+  const hostopt::moment_format format = hostopt::parse_moment_format(at.moments);
+  if (format == hostopt::moment_format::f32) throw std::invalid_argument("moments = f32: use hostopt_adam_update");
+  const bool q8 = format == hostopt::moment_format::q8;
+  const XLA_FFI_DataType code_type = q8 ? XLA_FFI_DataType_U8 : XLA_FFI_DataType_BF16;
+  const std::uint64_t seed = std::uint64_t(std::uint32_t(at.seed_lo)) | std::uint64_t(at.seed_hi) << 32;
+  const std::size_t leaves = at.decays.size(), outs = q8 ? 4 : 3;
+  std::vector<hostopt::compressed_update_leaf> by_dtype[3];
+  std::uint64_t first_index = 0;
+  int64_t next = 2;
+  for (std::size_t i = 0; i < leaves; ++i) {
+    const std::string at_leaf = "leaf " + std::to_string(i);
+    const bool decays = at.decays[i] == '1';
+    const XLA_FFI_Buffer* g = arg(frame, next++);
+    const XLA_FFI_Buffer* mu = arg(frame, next++);
+    const XLA_FFI_Buffer* nu = arg(frame, next++);
+    const XLA_FFI_Buffer* scales = q8 ? arg(frame, next++) : nullptr;
+    const XLA_FFI_Buffer* p = decays ? arg(frame, next++) : nullptr;
+    const XLA_FFI_Buffer* u = ret(frame, int64_t(outs * i));
+    const XLA_FFI_Buffer* mu_out = ret(frame, int64_t(outs * i + 1));
+    const XLA_FFI_Buffer* nu_out = ret(frame, int64_t(outs * i + 2));
+    const XLA_FFI_Buffer* scales_out = q8 ? ret(frame, int64_t(outs * i + 3)) : nullptr;
+    const hostopt::dtype gt = grad_dtype(g->dtype, at_leaf + " gradient");
+    const std::size_t n = element_count(g);
+    for (const XLA_FFI_Buffer* b : {mu, nu, mu_out, nu_out})
+      if (b->dtype != code_type || element_count(b) != n)
+        throw std::invalid_argument(at_leaf + ": mu and nu must be " + (q8 ? "uint8 codes" : "bfloat16") +
+                                    " of the gradient's size");
+    const std::size_t scale_bytes = hostopt::moment_scale_bytes(format, n);
+    for (const XLA_FFI_Buffer* b : {scales, scales_out})
+      if (b != nullptr && (b->dtype != XLA_FFI_DataType_U8 || element_count(b) != scale_bytes))
+        throw std::invalid_argument(at_leaf + ": scales must be uint8 [" + std::to_string(scale_bytes / 2) + ", 2]");
+    if (p != nullptr && (p->dtype != XLA_FFI_DataType_F32 || element_count(p) != n))
+      throw std::invalid_argument(at_leaf + ": params must be float32 of the gradient's size");
+    if (u->dtype != g->dtype || element_count(u) != n)
+      throw std::invalid_argument(at_leaf + ": the update must have the gradient's dtype and size");
+    // Updated in place in the results; XLA aliases them, so these copies happen only if a
+    // caller did not.
+    const std::size_t code_bytes = n * hostopt::moment_code_bytes(format);
+    if (mu_out->data != mu->data) std::memcpy(mu_out->data, mu->data, code_bytes);
+    if (nu_out->data != nu->data) std::memcpy(nu_out->data, nu->data, code_bytes);
+    if (q8 && scales_out->data != scales->data) std::memcpy(scales_out->data, scales->data, scale_bytes);
+    hostopt::compressed_moments mo{format, mu_out->data, nu_out->data,
+                                   q8 ? static_cast<std::uint8_t*>(scales_out->data) : nullptr};
+    by_dtype[int(gt)].push_back({p ? static_cast<const float*>(p->data) : nullptr, mo, {g->data, n, gt},
+                                 {u->data, n, gt}, decays ? std::size_t(1) : std::size_t(0), first_index});
+    first_index += (n + hostopt::q8_block - 1) / hostopt::q8_block * hostopt::q8_block;
+  }
+  if (next != frame->args.size || int64_t(outs * leaves) != frame->rets.size)
+    throw std::invalid_argument("operand or result count does not match the leaves");
+  if (!setup.in_range) {
+    for (const auto& group : by_dtype)
+      for (const hostopt::compressed_update_leaf& l : group) fill_nan(l.update);
+    return;
+  }
+  for (auto& group : by_dtype)
+    if (!group.empty())
+      hostopt::adam_update(group, std::span<const adam_config>(setup.configs, 2), setup.step, 1.0f, seed,
+                           {static_cast<int>(at.threads), ""});
+}
+
+// One FFI handler around `call`: the metadata query of newer XLA, errors as XLA errors.
+template <void (*Call)(const XLA_FFI_CallFrame*)>
+XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, const char* name) {
 #if XLA_FFI_API_MINOR >= 1
   // Newer XLA asks each handler, once, which FFI version it was built for.
   if (frame->extension_start != nullptr && frame->extension_start->type == XLA_FFI_Extension_Metadata) {
@@ -217,13 +315,21 @@ extern "C" XLA_FFI_Error* hostopt_adam_update(XLA_FFI_CallFrame* frame) {
 #endif
   if (frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return nullptr; // nothing to instantiate or prepare
   try {
-    adam_update_call(frame);
+    Call(frame);
     return nullptr;
   } catch (const std::invalid_argument& e) {
-    return make_error(frame->api, XLA_FFI_Error_Code_INVALID_ARGUMENT, std::string("hostopt_adam_update: ") + e.what());
+    return make_error(frame->api, XLA_FFI_Error_Code_INVALID_ARGUMENT, std::string(name) + ": " + e.what());
   } catch (const std::exception& e) {
-    return make_error(frame->api, XLA_FFI_Error_Code_INTERNAL, std::string("hostopt_adam_update: ") + e.what());
+    return make_error(frame->api, XLA_FFI_Error_Code_INTERNAL, std::string(name) + ": " + e.what());
   }
+}
+
+extern "C" XLA_FFI_Error* hostopt_adam_update(XLA_FFI_CallFrame* frame) {
+  return handle<adam_update_call>(frame, "hostopt_adam_update");
+}
+
+extern "C" XLA_FFI_Error* hostopt_adam_update_compressed(XLA_FFI_CallFrame* frame) {
+  return handle<adam_update_compressed_call>(frame, "hostopt_adam_update_compressed");
 }
 
 } // namespace
@@ -234,6 +340,7 @@ PYBIND11_MODULE(_xla_ffi, m) {
   m.def("targets", [] {
     py::dict d;
     d["hostopt_adam_update"] = py::capsule(reinterpret_cast<void*>(&hostopt_adam_update));
+    d["hostopt_adam_update_compressed"] = py::capsule(reinterpret_cast<void*>(&hostopt_adam_update_compressed));
     return d;
   }, "Name -> PyCapsule of each FFI handler, for jax.ffi.register_ffi_target(platform='cpu').");
 }

@@ -11,7 +11,13 @@ in every temporary afresh each run). Static hyper-parameters travel as f64 attri
 same doubles, so eager calls (which run the same jitted call) and jit give the same bits.
 
 vmap: elementwise over the leaves (one call for the whole batch) when only the arrays are
-batched; per batch element (lax.map) when the count or a hyper-parameter is. Differentiating
+batched; per batch element (lax.map) when the count or a hyper-parameter is.
+
+``adam_update_compressed`` binds the same over compressed moments (bf16 values or 8-bit
+codes with their blocks' exponent bytes), lowered to ``hostopt_adam_update_compressed``
+with the codes and exponents aliased to their outputs. Under vmap it runs per batch element
+(8-bit blocks belong to one leaf: a batch flattened into one leaf would mix them), and
+under sharding it sees whole arrays (XLA gathers them: blocks are not cut on shards). Differentiating
 through the update raises: the kernel has no derivative rule, and optax.adamw is the tool for
 meta-gradients through an optimizer.
 """
@@ -140,12 +146,12 @@ def _batch(args, dims, **params):
   mask = tuple(d is not _NOT_MAPPED for d in dims)
   batched = [batching.bdim_at_front(a, d, size) for a, d in zip(args, dims) if d is not _NOT_MAPPED]
   unbatched = [a for a, d in zip(args, dims) if d is _NOT_MAPPED]
-  outs = _sequential(tuple(sorted(params.items())), mask)(batched, unbatched)
+  outs = _sequential(_prim, tuple(sorted(params.items())), mask)(batched, unbatched)
   return outs, [0] * len(outs)
 
 
 @functools.lru_cache(maxsize=256)
-def _sequential(params_items, mask):
+def _sequential(prim, params_items, mask):
   """lax.map of the call over the batched operands, jitted once per signature (an eager vmap
   would otherwise compile a new scan every call)."""
   params = dict(params_items)
@@ -153,7 +159,7 @@ def _sequential(params_items, mask):
   def run(batched, unbatched):
     def one(xs):
       it_b, it_u = iter(xs), iter(unbatched)
-      return _prim.bind(*[next(it_b) if m else next(it_u) for m in mask], **params)
+      return prim.bind(*[next(it_b) if m else next(it_u) for m in mask], **params)
     return jax.lax.map(one, batched)
   return jax.jit(run)
 
@@ -274,3 +280,104 @@ if _SHARDY:
   _registered = getattr(batching, "fancy_primitive_batchers", None)  # where current jax keeps them
   if _registered is None or _cp_prim not in _registered:
     batching.primitive_batchers[_cp_prim] = _batch_partitioned
+
+
+# --- compressed moments ---------------------------------------------------------------------
+
+COMPRESSED_TARGET = "hostopt_adam_update_compressed"
+_cprim = Primitive("hostopt_adam_update_compressed")
+_cprim.multiple_results = True
+
+
+def _compressed_leaf_operands(decays: str, q8: bool, operands):
+  """Splits the flat operands into (g, mu, nu, scales|None, p|None) per leaf."""
+  out, i = [], 0
+  for d in decays:
+    k = 3 + q8 + (d == "1")
+    leaf = list(operands[i:i + k])
+    i += k
+    g, mu, nu = leaf[:3]
+    scales = leaf[3] if q8 else None
+    p = leaf[-1] if d == "1" else None
+    out.append((g, mu, nu, scales, p))
+  return out
+
+
+def _compressed_abstract_eval(count, hp, *operands, decays, moments, **_):
+  outs = []
+  for g, mu, nu, scales, _p in _compressed_leaf_operands(decays, moments == "8bit", operands):
+    outs += [g, mu, nu] + ([scales] if scales is not None else [])
+  return outs
+
+
+def _compressed_lowering(ctx, count, hp, *operands, decays, over_grad, traced, nesterov, threads, static, moments,
+                         seed):
+  q8 = moments == "8bit"
+  aliases, i, o = {}, 2, 0
+  for k, d in enumerate(decays):
+    if over_grad[k] == "1":  # the update over a gradient computed here (as _lowering)
+      aliases[i] = o
+    aliases[i + 1], aliases[i + 2] = o + 1, o + 2
+    if q8:
+      aliases[i + 3] = o + 3
+    i += 3 + q8 + (d == "1")
+    o += 3 + q8
+  attrs = dict(zip(HP_NAMES, (float(v) for v in static)))
+  rule = _ffi.ffi_lowering(COMPRESSED_TARGET, operand_output_aliases=aliases)
+  return rule(ctx, count, hp, *operands, traced=int(traced), nesterov=int(nesterov), threads=int(threads),
+              decays=decays, moments=moments, seed_lo=int(seed & 0xFFFFFFFF), seed_hi=int(seed >> 32), **attrs)
+
+
+def _compressed_batch(args, dims, **params):
+  # Always per batch element: each element's leaves keep their own blocks and indices.
+  size = next(a.shape[d] for a, d in zip(args, dims) if d is not _NOT_MAPPED)
+  mask = tuple(d is not _NOT_MAPPED for d in dims)
+  batched = [batching.bdim_at_front(a, d, size) for a, d in zip(args, dims) if d is not _NOT_MAPPED]
+  unbatched = [a for a, d in zip(args, dims) if d is _NOT_MAPPED]
+  outs = _sequential(_cprim, tuple(sorted(params.items())), mask)(batched, unbatched)
+  return outs, [0] * len(outs)
+
+
+def _compressed_impl(*args, **params):
+  return dispatch.apply_primitive(_cprim, *args, **params)
+
+
+_cprim.def_impl(_compressed_impl)
+_cprim.def_abstract_eval(_compressed_abstract_eval)
+mlir.register_lowering(_cprim, _compressed_lowering, platform="cpu")
+batching.primitive_batchers[_cprim] = _compressed_batch
+ad.primitive_jvps[_cprim] = _jvp
+
+
+def adam_update_compressed(count, hp_values: Sequence, leaves: List[Tuple], *, moments: str, seed: int,
+                           nesterov: bool, threads: int):
+  """One FFI call for `leaves` = [(g, mu, nu, scales or None, p or None)]: g float32,
+  bfloat16 or float16; mu and nu bfloat16 (moments="bf16") or uint8 codes with scales
+  uint8 [blocks, 2] (moments="8bit"); p float32. hp_values as adam_update's. Returns
+  [(u, mu, nu, scales or None)] per leaf."""
+  if _unavailable is not None:
+    raise RuntimeError(_unavailable)
+  static, dynamic, traced = [], [], 0
+  for k, v in enumerate(hp_values):
+    if is_static_number(v):
+      static.append(float(v))
+    else:
+      static.append(0.0)
+      dynamic.append(v)
+      traced |= 1 << k
+  if dynamic:
+    dt = jnp.float64 if any(jnp.result_type(v) == jnp.float64 for v in dynamic) else jnp.float32
+    hp = jnp.stack([jnp.asarray(v, dt).reshape(()) for v in dynamic])
+  else:
+    hp = jnp.zeros((0,), jnp.float32)
+  q8 = moments == "8bit"
+  operands, decays, over_grad = [], "", ""
+  for g, mu, nu, scales, p in leaves:
+    operands += [g, mu, nu] + ([scales] if q8 else []) + ([p] if p is not None else [])
+    decays += "1" if p is not None else "0"
+    over_grad += "1" if _computed_here(g) else "0"
+  params = dict(decays=decays, over_grad=over_grad, traced=traced, nesterov=bool(nesterov), threads=int(threads),
+                static=tuple(static), moments=moments, seed=int(seed))
+  outs = _cprim.bind(jnp.asarray(count, jnp.int32), hp, *operands, **params)
+  k = 3 + q8
+  return [tuple(outs[k * i:k * i + 3]) + ((outs[k * i + 3],) if q8 else (None,)) for i in range(len(leaves))]

@@ -44,6 +44,23 @@ may be negative. ``vmap`` works;
 differentiating through ``update`` raises (the kernel has no derivative rule: use optax
 itself for meta-gradients).
 
+Compressed moments: ``moments="bf16"`` or ``"8bit"`` (hostopt's options; ``adamw_8bit`` is
+``adamw`` with ``moments="8bit"``) keep Adam's moments in 4 or 2.06 bytes per parameter
+instead of optax's 8, stochastically rounded by a generator keyed on ``rounding_seed``, the
+step and the element (README: "Compressed moments"). The state is then documented and
+typed, so optax's own update fails loudly on it instead of reading codes as moments:
+
+- ``bf16``: optax's ``ScaleByAdamState(count, mu, nu)`` with bfloat16 mu and nu (values);
+- ``8bit``: ``ScaleByAdam8bitState(count, mu_codes, nu_codes, scales)``: uint8 codes of each
+  leaf's shape and uint8 ``[ceil(size / 32), 2]`` exponent bytes per leaf (mu's and nu's per
+  32-element block).
+
+The update is the f32 kernel's for the decoded moments, the same bits eager, jitted and on
+numpy (the moments re-encoded in the same pass, in place under jit). Every leaf runs on the
+kernel, so gradients and params must be float32, bfloat16 or float16 and the arrays on the
+CPU (``state_memory`` and ``mu_dtype`` are refused with compressed moments). Under vmap the
+call runs per batch element; sharded leaves are gathered around it.
+
 hostopt's own options are keyword arguments collected apart from optax's, so that
 ``optax.inject_hyperparams`` never mistakes them for hyper-parameters:
 ``threads`` (worker threads, 0 = the runtime's default), ``reuse_state`` (numpy states
@@ -68,7 +85,7 @@ import dataclasses
 import functools
 import inspect
 import warnings
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -81,14 +98,24 @@ from . import _core, _xla
 from ._masks import mask_flags
 from ._xla import is_static_number
 
-__all__ = ["adam", "adamw", "nadam", "nadamw"]
+__all__ = ["adam", "adamw", "nadam", "nadamw", "adamw_8bit", "ScaleByAdam8bitState"]
 
-_HOSTOPT_OPTIONS = {"threads": 0, "reuse_state": False, "state_memory": None}
+_HOSTOPT_OPTIONS = {"threads": 0, "reuse_state": False, "state_memory": None, "moments": "f32", "rounding_seed": 0}
 _KNOWN = ("learning_rate", "b1", "b2", "eps", "eps_root", "mu_dtype", "weight_decay", "mask", "nesterov")
 _KERNEL_INPUT = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(jnp.bfloat16))
 # optax's own functions, taken at import (a test may put hostopt's in their place).
 _OPTAX = {name: getattr(optax, name) for name in ("adam", "adamw")}
 _increment = getattr(optax, "safe_increment", None) or optax.safe_int32_increment
+
+
+class ScaleByAdam8bitState(NamedTuple):
+  """The Adam state of hostopt.optax with moments="8bit": optax's count, each leaf's mu and
+  nu as uint8 codes of its shape, and its blocks' exponent bytes (uint8 [ceil(size / 32),
+  2]: mu's, nu's). Zero bytes everywhere are zero moments."""
+  count: Any
+  mu_codes: Any
+  nu_codes: Any
+  scales: Any
 
 
 def _is_traced(x) -> bool:
@@ -124,6 +151,8 @@ class _Static:
   mu_dtype: Any
   threads: int
   state_memory: Optional[str] = None  # "pinned_host": kernel leaves' mu/nu live in host memory
+  moments: str = "f32"  # "bf16" or "8bit": compressed moments (every leaf on the kernel)
+  seed: int = 0  # of their stochastic rounding
 
 
 def _on_kernel(g, mu, nu, p, decays: bool) -> bool:
@@ -149,15 +178,21 @@ def _optax_leaves(s: _Static, hp, gs, mus, nus, ps, decays, count):
   return u, st.mu, st.nu
 
 
-def _flat_update(s: _Static, gs, mus, nus, ps, count, dynamic, lr_count, wd_count):
-  """The update of flat leaf lists; jax-traceable (runs under jit)."""
+def _resolve_hp(s: _Static, dynamic, lr_count, wd_count) -> tuple:
+  """The six hyper-parameters: static floats, schedules evaluated at their counts, the rest
+  from `dynamic` in field order."""
   it = iter(dynamic)
   schedules = {0: (s.lr_schedule, lr_count), 5: (s.wd_schedule, wd_count)}
   hp = []
   for k, v in enumerate(s.hp):
     fn, at = schedules.get(k, (None, None))
     hp.append(v if v is not None else fn(at) if fn is not None else next(it))
-  hp = tuple(hp)
+  return tuple(hp)
+
+
+def _flat_update(s: _Static, gs, mus, nus, ps, count, dynamic, lr_count, wd_count):
+  """The update of flat leaf lists; jax-traceable (runs under jit)."""
+  hp = _resolve_hp(s, dynamic, lr_count, wd_count)
   n = len(gs)
   u, new_mu, new_nu = [None] * n, list(mus), list(nus)
   k_idx = [i for i in range(n) if s.kernel[i]]
@@ -189,6 +224,21 @@ def _flat_update(s: _Static, gs, mus, nus, ps, count, dynamic, lr_count, wd_coun
 
 
 _flat_update_jit = jax.jit(_flat_update, static_argnums=0)
+
+
+def _compressed_flat_update(s: _Static, gs, mus, nus, scales, ps, count, dynamic, lr_count, wd_count):
+  """The update over compressed moments (every leaf on the kernel); jax-traceable."""
+  hp = _resolve_hp(s, dynamic, lr_count, wd_count)
+  f32 = lambda x: x if x.dtype == jnp.float32 else x.astype(jnp.float32)  # exact widening
+  leaves = [(f32(g), m, v, sc, f32(p) if d else None)
+            for g, m, v, sc, p, d in zip(gs, mus, nus, scales, ps, s.decays)]
+  hp_kernel = hp if any(s.decays) else hp[:5] + (0.0,)
+  outs = _xla.adam_update_compressed(count, hp_kernel, leaves, moments=s.moments, seed=s.seed, nesterov=s.nesterov,
+                                     threads=s.threads)
+  return tuple(list(col) for col in zip(*outs)) if outs else ([], [], [], [])
+
+
+_compressed_flat_update_jit = jax.jit(_compressed_flat_update, static_argnums=0)
 _call_jit = jax.jit(lambda f, x: f(x), static_argnums=0)
 
 
@@ -277,6 +327,13 @@ def _make(args: dict, decoupled: bool) -> optax.GradientTransformationExtraArgs:
                     f"{sorted(options)}, the others are optax's")
   options.update(extra)
   threads, reuse_state, state_memory = options["threads"], options["reuse_state"], options["state_memory"]
+  try:
+    moments = _core.moment_format(str(options["moments"]))
+  except ValueError as e:
+    raise ValueError(f"moments: {e}") from None
+  seed = options["rounding_seed"]
+  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 1 << 64:
+    raise ValueError(f"rounding_seed = {seed!r}: expected an integer in [0, 2**64)")
   if state_memory not in (None, "pinned_host"):
     raise ValueError(f"state_memory = {state_memory!r}: expected None (the params' memory, as optax) or "
                      "'pinned_host'")
@@ -309,6 +366,14 @@ def _make(args: dict, decoupled: bool) -> optax.GradientTransformationExtraArgs:
   for nm, value in (("learning_rate", learning_rate), ("weight_decay", weight_decay)):  # either sign, as optax
     if is_static_number(value) and not np.isfinite(float(value)):
       raise ValueError(f"{nm} = {float(value)}: expected a finite value")
+
+  if moments != "f32":
+    if state_memory is not None or mu_dtype is not None:
+      raise ValueError(f"moments={moments!r} with {'state_memory' if state_memory is not None else 'mu_dtype'}: "
+                       "compressed moments live on the host kernel in their own format (state_memory and mu_dtype "
+                       "apply to optax's float moments)")
+    return _compressed_transformation(reference, moments, int(seed), decoupled, learning_rate, b1, b2, eps, eps_root,
+                                      weight_decay, mask, nesterov, lr_schedule, wd_schedule, int(threads))
 
   def init_fn(params):
     state = reference.init(params)
@@ -394,7 +459,122 @@ def _make(args: dict, decoupled: bool) -> optax.GradientTransformationExtraArgs:
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _mirror(name: str, decoupled: bool, nesterov_default: Optional[bool] = None) -> Callable:
+def _compressed_transformation(reference, moments, seed, decoupled, learning_rate, b1, b2, eps, eps_root,
+                               weight_decay, mask, nesterov, lr_schedule, wd_schedule,
+                               threads) -> optax.GradientTransformationExtraArgs:
+  """The transformation with compressed moments (see the module docstring)."""
+  q8 = moments == "8bit"
+
+  def init_fn(params):
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    numpy_in = bool(leaves) and all(isinstance(x, np.ndarray) for x in leaves)
+    zeros = np.zeros if numpy_in else jnp.zeros
+    # optax's other state (the weight decay's and the schedule's) without building its f32
+    # moments: every leaf of it is a count starting at 0 (else, optax's own init).
+    shapes = jax.eval_shape(reference.init, params)
+    rest = shapes[1:]
+    if all(np.shape(x) == () and np.issubdtype(x.dtype, np.integer) for x in jax.tree_util.tree_leaves(rest)):
+      rest = jax.tree_util.tree_map(lambda x: zeros((), x.dtype), rest)
+    else:  # pragma: no cover - an optax whose other state is not counts
+      rest = reference.init(params)[1:]
+    count = zeros((), np.int32)
+    if q8:
+      codes = lambda: treedef.unflatten([zeros(np.shape(x), np.uint8) for x in leaves])
+      scales = treedef.unflatten([zeros(((int(np.size(x)) + 31) // 32, 2), np.uint8) for x in leaves])
+      adam = ScaleByAdam8bitState(count=count, mu_codes=codes(), nu_codes=codes(), scales=scales)
+    else:
+      bf = np.dtype(jnp.bfloat16)
+      values = lambda: treedef.unflatten([zeros(np.shape(x), bf) for x in leaves])
+      adam = optax.ScaleByAdamState(count=count, mu=values(), nu=values())
+    return (adam,) + tuple(rest)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del extra_args
+    adam_state = state[0]
+    if q8 != isinstance(adam_state, ScaleByAdam8bitState):
+      raise TypeError(f"state[0] is a {type(adam_state).__name__}: this transformation keeps its {moments} moments in "
+                      f"{'ScaleByAdam8bitState' if q8 else 'ScaleByAdamState with bfloat16 mu and nu'} (made by its "
+                      "init); a state of another format is not converted")
+    count = adam_state.count
+    g_leaves, treedef = jax.tree_util.tree_flatten(updates)
+    g_leaves = [x if hasattr(x, "dtype") else jnp.asarray(x) for x in g_leaves]
+    if q8:
+      mu_leaves, nu_leaves = treedef.flatten_up_to(adam_state.mu_codes), treedef.flatten_up_to(adam_state.nu_codes)
+      sc_leaves = treedef.flatten_up_to(adam_state.scales)
+    else:
+      mu_leaves, nu_leaves = treedef.flatten_up_to(adam_state.mu), treedef.flatten_up_to(adam_state.nu)
+      sc_leaves = [None] * len(g_leaves)
+    p_leaves = treedef.flatten_up_to(params) if params is not None else None
+    code_dtype = np.dtype(np.uint8) if q8 else np.dtype(jnp.bfloat16)
+    for i, g in enumerate(g_leaves):
+      if np.dtype(g.dtype) not in _KERNEL_INPUT:
+        raise TypeError(f"updates[{i}]: dtype {g.dtype}; with {moments} moments every leaf runs on hostopt's kernel, "
+                        "which takes float32, bfloat16 or float16 gradients")
+      for nm, x in (("mu", mu_leaves[i]), ("nu", nu_leaves[i])):
+        if tuple(np.shape(x)) != tuple(np.shape(g)) or np.dtype(x.dtype) != code_dtype:
+          raise ValueError(f"{nm}[{i}]: {x.dtype} {tuple(np.shape(x))}, expected {code_dtype} {tuple(np.shape(g))} "
+                           f"({moments} moments of updates[{i}])")
+      if q8 and (np.dtype(sc_leaves[i].dtype) != np.uint8 or
+                 tuple(np.shape(sc_leaves[i])) != ((int(np.size(g)) + 31) // 32, 2)):
+        raise ValueError(f"scales[{i}]: {sc_leaves[i].dtype} {tuple(np.shape(sc_leaves[i]))}, expected uint8 "
+                         f"{((int(np.size(g)) + 31) // 32, 2)}")
+    lr_count = state[-1].count if lr_schedule is not None else None
+    wd_count = None
+    if wd_schedule is not None:
+      wd_leaves = jax.tree_util.tree_leaves(state[1])
+      if not wd_leaves:
+        raise TypeError(f"weight_decay is a schedule, but optax {optax.__version__}'s adamw keeps no count for it "
+                        "(this optax takes a number)")
+      wd_count = wd_leaves[0]
+    arrays = list(g_leaves) + list(mu_leaves) + list(nu_leaves)
+    numpy_route = (_not_tracing() and isinstance(count, np.ndarray) and all(isinstance(x, np.ndarray) for x in arrays))
+    if not numpy_route and jax.default_backend() != "cpu":
+      raise ValueError(f"hostopt.optax with {moments} moments runs on the host kernel: the arrays are on "
+                       f"{jax.default_backend()} (compressed moments with state_memory are not supported yet)")
+    if _xla.available() is not None:
+      raise RuntimeError(f"hostopt.optax cannot run: {_xla.available()}")
+    no_decay = is_static_number(weight_decay) and float(weight_decay) == 0.0 and wd_schedule is None
+    n = len(g_leaves)
+    decays = [False] * n if (not decoupled or no_decay) else mask_flags(mask, updates, treedef)
+    if any(decays) and (p_leaves is None or any(p_leaves[i] is None for i in range(n) if decays[i])):
+      raise ValueError("You are using a transformation that requires the current value of parameters, but you are "
+                       "not passing `params` when calling `update`.")
+    for i in range(n):
+      if decays[i] and np.dtype(p_leaves[i].dtype) not in _KERNEL_INPUT:
+        raise TypeError(f"params[{i}]: dtype {p_leaves[i].dtype}; expected float32, bfloat16 or float16")
+    hp = (learning_rate, b1, b2, eps, eps_root, weight_decay)
+    static_hp = tuple(None if (k == 0 and lr_schedule is not None) or (k == 5 and wd_schedule is not None)
+                      else float(v) if is_static_number(v) else None for k, v in enumerate(hp))
+    s = _Static(tuple(decays), (True,) * n, static_hp, lr_schedule, wd_schedule, nesterov, None, threads, None,
+                moments, seed)
+    dynamic = [v for k, v in enumerate(hp) if static_hp[k] is None
+               and not (k == 0 and lr_schedule is not None) and not (k == 5 and wd_schedule is not None)]
+    ps = [p_leaves[i] if decays[i] else None for i in range(n)]
+    if numpy_route:  # the same jitted call on copies, handed back as numpy
+      j = lambda xs: [None if x is None else jnp.asarray(x) for x in xs]
+      outs = _compressed_flat_update_jit(s, j(g_leaves), j(mu_leaves), j(nu_leaves), j(sc_leaves), j(ps),
+                                         jnp.asarray(count), dynamic, lr_count, wd_count)
+      outs = [[None if x is None else np.asarray(x) for x in col] for col in outs]
+    else:
+      flat_update = _compressed_flat_update_jit if _not_tracing() else functools.partial(_compressed_flat_update)
+      outs = flat_update(s, list(g_leaves), list(mu_leaves), list(nu_leaves), list(sc_leaves), ps, count, dynamic,
+                         lr_count, wd_count)
+    u, new_mu, new_nu, new_sc = outs
+    keep_numpy = lambda x: np.asarray(x) if numpy_route else x
+    new_count = keep_numpy(_increment(count))
+    if q8:
+      new_adam = ScaleByAdam8bitState(count=new_count, mu_codes=treedef.unflatten(new_mu),
+                                      nu_codes=treedef.unflatten(new_nu), scales=treedef.unflatten(new_sc))
+    else:
+      new_adam = adam_state._replace(count=new_count, mu=treedef.unflatten(new_mu), nu=treedef.unflatten(new_nu))
+    rest = jax.tree_util.tree_map(lambda c: keep_numpy(_increment(c)), tuple(state[1:]))
+    return treedef.unflatten(u), (new_adam,) + rest
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _mirror(name: str, decoupled: bool, nesterov_default: Optional[bool] = None, preset: Optional[dict] = None,
+            public_name: Optional[str] = None) -> Callable:
   """hostopt's `name` with the installed optax's signature, plus **hostopt_options."""
   ref = inspect.signature(getattr(optax, name))
   params = [p for p in ref.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
@@ -409,20 +589,23 @@ def _mirror(name: str, decoupled: bool, nesterov_default: Optional[bool] = None)
     # optax.inject_hyperparams re-binds the arguments and passes the collected options back
     # as one keyword, hostopt_options={...}: unfold it.
     nested = options.pop("hostopt_options", {})
-    arguments["hostopt_options"] = {**nested, **options} if isinstance(nested, dict) else options
+    given = {**nested, **options} if isinstance(nested, dict) else options
+    arguments["hostopt_options"] = {**(preset or {}), **given}
     return _make(arguments, decoupled)
 
   factory.__signature__ = sig
-  factory.__name__ = factory.__qualname__ = name
+  factory.__name__ = factory.__qualname__ = public_name or name
   factory.__doc__ = (f"optax.{name} on hostopt's kernels: optax {optax.__version__}'s arguments, defaults, mask "
                      "semantics and state. hostopt's own keyword options: threads (int, 0 = default), "
-                     "reuse_state (numpy states: update mu/nu in place) and state_memory ('pinned_host': mu/nu in "
+                     "reuse_state (numpy states: update mu/nu in place), state_memory ('pinned_host': mu/nu in "
                      "the devices' pinned host memory; init places them, so call init outside jit or give "
-                     "jit(init) out_shardings in that memory). See hostopt.optax.")
+                     "jit(init) out_shardings in that memory), moments ('f32', 'bf16' or '8bit') and rounding_seed. "
+                     + (f"Preset: {preset}. " if preset else "") + "See hostopt.optax.")
   return factory
 
 
 adam = _mirror("adam", decoupled=False)
 adamw = _mirror("adamw", decoupled=True)
+adamw_8bit = _mirror("adamw", decoupled=True, preset={"moments": "8bit"}, public_name="adamw_8bit")
 nadam = _mirror("nadam", decoupled=False)
 nadamw = _mirror("nadamw", decoupled=True)

@@ -1,0 +1,179 @@
+"""hostopt.optax with compressed (bf16 and 8-bit) moments, side by side with optax (jax CPU)."""
+import re
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+optax = pytest.importorskip("optax")
+import jax.numpy as jnp  # noqa: E402
+
+import hostopt.optax as hoptax  # noqa: E402
+from hostopt import _core  # noqa: E402
+
+jax.config.update("jax_platform_name", "cpu")
+
+FORMATS = ["bf16", "8bit"]
+
+
+def mlp_problem(seed=1):
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.standard_normal((64, 8)).astype(np.float32))
+  y = jnp.asarray(rng.standard_normal((64, 1)).astype(np.float32))
+  # Leaves of 320, 40, 40 and 1 elements: 8-bit blocks that end early, a one-element leaf.
+  params = {"l1": {"w": jnp.asarray(0.3 * rng.standard_normal((8, 40)).astype(np.float32)), "b": jnp.zeros(40)},
+            "l2": {"w": jnp.asarray(0.3 * rng.standard_normal((40, 1)).astype(np.float32)), "b": jnp.zeros(1)}}
+
+  def loss(p):
+    h = jnp.tanh(x @ p["l1"]["w"] + p["l1"]["b"])
+    return jnp.mean((h @ p["l2"]["w"] + p["l2"]["b"] - y) ** 2)
+  return params, loss, jax.jit(jax.grad(loss))
+
+
+def same(a, b):
+  la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+  return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+
+
+def train(opt, params, grad, steps, jit=True):
+  update = jax.jit(opt.update) if jit else opt.update
+  state, p = opt.init(params), params
+  for _ in range(steps):
+    u, state = update(grad(p), state, p)
+    p = optax.apply_updates(p, u)
+  return p, state
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_first_update_is_the_f32_kernels_and_training_tracks_optax(fmt):
+  params, loss, grad = mlp_problem()
+  g = grad(params)
+  opt = hoptax.adamw(1e-2, weight_decay=0.1, moments=fmt)
+  f32 = hoptax.adamw(1e-2, weight_decay=0.1)
+  # From zero moments (exactly representable) the update is the f32 kernel's, bit for bit.
+  assert same(opt.update(g, opt.init(params), params)[0], f32.update(g, f32.init(params), params)[0])
+  # 200 steps: the loss follows optax.adamw's (f32 moments) within 2%.
+  ref_p, _ = train(optax.adamw(1e-2, weight_decay=0.1), params, grad, 200)
+  p, state = train(opt, params, grad, 200)
+  assert float(loss(ref_p)) < 0.5 * float(loss(params))
+  assert abs(float(loss(p)) - float(loss(ref_p))) < 0.02 * float(loss(ref_p))
+  if fmt == "8bit":
+    assert isinstance(state[0], hoptax.ScaleByAdam8bitState)
+    assert state[0].mu_codes["l1"]["w"].dtype == jnp.uint8 and state[0].scales["l1"]["w"].shape == (10, 2)
+    assert state[0].scales["l2"]["b"].shape == (1, 2)
+    # The decoded moments are optax's within the format's grid (3-bit mantissas).
+    _, ref_state = train(optax.adamw(1e-2, weight_decay=0.1), params, grad, 200)
+    m32, v32 = np.empty(320, np.float32), np.empty(320, np.float32)
+    _core.decode_moments(np.asarray(state[0].mu_codes["l1"]["w"]).reshape(-1),
+                         np.asarray(state[0].nu_codes["l1"]["w"]).reshape(-1),
+                         np.asarray(state[0].scales["l1"]["w"]).reshape(-1), "8bit", m32, v32)
+    want = np.asarray(ref_state[0].nu["l1"]["w"]).reshape(-1)
+    assert np.median(np.abs(v32 - want) / want) < 0.15
+  else:
+    assert state[0].mu["l1"]["w"].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_eager_jit_and_numpy_give_the_same_bits(fmt):
+  params, _, grad = mlp_problem()
+  sched = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 3, 20)
+  mask = jax.tree_util.tree_map(lambda x: x.ndim > 1, params)
+  opt = hoptax.adamw(sched, weight_decay=0.1, mask=mask, moments=fmt, rounding_seed=7)
+  state = opt.init(params)
+  np_state = jax.tree_util.tree_map(np.asarray, state)
+  p = params
+  for _ in range(5):
+    g = grad(p)
+    u_e, s_e = opt.update(g, state, p)
+    u_j, s_j = jax.jit(opt.update)(g, state, p)
+    u_n, s_n = opt.update(jax.tree_util.tree_map(np.asarray, g), np_state, jax.tree_util.tree_map(np.asarray, p))
+    assert same((u_e, s_e), (u_j, s_j)) and same((u_e, s_e), (u_n, s_n))
+    assert isinstance(jax.tree_util.tree_leaves(u_n)[0], np.ndarray)
+    state, np_state, p = s_e, s_n, optax.apply_updates(p, u_e)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_jit_has_no_callback_and_updates_codes_in_place_when_donated(fmt):
+  params, _, grad = mlp_problem()
+  opt = hoptax.adamw(1e-2, weight_decay=0.1, moments=fmt)
+  state = opt.init(params)
+  text = jax.jit(opt.update).lower(grad(params), state, params).as_text()
+  assert "hostopt_adam_update_compressed" in text and "callback" not in text
+
+  def train_step(p, s):
+    u, s = opt.update(grad(p), s, p)
+    return optax.apply_updates(p, u), s
+  leaves = len(jax.tree_util.tree_leaves(params))
+  per_leaf = 4 if fmt == "8bit" else 3  # u over the gradient, mu, nu (and scales)
+  assert jax.jit(train_step).lower(params, state).as_text().count("output_operand_alias<") == per_leaf * leaves
+  hlo = jax.jit(train_step, donate_argnums=(0, 1)).lower(params, state).compile().as_text()
+  entry = hlo[hlo.index("ENTRY"):]
+  entry = entry[:entry.index("\n}")]
+  args = set(re.findall(r"%([\w.\-]+) = [^ ]+ parameter\(", entry))
+  copies = [line for line in entry.splitlines()
+            if (m := re.search(r" copy\((?:[^%)]*)%([\w.\-]+)", line)) and "s32[]" not in line and m.group(1) in args]
+  assert not copies
+  q, r = jax.jit(train_step)(params, opt.init(params))
+  fresh = jax.tree_util.tree_map(jnp.copy, params)
+  assert same(jax.jit(train_step, donate_argnums=(0, 1))(fresh, opt.init(fresh)), (q, r))
+
+
+def test_seeds_key_the_rounding():
+  params, _, grad = mlp_problem()
+  g = grad(params)
+  run = lambda seed: hoptax.adamw_8bit(1e-2, rounding_seed=seed).update(
+      g, hoptax.adamw_8bit(1e-2).init(params), params)[1][0]
+  a, b, c = run(1), run(1), run(2)
+  assert same(a, b) and not same(a.mu_codes, c.mu_codes)
+  with pytest.raises(ValueError, match="rounding_seed"):
+    hoptax.adamw_8bit(1e-2, rounding_seed=-3)
+  with pytest.raises(ValueError, match="rounding_seed"):
+    hoptax.adamw(1e-2, moments="bf16", rounding_seed=1 << 64)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_vmap_runs_each_batch_element_as_its_own_call(fmt):
+  params, _, grad = mlp_problem()
+  opt = hoptax.adam(1e-2, moments=fmt)
+  g = grad(params)
+  state = opt.init(params)
+  batch = lambda t: jax.tree_util.tree_map(lambda x: jnp.stack([x, 2 * x, -x]), t)
+  vm = jax.vmap(opt.update, in_axes=(0, None, None))(batch(g), state, params)
+  for k, scale in enumerate((1.0, 2.0, -1.0)):
+    one = opt.update(jax.tree_util.tree_map(lambda x: scale * x, g), state, params)
+    assert same(jax.tree_util.tree_map(lambda x: x[k], vm), one)
+
+
+def test_composes_with_inject_hyperparams_apply_if_finite_and_multisteps():
+  params, loss, grad = mlp_problem()
+  opt = optax.inject_hyperparams(hoptax.adamw)(learning_rate=1e-2, weight_decay=0.1, moments="8bit")
+  p, state = train(opt, params, grad, 50)
+  assert float(loss(p)) < 0.8 * float(loss(params))
+  safe = optax.apply_if_finite(hoptax.adamw_8bit(1e-2), 3)
+  s = safe.init(params)
+  bad = jax.tree_util.tree_map(lambda x: jnp.full_like(x, jnp.nan), params)
+  u, s2 = jax.jit(safe.update)(bad, s, params)
+  assert same(s2.inner_state, s.inner_state) and all(np.all(np.asarray(x) == 0) for x in jax.tree_util.tree_leaves(u))
+  multi = optax.MultiSteps(hoptax.adamw(1e-2, moments="bf16"), 2)
+  p, _ = train(multi, params, grad, 20)
+  assert float(loss(p)) < float(loss(params))
+
+
+def test_bad_input_is_refused_naming_the_problem():
+  params, _, grad = mlp_problem()
+  with pytest.raises(ValueError, match="moments.*4bit"):
+    hoptax.adamw(1e-2, moments="4bit")
+  with pytest.raises(ValueError, match="mu_dtype"):
+    hoptax.adam(1e-2, mu_dtype=jnp.bfloat16, moments="8bit")
+  opt = hoptax.adamw_8bit(1e-2)
+  with pytest.raises(TypeError, match="ScaleByAdam8bitState"):
+    opt.update(grad(params), hoptax.adamw(1e-2).init(params), params)  # an f32 state is not converted
+  with pytest.raises(TypeError, match="ScaleByAdamState with bfloat16"):
+    hoptax.adamw(1e-2, moments="bf16").update(grad(params), opt.init(params), params)
+  state = opt.init(params)
+  bad = state[0]._replace(scales={**state[0].scales, "l2": {**state[0].scales["l2"], "b": jnp.zeros((2, 2), jnp.uint8)}})
+  with pytest.raises(ValueError, match=r"scales\[.\]: uint8 \(2, 2\), expected uint8 \(1, 2\)"):
+    opt.update(grad(params), (bad,) + state[1:], params)
+  f64 = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), params)
+  with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+    opt.update(f64, jax.tree_util.tree_map(np.asarray, opt.init(f64)), f64)
