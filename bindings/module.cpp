@@ -455,6 +455,8 @@ PYBIND11_MODULE(_core, m) {
         py::array_t<float> m = view_of(o.exp_avg(name), self); // in order: the first error names exp_avg
         return py::make_tuple(m, view_of(o.exp_avg_sq(name), self));
       }, py::arg("name"), "float32 views of the moments of a tensor of an f32 group (any arena).")
+      .def("group_rounding_seed", &optimizer::group_rounding_seed, py::arg("group"))
+      .def("set_group_rounding_seed", &optimizer::set_group_rounding_seed, py::arg("group"), py::arg("seed"))
       .def("group_moments", [](const optimizer& o, std::size_t g) {
         return std::string(moment_format_name(o.group_moments(g)));
       }, "How group g stores its moments: 'f32', 'bf16' or '8bit'.")

@@ -21,9 +21,10 @@
 //
 // Call "hostopt_adam_update_compressed": the same over compressed moments
 // (hostopt::compressed_update_leaf):
-//   operands: count, hp, then per leaf: g, mu, nu (bf16 values, or u8 8-bit codes), scales
-//             (u8 [blocks of 32, 2], 8-bit only), and p f32 if the leaf decays
-//   results:  per leaf: u, mu, nu, and scales (8-bit), aliased to the operands
+//   operands: count, hp, scales (8-bit only: u8 [blocks, 2], every leaf's 32-element blocks
+//             in leaf order), then per leaf: g, mu, nu (bf16 values, or u8 8-bit codes), and
+//             p f32 if the leaf decays
+//   results:  per leaf: u, mu, nu; then scales (8-bit); aliased to the operands
 //   attributes: as above, plus moments ("bf16" or "8bit") and seed_lo, seed_hi (i64: the
 //               rounding seed's low and high 32 bits)
 //   Leaf i's rounding indices start at the sum of the earlier leaves' sizes, each rounded
@@ -245,32 +246,28 @@ void adam_update_compressed_call(const XLA_FFI_CallFrame* frame) {
   const bool q8 = format == hostopt::moment_format::q8;
   const XLA_FFI_DataType code_type = q8 ? XLA_FFI_DataType_U8 : XLA_FFI_DataType_BF16;
   const std::uint64_t seed = std::uint64_t(std::uint32_t(at.seed_lo)) | std::uint64_t(at.seed_hi) << 32;
-  const std::size_t leaves = at.decays.size(), outs = q8 ? 4 : 3;
+  const std::size_t leaves = at.decays.size();
   std::vector<hostopt::compressed_update_leaf> by_dtype[3];
   std::uint64_t first_index = 0;
   int64_t next = 2;
+  const XLA_FFI_Buffer* scales = q8 ? arg(frame, next++) : nullptr;
+  const XLA_FFI_Buffer* scales_out = q8 ? ret(frame, int64_t(3 * leaves)) : nullptr;
   for (std::size_t i = 0; i < leaves; ++i) {
     const std::string at_leaf = "leaf " + std::to_string(i);
     const bool decays = at.decays[i] == '1';
     const XLA_FFI_Buffer* g = arg(frame, next++);
     const XLA_FFI_Buffer* mu = arg(frame, next++);
     const XLA_FFI_Buffer* nu = arg(frame, next++);
-    const XLA_FFI_Buffer* scales = q8 ? arg(frame, next++) : nullptr;
     const XLA_FFI_Buffer* p = decays ? arg(frame, next++) : nullptr;
-    const XLA_FFI_Buffer* u = ret(frame, int64_t(outs * i));
-    const XLA_FFI_Buffer* mu_out = ret(frame, int64_t(outs * i + 1));
-    const XLA_FFI_Buffer* nu_out = ret(frame, int64_t(outs * i + 2));
-    const XLA_FFI_Buffer* scales_out = q8 ? ret(frame, int64_t(outs * i + 3)) : nullptr;
+    const XLA_FFI_Buffer* u = ret(frame, int64_t(3 * i));
+    const XLA_FFI_Buffer* mu_out = ret(frame, int64_t(3 * i + 1));
+    const XLA_FFI_Buffer* nu_out = ret(frame, int64_t(3 * i + 2));
     const hostopt::dtype gt = grad_dtype(g->dtype, at_leaf + " gradient");
     const std::size_t n = element_count(g);
     for (const XLA_FFI_Buffer* b : {mu, nu, mu_out, nu_out})
       if (b->dtype != code_type || element_count(b) != n)
         throw std::invalid_argument(at_leaf + ": mu and nu must be " + (q8 ? "uint8 codes" : "bfloat16") +
                                     " of the gradient's size");
-    const std::size_t scale_bytes = hostopt::moment_scale_bytes(format, n);
-    for (const XLA_FFI_Buffer* b : {scales, scales_out})
-      if (b != nullptr && (b->dtype != XLA_FFI_DataType_U8 || element_count(b) != scale_bytes))
-        throw std::invalid_argument(at_leaf + ": scales must be uint8 [" + std::to_string(scale_bytes / 2) + ", 2]");
     if (p != nullptr && (p->dtype != XLA_FFI_DataType_F32 || element_count(p) != n))
       throw std::invalid_argument(at_leaf + ": params must be float32 of the gradient's size");
     if (u->dtype != g->dtype || element_count(u) != n)
@@ -280,15 +277,24 @@ void adam_update_compressed_call(const XLA_FFI_CallFrame* frame) {
     const std::size_t code_bytes = n * hostopt::moment_code_bytes(format);
     if (mu_out->data != mu->data) std::memcpy(mu_out->data, mu->data, code_bytes);
     if (nu_out->data != nu->data) std::memcpy(nu_out->data, nu->data, code_bytes);
-    if (q8 && scales_out->data != scales->data) std::memcpy(scales_out->data, scales->data, scale_bytes);
+    // The leaf's blocks in the one scales array: from block first_index / 32 (checked below).
     hostopt::compressed_moments mo{format, mu_out->data, nu_out->data,
-                                   q8 ? static_cast<std::uint8_t*>(scales_out->data) : nullptr};
+                                   q8 ? static_cast<std::uint8_t*>(scales_out->data) + 2 * (first_index / hostopt::q8_block)
+                                      : nullptr};
     by_dtype[int(gt)].push_back({p ? static_cast<const float*>(p->data) : nullptr, mo, {g->data, n, gt},
                                  {u->data, n, gt}, decays ? std::size_t(1) : std::size_t(0), first_index});
     first_index += (n + hostopt::q8_block - 1) / hostopt::q8_block * hostopt::q8_block;
   }
-  if (next != frame->args.size || int64_t(outs * leaves) != frame->rets.size)
+  if (next != frame->args.size || int64_t(3 * leaves + q8) != frame->rets.size)
     throw std::invalid_argument("operand or result count does not match the leaves");
+  if (q8) { // every leaf's blocks, in leaf order
+    const std::size_t scale_bytes = 2 * (first_index / hostopt::q8_block);
+    for (const XLA_FFI_Buffer* b : {scales, scales_out})
+      if (b->dtype != XLA_FFI_DataType_U8 || element_count(b) != scale_bytes)
+        throw std::invalid_argument("scales must be uint8 [" + std::to_string(scale_bytes / 2) +
+                                    ", 2] (the leaves' 32-element blocks)");
+    if (scales_out->data != scales->data) std::memcpy(scales_out->data, scales->data, scale_bytes);
+  }
   if (!setup.in_range) {
     for (const auto& group : by_dtype)
       for (const hostopt::compressed_update_leaf& l : group) fill_nan(l.update);

@@ -540,6 +540,12 @@ std::uint64_t optimizer::group_rounding_seed(std::size_t group) const {
   impl_->check_group(group);
   return impl_->seeds[group];
 }
+void optimizer::set_group_rounding_seed(std::size_t group, std::uint64_t seed) {
+  const auto lock = impl_->acquire("set_group_rounding_seed", false);
+  impl_->check_group(group);
+  impl_->seeds[group] = seed;
+  impl_->group_kernels[group].storage.seed = seed; // what the step plans read
+}
 void optimizer::set_group_config(std::size_t group, const adam_config& config) {
   const auto lock = impl_->acquire("set_group_config", false);
   impl_->check_group(group);

@@ -149,6 +149,9 @@ public:
   moment_format group_moments(std::size_t group) const;
   /// The seed of a group's stochastic rounding (a checkpoint's load restores it).
   std::uint64_t group_rounding_seed(std::size_t group) const;
+  /// Sets it (for resuming a state saved elsewhere: the same seed continues the same
+  /// rounding stream); serialized with steps like set_group_config.
+  void set_group_rounding_seed(std::size_t group, std::uint64_t seed);
   /// Replaces a group's hyper-parameters (schedules); validated first, nothing changes on error.
   void set_group_config(std::size_t group, const adam_config& config);
   /// Sets lr of one group; validated like set_group_config.

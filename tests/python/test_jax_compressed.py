@@ -124,7 +124,7 @@ def test_another_format_is_refused_unchanged_or_converted_when_asked(fmt):
   after = comp.state_dict()
   assert after["step"] == before["step"] == 2
   assert all(np.array_equal(np.asarray(after[k][n]).view(np.uint8), np.asarray(before[k][n]).view(np.uint8))
-             for k in before if k != "step" for n in before[k])
+             for k in before if isinstance(before[k], dict) for n in before[k])
   with pytest.raises(ValueError, match=f"holds {fmt} moments.*as f32"):
     hj.adamw(params, 1e-2).load_state_dict(before)
   # Converted when asked: within the format's grid of the f32 moments, both ways.
@@ -174,3 +174,29 @@ def test_offloaded_pipeline_gives_the_in_place_bits(fmt):
   for _ in range(6):
     p, q = a.step(grad(p)), b.step(grad(q))
     assert all(np.array_equal(x, y) for x, y in zip(bits(p), bits(q)))
+
+
+def test_load_state_dict_checks_step_seed_and_exponent_bytes_before_changing_anything():
+  params, _, grad = mlp()
+  opt = hj.adamw(params, 1e-2, moments="8bit", rounding_seed=4)
+  train(opt, params, grad, 2)
+  sd = opt.state_dict()
+  assert sd["rounding_seed"] == 4
+  before = opt.state_dict()
+  leaf = "['l1']['w']"
+  scales = sd["moment_scales"][leaf].copy()
+  scales[3] = (245, 0)  # above m's largest exponent byte (239), not the poisoned 255
+  cases = [(dict(sd, step=2 ** 53 + 1), "step"), (dict(sd, step=2.9), "not an integer"),
+           (dict(sd, step=True), "not an integer"), (dict(sd, rounding_seed=-1), "rounding_seed"),
+           (dict(sd, moment_scales={**sd["moment_scales"], leaf: scales}), "block 3's exp_avg exponent byte is 245")]
+  for bad, msg in cases:
+    with pytest.raises(ValueError, match=msg):
+      opt.load_state_dict(bad)
+    after = opt.state_dict()
+    assert after["step"] == 2 and all(np.array_equal(after[k][n], before[k][n]) for k in ("params", "mu_codes")
+                                      for n in before[k])
+  # The state's seed becomes the optimizer's: one made with another seed resumes exactly.
+  want = bits(train(opt, params, grad, 3))
+  other = hj.adamw(params, 1e-2, moments="8bit", rounding_seed=99)
+  other.load_state_dict(sd)
+  assert all(np.array_equal(a, b) for a, b in zip(bits(train(other, params, grad, 3)), want))

@@ -59,14 +59,14 @@ def test_first_update_is_the_f32_kernels_and_training_tracks_optax(fmt):
   assert abs(float(loss(p)) - float(loss(ref_p))) < 0.02 * float(loss(ref_p))
   if fmt == "8bit":
     assert isinstance(state[0], hoptax.ScaleByAdam8bitState)
-    assert state[0].mu_codes["l1"]["w"].dtype == jnp.uint8 and state[0].scales["l1"]["w"].shape == (10, 2)
-    assert state[0].scales["l2"]["b"].shape == (1, 2)
+    # scales: every leaf's blocks in leaf order (l1.b: 2, l1.w: 10, l2.b: 1, l2.w: 2).
+    assert state[0].mu_codes["l1"]["w"].dtype == jnp.uint8 and state[0].scales.shape == (15, 2)
     # The decoded moments are optax's within the format's grid (3-bit mantissas).
     _, ref_state = train(optax.adamw(1e-2, weight_decay=0.1), params, grad, 200)
     m32, v32 = np.empty(320, np.float32), np.empty(320, np.float32)
     _core.decode_moments(np.asarray(state[0].mu_codes["l1"]["w"]).reshape(-1),
                          np.asarray(state[0].nu_codes["l1"]["w"]).reshape(-1),
-                         np.asarray(state[0].scales["l1"]["w"]).reshape(-1), "8bit", m32, v32)
+                         np.asarray(state[0].scales[2:12]).reshape(-1), "8bit", m32, v32)
     want = np.asarray(ref_state[0].nu["l1"]["w"]).reshape(-1)
     assert np.median(np.abs(v32 - want) / want) < 0.15
   else:
@@ -104,8 +104,9 @@ def test_jit_has_no_callback_and_updates_codes_in_place_when_donated(fmt):
     u, s = opt.update(grad(p), s, p)
     return optax.apply_updates(p, u), s
   leaves = len(jax.tree_util.tree_leaves(params))
-  per_leaf = 4 if fmt == "8bit" else 3  # u over the gradient, mu, nu (and scales)
-  assert jax.jit(train_step).lower(params, state).as_text().count("output_operand_alias<") == per_leaf * leaves
+  # u over the gradient, mu and nu per leaf, and the one scales array (8-bit).
+  want = 3 * leaves + (fmt == "8bit")
+  assert jax.jit(train_step).lower(params, state).as_text().count("output_operand_alias<") == want
   hlo = jax.jit(train_step, donate_argnums=(0, 1)).lower(params, state).compile().as_text()
   entry = hlo[hlo.index("ENTRY"):]
   entry = entry[:entry.index("\n}")]
@@ -171,9 +172,47 @@ def test_bad_input_is_refused_naming_the_problem():
   with pytest.raises(TypeError, match="ScaleByAdamState with bfloat16"):
     hoptax.adamw(1e-2, moments="bf16").update(grad(params), opt.init(params), params)
   state = opt.init(params)
-  bad = state[0]._replace(scales={**state[0].scales, "l2": {**state[0].scales["l2"], "b": jnp.zeros((2, 2), jnp.uint8)}})
-  with pytest.raises(ValueError, match=r"scales\[.\]: uint8 \(2, 2\), expected uint8 \(1, 2\)"):
+  bad = state[0]._replace(scales=state[0].scales[:14])
+  with pytest.raises(ValueError, match=r"scales: uint8 \(14, 2\), expected uint8 \(15, 2\)"):
     opt.update(grad(params), (bad,) + state[1:], params)
+  with pytest.raises(ValueError, match=r"scales: int32 \(15, 2\), expected uint8"):
+    opt.update(grad(params), (state[0]._replace(scales=state[0].scales.astype(jnp.int32)),) + state[1:], params)
+  # Params of another shape (a transposed matrix) are refused, not decayed in flat order.
+  flipped = {**params, "l1": {**params["l1"], "w": params["l1"]["w"].T}}
+  with pytest.raises(ValueError, match=r"params\[1\] has shape \(40, 8\): expected \(8, 40\)"):
+    opt.update(grad(params), state, flipped)
+  # A state of another format: a TypeError naming the state this transformation keeps.
+  with pytest.raises(TypeError, match="8-bit moments.*moments='8bit'"):
+    hoptax.adamw(1e-2).update(grad(params), state, params)
+  with pytest.raises(TypeError, match="expected bfloat16"):
+    hoptax.adamw(1e-2, moments="bf16").update(grad(params), hoptax.adamw(1e-2).init(params), params)
+  with pytest.raises(TypeError, match="adamw_8bit: moments is '8bit'"):
+    hoptax.adamw_8bit(1e-2, moments="bf16")
+  with pytest.raises(ValueError, match="reuse_state"):
+    hoptax.adamw(1e-2, moments="8bit", reuse_state=True)
   f64 = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), params)
   with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
     opt.update(f64, jax.tree_util.tree_map(np.asarray, opt.init(f64)), f64)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bf16_params_and_gradients_get_bf16_updates_through_lax_scan(fmt):
+  # The update takes the gradient's dtype (the kernel's), so a scan carrying bf16 params
+  # keeps its types; the codes follow the params' tree, so tree_map_params maps them only.
+  params, loss, grad = mlp_problem()
+  params = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), params)
+  opt = hoptax.adamw(1e-2, weight_decay=0.1, moments=fmt)
+
+  def body(carry, _):
+    p, s = carry
+    g = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), jax.grad(lambda q: loss(
+        jax.tree_util.tree_map(lambda y: y.astype(jnp.float32), q)))(p))
+    u, s = opt.update(g, s, p)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree_util.tree_leaves(u))
+    return (optax.apply_updates(p, u), s), None
+  (p, state), _ = jax.jit(lambda c: jax.lax.scan(body, c, None, length=30))((params, opt.init(params)))
+  assert float(loss(jax.tree_util.tree_map(lambda y: y.astype(jnp.float32), p))) < 0.8 * float(
+      loss(jax.tree_util.tree_map(lambda y: y.astype(jnp.float32), params)))
+  if fmt == "8bit" and hasattr(optax, "tree_utils") and hasattr(optax.tree_utils, "tree_map_params"):
+    mapped = optax.tree_utils.tree_map_params(opt, lambda x: x.shape, state)
+    assert mapped[0].mu_codes["l1"]["w"] == (8, 40) and mapped[0].scales is state[0].scales

@@ -243,6 +243,16 @@ class Optimizer:
     """How a group stores its moments: "f32", "bf16" or "8bit"."""
     return self._core.group_moments(int(group))
 
+  def group_rounding_seed(self, group: int) -> int:
+    """The seed of a group's stochastic rounding (compressed moments)."""
+    return self._core.group_rounding_seed(int(group))
+
+  def set_group_rounding_seed(self, group: int, seed: int) -> None:
+    """Sets it: a resumed state continues the same rounding stream with the same seed."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 1 << 64:
+      raise ValueError(f"seed = {seed!r}: expected an integer in [0, 2**64)")
+    self._core.set_group_rounding_seed(int(group), int(seed))
+
   def read_moments(self, name: str) -> Tuple[np.ndarray, np.ndarray]:
     """(exp_avg, exp_avg_sq) of one tensor as new float32 arrays, whatever its format (exact)."""
     shape = self.segment(name)[1]

@@ -14,8 +14,8 @@ vmap: elementwise over the leaves (one call for the whole batch) when only the a
 batched; per batch element (lax.map) when the count or a hyper-parameter is.
 
 ``adam_update_compressed`` binds the same over compressed moments (bf16 values or 8-bit
-codes with their blocks' exponent bytes), lowered to ``hostopt_adam_update_compressed``
-with the codes and exponents aliased to their outputs. Under vmap it runs per batch element
+codes, with one array of every leaf's blocks' exponent bytes), lowered to
+``hostopt_adam_update_compressed`` with the codes and exponents aliased to their outputs. Under vmap it runs per batch element
 (8-bit blocks belong to one leaf: a batch flattened into one leaf would mix them), and
 under sharding it sees whole arrays (XLA gathers them: blocks are not cut on shards). Differentiating
 through the update raises: the kernel has no derivative rule, and optax.adamw is the tool for
@@ -289,39 +289,37 @@ _cprim = Primitive("hostopt_adam_update_compressed")
 _cprim.multiple_results = True
 
 
-def _compressed_leaf_operands(decays: str, q8: bool, operands):
-  """Splits the flat operands into (g, mu, nu, scales|None, p|None) per leaf."""
-  out, i = [], 0
+def _compressed_operands(decays: str, q8: bool, operands):
+  """Splits the flat operands into scales (8-bit) or None, and (g, mu, nu, p|None) per leaf."""
+  scales, i = (operands[0], 1) if q8 else (None, 0)
+  leaves = []
   for d in decays:
-    k = 3 + q8 + (d == "1")
-    leaf = list(operands[i:i + k])
+    k = 4 if d == "1" else 3
+    leaves.append(tuple(operands[i:i + 3]) + ((operands[i + 3],) if d == "1" else (None,)))
     i += k
-    g, mu, nu = leaf[:3]
-    scales = leaf[3] if q8 else None
-    p = leaf[-1] if d == "1" else None
-    out.append((g, mu, nu, scales, p))
-  return out
+  return scales, leaves
 
 
 def _compressed_abstract_eval(count, hp, *operands, decays, moments, **_):
+  scales, leaves = _compressed_operands(decays, moments == "8bit", operands)
   outs = []
-  for g, mu, nu, scales, _p in _compressed_leaf_operands(decays, moments == "8bit", operands):
-    outs += [g, mu, nu] + ([scales] if scales is not None else [])
-  return outs
+  for g, mu, nu, _p in leaves:
+    outs += [g, mu, nu]
+  return outs + ([scales] if scales is not None else [])
 
 
 def _compressed_lowering(ctx, count, hp, *operands, decays, over_grad, traced, nesterov, threads, static, moments,
                          seed):
   q8 = moments == "8bit"
-  aliases, i, o = {}, 2, 0
+  aliases, i = {}, 2
+  if q8:  # the one scales operand, after every leaf's results
+    aliases[2] = 3 * len(decays)
+    i = 3
   for k, d in enumerate(decays):
     if over_grad[k] == "1":  # the update over a gradient computed here (as _lowering)
-      aliases[i] = o
-    aliases[i + 1], aliases[i + 2] = o + 1, o + 2
-    if q8:
-      aliases[i + 3] = o + 3
-    i += 3 + q8 + (d == "1")
-    o += 3 + q8
+      aliases[i] = 3 * k
+    aliases[i + 1], aliases[i + 2] = 3 * k + 1, 3 * k + 2
+    i += 4 if d == "1" else 3
   attrs = dict(zip(HP_NAMES, (float(v) for v in static)))
   rule = _ffi.ffi_lowering(COMPRESSED_TARGET, operand_output_aliases=aliases)
   return rule(ctx, count, hp, *operands, traced=int(traced), nesterov=int(nesterov), threads=int(threads),
@@ -349,12 +347,12 @@ batching.primitive_batchers[_cprim] = _compressed_batch
 ad.primitive_jvps[_cprim] = _jvp
 
 
-def adam_update_compressed(count, hp_values: Sequence, leaves: List[Tuple], *, moments: str, seed: int,
+def adam_update_compressed(count, hp_values: Sequence, leaves: List[Tuple], scales, *, moments: str, seed: int,
                            nesterov: bool, threads: int):
-  """One FFI call for `leaves` = [(g, mu, nu, scales or None, p or None)]: g float32,
-  bfloat16 or float16; mu and nu bfloat16 (moments="bf16") or uint8 codes with scales
-  uint8 [blocks, 2] (moments="8bit"); p float32. hp_values as adam_update's. Returns
-  [(u, mu, nu, scales or None)] per leaf."""
+  """One FFI call for `leaves` = [(g, mu, nu, p or None)]: g float32, bfloat16 or float16;
+  mu and nu bfloat16 (moments="bf16") or uint8 codes (moments="8bit", with `scales` uint8
+  [blocks, 2]: every leaf's 32-element blocks in leaf order; None for bf16); p float32.
+  hp_values as adam_update's. Returns ([(u, mu, nu)] per leaf, new scales or None)."""
   if _unavailable is not None:
     raise RuntimeError(_unavailable)
   static, dynamic, traced = [], [], 0
@@ -371,13 +369,12 @@ def adam_update_compressed(count, hp_values: Sequence, leaves: List[Tuple], *, m
   else:
     hp = jnp.zeros((0,), jnp.float32)
   q8 = moments == "8bit"
-  operands, decays, over_grad = [], "", ""
-  for g, mu, nu, scales, p in leaves:
-    operands += [g, mu, nu] + ([scales] if q8 else []) + ([p] if p is not None else [])
+  operands, decays, over_grad = ([scales] if q8 else []), "", ""
+  for g, mu, nu, p in leaves:
+    operands += [g, mu, nu] + ([p] if p is not None else [])
     decays += "1" if p is not None else "0"
     over_grad += "1" if _computed_here(g) else "0"
   params = dict(decays=decays, over_grad=over_grad, traced=traced, nesterov=bool(nesterov), threads=int(threads),
                 static=tuple(static), moments=moments, seed=int(seed))
   outs = _cprim.bind(jnp.asarray(count, jnp.int32), hp, *operands, **params)
-  k = 3 + q8
-  return [tuple(outs[k * i:k * i + 3]) + ((outs[k * i + 3],) if q8 else (None,)) for i in range(len(leaves))]
+  return [tuple(outs[3 * i:3 * i + 3]) for i in range(len(leaves))], (outs[-1] if q8 else None)

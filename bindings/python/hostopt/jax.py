@@ -61,7 +61,7 @@ import numpy as np
 
 from . import Optimizer as _Optimizer
 from . import _core
-from ._arrays import as_buffer
+from ._arrays import as_buffer, check_q8_scales
 from ._masks import mask_flags, per_leaf
 
 __all__ = ["adam", "adamw", "HostAdam"]
@@ -448,9 +448,12 @@ class HostAdam:
     float32 (f32 moments) or bfloat16 (bf16 moments, their exact bits). A leaf with 8-bit
     moments has no mu/nu entry: its codes are under 'mu_codes'/'nu_codes' (uint8, the leaf's
     shape) with 'moment_scales' (uint8 [blocks of 32, 2]: the blocks' exponent bytes for mu
-    and nu). Every copy is exact: loading it resumes bit for bit."""
+    and nu), and 'rounding_seed' (their stochastic rounding's). Every copy is exact: loading
+    it resumes bit for bit."""
     with self._lock:
       sd = {"step": self._core.step_count, "params": {}, "mu": {}, "nu": {}}
+      if any(fmt != "f32" for fmt in self._formats):
+        sd["rounding_seed"] = self._core.group_rounding_seed(0)
       for name, fmt, shape in zip(self._names, self._formats, self._shapes):
         sd["params"][name] = np.array(self._core.params(name))
         if fmt == "f32":
@@ -480,6 +483,7 @@ class HostAdam:
       for what, x, want in (("mu_codes", m, shape), ("nu_codes", v, shape), ("moment_scales", scales, (blocks, 2))):
         if x.dtype != np.uint8 or tuple(x.shape) != tuple(want):
           raise ValueError(f"state_dict[{what!r}][{name!r}]: {x.dtype} {tuple(x.shape)}, expected uint8 {tuple(want)}")
+      check_q8_scales(scales, f"state_dict['moment_scales'][{name!r}]")
       held_fmt = "8bit"
     else:
       for key in ("mu", "nu"):
@@ -511,10 +515,15 @@ class HostAdam:
   def load_state_dict(self, state: dict, convert_moments: bool = False) -> None:
     """Restores a state_dict() of the same tree; checked completely before anything
     changes. Moments of another format than a leaf's are refused unless convert_moments
-    (then converted: exactly into f32, stochastically rounded into bf16 or 8-bit)."""
+    (then converted: exactly into f32, stochastically rounded into bf16 or 8-bit). A
+    'rounding_seed' in it becomes this optimizer's (the same stream continues)."""
     with self._lock:
-      if "step" not in state or int(state["step"]) < 0:
-        raise ValueError(f"state_dict: 'step' missing or negative ({state.get('step')!r})")
+      step = state.get("step")
+      if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise ValueError(f"state_dict: 'step' missing, not an integer or negative ({step!r})")
+      seed = state.get("rounding_seed")
+      if seed is not None:
+        seed = _check_seed(seed)
       for key in ("params", "mu", "nu"):
         if key not in state:
           raise ValueError(f"state_dict: no {key!r}")
@@ -534,6 +543,7 @@ class HostAdam:
           raise TypeError(f"state_dict['params'][{n!r}]: dtype {x.dtype}, expected floating point")
         params[n] = x.astype(np.float32)
         moments[n] = self._staged_moments(state, n, shape, fmt, bool(convert_moments))
+      self._core.step_count = int(step)  # refused above the largest count: before anything changes
       for n, fmt in zip(self._names, self._formats):
         self._core.params(n)[...] = params[n]
         staged = moments[n]
@@ -546,7 +556,9 @@ class HostAdam:
           self._core.exp_avg_sq(n)[...] = staged[2]
         else:
           self._core.write_moments(n, staged[1], staged[2])
-      self._core.step_count = int(state["step"])
+      if seed is not None:
+        for g in range(len(self._group_of)):
+          self._core.set_group_rounding_seed(g, seed)
 
   def save(self, path: str) -> None:
     """The whole state as a safetensors checkpoint, written atomically (hostopt.Optimizer.save)."""

@@ -52,14 +52,18 @@ typed, so optax's own update fails loudly on it instead of reading codes as mome
 
 - ``bf16``: optax's ``ScaleByAdamState(count, mu, nu)`` with bfloat16 mu and nu (values);
 - ``8bit``: ``ScaleByAdam8bitState(count, mu_codes, nu_codes, scales)``: uint8 codes of each
-  leaf's shape and uint8 ``[ceil(size / 32), 2]`` exponent bytes per leaf (mu's and nu's per
-  32-element block).
+  leaf's shape, and ``scales`` one uint8 ``[blocks, 2]`` array of exponent bytes (mu's and
+  nu's per 32-element block): leaf after leaf in the params' leaf order, each leaf's
+  ``ceil(size / 32)`` blocks (one array, not a tree like the params, so
+  ``optax.tree_utils.tree_map_params`` maps the codes only).
 
-The update is the f32 kernel's for the decoded moments, the same bits eager, jitted and on
+The update is the f32 kernel's for the decoded moments, in the gradient's dtype (the
+kernel's: bfloat16 gradients give bfloat16 updates), the same bits eager, jitted and on
 numpy (the moments re-encoded in the same pass, in place under jit). Every leaf runs on the
 kernel, so gradients and params must be float32, bfloat16 or float16 and the arrays on the
-CPU (``state_memory`` and ``mu_dtype`` are refused with compressed moments). Under vmap the
-call runs per batch element; sharded leaves are gathered around it.
+CPU (``state_memory``, ``mu_dtype`` and ``reuse_state`` are refused with compressed moments).
+``init`` keeps the params' shardings on the codes; under jit the call sees whole arrays
+(sharded leaves are gathered around it) and under vmap it runs per batch element.
 
 hostopt's own options are keyword arguments collected apart from optax's, so that
 ``optax.inject_hyperparams`` never mistakes them for hyper-parameters:
@@ -110,8 +114,9 @@ _increment = getattr(optax, "safe_increment", None) or optax.safe_int32_incremen
 
 class ScaleByAdam8bitState(NamedTuple):
   """The Adam state of hostopt.optax with moments="8bit": optax's count, each leaf's mu and
-  nu as uint8 codes of its shape, and its blocks' exponent bytes (uint8 [ceil(size / 32),
-  2]: mu's, nu's). Zero bytes everywhere are zero moments."""
+  nu as uint8 codes of its shape, and `scales`, one uint8 [blocks, 2] array of exponent
+  bytes (mu's, nu's per 32-element block): each leaf's ceil(size / 32) blocks, leaf after
+  leaf in leaf order. Zero bytes everywhere are zero moments."""
   count: Any
   mu_codes: Any
   nu_codes: Any
@@ -226,16 +231,22 @@ def _flat_update(s: _Static, gs, mus, nus, ps, count, dynamic, lr_count, wd_coun
 _flat_update_jit = jax.jit(_flat_update, static_argnums=0)
 
 
+def _blocks(x) -> int:
+  """A leaf's 32-element blocks of 8-bit moments."""
+  return (int(np.size(x)) + 31) // 32
+
+
 def _compressed_flat_update(s: _Static, gs, mus, nus, scales, ps, count, dynamic, lr_count, wd_count):
   """The update over compressed moments (every leaf on the kernel); jax-traceable."""
   hp = _resolve_hp(s, dynamic, lr_count, wd_count)
   f32 = lambda x: x if x.dtype == jnp.float32 else x.astype(jnp.float32)  # exact widening
-  leaves = [(f32(g), m, v, sc, f32(p) if d else None)
-            for g, m, v, sc, p, d in zip(gs, mus, nus, scales, ps, s.decays)]
+  # Gradients as they are (the update takes their dtype); params widened for the decay term.
+  leaves = [(g, m, v, f32(p) if d else None) for g, m, v, p, d in zip(gs, mus, nus, ps, s.decays)]
   hp_kernel = hp if any(s.decays) else hp[:5] + (0.0,)
-  outs = _xla.adam_update_compressed(count, hp_kernel, leaves, moments=s.moments, seed=s.seed, nesterov=s.nesterov,
-                                     threads=s.threads)
-  return tuple(list(col) for col in zip(*outs)) if outs else ([], [], [], [])
+  outs, new_scales = _xla.adam_update_compressed(count, hp_kernel, leaves, scales, moments=s.moments, seed=s.seed,
+                                                 nesterov=s.nesterov, threads=s.threads)
+  u, m, v = (list(col) for col in zip(*outs)) if outs else ([], [], [])
+  return u, m, v, new_scales
 
 
 _compressed_flat_update_jit = jax.jit(_compressed_flat_update, static_argnums=0)
@@ -368,10 +379,11 @@ def _make(args: dict, decoupled: bool) -> optax.GradientTransformationExtraArgs:
       raise ValueError(f"{nm} = {float(value)}: expected a finite value")
 
   if moments != "f32":
-    if state_memory is not None or mu_dtype is not None:
-      raise ValueError(f"moments={moments!r} with {'state_memory' if state_memory is not None else 'mu_dtype'}: "
-                       "compressed moments live on the host kernel in their own format (state_memory and mu_dtype "
-                       "apply to optax's float moments)")
+    clash = [k for k, v in (("state_memory", state_memory), ("mu_dtype", mu_dtype), ("reuse_state", reuse_state))
+             if v not in (None, False)]
+    if clash:
+      raise ValueError(f"moments={moments!r} with {clash[0]}: compressed moments live on the host kernel in their "
+                       "own format (state_memory, mu_dtype and reuse_state apply to optax's float moments)")
     return _compressed_transformation(reference, moments, int(seed), decoupled, learning_rate, b1, b2, eps, eps_root,
                                       weight_decay, mask, nesterov, lr_schedule, wd_schedule, int(threads))
 
@@ -387,6 +399,9 @@ def _make(args: dict, decoupled: bool) -> optax.GradientTransformationExtraArgs:
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args  # optax's extra-args protocol: unused here
     adam_state = state[0]
+    if isinstance(adam_state, ScaleByAdam8bitState):
+      raise TypeError("state[0] is a ScaleByAdam8bitState (8-bit moments): this transformation keeps float moments "
+                      "(optax's ScaleByAdamState); make it with moments='8bit', or start from its own init")
     count = adam_state.count
     g_leaves, treedef = jax.tree_util.tree_flatten(updates)
     g_leaves = [x if hasattr(x, "dtype") else jnp.asarray(x) for x in g_leaves]  # Python scalars, as optax
@@ -478,14 +493,14 @@ def _compressed_transformation(reference, moments, seed, decoupled, learning_rat
     else:  # pragma: no cover - an optax whose other state is not counts
       rest = reference.init(params)[1:]
     count = zeros((), np.int32)
+    # Codes like the params (jnp.zeros_like keeps a jax array's sharding, as optax's init).
+    like = (lambda x, dt: np.zeros(np.shape(x), dt)) if numpy_in else (lambda x, dt: jnp.zeros_like(x, dtype=dt))
+    codes = lambda dt: treedef.unflatten([like(x, dt) for x in leaves])
     if q8:
-      codes = lambda: treedef.unflatten([zeros(np.shape(x), np.uint8) for x in leaves])
-      scales = treedef.unflatten([zeros(((int(np.size(x)) + 31) // 32, 2), np.uint8) for x in leaves])
-      adam = ScaleByAdam8bitState(count=count, mu_codes=codes(), nu_codes=codes(), scales=scales)
+      scales = zeros((sum(_blocks(x) for x in leaves), 2), np.uint8)
+      adam = ScaleByAdam8bitState(count=count, mu_codes=codes(np.uint8), nu_codes=codes(np.uint8), scales=scales)
     else:
-      bf = np.dtype(jnp.bfloat16)
-      values = lambda: treedef.unflatten([zeros(np.shape(x), bf) for x in leaves])
-      adam = optax.ScaleByAdamState(count=count, mu=values(), nu=values())
+      adam = optax.ScaleByAdamState(count=count, mu=codes(jnp.bfloat16), nu=codes(jnp.bfloat16))
     return (adam,) + tuple(rest)
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -500,10 +515,15 @@ def _compressed_transformation(reference, moments, seed, decoupled, learning_rat
     g_leaves = [x if hasattr(x, "dtype") else jnp.asarray(x) for x in g_leaves]
     if q8:
       mu_leaves, nu_leaves = treedef.flatten_up_to(adam_state.mu_codes), treedef.flatten_up_to(adam_state.nu_codes)
-      sc_leaves = treedef.flatten_up_to(adam_state.scales)
+      scales = adam_state.scales
+      want = (sum(_blocks(g) for g in g_leaves), 2)
+      if not hasattr(scales, "dtype") or np.dtype(scales.dtype) != np.uint8 or tuple(np.shape(scales)) != want:
+        raise ValueError(f"scales: " + (f"{scales.dtype} {tuple(np.shape(scales))}" if hasattr(scales, "dtype")
+                                        else type(scales).__name__) +
+                         f", expected uint8 {want} (every leaf's 32-element blocks, in leaf order)")
     else:
       mu_leaves, nu_leaves = treedef.flatten_up_to(adam_state.mu), treedef.flatten_up_to(adam_state.nu)
-      sc_leaves = [None] * len(g_leaves)
+      scales = None
     p_leaves = treedef.flatten_up_to(params) if params is not None else None
     code_dtype = np.dtype(np.uint8) if q8 else np.dtype(jnp.bfloat16)
     for i, g in enumerate(g_leaves):
@@ -511,13 +531,14 @@ def _compressed_transformation(reference, moments, seed, decoupled, learning_rat
         raise TypeError(f"updates[{i}]: dtype {g.dtype}; with {moments} moments every leaf runs on hostopt's kernel, "
                         "which takes float32, bfloat16 or float16 gradients")
       for nm, x in (("mu", mu_leaves[i]), ("nu", nu_leaves[i])):
-        if tuple(np.shape(x)) != tuple(np.shape(g)) or np.dtype(x.dtype) != code_dtype:
-          raise ValueError(f"{nm}[{i}]: {x.dtype} {tuple(np.shape(x))}, expected {code_dtype} {tuple(np.shape(g))} "
-                           f"({moments} moments of updates[{i}])")
-      if q8 and (np.dtype(sc_leaves[i].dtype) != np.uint8 or
-                 tuple(np.shape(sc_leaves[i])) != ((int(np.size(g)) + 31) // 32, 2)):
-        raise ValueError(f"scales[{i}]: {sc_leaves[i].dtype} {tuple(np.shape(sc_leaves[i]))}, expected uint8 "
-                         f"{((int(np.size(g)) + 31) // 32, 2)}")
+        if np.dtype(x.dtype) != code_dtype:
+          raise TypeError(f"{nm}[{i}]: dtype {x.dtype}, expected {code_dtype}: this transformation keeps {moments} "
+                          "moments; a state of another format is not converted")
+        if tuple(np.shape(x)) != tuple(np.shape(g)):
+          raise ValueError(f"{nm}[{i}] has shape {tuple(np.shape(x))}: expected {tuple(np.shape(g))} like updates[{i}]")
+      if p_leaves is not None and p_leaves[i] is not None and tuple(np.shape(p_leaves[i])) != tuple(np.shape(g)):
+        raise ValueError(f"params[{i}] has shape {tuple(np.shape(p_leaves[i]))}: expected {tuple(np.shape(g))} like "
+                         f"updates[{i}] (mu, nu and params must have the shape of the updates)")
     lr_count = state[-1].count if lr_schedule is not None else None
     wd_count = None
     if wd_schedule is not None:
@@ -526,7 +547,7 @@ def _compressed_transformation(reference, moments, seed, decoupled, learning_rat
         raise TypeError(f"weight_decay is a schedule, but optax {optax.__version__}'s adamw keeps no count for it "
                         "(this optax takes a number)")
       wd_count = wd_leaves[0]
-    arrays = list(g_leaves) + list(mu_leaves) + list(nu_leaves)
+    arrays = list(g_leaves) + list(mu_leaves) + list(nu_leaves) + ([scales] if q8 else [])
     numpy_route = (_not_tracing() and isinstance(count, np.ndarray) and all(isinstance(x, np.ndarray) for x in arrays))
     if not numpy_route and jax.default_backend() != "cpu":
       raise ValueError(f"hostopt.optax with {moments} moments runs on the host kernel: the arrays are on "
@@ -552,19 +573,20 @@ def _compressed_transformation(reference, moments, seed, decoupled, learning_rat
     ps = [p_leaves[i] if decays[i] else None for i in range(n)]
     if numpy_route:  # the same jitted call on copies, handed back as numpy
       j = lambda xs: [None if x is None else jnp.asarray(x) for x in xs]
-      outs = _compressed_flat_update_jit(s, j(g_leaves), j(mu_leaves), j(nu_leaves), j(sc_leaves), j(ps),
-                                         jnp.asarray(count), dynamic, lr_count, wd_count)
-      outs = [[None if x is None else np.asarray(x) for x in col] for col in outs]
+      outs = _compressed_flat_update_jit(s, j(g_leaves), j(mu_leaves), j(nu_leaves),
+                                         None if scales is None else jnp.asarray(scales), j(ps), jnp.asarray(count),
+                                         dynamic, lr_count, wd_count)
+      outs = [[np.asarray(x) for x in col] for col in outs[:3]] + [None if outs[3] is None else np.asarray(outs[3])]
     else:
       flat_update = _compressed_flat_update_jit if _not_tracing() else functools.partial(_compressed_flat_update)
-      outs = flat_update(s, list(g_leaves), list(mu_leaves), list(nu_leaves), list(sc_leaves), ps, count, dynamic,
-                         lr_count, wd_count)
+      outs = flat_update(s, list(g_leaves), list(mu_leaves), list(nu_leaves), scales, ps, count, dynamic, lr_count,
+                         wd_count)
     u, new_mu, new_nu, new_sc = outs
     keep_numpy = lambda x: np.asarray(x) if numpy_route else x
     new_count = keep_numpy(_increment(count))
     if q8:
       new_adam = ScaleByAdam8bitState(count=new_count, mu_codes=treedef.unflatten(new_mu),
-                                      nu_codes=treedef.unflatten(new_nu), scales=treedef.unflatten(new_sc))
+                                      nu_codes=treedef.unflatten(new_nu), scales=new_sc)
     else:
       new_adam = adam_state._replace(count=new_count, mu=treedef.unflatten(new_mu), nu=treedef.unflatten(new_nu))
     rest = jax.tree_util.tree_map(lambda c: keep_numpy(_increment(c)), tuple(state[1:]))
@@ -590,6 +612,9 @@ def _mirror(name: str, decoupled: bool, nesterov_default: Optional[bool] = None,
     # as one keyword, hostopt_options={...}: unfold it.
     nested = options.pop("hostopt_options", {})
     given = {**nested, **options} if isinstance(nested, dict) else options
+    for key, value in (preset or {}).items():
+      if key in given and given[key] != value:
+        raise TypeError(f"{public_name or name}: {key} is {value!r} here (use {name}({key}=...) for another)")
     arguments["hostopt_options"] = {**(preset or {}), **given}
     return _make(arguments, decoupled)
 

@@ -63,7 +63,7 @@ import numpy as np
 import torch
 
 from . import _core
-from ._arrays import as_buffer
+from ._arrays import as_buffer, check_q8_scales
 
 __all__ = ["Adam", "AdamW", "default_threads"]
 
@@ -130,6 +130,7 @@ def _check_moment_state(st: dict, fmt: str, like: torch.Tensor, where: str) -> b
       raise ValueError(f"{where}: 8-bit moments need {_SCALES!r}, uint8 with {2 * blocks} elements (2 per block "
                        f"of 32), got " + (f"{scales.dtype} with {scales.numel()}" if torch.is_tensor(scales)
                                           else "none"))
+    check_q8_scales(scales.detach().cpu().numpy(), f"{where}: {_SCALES}")
     if len(codes) == 2 and not _same_memory_order(codes[0], codes[1]):
       raise ValueError(f"{where}: {_CODES[0]} and {_CODES[1]} are laid out differently")
   return any(not _same_memory_order(c, like) for c in codes)
