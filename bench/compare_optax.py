@@ -9,6 +9,8 @@ so each thread count runs in a process of its own; this script re-runs itself):
   hostopt jit+donate the same, all donated: mu/nu updated in place (the update gets a
                      buffer of its own: it is written over the gradient only when the step
                      computes the gradient itself)
+  ho bf16 / ho 8bit  hostopt jit+donate with moments="bf16" / "8bit" (compressed moments:
+                     2 + 2 or 1 + 1 + 1/16 bytes of moments read and written per parameter)
   hostopt numpy      hostopt.optax on numpy trees with reuse_state, then p += u (numpy)
   hostopt.jax        hostopt.jax.adamw: params = opt.step(grads), jax arrays in and out (the
                      fused step in the arena plus a float32 copy-out JAX takes without a copy)
@@ -39,10 +41,10 @@ import sys
 import time
 
 SHORT = {"optax jit": "ox jit", "optax jit+donate": "ox donate", "hostopt jit": "ho jit",
-         "hostopt jit+donate": "ho donate", "hostopt numpy": "ho numpy", "hostopt.jax": "ho.jax",
-         "C++ floor": "C++ floor"}
-BYTES = {"optax jit": 44, "optax jit+donate": 28, "hostopt jit": 56, "hostopt jit+donate": 40,
-         "hostopt numpy": 40, "hostopt.jax": 32, "C++ floor": 28}
+         "hostopt jit+donate": "ho donate", "hostopt bf16": "ho bf16", "hostopt 8bit": "ho 8bit",
+         "hostopt numpy": "ho numpy", "hostopt.jax": "ho.jax", "C++ floor": "C++ floor"}
+BYTES = {"optax jit": 44, "optax jit+donate": 28, "hostopt jit": 56, "hostopt jit+donate": 40, "hostopt bf16": 32,
+         "hostopt 8bit": 28.1, "hostopt numpy": 40, "hostopt.jax": 32, "C++ floor": 28}
 
 
 def parse_size(s):
@@ -117,8 +119,11 @@ def worker(size, threads, leaves, iterations):
 
   floor = hostopt.Optimizer([{"params": {k: v.shape for k, v in params_np.items()}, "lr": 1e-3,
                               "weight_decay": 0.01, "mode": "adamw"}], threads=threads)
+  bf16 = hoptax.adamw(1e-3, weight_decay=0.01, threads=threads, moments="bf16")
+  q8 = hoptax.adamw(1e-3, weight_decay=0.01, threads=threads, moments="8bit")
   variants = {"optax jit": jitted(ref, False), "optax jit+donate": jitted(ref, True),
               "hostopt jit": jitted(ours, False), "hostopt jit+donate": jitted(ours, True),
+              "hostopt bf16": jitted(bf16, True), "hostopt 8bit": jitted(q8, True),
               "hostopt numpy": run_numpy, "hostopt.jax": run_front, "C++ floor": lambda: floor.step(grads_np) and None}
   times = {k: [] for k in variants}
   for r in range(iterations + 1):  # round 0 compiles and warms up
