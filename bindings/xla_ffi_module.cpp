@@ -189,6 +189,32 @@ call_setup setup_call(const XLA_FFI_CallFrame* frame, const call_attributes& at)
   return out;
 }
 
+// One leaf's operands and results, in both calls' order: g, mu, nu, p (when it decays)
+// from operand `next` on (advanced); u, mu, nu as results 3i..3i+2.
+struct leaf_buffers {
+  const XLA_FFI_Buffer *g, *mu, *nu, *p, *u, *mu_out, *nu_out;
+  hostopt::dtype grad_type;
+  std::size_t n;
+};
+
+leaf_buffers leaf_at(const XLA_FFI_CallFrame* frame, int64_t& next, std::size_t i, bool decays) {
+  leaf_buffers b{};
+  b.g = arg(frame, next++);
+  b.mu = arg(frame, next++);
+  b.nu = arg(frame, next++);
+  b.p = decays ? arg(frame, next++) : nullptr;
+  b.u = ret(frame, int64_t(3 * i));
+  b.mu_out = ret(frame, int64_t(3 * i + 1));
+  b.nu_out = ret(frame, int64_t(3 * i + 2));
+  b.grad_type = grad_dtype(b.g->dtype, "leaf " + std::to_string(i) + " gradient");
+  b.n = element_count(b.g);
+  if (b.u->dtype != b.g->dtype || element_count(b.u) != b.n)
+    throw std::invalid_argument("leaf " + std::to_string(i) + ": the update must have the gradient's dtype and size");
+  if (b.p != nullptr && (b.p->dtype != XLA_FFI_DataType_F32 || element_count(b.p) != b.n))
+    throw std::invalid_argument("leaf " + std::to_string(i) + ": params must be float32 of the gradient's size");
+  return b;
+}
+
 // The whole call: validates everything before the first write, then one
 // hostopt::adam_update (one parallel region) per gradient dtype.
 void adam_update_call(const XLA_FFI_CallFrame* frame) {
@@ -199,22 +225,11 @@ void adam_update_call(const XLA_FFI_CallFrame* frame) {
   std::vector<hostopt::update_leaf> by_dtype[3];
   int64_t next = 2;
   for (std::size_t i = 0; i < leaves; ++i) {
-    const std::string at_leaf = "leaf " + std::to_string(i);
     const bool decays = at.decays[i] == '1';
-    const XLA_FFI_Buffer* g = arg(frame, next++);
-    const XLA_FFI_Buffer* mu = arg(frame, next++);
-    const XLA_FFI_Buffer* nu = arg(frame, next++);
-    const XLA_FFI_Buffer* p = decays ? arg(frame, next++) : nullptr;
-    const XLA_FFI_Buffer* u = ret(frame, int64_t(3 * i));
-    const XLA_FFI_Buffer* mu_out = ret(frame, int64_t(3 * i + 1));
-    const XLA_FFI_Buffer* nu_out = ret(frame, int64_t(3 * i + 2));
-    const hostopt::dtype gt = grad_dtype(g->dtype, at_leaf + " gradient");
-    const std::size_t n = element_count(g);
-    for (const XLA_FFI_Buffer* b : {mu, nu, mu_out, nu_out, p})
-      if (b != nullptr && (b->dtype != XLA_FFI_DataType_F32 || element_count(b) != n))
-        throw std::invalid_argument(at_leaf + ": mu, nu and params must be float32 of the gradient's size");
-    if (u->dtype != g->dtype || element_count(u) != n)
-      throw std::invalid_argument(at_leaf + ": the update must have the gradient's dtype and size");
+    const auto [g, mu, nu, p, u, mu_out, nu_out, gt, n] = leaf_at(frame, next, i, decays);
+    for (const XLA_FFI_Buffer* b : {mu, nu, mu_out, nu_out})
+      if (b->dtype != XLA_FFI_DataType_F32 || element_count(b) != n)
+        throw std::invalid_argument("leaf " + std::to_string(i) + ": mu and nu must be float32 of the gradient's size");
     // The moments are updated in place in the results; XLA aliases them to the operands,
     // so the copy below happens only if a caller did not.
     if (mu_out->data != mu->data) std::memcpy(mu_out->data, mu->data, n * sizeof(float));
@@ -253,25 +268,12 @@ void adam_update_compressed_call(const XLA_FFI_CallFrame* frame) {
   const XLA_FFI_Buffer* scales = q8 ? arg(frame, next++) : nullptr;
   const XLA_FFI_Buffer* scales_out = q8 ? ret(frame, int64_t(3 * leaves)) : nullptr;
   for (std::size_t i = 0; i < leaves; ++i) {
-    const std::string at_leaf = "leaf " + std::to_string(i);
     const bool decays = at.decays[i] == '1';
-    const XLA_FFI_Buffer* g = arg(frame, next++);
-    const XLA_FFI_Buffer* mu = arg(frame, next++);
-    const XLA_FFI_Buffer* nu = arg(frame, next++);
-    const XLA_FFI_Buffer* p = decays ? arg(frame, next++) : nullptr;
-    const XLA_FFI_Buffer* u = ret(frame, int64_t(3 * i));
-    const XLA_FFI_Buffer* mu_out = ret(frame, int64_t(3 * i + 1));
-    const XLA_FFI_Buffer* nu_out = ret(frame, int64_t(3 * i + 2));
-    const hostopt::dtype gt = grad_dtype(g->dtype, at_leaf + " gradient");
-    const std::size_t n = element_count(g);
+    const auto [g, mu, nu, p, u, mu_out, nu_out, gt, n] = leaf_at(frame, next, i, decays);
     for (const XLA_FFI_Buffer* b : {mu, nu, mu_out, nu_out})
       if (b->dtype != code_type || element_count(b) != n)
-        throw std::invalid_argument(at_leaf + ": mu and nu must be " + (q8 ? "uint8 codes" : "bfloat16") +
-                                    " of the gradient's size");
-    if (p != nullptr && (p->dtype != XLA_FFI_DataType_F32 || element_count(p) != n))
-      throw std::invalid_argument(at_leaf + ": params must be float32 of the gradient's size");
-    if (u->dtype != g->dtype || element_count(u) != n)
-      throw std::invalid_argument(at_leaf + ": the update must have the gradient's dtype and size");
+        throw std::invalid_argument("leaf " + std::to_string(i) + ": mu and nu must be " +
+                                    (q8 ? "uint8 codes" : "bfloat16") + " of the gradient's size");
     // Updated in place in the results; XLA aliases them, so these copies happen only if a
     // caller did not.
     const std::size_t code_bytes = n * hostopt::moment_code_bytes(format);

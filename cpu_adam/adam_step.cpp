@@ -79,21 +79,9 @@ void adam_update(std::span<const update_leaf> leaves, std::span<const adam_confi
     const update_leaf& l = leaves[i];
     const std::string at = leaves.size() == 1 ? std::string() : "leaves[" + std::to_string(i) + "].";
     const std::size_t n = l.grad.size;
-    if (l.config >= configs.size())
-      throw std::invalid_argument(at + "config = " + std::to_string(l.config) + ": expected an index below " +
-                                  std::to_string(configs.size()));
-    const bool decays = variant_of(configs[l.config]).decay != decay_kind::none;
-    if (decays || l.params) check_view(at + "params", l.params, n, dtype::f32, n);
+    check_update_leaf(at, l.params, l.grad, l.update, l.config, configs, grad_type);
     check_view(at + "exp_avg", l.exp_avg, n, dtype::f32, n);
     check_view(at + "exp_avg_sq", l.exp_avg_sq, n, dtype::f32, n);
-    check_view(at + "grad", l.grad.data, n, l.grad.type, n);
-    check_view(at + "update", l.update.data, l.update.size, l.update.type, n);
-    if (l.grad.type != grad_type)
-      throw std::invalid_argument(at + "grad.type = " + std::string(dtype_name(l.grad.type)) + ": expected " +
-                                  std::string(dtype_name(grad_type)) + " (one gradient dtype per call)");
-    if (l.update.type != l.grad.type)
-      throw std::invalid_argument(at + "update.type = " + std::string(dtype_name(l.update.type)) + ": expected " +
-                                  std::string(dtype_name(l.grad.type)) + " like grad");
     first[i + 1] = first[i] + n;
     if (n == 0) continue;
     const std::size_t esz = dtype_size(grad_type);

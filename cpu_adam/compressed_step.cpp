@@ -113,19 +113,7 @@ void adam_update(std::span<const compressed_update_leaf> leaves, std::span<const
     const compressed_update_leaf& l = leaves[i];
     const std::string at = leaves.size() == 1 ? std::string() : "leaves[" + std::to_string(i) + "].";
     const std::size_t n = l.grad.size;
-    if (l.config >= configs.size())
-      throw std::invalid_argument(at + "config = " + std::to_string(l.config) + ": expected an index below " +
-                                  std::to_string(configs.size()));
-    const bool decays = variant_of(configs[l.config]).decay != decay_kind::none;
-    if (decays || l.params) check_view(at + "params", l.params, n, dtype::f32, n);
-    check_view(at + "grad", l.grad.data, n, l.grad.type, n);
-    check_view(at + "update", l.update.data, l.update.size, l.update.type, n);
-    if (l.grad.type != grad_type)
-      throw std::invalid_argument(at + "grad.type = " + std::string(dtype_name(l.grad.type)) + ": expected " +
-                                  std::string(dtype_name(grad_type)) + " (one gradient dtype per call)");
-    if (l.update.type != l.grad.type)
-      throw std::invalid_argument(at + "update.type = " + std::string(dtype_name(l.update.type)) + ": expected " +
-                                  std::string(dtype_name(l.grad.type)) + " like grad");
+    check_update_leaf(at, l.params, l.grad, l.update, l.config, configs, grad_type);
     if (l.moments.format == moment_format::q8 && l.first_index % q8_block)
       throw std::invalid_argument(at + "first_index = " + std::to_string(l.first_index) +
                                   ": 8bit leaves start their rounding indices on a block (a multiple of " +

@@ -86,6 +86,24 @@ void refuse_unknown_norm(const char* what) {
                               "unchecked (skip_nonfinite = false, max_grad_norm = 0)");
 }
 
+void check_update_leaf(const std::string& at, const float* params, const_view grad, mut_view update,
+                       std::size_t config, std::span<const adam_config> configs, dtype grad_type) {
+  const std::size_t n = grad.size;
+  if (config >= configs.size())
+    throw std::invalid_argument(at + "config = " + std::to_string(config) + ": expected an index below " +
+                                std::to_string(configs.size()));
+  const bool decays = variant_of(configs[config]).decay != decay_kind::none;
+  if (decays || params) check_view(at + "params", params, n, dtype::f32, n);
+  check_view(at + "grad", grad.data, n, grad.type, n);
+  check_view(at + "update", update.data, update.size, update.type, n);
+  if (grad.type != grad_type)
+    throw std::invalid_argument(at + "grad.type = " + std::string(dtype_name(grad.type)) + ": expected " +
+                                std::string(dtype_name(grad_type)) + " (one gradient dtype per call)");
+  if (update.type != grad.type)
+    throw std::invalid_argument(at + "update.type = " + std::string(dtype_name(update.type)) + ": expected " +
+                                std::string(dtype_name(grad.type)) + " like grad");
+}
+
 step_plan one_buffer_plan(const kernel_set& ks, std::span<const adam_config> configs, std::int64_t step,
                           const step_io& io, float grad_scale, std::span<group_kernel> groups, bool signed_rates) {
   check_step_number(step);

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <string>
 
 #include "hostopt/adam_config.hpp"
 #include "hostopt/dtype.hpp"
@@ -74,6 +75,13 @@ private:
 /// A chunked step cannot read its gradients before they arrive: the norm provider of its
 /// plan refuses, naming what to pass instead.
 [[noreturn]] void refuse_unknown_norm(const char* what);
+
+/// The checks every optax-form leaf shares (adam_update of f32 and of compressed leaves):
+/// its config index, its params (required when its config decays), gradient and update
+/// views of the gradient's size, one gradient dtype per call, the update in that dtype.
+/// `at` prefixes the messages ("leaves[3]." or "").
+void check_update_leaf(const std::string& at, const float* params, const_view grad, mut_view update,
+                       std::size_t config, std::span<const adam_config> configs, dtype grad_type);
 
 /// The plan of a one-buffer step (adam_step, adam_update): the same rules and scalars as
 /// the optimizer's, for step number `step` (>= 1). The optax form (`signed_rates`) takes lr

@@ -189,13 +189,9 @@ def is_static_number(x) -> bool:
   return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
 
 
-def adam_update(count, hp_values: Sequence, leaves: List[Tuple], *, nesterov: bool, threads: int,
-                per_shard: bool = True):
-  """One FFI call for `leaves` = [(g, mu, nu, p or None)], all float32 and of one shape
-  per leaf. hp_values: (lr, b1, b2, eps, eps_root, wd), each a Python float (static) or
-  an array (traced or not). Returns [(u, new_mu, new_nu)] per leaf."""
-  if _unavailable is not None:
-    raise RuntimeError(_unavailable)
+def _split_hyperparameters(hp_values: Sequence):
+  """(static floats, the dynamic ones as one f32/f64 vector operand, their bit mask): static
+  numbers reach the kernel as f64 attributes, the rest as operands."""
   static, dynamic, traced = [], [], 0
   for k, v in enumerate(hp_values):
     if is_static_number(v):
@@ -209,6 +205,17 @@ def adam_update(count, hp_values: Sequence, leaves: List[Tuple], *, nesterov: bo
     hp = jnp.stack([jnp.asarray(v, dt).reshape(()) for v in dynamic])
   else:
     hp = jnp.zeros((0,), jnp.float32)
+  return tuple(static), hp, traced
+
+
+def adam_update(count, hp_values: Sequence, leaves: List[Tuple], *, nesterov: bool, threads: int,
+                per_shard: bool = True):
+  """One FFI call for `leaves` = [(g, mu, nu, p or None)], all float32 and of one shape
+  per leaf. hp_values: (lr, b1, b2, eps, eps_root, wd), each a Python float (static) or
+  an array (traced or not). Returns [(u, new_mu, new_nu)] per leaf."""
+  if _unavailable is not None:
+    raise RuntimeError(_unavailable)
+  static, hp, traced = _split_hyperparameters(hp_values)
   operands, decays, over_grad = [], "", ""
   for g, mu, nu, p in leaves:
     operands += [g, mu, nu] + ([p] if p is not None else [])
@@ -216,7 +223,7 @@ def adam_update(count, hp_values: Sequence, leaves: List[Tuple], *, nesterov: bo
     over_grad += "1" if _computed_here(g) else "0"
   count = jnp.asarray(count, jnp.int32)
   params = dict(decays=decays, over_grad=over_grad, traced=traced, nesterov=bool(nesterov), threads=int(threads),
-                static=tuple(static))
+                static=static)
   args = [count, hp, *operands]
   if per_shard and _SHARDY and jax.device_count() > 1 and all(type(x).__name__ == "DynamicJaxprTracer"
                                                 for x in args if isinstance(x, core.Tracer)):
@@ -355,19 +362,7 @@ def adam_update_compressed(count, hp_values: Sequence, leaves: List[Tuple], scal
   hp_values as adam_update's. Returns ([(u, mu, nu)] per leaf, new scales or None)."""
   if _unavailable is not None:
     raise RuntimeError(_unavailable)
-  static, dynamic, traced = [], [], 0
-  for k, v in enumerate(hp_values):
-    if is_static_number(v):
-      static.append(float(v))
-    else:
-      static.append(0.0)
-      dynamic.append(v)
-      traced |= 1 << k
-  if dynamic:
-    dt = jnp.float64 if any(jnp.result_type(v) == jnp.float64 for v in dynamic) else jnp.float32
-    hp = jnp.stack([jnp.asarray(v, dt).reshape(()) for v in dynamic])
-  else:
-    hp = jnp.zeros((0,), jnp.float32)
+  static, hp, traced = _split_hyperparameters(hp_values)
   q8 = moments == "8bit"
   operands, decays, over_grad = ([scales] if q8 else []), "", ""
   for g, mu, nu, p in leaves:
@@ -375,6 +370,6 @@ def adam_update_compressed(count, hp_values: Sequence, leaves: List[Tuple], scal
     decays += "1" if p is not None else "0"
     over_grad += "1" if _computed_here(g) else "0"
   params = dict(decays=decays, over_grad=over_grad, traced=traced, nesterov=bool(nesterov), threads=int(threads),
-                static=tuple(static), moments=moments, seed=int(seed))
+                static=static, moments=moments, seed=int(seed))
   outs = _cprim.bind(jnp.asarray(count, jnp.int32), hp, *operands, **params)
   return [tuple(outs[3 * i:3 * i + 3]) for i in range(len(leaves))], (outs[-1] if q8 else None)

@@ -293,6 +293,20 @@ def _numpy_update(s: _Static, hp, gs, mus, nus, ps, count, reuse: bool, dynamic,
   return u, new_mu, new_nu
 
 
+def _schedule_counts(state, lr_schedule, wd_schedule):
+  """The counts optax's state keeps for the learning-rate and weight-decay schedules (None
+  for a number): the last element's count, and WeightDecaySchedule's (masked or not)."""
+  lr_count = state[-1].count if lr_schedule is not None else None
+  wd_count = None
+  if wd_schedule is not None:
+    wd_leaves = jax.tree_util.tree_leaves(state[1])
+    if not wd_leaves:
+      raise TypeError(f"weight_decay is a schedule, but optax {optax.__version__}'s adamw keeps no count for it "
+                      "(this optax takes a number)")
+    wd_count = wd_leaves[0]
+  return lr_count, wd_count
+
+
 def _place_moments(adam_state, kind: str):
   """mu and nu of the leaves the kernel takes (float32), in memory `kind` of their devices."""
   def place(x):
@@ -414,14 +428,7 @@ def _make(args: dict, decoupled: bool) -> optax.GradientTransformationExtraArgs:
         if leaves is not None and leaves[i] is not None and tuple(np.shape(leaves[i])) != tuple(np.shape(g)):
           raise ValueError(f"{nm}[{i}] has shape {tuple(np.shape(leaves[i]))}: expected {tuple(np.shape(g))} like "
                            f"updates[{i}] (mu, nu and params must have the shape of the updates)")
-    lr_count = state[-1].count if lr_schedule is not None else None
-    wd_count = None
-    if wd_schedule is not None:
-      wd_leaves = jax.tree_util.tree_leaves(state[1])  # WeightDecaySchedule.count, masked or not
-      if not wd_leaves:
-        raise TypeError(f"weight_decay is a schedule, but optax {optax.__version__}'s adamw keeps no count for it "
-                        "(this optax takes a number)")
-      wd_count = wd_leaves[0]
+    lr_count, wd_count = _schedule_counts(state, lr_schedule, wd_schedule)
     # numpy in, numpy out — unless a jax transformation is tracing us (lax.cond inside
     # optax.apply_if_finite, a jit): then the work must be staged, not run at trace time.
     numpy_route = (_not_tracing() and isinstance(count, np.ndarray) and
@@ -539,14 +546,7 @@ def _compressed_transformation(reference, moments, seed, decoupled, learning_rat
       if p_leaves is not None and p_leaves[i] is not None and tuple(np.shape(p_leaves[i])) != tuple(np.shape(g)):
         raise ValueError(f"params[{i}] has shape {tuple(np.shape(p_leaves[i]))}: expected {tuple(np.shape(g))} like "
                          f"updates[{i}] (mu, nu and params must have the shape of the updates)")
-    lr_count = state[-1].count if lr_schedule is not None else None
-    wd_count = None
-    if wd_schedule is not None:
-      wd_leaves = jax.tree_util.tree_leaves(state[1])
-      if not wd_leaves:
-        raise TypeError(f"weight_decay is a schedule, but optax {optax.__version__}'s adamw keeps no count for it "
-                        "(this optax takes a number)")
-      wd_count = wd_leaves[0]
+    lr_count, wd_count = _schedule_counts(state, lr_schedule, wd_schedule)
     arrays = list(g_leaves) + list(mu_leaves) + list(nu_leaves) + ([scales] if q8 else [])
     numpy_route = (_not_tracing() and isinstance(count, np.ndarray) and all(isinstance(x, np.ndarray) for x in arrays))
     if not numpy_route and jax.default_backend() != "cpu":
