@@ -260,7 +260,9 @@ void adam_update_compressed_call(const XLA_FFI_CallFrame* frame) {
   if (format == hostopt::moment_format::f32) throw std::invalid_argument("moments = f32: use hostopt_adam_update");
   const bool q8 = format == hostopt::moment_format::q8;
   const XLA_FFI_DataType code_type = q8 ? XLA_FFI_DataType_U8 : XLA_FFI_DataType_BF16;
-  const std::uint64_t seed = std::uint64_t(std::uint32_t(at.seed_lo)) | std::uint64_t(at.seed_hi) << 32;
+  if (at.seed_lo < 0 || at.seed_lo > INT64_C(0xFFFFFFFF) || at.seed_hi < 0 || at.seed_hi > INT64_C(0xFFFFFFFF))
+    throw std::invalid_argument("seed_lo and seed_hi must each be in [0, 2^32)");
+  const std::uint64_t seed = std::uint64_t(at.seed_lo) | std::uint64_t(at.seed_hi) << 32;
   const std::size_t leaves = at.decays.size();
   std::vector<hostopt::compressed_update_leaf> by_dtype[3];
   std::uint64_t first_index = 0;

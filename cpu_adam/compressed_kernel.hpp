@@ -12,8 +12,9 @@
 //   v's (never negative) a 5-bit exponent | 3-bit mantissa, both relative to the block's
 //   base, with subnormals below it: a block spans 2^17 (m) and 2^33 (v) of dynamic range,
 //   and a power-of-two scale makes encoding bit arithmetic (no code-book search, no
-//   division). Rounding is stochastic as for bf16. A block whose moment is not finite
-//   has base 255 and decodes as NaN. 2 + 2/32 bytes per element.
+//   division). Rounding is stochastic as for bf16. A block whose moment is NaN (or m
+//   infinite) has base 255 and decodes as NaN; an infinite v saturates (base_for).
+//   2 + 2/32 bytes per element.
 // The random bits of element i at step t come from lowbias32(i ^ span_key) (rounding_key.hpp).
 //
 // Only included by the per-instruction-set translation units (cpu_adam/arch_*.cpp).
@@ -81,8 +82,14 @@ struct moment_codec {
   /// The exponent is the largest value's after rounding up (its 20 discarded bits all
   /// carrying), so no code ever saturates: a base from the exponent alone would clamp a
   /// value just below a power of two (v = 0.999 of 1) to 15/16 of it, biased.
+  ///
+  /// A NaN poisons the block; so does an infinite m (an infinite gradient: the f32 step
+  /// gives NaN there too). An infinite v comes from a finite gradient above ~1.8e19, whose
+  /// square overflows: the f32 step then takes a zero step for that element alone, so v
+  /// saturates at the top code instead (a step of ~0) rather than poisoning 31 others.
   static std::uint32_t base_for(std::uint32_t max_magnitude_bits, std::uint32_t max_code) noexcept {
-    if (max_magnitude_bits >= 0x7F800000u) return poisoned; // inf or NaN
+    const bool v = max_code == v_max_code;
+    if (max_magnitude_bits > 0x7F800000u || (!v && max_magnitude_bits == 0x7F800000u)) return poisoned;
     const std::uint32_t rounded_up = (max_magnitude_bits + 0xFFFFFu) >> 23;
     const std::uint32_t e = rounded_up < 254 ? rounded_up : 254;
     const std::uint32_t top = max_code >> 3; // 15 (m) or 31 (v)

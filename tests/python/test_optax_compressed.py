@@ -216,3 +216,12 @@ def test_bf16_params_and_gradients_get_bf16_updates_through_lax_scan(fmt):
   if fmt == "8bit" and hasattr(optax, "tree_utils") and hasattr(optax.tree_utils, "tree_map_params"):
     mapped = optax.tree_utils.tree_map_params(opt, lambda x: x.shape, state)
     assert mapped[0].mu_codes["l1"]["w"] == (8, 40) and mapped[0].scales is state[0].scales
+
+
+@pytest.mark.parametrize("moments", ["f32", "bf16", "8bit"])
+def test_python_scalar_leaves_as_optax_takes_them(moments):
+  opt = hoptax.adamw(1e-2, weight_decay=0.1, moments=moments)
+  ref = optax.adamw(1e-2, weight_decay=0.1)
+  u, _ = opt.update({"s": 0.5}, opt.init({"s": 1.0}), {"s": 1.0})
+  want, _ = ref.update({"s": 0.5}, ref.init({"s": 1.0}), {"s": 1.0})
+  assert np.allclose(np.asarray(u["s"]), np.asarray(want["s"]), rtol=1e-5)  # optax rounds its bias corrections in f32

@@ -519,7 +519,7 @@ class HostAdam:
     'rounding_seed' in it becomes this optimizer's (the same stream continues)."""
     with self._lock:
       step = state.get("step")
-      if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+      if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 0 <= int(step) < 1 << 63:
         raise ValueError(f"state_dict: 'step' missing, not an integer or negative ({step!r})")
       seed = state.get("rounding_seed")
       if seed is not None:

@@ -422,6 +422,8 @@ def _make(args: dict, decoupled: bool) -> optax.GradientTransformationExtraArgs:
     mu_leaves = treedef.flatten_up_to(adam_state.mu)
     nu_leaves = treedef.flatten_up_to(adam_state.nu)
     p_leaves = treedef.flatten_up_to(params) if params is not None else None
+    if p_leaves is not None:  # Python scalars, as optax takes them
+      p_leaves = [x if x is None or hasattr(x, "dtype") else jnp.asarray(x) for x in p_leaves]
     n = len(g_leaves)
     for i, g in enumerate(g_leaves):  # optax's contract: mu, nu (and params) have the update's shape
       for nm, leaves in (("mu", mu_leaves), ("nu", nu_leaves), ("params", p_leaves)):
@@ -532,6 +534,8 @@ def _compressed_transformation(reference, moments, seed, decoupled, learning_rat
       mu_leaves, nu_leaves = treedef.flatten_up_to(adam_state.mu), treedef.flatten_up_to(adam_state.nu)
       scales = None
     p_leaves = treedef.flatten_up_to(params) if params is not None else None
+    if p_leaves is not None:  # Python scalars, as optax takes them
+      p_leaves = [x if x is None or hasattr(x, "dtype") else jnp.asarray(x) for x in p_leaves]
     code_dtype = np.dtype(np.uint8) if q8 else np.dtype(jnp.bfloat16)
     for i, g in enumerate(g_leaves):
       if np.dtype(g.dtype) not in _KERNEL_INPUT:
