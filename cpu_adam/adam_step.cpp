@@ -93,14 +93,7 @@ void adam_update(std::span<const update_leaf> leaves, std::span<const adam_confi
     if (l.grad.data != l.update.data) ranges.push_back(range_of(l.grad.data, n * esz, false, 3, i));
     if (l.params) ranges.push_back(range_of(l.params, n * 4, false, 0, i));
   }
-  if (leaves.size() == 1) {
-    check_no_overlap(ranges, names);
-  } else if (!ranges.empty()) {
-    std::vector<std::string> leaf_names(leaves.size());
-    for (std::size_t i = 0; i < leaves.size(); ++i) leaf_names[i] = "leaf " + std::to_string(i);
-    const char* kinds[] = {"params", "exp_avg", "exp_avg_sq", "grad", "update"};
-    check_no_overlap(ranges, kinds, &leaf_names, /*index_every_kind=*/true);
-  }
+  check_no_overlap_of_leaves(ranges, names, leaves.size());
   std::vector<group_kernel> groups(configs.size());
   one_buffer_plan(ks, configs, step, {grad_type, std::nullopt, false, true}, grad_scale, groups, /*signed_rates=*/true);
   const std::size_t total = first.back();

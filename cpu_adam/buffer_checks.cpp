@@ -68,6 +68,14 @@ std::string describe(const byte_range& r, const char* const* kind_names,
 }
 } // namespace
 
+void check_no_overlap_of_leaves(std::vector<byte_range>& ranges, const char* const* kind_names, std::size_t leaves) {
+  if (leaves == 1) return check_no_overlap(ranges, kind_names);
+  if (ranges.empty()) return;
+  std::vector<std::string> leaf_names(leaves);
+  for (std::size_t i = 0; i < leaves; ++i) leaf_names[i] = "leaf " + std::to_string(i);
+  check_no_overlap(ranges, kind_names, &leaf_names, /*index_every_kind=*/true);
+}
+
 void check_no_overlap(std::vector<byte_range>& ranges, const char* const* kind_names,
                       const std::vector<std::string>* tensor_names, bool index_every_kind) {
   std::sort(ranges.begin(), ranges.end(),

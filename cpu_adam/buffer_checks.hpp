@@ -42,4 +42,8 @@ inline byte_range range_of(const void* p, std::size_t bytes, bool written, int k
 void check_no_overlap(std::vector<byte_range>& ranges, const char* const* kind_names,
                       const std::vector<std::string>* tensor_names = nullptr, bool index_every_kind = false);
 
+/// check_no_overlap over the ranges of `leaves` leaves (byte_range::index = leaf): one leaf
+/// is named by kind alone ("grad"), several by "leaf i" and kind.
+void check_no_overlap_of_leaves(std::vector<byte_range>& ranges, const char* const* kind_names, std::size_t leaves);
+
 } // namespace hostopt::detail

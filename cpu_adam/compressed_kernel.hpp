@@ -285,7 +285,7 @@ struct adam_bf16_state_kernel : compressed_kernel_base<Arch> {
     base::template over_units<W, !Delta>(
         k, out, n,
         [&](auto stream, std::size_t j, std::uint32_t lo, std::uint32_t key) {
-          block<decltype(stream)::value>(c, p ? p + j : p, m + j, v + j, grad + j, out_at(out, j), lo, key);
+          block<decltype(stream)::value>(c, !Delta || p ? p + j : p, m + j, v + j, grad + j, out_at(out, j), lo, key);
         },
         [&](std::size_t j, std::size_t r, std::uint32_t lo, std::uint32_t key) {
           // Tail: the same vector code on a zero-padded copy.
@@ -328,8 +328,8 @@ struct adam_q8_state_kernel : compressed_kernel_base<Arch> {
     for (std::size_t j = 0; j < V; ++j) {
       mm[j] = codec::decode_m(m + j * W, m_base, m_in);
       vv[j] = codec::decode_v(v + j * W, v_base, v_in);
-      const vec pp = rule::template apply<false, Delta>(c, ops::load(grad + j * W), base::template load_p<Delta>(p ? p + j * W : p), mm[j],
-                                                        vv[j]);
+      const vec pin = base::template load_p<Delta>(!Delta || p ? p + j * W : p);
+      const vec pp = rule::template apply<false, Delta>(c, ops::load(grad + j * W), pin, mm[j], vv[j]);
       if constexpr (!Delta) ops::store(p + j * W, pp);
       store_copy_out<ops>(out_at(out, j * W), pp, Stream);
       m_max = uo::max(m_max, uo::bits(mm[j]) & uo::splat(0x7FFFFFFFu));
@@ -358,7 +358,7 @@ struct adam_q8_state_kernel : compressed_kernel_base<Arch> {
     base::template over_units<q8_block, !Delta>(
         k, out, n,
         [&](auto stream, std::size_t j, std::uint32_t lo, std::uint32_t key) {
-          block<decltype(stream)::value>(c, p ? p + j : p, m + j, v + j, scales + 2 * (j / q8_block), grad + j,
+          block<decltype(stream)::value>(c, !Delta || p ? p + j : p, m + j, v + j, scales + 2 * (j / q8_block), grad + j,
                                          out_at(out, j), lo, key);
         },
         [&](std::size_t j, std::size_t r, std::uint32_t lo, std::uint32_t key) {

@@ -23,7 +23,8 @@ namespace {
 // piece starts on a block and ends on one or at the state's end; appends the moments'
 // byte ranges for the overlap check. `what` names the argument ("moments", "out", "in").
 void check_moments(const std::string& what, const compressed_moments& mo, std::size_t n, const rounding_stream& r,
-                   std::vector<byte_range>& ranges, int kind, std::size_t leaf = 0) {
+                   std::vector<byte_range>& ranges, int kind, std::size_t leaf = 0,
+                   const std::string& first_index_name = "rounding.first_index") {
   const moment_format f = mo.format;
   if (f != moment_format::bf16 && f != moment_format::q8) {
     if (f == moment_format::f32)
@@ -39,7 +40,7 @@ void check_moments(const std::string& what, const compressed_moments& mo, std::s
       throw std::invalid_argument(what + ".scales is null: the 8bit format needs " +
                                   std::to_string(moment_scale_bytes(f, n)) + " bytes of block exponents");
     if (r.first_index % q8_block)
-      throw std::invalid_argument("rounding.first_index = " + std::to_string(r.first_index) +
+      throw std::invalid_argument(first_index_name + " = " + std::to_string(r.first_index) +
                                   ": 8bit pieces start on a block (a multiple of " + std::to_string(q8_block) + ")");
     const std::uint64_t end = r.first_index + n;
     if (r.state_size != 0 && end > r.state_size)
@@ -114,11 +115,7 @@ void adam_update(std::span<const compressed_update_leaf> leaves, std::span<const
     const std::string at = leaves.size() == 1 ? std::string() : "leaves[" + std::to_string(i) + "].";
     const std::size_t n = l.grad.size;
     check_update_leaf(at, l.params, l.grad, l.update, l.config, configs, grad_type);
-    if (l.moments.format == moment_format::q8 && l.first_index % q8_block)
-      throw std::invalid_argument(at + "first_index = " + std::to_string(l.first_index) +
-                                  ": 8bit leaves start their rounding indices on a block (a multiple of " +
-                                  std::to_string(q8_block) + ")");
-    check_moments(at + "moments", l.moments, n, {rounding_seed, l.first_index, 0}, ranges, 2, i);
+    check_moments(at + "moments", l.moments, n, {rounding_seed, l.first_index, 0}, ranges, 2, i, at + "first_index");
     formats[int(l.moments.format) - 1] = true;
     first[i + 1] = first[i] + (n + slice_elems - 1) / slice_elems * slice_elems;
     if (n == 0) continue;
@@ -130,13 +127,7 @@ void adam_update(std::span<const compressed_update_leaf> leaves, std::span<const
     if (l.params) ranges.push_back(range_of(l.params, n * 4, false, 0, i));
   }
   const char* kinds[] = {"params", "update", "moments.exp_avg", "moments.exp_avg_sq", "moments.scales", "grad"};
-  if (leaves.size() == 1) {
-    check_no_overlap(ranges, kinds);
-  } else if (!ranges.empty()) {
-    std::vector<std::string> leaf_names(leaves.size());
-    for (std::size_t i = 0; i < leaves.size(); ++i) leaf_names[i] = "leaf " + std::to_string(i);
-    check_no_overlap(ranges, kinds, &leaf_names, /*index_every_kind=*/true);
-  }
+  check_no_overlap_of_leaves(ranges, kinds, leaves.size());
   // One plan per format present, each with a kernel per config.
   const step_io io{grad_type, std::nullopt, false, /*delta=*/true};
   std::vector<group_kernel> groups[2];

@@ -14,7 +14,7 @@ import operator
 import numpy as np
 
 from . import _core
-from ._arrays import as_buffer
+from ._arrays import as_buffer, check_seed
 
 __version__ = _core.__version__
 
@@ -249,9 +249,7 @@ class Optimizer:
 
   def set_group_rounding_seed(self, group: int, seed: int) -> None:
     """Sets it: a resumed state continues the same rounding stream with the same seed."""
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 1 << 64:
-      raise ValueError(f"seed = {seed!r}: expected an integer in [0, 2**64)")
-    self._core.set_group_rounding_seed(int(group), int(seed))
+    self._core.set_group_rounding_seed(int(group), check_seed(seed, "seed"))
 
   def read_moments(self, name: str) -> Tuple[np.ndarray, np.ndarray]:
     """(exp_avg, exp_avg_sq) of one tensor as new float32 arrays, whatever its format (exact)."""

@@ -64,6 +64,13 @@ def as_buffer(x: Any, name: str, writable: bool = False) -> Tuple[np.ndarray, st
   return arr, tag
 
 
+def check_seed(seed: Any, where: str) -> int:
+  """A rounding seed of compressed moments: an integer in [0, 2^64) (bool refused)."""
+  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 1 << 64:
+    raise ValueError(f"{where} = {seed!r}: expected an integer in [0, 2**64)")
+  return int(seed)
+
+
 # The 8-bit format's block exponent bytes as its encoder writes them: m's at most 239, v's
 # at most 223 (the top code's exponent stays below f32's 255), or 255 for a block whose
 # moment was not finite (it decodes as NaN).

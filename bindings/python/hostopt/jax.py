@@ -61,7 +61,7 @@ import numpy as np
 
 from . import Optimizer as _Optimizer
 from . import _core
-from ._arrays import as_buffer, check_q8_scales
+from ._arrays import as_buffer, check_q8_scales, check_seed
 from ._masks import mask_flags, per_leaf
 
 __all__ = ["adam", "adamw", "HostAdam"]
@@ -70,13 +70,6 @@ _OUT_DTYPES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtyp
 
 
 _BF16 = np.dtype(jnp.bfloat16)
-
-
-def _check_seed(seed) -> int:
-  """A rounding seed: an integer in [0, 2^64)."""
-  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 1 << 64:
-    raise ValueError(f"rounding_seed = {seed!r}: expected an integer in [0, 2**64)")
-  return int(seed)
 
 
 def _aligned(n: int, dtype) -> np.ndarray:
@@ -122,7 +115,7 @@ class HostAdam:
     labels = self._labels(groups, params, leaves)
     defaults = dict(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root, weight_decay=weight_decay,
                     moments=moments)
-    seed = _check_seed(rounding_seed)
+    seed = check_seed(rounding_seed, "rounding_seed")
     self._options = {}  # label -> its hyper-parameters (the defaults, overridden by group_options)
     for label in dict.fromkeys(labels):
       extra = (group_options or {}).get(label, {})
@@ -523,7 +516,7 @@ class HostAdam:
         raise ValueError(f"state_dict: 'step' missing, not an integer or negative ({step!r})")
       seed = state.get("rounding_seed")
       if seed is not None:
-        seed = _check_seed(seed)
+        seed = check_seed(seed, "state_dict['rounding_seed']")
       for key in ("params", "mu", "nu"):
         if key not in state:
           raise ValueError(f"state_dict: no {key!r}")

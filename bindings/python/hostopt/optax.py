@@ -99,6 +99,7 @@ import optax
 from jax.experimental.compute_on import compute_on
 
 from . import _core, _xla
+from ._arrays import check_seed
 from ._masks import mask_flags
 from ._xla import is_static_number
 
@@ -356,9 +357,7 @@ def _make(args: dict, decoupled: bool) -> optax.GradientTransformationExtraArgs:
     moments = _core.moment_format(str(options["moments"]))
   except ValueError as e:
     raise ValueError(f"moments: {e}") from None
-  seed = options["rounding_seed"]
-  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 1 << 64:
-    raise ValueError(f"rounding_seed = {seed!r}: expected an integer in [0, 2**64)")
+  seed = check_seed(options["rounding_seed"], "rounding_seed")
   if state_memory not in (None, "pinned_host"):
     raise ValueError(f"state_memory = {state_memory!r}: expected None (the params' memory, as optax) or "
                      "'pinned_host'")
@@ -398,7 +397,7 @@ def _make(args: dict, decoupled: bool) -> optax.GradientTransformationExtraArgs:
     if clash:
       raise ValueError(f"moments={moments!r} with {clash[0]}: compressed moments live on the host kernel in their "
                        "own format (state_memory, mu_dtype and reuse_state apply to optax's float moments)")
-    return _compressed_transformation(reference, moments, int(seed), decoupled, learning_rate, b1, b2, eps, eps_root,
+    return _compressed_transformation(reference, moments, seed, decoupled, learning_rate, b1, b2, eps, eps_root,
                                       weight_decay, mask, nesterov, lr_schedule, wd_schedule, int(threads))
 
   def init_fn(params):

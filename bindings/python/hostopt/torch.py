@@ -63,7 +63,7 @@ import numpy as np
 import torch
 
 from . import _core
-from ._arrays import as_buffer, check_q8_scales
+from ._arrays import as_buffer, check_q8_scales, check_seed as _check_seed
 
 __all__ = ["Adam", "AdamW", "default_threads"]
 
@@ -81,13 +81,6 @@ _SCALES = "moment_scales"
 
 def _moment_keys(fmt: str) -> tuple:
   return _CODES if fmt == "8bit" else _MOMENTS
-
-
-def _check_seed(seed, where: str) -> int:
-  """A rounding seed: an integer in [0, 2^64)."""
-  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 1 << 64:
-    raise ValueError(f"{where} = {seed!r}: expected an integer in [0, 2**64)")
-  return int(seed)
 
 
 def _same_memory_order(a: torch.Tensor, b: torch.Tensor) -> bool:
