@@ -27,6 +27,7 @@
 #include <type_traits>
 
 #include "kernel_set.hpp"
+#include "prefetch.hpp"
 #include "simd_ops.hpp"
 
 namespace hostopt::detail {
@@ -86,6 +87,10 @@ struct adam_kernel {
 
   template <bool Stream = false>
   static void body(const constants& c, float* p, float* m, float* v, const G* grad, O* out) noexcept {
+    if constexpr (reads_p) (Delta ? prefetch_read_ahead(p) : prefetch_write_ahead(p));
+    prefetch_write_ahead(m);
+    prefetch_write_ahead(v);
+    prefetch_read_ahead(grad);
     vec g = ops::load(grad) * c.grad_scale;
     vec pp = ops::splat(0.0f);
     if constexpr (reads_p) pp = ops::load(p);
@@ -174,6 +179,10 @@ struct roofline_kernel {
 
   template <bool Stream = false>
   static void body(float* p, float* m, float* v, const G* grad, O* out) noexcept {
+    prefetch_write_ahead(p); // the lines adam_kernel prefetches
+    prefetch_write_ahead(m);
+    prefetch_write_ahead(v);
+    prefetch_read_ahead(grad);
     vec g = ops::load(grad);
     vec pp = ops::load(p);
     vec mm = ops::load(m);

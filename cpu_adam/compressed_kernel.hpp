@@ -26,6 +26,7 @@
 #include <type_traits>
 
 #include "adam_kernel.hpp"
+#include "prefetch.hpp"
 #include "rounding_key.hpp"
 #include "simd_ops.hpp"
 #include "simd_uint_ops.hpp"
@@ -222,6 +223,23 @@ struct compressed_kernel_base {
   using uvec = typename uo::uvec;
   static constexpr std::size_t W = ops::width;
 
+  /// Prefetches the lines of a unit's streams ahead (prefetch.hpp), every line of p's (a
+  /// q8 block's p spans two) and the moments' and gradient's first: their units are at
+  /// most a line, and the next unit's prefetch covers the next. A null p (Delta) is skipped.
+  template <bool Delta, class M, class G>
+  static void prefetch_ahead(const float* p, const M* m, const M* v, const G* grad) noexcept {
+    constexpr std::size_t p_lines = (std::is_same_v<M, std::uint8_t> ? q8_block : W) * sizeof(float) / 64;
+    if (!Delta || p) {
+      for (std::size_t l = 0; l < (p_lines ? p_lines : 1); ++l) {
+        if constexpr (Delta) prefetch_read_ahead(p + l * 16);
+        else prefetch_write_ahead(p + l * 16);
+      }
+    }
+    prefetch_write_ahead(m);
+    prefetch_write_ahead(v);
+    prefetch_read_ahead(grad);
+  }
+
   /// The parameters a vector's update reads: with Delta, null p (the optax form without
   /// decay, which reads none) is zeros.
   template <bool Delta>
@@ -266,6 +284,7 @@ struct adam_bf16_state_kernel : compressed_kernel_base<Arch> {
   template <bool Stream>
   static void block(const typename rule::constants& c, float* p, bf16_t* m, bf16_t* v, const G* grad, O* out,
                     std::uint32_t lo, std::uint32_t key) noexcept {
+    base::template prefetch_ahead<Delta>(p, m, v, grad);
     vec mm = ops::load(m), vv = ops::load(v);
     const vec pp = rule::template apply<true, Delta>(c, ops::load(grad), base::template load_p<Delta>(p), mm, vv);
     if constexpr (!Delta) ops::store(p, pp);
@@ -321,6 +340,7 @@ struct adam_q8_state_kernel : compressed_kernel_base<Arch> {
   template <bool Stream>
   static void block(const typename rule::constants& c, float* p, std::uint8_t* m, std::uint8_t* v,
                     std::uint8_t* scales, const G* grad, O* out, std::uint32_t lo, std::uint32_t key) noexcept {
+    base::template prefetch_ahead<Delta>(p, m, v, grad);
     vec mm[V], vv[V];
     uvec m_max = uo::splat(0), v_max = uo::splat(0);
     const std::uint32_t m_base = scales[0], v_base = scales[1];
@@ -495,6 +515,10 @@ struct compressed_roofline_kernel {
     const bool stream = stream_copy_out<ops>(out, n);
     std::size_t i = 0;
     for (; i + W <= n; i += W) {
+      prefetch_write_ahead(p + i); // the lines the compressed kernels prefetch
+      prefetch_write_ahead(m + i);
+      prefetch_write_ahead(v + i);
+      prefetch_read_ahead(grad + i);
       vec g = ops::load(grad + i), pp = ops::load(p + i);
       uvec mm = load(m + i), vv = load(v + i);
       opaque(g);

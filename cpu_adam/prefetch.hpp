@@ -1,0 +1,49 @@
+#pragma once
+// Software prefetch of the streams a kernel walks, a fixed distance ahead.
+//
+// The step does enough arithmetic per cache line (exact sqrt and division, and for
+// compressed moments decode, hash and encode) that, with one thread busy computing, the
+// hardware prefetchers alone leave DRAM idle part of the time: at 64M params on one core,
+// the f32 step ran at 84% of its roofline twin and the bf16-moment step at 79%. Asking for
+// each stream's line 4 KiB ahead keeps the memory system busy while the core computes:
+// f32 86 -> 70 ms, bf16 moments 74 -> 61 ms (Xeon, Emerald Rapids, one and two threads
+// alike; 2 KiB and 8 KiB ahead were slower, and so was prefetching into L2 only). The twins
+// prefetch the same lines, so the roofline stays the best the memory system does.
+//
+// A prefetch never faults and changes no value: every kernel still writes the same bits.
+
+#include <cstddef>
+#include <cstdint>
+
+namespace hostopt::detail {
+
+/// How far ahead of the element being updated each stream is prefetched, in bytes: 4 KiB
+/// per stream keeps the lines in flight within L1 (four or five streams, 48 KiB).
+inline constexpr std::size_t prefetch_distance = 4096;
+
+/// The address `prefetch_distance` bytes past p, made as an integer: it may lie past the
+/// end of the array (a prefetch of it is harmless), which pointer arithmetic may not.
+inline const void* ahead(const void* p) noexcept {
+  return reinterpret_cast<const void*>(reinterpret_cast<std::uintptr_t>(p) + prefetch_distance);
+}
+
+/// Asks for the line `prefetch_distance` bytes past p of a stream that is read only.
+inline void prefetch_read_ahead(const void* p) noexcept {
+#if defined(__GNUC__)
+  __builtin_prefetch(ahead(p), 0, 3);
+#else
+  (void)p;
+#endif
+}
+
+/// Asks for the line `prefetch_distance` bytes past p of a stream that is read and then
+/// written back (owned, where the CPU can: no second request at the store).
+inline void prefetch_write_ahead(const void* p) noexcept {
+#if defined(__GNUC__)
+  __builtin_prefetch(ahead(p), 1, 3);
+#else
+  (void)p;
+#endif
+}
+
+} // namespace hostopt::detail
