@@ -25,6 +25,7 @@
 
 #include "checkpoint_io.hpp"
 #include "exclusive_state.hpp"
+#include "q8_exponents.hpp"
 
 namespace hostopt {
 
@@ -771,18 +772,43 @@ source_file open_source(const std::string& path, std::span<const segment> segs, 
   return src;
 }
 
-// Pass 1: the whole file against its checksum, streamed through `block`.
-void verify_checksum(const source_file& s, std::vector<unsigned char>& block) {
+// Pass 1: the whole file against its checksum, streamed through `block`, and every 8-bit
+// block exponent byte against those the encoder writes: a crafted file with a valid
+// checksum would otherwise load blocks that decode as NaN.
+void verify_checksum(const source_file& s, std::span<const segment> layout, std::vector<unsigned char>& block) {
+  std::vector<const source_file::entry*> scales; // in data order
+  for (const auto& e : s.entries)
+    if (e.kind == kind_scales) scales.push_back(&e);
+  std::sort(scales.begin(), scales.end(), [](auto* a, auto* b) { return a->begin < b->begin; });
+  std::string bad; // the first byte the encoder never writes, reported once the checksum holds
+  std::size_t next = 0;
   checksum64 sum = s.head;
   for (std::uint64_t done = 0; done < s.data_size;) {
     const std::uint64_t n = std::min<std::uint64_t>(block.size(), s.data_size - done);
     read_all_at(s.fd, block.data(), n, s.data_start + done, s.path);
     sum.add(block.data(), std::size_t(n));
+    for (std::size_t i = next; bad.empty() && i < scales.size() && scales[i]->begin < done + n; ++i) {
+      const source_file::entry& e = *scales[i];
+      const std::uint64_t end = e.begin + e.bytes;
+      for (std::uint64_t at = std::max(e.begin, done); at < std::min(end, done + n); ++at) {
+        const std::uint8_t base = block[std::size_t(at - done)];
+        const bool v = (at - e.begin) % 2 == 1;
+        if (q8_base_is_written(base, v)) continue;
+        bad = "tensor '" + layout[e.tensor].name + "' moment_scales block " +
+              std::to_string(e.a / q8_block + (at - e.begin) / 2) + ": " + (v ? "exp_avg_sq" : "exp_avg") +
+              " exponent byte " + std::to_string(base) + " is one the 8-bit encoder never writes (at most " +
+              std::to_string(v ? q8_v_max_base : q8_m_max_base) + ", or " + std::to_string(q8_poisoned_base) +
+              " for a NaN block): the file was not written by hostopt";
+        break;
+      }
+      if (end <= done + n && i == next) ++next;
+    }
     done += n;
   }
   if (hex(sum.finish()) != s.stored_checksum)
     fail(s.path, "checksum mismatch (file " + s.stored_checksum + ", contents " + hex(sum.finish()) +
                      "): the header or the data is corrupted");
+  if (!bad.empty()) fail(s.path, bad);
 }
 
 bool same_config(const adam_config& a, const adam_config& b) {
@@ -843,7 +869,7 @@ void load_checkpoint(optimizer& opt, std::span<const std::string> paths, std::sp
                            std::to_string(held.end) + ") that this optimizer holds (range " + range_text(held) + ")");
     // Pass 1 verifies every file, streaming (no second copy of the state in memory).
     std::vector<unsigned char> block(io_block);
-    for (auto& s : sources) verify_checksum(s, block);
+    for (auto& s : sources) verify_checksum(s, layout, block);
     // Pass 2 streams each file again, checksumming, and scatters what the optimizer holds
     // (each element from the first file that has it). A file changed between the passes
     // leaves a half-loaded state, which is marked failed, never used as if it were whole.
@@ -906,7 +932,7 @@ void read_checkpoint_metadata(const std::string& path, std::span<const segment> 
   source_file s = open_source(path, layout, {}, {}, &values);
   if (verify) {
     std::vector<unsigned char> block(io_block);
-    verify_checksum(s, block);
+    verify_checksum(s, layout, block);
   }
 }
 

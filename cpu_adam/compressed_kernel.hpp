@@ -27,6 +27,7 @@
 
 #include "adam_kernel.hpp"
 #include "prefetch.hpp"
+#include "q8_exponents.hpp"
 #include "rounding_key.hpp"
 #include "simd_ops.hpp"
 #include "simd_uint_ops.hpp"
@@ -65,6 +66,8 @@ struct moment_codec {
   /// Largest base the encoder writes (its top code's exponent is at most 254): larger
   /// bytes (poisoned, or corrupt input) decode as NaN rather than spill into the sign.
   static constexpr std::uint32_t m_max_base = 254 - (m_max_code >> 3), v_max_base = 254 - (v_max_code >> 3);
+  static_assert(m_max_base == q8_m_max_base && v_max_base == q8_v_max_base && poisoned == q8_poisoned_base,
+                "q8_exponents.hpp states the codec's bases");
 
   /// One block's base as the vectors both directions use: the float bits of 2^(base-127)
   /// (base << 23), the float 2^(base+1-127) (the top of the subnormal codes), its bits, and

@@ -4,6 +4,8 @@
 // differ) and resharding. Runs once per supported kernel (the active one).
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <random>
@@ -430,4 +432,59 @@ TEST_CASE("shards of a compressed model cut no block, step as the whole model an
   auto one = make_world(1);
   one.front().load(dir.path.string());
   CHECK(same_state(one.front().local(), whole));
+}
+
+TEST_CASE("a checkpoint whose 8-bit exponent bytes the encoder never writes is refused, nothing changed",
+          "[compressed][optimizer][checkpoint][errors]") {
+  const temp_dir dir("compressed_bad_bases");
+  std::mt19937 rng(8);
+  optimizer run(model(), {1, ""});
+  set_random_params(run, rng);
+  const auto g = flat_grad(run, rng);
+  run.step({g.data(), g.size(), dtype::bf16});
+
+  // A NaN block (255, both moments) is something the encoder writes: it saves and loads.
+  const std::string poisoned = (dir.path / "poisoned.safetensors").string();
+  std::uint8_t* w1 = run.moment_codes("w1").scales;
+  const std::uint8_t keep[2] = {w1[2], w1[3]};
+  w1[2] = w1[3] = 255;
+  save_checkpoint(run, poisoned);
+  optimizer takes_nan(model(), {1, ""});
+  load_checkpoint(takes_nan, poisoned);
+  std::vector<float> m(576), v(576);
+  takes_nan.read_moments("w1", m, v);
+  CHECK(std::isnan(m[32]));
+  CHECK(std::isnan(v[63]));
+  CHECK(!std::isnan(m[31]));
+
+  // Bytes above the largest base (m 239, v 223) but not 255: a file with a valid checksum
+  // (save_checkpoint writes it) is still refused, naming tensor, block, moment and byte.
+  struct bad_byte {
+    const char* tensor;
+    std::size_t at;
+    std::uint8_t value;
+    const char* message;
+  };
+  for (const bad_byte b : {bad_byte{"w1", 2, 240, "tensor 'w1' moment_scales block 1: exp_avg exponent byte 240"},
+                           bad_byte{"w3", 1, 224, "tensor 'w3' moment_scales block 0: exp_avg_sq exponent byte 224"},
+                           bad_byte{"w2", 3, 254, "tensor 'w2' moment_scales block 1: exp_avg_sq exponent byte 254"}}) {
+    w1[2] = keep[0];
+    w1[3] = keep[1];
+    std::uint8_t* s = run.moment_codes(b.tensor).scales;
+    const std::uint8_t was = s[b.at];
+    s[b.at] = b.value;
+    const std::string path = (dir.path / (std::string(b.tensor) + ".safetensors")).string();
+    save_checkpoint(run, path);
+    s[b.at] = was;
+
+    optimizer target(model(), {1, ""});
+    set_random_params(target, rng);
+    const std::vector<float> before(target.params().begin(), target.params().end());
+    CHECK_THROWS_WITH(load_checkpoint(target, path), Catch::Contains(b.message) && Catch::Contains("never writes"));
+    CHECK(std::equal(before.begin(), before.end(), target.params().begin()));
+    CHECK(target.step_count() == 0);
+    std::vector<float> tm(target.tensor(b.tensor).size), tv(tm.size());
+    target.read_moments(b.tensor, tm, tv);
+    CHECK(std::all_of(tm.begin(), tm.end(), [](float x) { return x == 0.0f; }));
+  }
 }
