@@ -186,7 +186,8 @@ def test_load_state_dict_checks_step_seed_and_exponent_bytes_before_changing_any
   leaf = "['l1']['w']"
   scales = sd["moment_scales"][leaf].copy()
   scales[3] = (245, 0)  # above m's largest exponent byte (239), not the poisoned 255
-  cases = [(dict(sd, step=2 ** 53 + 1), "step"), (dict(sd, step=2.9), "not an integer"),
+  cases = [(dict(sd, step=2 ** 53 + 1), "step"), (dict(sd, step=np.uint64(2 ** 63)), "step"),
+           (dict(sd, step=2.9), "not an integer"),
            (dict(sd, step=True), "not an integer"), (dict(sd, rounding_seed=-1), "rounding_seed"),
            (dict(sd, moment_scales={**sd["moment_scales"], leaf: scales}), "block 3's exp_avg exponent byte is 245")]
   for bad, msg in cases:

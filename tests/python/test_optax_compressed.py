@@ -130,6 +130,16 @@ def test_seeds_key_the_rounding():
     hoptax.adamw_8bit(1e-2, rounding_seed=-3)
   with pytest.raises(ValueError, match="rounding_seed"):
     hoptax.adamw(1e-2, moments="bf16", rounding_seed=1 << 64)
+  # The FFI target checks the seed's two 32-bit halves itself, for callers of the target
+  # that skip the front's check: a negative seed makes a negative high half.
+  from hostopt import _xla
+  st = hoptax.adamw_8bit(1e-2).init(params)[0]
+  leaf = lambda t: jax.tree_util.tree_leaves(t)[0]
+  hp = [1e-2, 0.9, 0.999, 1e-8, 0.0, 0.0]  # lr, b1, b2, eps, eps_root, wd
+  with pytest.raises(Exception, match=r"seed_lo and seed_hi must each be in \[0, 2\^32\)"):
+    _xla.adam_update_compressed(st.count, hp, [(leaf(g), leaf(st.mu_codes), leaf(st.nu_codes), None)],
+                                st.scales[:-(-leaf(g).size // 32)], moments="8bit", seed=-1, nesterov=False,
+                                threads=1)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
