@@ -62,10 +62,15 @@ inline O* out_at(O* out, std::size_t i) noexcept {
   else return out + i;
 }
 
-/// Stores x to a copy-out, non-temporally when `stream` (no_out: nothing).
+/// Stores x, canonical (its only NaN 0x7FC00000: the kernels canonicalise their results), to
+/// a copy-out, non-temporally when `stream` (no_out: nothing). Where an instruction set
+/// has a cheaper conversion for canonical input (store_canonical), it is used.
 template <class Ops, class O>
 inline void store_copy_out(O* out, typename Ops::vec x, bool stream) noexcept {
-  if constexpr (!std::is_same_v<O, no_out>) {
+  if constexpr (requires { Ops::store_canonical(out, x); }) {
+    if (stream) Ops::stream_canonical(out, x);
+    else Ops::store_canonical(out, x);
+  } else if constexpr (!std::is_same_v<O, no_out>) {
     if (stream) Ops::stream(out, x);
     else Ops::store(out, x);
   }

@@ -58,6 +58,11 @@ struct moment_codec {
   static void store_bf16(bf16_t* p, vec x, uvec r16) noexcept {
     uo::store_u16(reinterpret_cast<std::uint16_t*>(p), (uo::bits(x) + r16) >> 16);
   }
+  /// store_bf16 of m with r's low 16 bits and of v with its high 16, at once.
+  static void store_bf16_pair(bf16_t* m, bf16_t* v, vec mm, vec vv, uvec r) noexcept {
+    uo::store_high_halves(reinterpret_cast<std::uint16_t*>(m), reinterpret_cast<std::uint16_t*>(v),
+                          uo::bits(mm) + (r & uo::splat(0xFFFF)), uo::bits(vv) + (r >> 16));
+  }
 
   // --- q8 -------------------------------------------------------------------------------
   static constexpr std::uint32_t poisoned = 255;
@@ -292,9 +297,7 @@ struct adam_bf16_state_kernel : compressed_kernel_base<Arch> {
     const vec pp = rule::template apply<true, Delta>(c, ops::load(grad), base::template load_p<Delta>(p), mm, vv);
     if constexpr (!Delta) ops::store(p, pp);
     store_copy_out<ops>(out, pp, Stream);
-    const uvec r = codec::random(lo, key);
-    codec::store_bf16(m, mm, r & uo::splat(0xFFFF));
-    codec::store_bf16(v, vv, r >> 16);
+    codec::store_bf16_pair(m, v, mm, vv, codec::random(lo, key));
   }
 
   static void run(const compressed_call& k, float* p, void* m_raw, void* v_raw, std::uint8_t*, const void* grad_raw,

@@ -39,6 +39,10 @@ struct uint_ops<scalar_arch> {
   static void store_u8(std::uint8_t* p, uvec x) noexcept { *p = std::uint8_t(x); }
   static uvec load_u16(const std::uint16_t* p) noexcept { return *p; }
   static void store_u16(std::uint16_t* p, uvec x) noexcept { *p = std::uint16_t(x); }
+  static void store_high_halves(std::uint16_t* a, std::uint16_t* b, uvec x, uvec y) noexcept {
+    *a = std::uint16_t(x >> 16);
+    *b = std::uint16_t(y >> 16);
+  }
 };
 
 #if defined(HOSTOPT_USE_XSIMD)
@@ -104,7 +108,12 @@ struct xsimd_uint_ops {
     alignas(64) std::uint32_t t[width];
     x.store_aligned(t);
     for (std::size_t i = 0; i < width; ++i) p[i] = std::uint16_t(t[i]);
+  }  /// The high halves of x's lanes to a, of y's to b (two 16-bit code stores at once).
+  static void store_high_halves(std::uint16_t* a, std::uint16_t* b, uvec x, uvec y) noexcept {
+    uint_ops<Arch>::store_u16(a, x >> 16);
+    uint_ops<Arch>::store_u16(b, y >> 16);
   }
+
 };
 
 template <class Arch>
@@ -144,6 +153,15 @@ struct uint_ops<xsimd::avx512bw> : xsimd_uint_ops<xsimd::avx512bw> {
   }
   static void store_u16(std::uint16_t* p, uvec x) noexcept {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(x));
+  }
+  /// One two-source word permute (vpermt2w) gathers both vectors' high halves: two
+  /// instructions fewer than shifting and narrowing each.
+  static void store_high_halves(std::uint16_t* a, std::uint16_t* b, uvec x, uvec y) noexcept {
+    const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25,
+                                         23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    const __m512i both = _mm512_permutex2var_epi16(x, odd, y);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a), _mm512_castsi512_si256(both));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(b), _mm512_extracti64x4_epi64(both, 1));
   }
 };
 #endif
