@@ -343,34 +343,68 @@ struct adam_q8_state_kernel : compressed_kernel_base<Arch> {
   using base::W;
   static constexpr std::size_t V = q8_block / W;
 
-  template <bool Stream>
-  static void block(const typename rule::constants& c, float* p, std::uint8_t* m, std::uint8_t* v,
-                    std::uint8_t* scales, const G* grad, O* out, std::uint32_t lo, std::uint32_t key) noexcept {
-    base::template prefetch_ahead<Delta>(p, m, v, grad);
+  /// One block between update and encode: its new moments and their largest magnitudes.
+  struct updated {
     vec mm[V], vv[V];
-    uvec m_max = uo::splat(0), v_max = uo::splat(0);
+    uvec m_max, v_max;
+  };
+
+  /// Decodes a block's moments and updates p (and the copy-out) and the moments.
+  template <bool Stream>
+  static void update(const typename rule::constants& c, float* p, const std::uint8_t* m, const std::uint8_t* v,
+                     const std::uint8_t* scales, const G* grad, O* out, updated& u) noexcept {
+    base::template prefetch_ahead<Delta>(p, m, v, grad);
+    u.m_max = uo::splat(0);
+    u.v_max = uo::splat(0);
     const std::uint32_t m_base = scales[0], v_base = scales[1];
     const typename codec::scale m_in(m_base), v_in(v_base);
     for (std::size_t j = 0; j < V; ++j) {
-      mm[j] = codec::decode_m(m + j * W, m_base, m_in);
-      vv[j] = codec::decode_v(v + j * W, v_base, v_in);
+      u.mm[j] = codec::decode_m(m + j * W, m_base, m_in);
+      u.vv[j] = codec::decode_v(v + j * W, v_base, v_in);
       const vec pin = base::template load_p<Delta>(!Delta || p ? p + j * W : p);
-      const vec pp = rule::template apply<false, Delta>(c, ops::load(grad + j * W), pin, mm[j], vv[j]);
+      const vec pp = rule::template apply<false, Delta>(c, ops::load(grad + j * W), pin, u.mm[j], u.vv[j]);
       if constexpr (!Delta) ops::store(p + j * W, pp);
       store_copy_out<ops>(out_at(out, j * W), pp, Stream);
-      m_max = uo::max(m_max, uo::bits(mm[j]) & uo::splat(0x7FFFFFFFu));
-      v_max = uo::max(v_max, uo::bits(vv[j]) & uo::splat(0x7FFFFFFFu));
+      u.m_max = uo::max(u.m_max, uo::bits(u.mm[j]) & uo::splat(0x7FFFFFFFu));
+      u.v_max = uo::max(u.v_max, uo::bits(u.vv[j]) & uo::splat(0x7FFFFFFFu));
     }
-    const std::uint32_t new_m_base = codec::base_for(uo::reduce_max(m_max), codec::m_max_code);
-    const std::uint32_t new_v_base = codec::base_for(uo::reduce_max(v_max), codec::v_max_code);
+  }
+
+  /// Encodes an updated block with new bases from its largest magnitudes.
+  static void encode(const updated& u, std::uint8_t* m, std::uint8_t* v, std::uint8_t* scales, std::uint32_t lo,
+                     std::uint32_t key) noexcept {
+    const std::uint32_t new_m_base = codec::base_for(uo::reduce_max(u.m_max), codec::m_max_code);
+    const std::uint32_t new_v_base = codec::base_for(uo::reduce_max(u.v_max), codec::v_max_code);
     const typename codec::scale m_out(new_m_base), v_out(new_v_base);
     for (std::size_t j = 0; j < V; ++j) {
       const uvec r = codec::random(lo + std::uint32_t(j * W), key);
-      codec::encode_m(m + j * W, mm[j], new_m_base, m_out, codec::random20_low(r));
-      codec::encode_v(v + j * W, vv[j], new_v_base, v_out, codec::random20_high(r));
+      codec::encode_m(m + j * W, u.mm[j], new_m_base, m_out, codec::random20_low(r));
+      codec::encode_v(v + j * W, u.vv[j], new_v_base, v_out, codec::random20_high(r));
     }
     scales[0] = std::uint8_t(new_m_base);
     scales[1] = std::uint8_t(new_v_base);
+  }
+
+  template <bool Stream>
+  static void block(const typename rule::constants& c, float* p, std::uint8_t* m, std::uint8_t* v,
+                    std::uint8_t* scales, const G* grad, O* out, std::uint32_t lo, std::uint32_t key) noexcept {
+    updated u;
+    update<Stream>(c, p, m, v, scales, grad, out, u);
+    encode(u, m, v, scales, lo, key);
+  }
+
+  /// Two blocks, both updated before either is encoded: a block's encode waits on its
+  /// largest magnitudes (a reduction, then scalar code), and the other block's update
+  /// fills that wait. The same bits as two block() calls.
+  template <bool Stream>
+  static void block_pair(const typename rule::constants& c, float* p, std::uint8_t* m, std::uint8_t* v,
+                         std::uint8_t* scales, const G* grad, O* out, std::uint32_t lo, std::uint32_t key) noexcept {
+    constexpr std::size_t B = q8_block;
+    updated a, b;
+    update<Stream>(c, p, m, v, scales, grad, out, a);
+    update<Stream>(c, !Delta || p ? p + B : p, m + B, v + B, scales + 2, grad + B, out_at(out, B), b);
+    encode(a, m, v, scales, lo, key);
+    encode(b, m + B, v + B, scales + 2, lo + std::uint32_t(B), key);
   }
 
   static void run(const compressed_call& k, float* p, void* m_raw, void* v_raw, std::uint8_t* scales,
@@ -381,13 +415,21 @@ struct adam_q8_state_kernel : compressed_kernel_base<Arch> {
     std::uint8_t* m = static_cast<std::uint8_t*>(m_raw);
     std::uint8_t* v = static_cast<std::uint8_t*>(v_raw);
     // Spans of 2^32 indices start on block boundaries: blocks never straddle them.
-    base::template over_units<q8_block, !Delta>(
+    base::template over_units<2 * q8_block, !Delta>(
         k, out, n,
         [&](auto stream, std::size_t j, std::uint32_t lo, std::uint32_t key) {
-          block<decltype(stream)::value>(c, !Delta || p ? p + j : p, m + j, v + j, scales + 2 * (j / q8_block), grad + j,
-                                         out_at(out, j), lo, key);
+          block_pair<decltype(stream)::value>(c, !Delta || p ? p + j : p, m + j, v + j, scales + 2 * (j / q8_block),
+                                              grad + j, out_at(out, j), lo, key);
         },
         [&](std::size_t j, std::size_t r, std::uint32_t lo, std::uint32_t key) {
+          if (r >= q8_block) { // a whole block before the last, partial one
+            block<false>(c, !Delta || p ? p + j : p, m + j, v + j, scales + 2 * (j / q8_block), grad + j,
+                         out_at(out, j), lo, key);
+            j += q8_block;
+            r -= q8_block;
+            lo += std::uint32_t(q8_block);
+            if (r == 0) return;
+          }
           // A last block that ends early: on zero-padded copies (zeros never raise its base).
           alignas(64) float pb[q8_block] = {};
           std::uint8_t mb[q8_block] = {}, vb[q8_block] = {};
