@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "fair_mutex.hpp"
 #include "hostopt/moment_format.hpp"
 #include "hostopt/optimizer.hpp"
 
@@ -57,7 +58,7 @@ public:
 
 private:
   optimizer::impl& impl_;
-  std::unique_lock<std::mutex> lock_;
+  std::unique_lock<fair_mutex> lock_;
 };
 
 } // namespace hostopt::detail

@@ -106,9 +106,10 @@ std::size_t arena_end(std::span<const segment> layout) {
 }
 
 struct optimizer::impl {
-  // Serializes every public operation; `idle` is signalled when a chunked step closes.
-  mutable std::mutex mu;
-  mutable std::condition_variable idle;
+  // Serializes every public operation, first come first served (fair_mutex.hpp); `idle`
+  // is signalled when a chunked step closes.
+  mutable fair_mutex mu;
+  mutable std::condition_variable_any idle;
   std::thread::id chunk_owner;
   std::size_t chunk_updates = 0; // update_range calls of the open chunked step
   std::size_t chunk_covered = 0; // the chunks so far covered [0, chunk_covered), in order
@@ -181,8 +182,8 @@ struct optimizer::impl {
   // Takes the lock once no chunked step is open (another thread's chunked step is waited
   // for; this thread's own is refused: it would wait for itself). With `state`, also
   // refuses when the state is half-updated.
-  std::unique_lock<std::mutex> acquire(const char* what, bool state = true) const {
-    std::unique_lock<std::mutex> lock(mu);
+  std::unique_lock<fair_mutex> acquire(const char* what, bool state = true) const {
+    std::unique_lock<fair_mutex> lock(mu);
     if (chunked_open && chunk_owner == std::this_thread::get_id())
       throw std::logic_error(std::string(what) + ": this thread has a chunked step open (begin_step without "
                                                  "finish_step or abort_step)");
@@ -198,8 +199,8 @@ struct optimizer::impl {
   }
 
   // The lock for update_range/finish_step: the chunked step must be this thread's.
-  std::unique_lock<std::mutex> acquire_chunked(const char* what) {
-    std::unique_lock<std::mutex> lock(mu);
+  std::unique_lock<fair_mutex> acquire_chunked(const char* what) {
+    std::unique_lock<fair_mutex> lock(mu);
     if (!chunked_open) throw std::logic_error(std::string(what) + ": no chunked step is open (call begin_step first)");
     if (chunk_owner != std::this_thread::get_id())
       throw std::logic_error(std::string(what) + ": the open chunked step belongs to another thread");
@@ -723,11 +724,11 @@ void optimizer::set_skipped_steps(std::int64_t count) {
 }
 
 bool optimizer::usable() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<fair_mutex> lock(impl_->mu);
   return impl_->failure.empty();
 }
 std::string optimizer::failure_reason() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<fair_mutex> lock(impl_->mu);
   return impl_->failure;
 }
 void optimizer::reset_failure() {
@@ -932,7 +933,7 @@ step_result optimizer::finish_step() {
 
 void optimizer::abort_step(const std::string& reason) noexcept {
   impl& s = *impl_;
-  std::lock_guard<std::mutex> lock(s.mu);
+  std::lock_guard<fair_mutex> lock(s.mu);
   if (!s.chunked_open || s.chunk_owner != std::this_thread::get_id()) return;
   if (s.chunk_updates > 0 && s.failure.empty()) {
     try {
@@ -947,7 +948,7 @@ void optimizer::abort_step(const std::string& reason) noexcept {
 
 void optimizer::mark_unusable(const std::string& reason) noexcept {
   impl& s = *impl_;
-  std::lock_guard<std::mutex> lock(s.mu);
+  std::lock_guard<fair_mutex> lock(s.mu);
   if (s.chunked_open && s.chunk_owner == std::this_thread::get_id()) s.close_chunked();
   if (!s.failure.empty()) return; // the first reason stays
   try {
@@ -958,7 +959,7 @@ void optimizer::mark_unusable(const std::string& reason) noexcept {
 }
 
 bool optimizer::step_in_progress() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<fair_mutex> lock(impl_->mu);
   return impl_->chunked_open;
 }
 
@@ -972,9 +973,9 @@ void optimizer::accumulate_range(std::size_t begin, std::size_t end, float* acc,
 
 void optimizer::read_params(std::size_t begin, std::size_t end, void* out, dtype type) const {
   impl& s = *impl_;
-  std::unique_lock<std::mutex> lock;
+  std::unique_lock<fair_mutex> lock;
   {
-    std::unique_lock<std::mutex> own(s.mu); // this thread's open chunked step may read
+    std::unique_lock<fair_mutex> own(s.mu); // this thread's open chunked step may read
     if (s.chunked_open && s.chunk_owner == std::this_thread::get_id()) lock = std::move(own);
   }
   if (!lock.owns_lock()) lock = s.acquire("read_params");
