@@ -110,6 +110,7 @@ struct optimizer::impl {
   // is signalled when a chunked step closes.
   mutable fair_mutex mu;
   mutable std::condition_variable_any idle;
+  mutable std::size_t idle_waiters = 0; // callers waiting in acquire() for a chunked step to close
   std::thread::id chunk_owner;
   std::size_t chunk_updates = 0; // update_range calls of the open chunked step
   std::size_t chunk_covered = 0; // the chunks so far covered [0, chunk_covered), in order
@@ -180,16 +181,29 @@ struct optimizer::impl {
   }
 
   // Takes the lock once no chunked step is open (another thread's chunked step is waited
-  // for; this thread's own is refused: it would wait for itself). With `state`, also
-  // refuses when the state is half-updated.
-  std::unique_lock<fair_mutex> acquire(const char* what, bool state = true) const {
+  // for; this thread's own is refused: it would wait for itself, unless `own_chunked_ok`).
+  // With `state`, also refuses when the state is half-updated.
+  std::unique_lock<fair_mutex> acquire(const char* what, bool state = true, bool own_chunked_ok = false) const {
     std::unique_lock<fair_mutex> lock(mu);
-    if (chunked_open && chunk_owner == std::this_thread::get_id())
+    if (chunked_open && chunk_owner == std::this_thread::get_id()) {
+      if (own_chunked_ok) return lock;
       throw std::logic_error(std::string(what) + ": this thread has a chunked step open (begin_step without "
                                                  "finish_step or abort_step)");
-    idle.wait(lock, [&] { return !chunked_open; });
+    }
+    if (chunked_open) { // counted, so that the next chunked step lets it go first
+      ++idle_waiters;
+      idle.wait(lock, [&] { return !chunked_open; });
+      if (--idle_waiters == 0) idle.notify_all();
+    }
     if (state) refuse_if_failed(what);
     return lock;
+  }
+
+  // Before a chunked step opens: the callers that waited for the last one to close go first.
+  // Waiting for the close gives up a caller's turn at the lock, and a pipeline opens its
+  // next step at once: without this, a save could wait through every step of a run.
+  void let_waiters_go_first(std::unique_lock<fair_mutex>& lock) const {
+    idle.wait(lock, [&] { return idle_waiters == 0 && !chunked_open; });
   }
 
   void refuse_if_failed(const char* what) const {
@@ -833,7 +847,9 @@ step_result optimizer::step(std::span<const const_view> grads, std::span<const m
 
 step_result optimizer::begin_step(const chunk_step_options& o) {
   impl& s = *impl_;
-  const auto lock = s.acquire("begin_step");
+  auto lock = s.acquire("begin_step");
+  s.let_waiters_go_first(lock);
+  s.refuse_if_failed("begin_step"); // a waiter may have been a load that failed
   check_dtype("grad_type", o.grad_type);
   if (o.copy_out) check_dtype("out_type", o.out_type);
   s.check_without_grad(o.tensors_without_grad, "begin_step");
@@ -973,12 +989,7 @@ void optimizer::accumulate_range(std::size_t begin, std::size_t end, float* acc,
 
 void optimizer::read_params(std::size_t begin, std::size_t end, void* out, dtype type) const {
   impl& s = *impl_;
-  std::unique_lock<fair_mutex> lock;
-  {
-    std::unique_lock<fair_mutex> own(s.mu); // this thread's open chunked step may read
-    if (s.chunked_open && s.chunk_owner == std::this_thread::get_id()) lock = std::move(own);
-  }
-  if (!lock.owns_lock()) lock = s.acquire("read_params");
+  const auto lock = s.acquire("read_params", true, true); // this thread's open chunked step may read
   if (begin > end || end > s.arena)
     throw std::invalid_argument("read_params: [" + std::to_string(begin) + ", " + std::to_string(end) +
                                 "): expected a range inside [0, " + std::to_string(s.arena) + ")");

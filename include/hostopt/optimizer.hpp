@@ -93,8 +93,10 @@ struct arena_range {
 /// buffers then cover that range (arena_size() = range().size()), and tensors that cross
 /// the range's ends are held in part. segments() always describes the whole layout.
 ///
-/// Thread safety: every public operation is serialized by a mutex inside the object, so
-/// concurrent steps, saves and loads from several threads give the serial result. A
+/// Thread safety: every public operation is serialized by a lock inside the object, first
+/// come, first served (callers that waited for a chunked step to close go before the next
+/// one opens), so concurrent steps, saves and loads from several threads give the serial
+/// result and none waits behind a stepping loop for more than a step or two. A
 /// chunked step (begin_step .. finish_step, what the offload pipeline runs) belongs to the
 /// thread that began it: other threads' operations wait until it is finished or aborted,
 /// and the owner calling anything but update_range/finish_step/abort_step is refused.
