@@ -199,9 +199,7 @@ struct roofline_kernel {
     ops::store(m, mm);
     ops::store(v, vv);
     ops::store(p, pp);
-    if constexpr (std::is_same_v<O, no_out>) return;
-    else if constexpr (Stream) ops::stream(out, pp);
-    else ops::store(out, pp);
+    store_copy_out<ops>(out, pp, Stream); // the kernel's conversion and store
   }
 
   static void run(float* p, float* m, float* v, const void* grad_raw, void* out_raw, std::size_t n) noexcept {

@@ -231,21 +231,15 @@ struct compressed_kernel_base {
   using uvec = typename uo::uvec;
   static constexpr std::size_t W = ops::width;
 
-  /// Prefetches the lines of a unit's streams ahead (prefetch.hpp), every line of p's (a
-  /// q8 block's p spans two) and the moments' and gradient's first: their units are at
-  /// most a line, and the next unit's prefetch covers the next. A null p (Delta) is skipped.
+  /// Prefetches every line of a unit's streams ahead (prefetch.hpp): a q8 block's 32
+  /// elements, or a bf16 vector's. A null p (Delta without decay) is skipped.
   template <bool Delta, class M, class G>
   static void prefetch_ahead(const float* p, const M* m, const M* v, const G* grad) noexcept {
-    constexpr std::size_t p_lines = (std::is_same_v<M, std::uint8_t> ? q8_block : W) * sizeof(float) / 64;
-    if (!Delta || p) {
-      for (std::size_t l = 0; l < (p_lines ? p_lines : 1); ++l) {
-        if constexpr (Delta) prefetch_read_ahead(p + l * 16);
-        else prefetch_write_ahead(p + l * 16);
-      }
-    }
-    prefetch_write_ahead(m);
-    prefetch_write_ahead(v);
-    prefetch_read_ahead(grad);
+    constexpr std::size_t U = std::is_same_v<M, std::uint8_t> ? q8_block : W;
+    if (!Delta || p) prefetch_unit_ahead<!Delta, U * sizeof(float)>(p);
+    prefetch_unit_ahead<true, U * sizeof(M)>(m);
+    prefetch_unit_ahead<true, U * sizeof(M)>(v);
+    prefetch_unit_ahead<false, U * sizeof(G)>(grad);
   }
 
   /// The parameters a vector's update reads: with Delta, null p (the optax form without

@@ -108,12 +108,12 @@ struct xsimd_uint_ops {
     alignas(64) std::uint32_t t[width];
     x.store_aligned(t);
     for (std::size_t i = 0; i < width; ++i) p[i] = std::uint16_t(t[i]);
-  }  /// The high halves of x's lanes to a, of y's to b (two 16-bit code stores at once).
+  }
+  /// The high halves of x's lanes to a, of y's to b (two 16-bit code stores at once).
   static void store_high_halves(std::uint16_t* a, std::uint16_t* b, uvec x, uvec y) noexcept {
     uint_ops<Arch>::store_u16(a, x >> 16);
     uint_ops<Arch>::store_u16(b, y >> 16);
   }
-
 };
 
 template <class Arch>

@@ -457,6 +457,18 @@ TEST_CASE("a checkpoint whose 8-bit exponent bytes the encoder never writes is r
   CHECK(std::isnan(v[63]));
   CHECK(!std::isnan(m[31]));
 
+  // So are the largest bases (m 239, v 223): loaded as they are, decoding to finite values.
+  const std::string largest = (dir.path / "largest.safetensors").string();
+  w1[2] = 239;
+  w1[3] = 223;
+  save_checkpoint(run, largest);
+  optimizer takes_largest(model(), {1, ""});
+  load_checkpoint(takes_largest, largest);
+  CHECK(takes_largest.moment_codes("w1").scales[2] == 239);
+  CHECK(takes_largest.moment_codes("w1").scales[3] == 223);
+  takes_largest.read_moments("w1", m, v);
+  CHECK(std::all_of(m.begin(), m.end(), [](float x) { return std::isfinite(x); }));
+
   // Bytes above the largest base (m 239, v 223) but not 255: a file with a valid checksum
   // (save_checkpoint writes it) is still refused, naming tensor, block, moment and byte.
   struct bad_byte {

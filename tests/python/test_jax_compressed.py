@@ -194,8 +194,8 @@ def test_load_state_dict_checks_step_seed_and_exponent_bytes_before_changing_any
     with pytest.raises(ValueError, match=msg):
       opt.load_state_dict(bad)
     after = opt.state_dict()
-    assert after["step"] == 2 and all(np.array_equal(after[k][n], before[k][n]) for k in ("params", "mu_codes")
-                                      for n in before[k])
+    assert after["step"] == 2 and all(np.array_equal(after[k][n], before[k][n])
+                                      for k in ("params", "mu_codes", "nu_codes", "moment_scales") for n in before[k])
   # The state's seed becomes the optimizer's: one made with another seed resumes exactly.
   want = bits(train(opt, params, grad, 3))
   other = hj.adamw(params, 1e-2, moments="8bit", rounding_seed=99)
