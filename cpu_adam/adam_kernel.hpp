@@ -92,10 +92,10 @@ struct adam_kernel {
 
   template <bool Stream = false>
   static void body(const constants& c, float* p, float* m, float* v, const G* grad, O* out) noexcept {
-    if constexpr (reads_p) (Delta ? prefetch_read_ahead(p) : prefetch_write_ahead(p));
-    prefetch_write_ahead(m);
-    prefetch_write_ahead(v);
-    prefetch_read_ahead(grad);
+    if constexpr (reads_p) prefetch_line<!Delta>(p);
+    prefetch_line<true>(m);
+    prefetch_line<true>(v);
+    prefetch_line<false>(grad);
     vec g = ops::load(grad) * c.grad_scale;
     vec pp = ops::splat(0.0f);
     if constexpr (reads_p) pp = ops::load(p);
@@ -184,10 +184,10 @@ struct roofline_kernel {
 
   template <bool Stream = false>
   static void body(float* p, float* m, float* v, const G* grad, O* out) noexcept {
-    prefetch_write_ahead(p); // the lines adam_kernel prefetches
-    prefetch_write_ahead(m);
-    prefetch_write_ahead(v);
-    prefetch_read_ahead(grad);
+    prefetch_line<true>(p); // the lines adam_kernel prefetches
+    prefetch_line<true>(m);
+    prefetch_line<true>(v);
+    prefetch_line<false>(grad);
     vec g = ops::load(grad);
     vec pp = ops::load(p);
     vec mm = ops::load(m);

@@ -557,10 +557,10 @@ struct compressed_roofline_kernel {
     const bool stream = stream_copy_out<ops>(out, n);
     std::size_t i = 0;
     for (; i + W <= n; i += W) {
-      prefetch_write_ahead(p + i); // the lines the compressed kernels prefetch
-      prefetch_write_ahead(m + i);
-      prefetch_write_ahead(v + i);
-      prefetch_read_ahead(grad + i);
+      prefetch_line<true>(p + i); // the lines the compressed kernels prefetch
+      prefetch_line<true>(m + i);
+      prefetch_line<true>(v + i);
+      prefetch_line<false>(grad + i);
       vec g = ops::load(grad + i), pp = ops::load(p + i);
       uvec mm = load(m + i), vv = load(v + i);
       opaque(g);

@@ -30,34 +30,26 @@ inline const void* ahead(const void* p) noexcept {
   return reinterpret_cast<const void*>(reinterpret_cast<std::uintptr_t>(p) + prefetch_distance);
 }
 
-/// Asks for the line `prefetch_distance` bytes past p of a stream that is read only.
-inline void prefetch_read_ahead(const void* p) noexcept {
+/// Asks for the line `prefetch_distance` bytes past p: of a stream that is only read, or
+/// (Write) of one read and then written back, owned where the CPU can (no second request
+/// at the store).
+template <bool Write>
+inline void prefetch_line(const void* p) noexcept {
 #if defined(__GNUC__)
-  __builtin_prefetch(ahead(p), 0, 3);
+  __builtin_prefetch(ahead(p), Write ? 1 : 0, 3);
 #else
   (void)p;
 #endif
 }
 
-/// Asks for the line `prefetch_distance` bytes past p of a stream that is read and then
-/// written back (owned, where the CPU can: no second request at the store).
-inline void prefetch_write_ahead(const void* p) noexcept {
-#if defined(__GNUC__)
-  __builtin_prefetch(ahead(p), 1, 3);
-#else
-  (void)p;
-#endif
-}
-
-/// Prefetches every line of the `bytes` bytes from p (at least one line), each
+/// Prefetches every line of the Bytes bytes from p (at least one line), each
 /// `prefetch_distance` ahead: a unit of work's share of a stream.
 template <bool Write, std::size_t Bytes>
 inline void prefetch_unit_ahead(const void* p) noexcept {
   constexpr std::size_t lines = Bytes > 64 ? Bytes / 64 : 1;
   for (std::size_t l = 0; l < lines; ++l) {
     const void* line = reinterpret_cast<const void*>(reinterpret_cast<std::uintptr_t>(p) + 64 * l);
-    if constexpr (Write) prefetch_write_ahead(line);
-    else prefetch_read_ahead(line);
+    prefetch_line<Write>(line);
   }
 }
 
