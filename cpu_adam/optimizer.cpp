@@ -190,20 +190,34 @@ struct optimizer::impl {
       throw std::logic_error(std::string(what) + ": this thread has a chunked step open (begin_step without "
                                                  "finish_step or abort_step)");
     }
-    if (chunked_open) { // counted, so that the next chunked step lets it go first
-      ++idle_waiters;
-      idle.wait(lock, [&] { return !chunked_open; });
-      if (--idle_waiters == 0) idle.notify_all();
-    }
+    if (chunked_open) wait_for_close(lock);
     if (state) refuse_if_failed(what);
     return lock;
   }
 
+  // Waits for another thread's chunked step to close, counted in idle_waiters so that the
+  // next chunked step lets this caller go first (let_waiters_go_first).
+  void wait_for_close(std::unique_lock<fair_mutex>& lock) const {
+    ++idle_waiters;
+    struct uncount { // also when the wait unwinds: a count left behind would block every begin_step
+      const impl& s;
+      ~uncount() {
+        if (--s.idle_waiters == 0) s.idle.notify_all();
+      }
+    } guard{*this};
+    idle.wait(lock, [&] { return !chunked_open; });
+  }
+
   // Before a chunked step opens: the callers that waited for the last one to close go first.
   // Waiting for the close gives up a caller's turn at the lock, and a pipeline opens its
-  // next step at once: without this, a save could wait through every step of a run.
+  // next step at once: without this, a save (or another thread's chunked step) could wait
+  // through every step of a run. A chunked step opened meanwhile is waited for as acquire
+  // waits, counted.
   void let_waiters_go_first(std::unique_lock<fair_mutex>& lock) const {
-    idle.wait(lock, [&] { return idle_waiters == 0 && !chunked_open; });
+    while (chunked_open || idle_waiters > 0) {
+      if (chunked_open) wait_for_close(lock);
+      else idle.wait(lock, [&] { return idle_waiters == 0 || chunked_open; });
+    }
   }
 
   void refuse_if_failed(const char* what) const {

@@ -46,6 +46,7 @@ inline void prefetch_line(const void* p) noexcept {
 /// `prefetch_distance` ahead: a unit of work's share of a stream.
 template <bool Write, std::size_t Bytes>
 inline void prefetch_unit_ahead(const void* p) noexcept {
+  static_assert((Bytes & (Bytes - 1)) == 0, "a unit's share of a stream is a power of two: whole lines, or one");
   constexpr std::size_t lines = Bytes > 64 ? Bytes / 64 : 1;
   for (std::size_t l = 0; l < lines; ++l) {
     const void* line = reinterpret_cast<const void*>(reinterpret_cast<std::uintptr_t>(p) + 64 * l);

@@ -99,7 +99,8 @@ struct arena_range {
 /// result and none waits behind a stepping loop for more than a step or two. A
 /// chunked step (begin_step .. finish_step, what the offload pipeline runs) belongs to the
 /// thread that began it: other threads' operations wait until it is finished or aborted,
-/// and the owner calling anything but update_range/finish_step/abort_step is refused.
+/// and the owner calling anything but update_range/finish_step/abort_step (or read_params,
+/// usable, failure_reason, step_in_progress) is refused.
 /// The spans returned by params()/exp_avg()/exp_avg_sq() are plain views: reading or
 /// writing through them while another thread steps is a data race, as with any container.
 ///
