@@ -861,9 +861,9 @@ step_result optimizer::step(std::span<const const_view> grads, std::span<const m
 
 step_result optimizer::begin_step(const chunk_step_options& o) {
   impl& s = *impl_;
-  auto lock = s.acquire("begin_step");
+  auto lock = s.acquire("begin_step", /*state=*/false);
   s.let_waiters_go_first(lock);
-  s.refuse_if_failed("begin_step"); // a waiter may have been a load that failed
+  s.refuse_if_failed("begin_step"); // once, after the waiters (one may have been a load that failed)
   check_dtype("grad_type", o.grad_type);
   if (o.copy_out) check_dtype("out_type", o.out_type);
   s.check_without_grad(o.tensors_without_grad, "begin_step");

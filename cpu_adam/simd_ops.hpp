@@ -139,19 +139,19 @@ struct simd_ops<xsimd::avx512bw> : xsimd_ops<xsimd::avx512bw> {
   /// those halves: the bits of f32_to_bf16.
   static __m256i bf16_bits(vec x) noexcept {
     const __m512 f = x;
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
     const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x00400000));
-    return high_halves(r);
+    const __m512i u = _mm512_castps_si512(f);
+    return high_halves(_mm512_mask_or_epi32(rounded_high_halves(u), nan, u, _mm512_set1_epi32(0x00400000)));
   }
   /// bf16_bits of x whose only NaN is the canonical one (the kernels' results): rounding
   /// 0x7FC00000 to nearest even gives its quiet NaN already, so the NaN test goes.
   static __m256i bf16_bits_of_canonical(vec x) noexcept {
-    const __m512i u = _mm512_castps_si512(x);
+    return high_halves(rounded_high_halves(_mm512_castps_si512(x)));
+  }
+  /// u rounded to nearest even at bit 16: its high halves are the bf16 of each lane.
+  static __m512i rounded_high_halves(__m512i u) noexcept {
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    return high_halves(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))));
+    return _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
   }
   static void store_canonical(bf16_t* p, vec x) noexcept {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_bits_of_canonical(x));
