@@ -235,3 +235,34 @@ def test_python_scalar_leaves_as_optax_takes_them(moments):
   u, _ = opt.update({"s": 0.5}, opt.init({"s": 1.0}), {"s": 1.0})
   want, _ = ref.update({"s": 0.5}, ref.init({"s": 1.0}), {"s": 1.0})
   assert np.allclose(np.asarray(u["s"]), np.asarray(want["s"]), rtol=1e-5)  # optax rounds its bias corrections in f32
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_state_memory_pinned_host_keeps_the_codes_there_and_gives_the_same_bits(fmt):
+  device = jax.devices()[0]
+  if not hasattr(jax, "memory") or "pinned_host" not in {m.kind for m in device.addressable_memories()}:
+    pytest.skip(f"jax {jax.__version__} on {device.platform} has no pinned_host memory")
+  params, _, grad = mlp_problem()
+  params = {**params, "l2": {**params["l2"], "w": params["l2"]["w"].astype(jnp.bfloat16)}}  # a bf16 leaf too
+  grad_fn = lambda p: jax.tree_util.tree_map(lambda g, x: g.astype(x.dtype),
+                                             grad(jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), p)), p)
+  mask = jax.tree_util.tree_map(lambda x: x.ndim > 1, params)
+  placed = hoptax.adamw(1e-2, weight_decay=0.1, mask=mask, moments=fmt, rounding_seed=5, state_memory="pinned_host")
+  plain = hoptax.adamw(1e-2, weight_decay=0.1, mask=mask, moments=fmt, rounding_seed=5)
+  s_a, s_b = placed.init(params), plain.init(params)
+  kinds = lambda t: set(jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda x: x.sharding.memory_kind, t)))
+  codes = lambda s: tuple(s[0])[1:]  # mu and nu (8-bit: their codes and the scales), not the count
+  assert kinds(codes(s_a)) == {"pinned_host"} and kinds(codes(s_b)) == {device.default_memory().kind}
+  step_a = jax.jit(placed.update)
+  p = params
+  for i in range(4):
+    g = grad_fn(p)
+    u_a, s_a = step_a(g, s_a, p) if i % 2 == 0 else placed.update(g, s_a, p)  # jitted and eager
+    u_b, s_b = plain.update(g, s_b, p)
+    assert same((u_a, s_a), (u_b, s_b))
+    assert kinds(codes(s_a)) == {"pinned_host"}  # the codes never leave host memory
+    assert kinds(u_a) == {device.default_memory().kind}  # the updates come back to the params' memory
+    p = optax.apply_updates(p, u_a)
+  # mu_dtype and reuse_state still apply to float moments only.
+  with pytest.raises(ValueError, match="mu_dtype"):
+    hoptax.adamw(1e-2, moments=fmt, state_memory="pinned_host", mu_dtype=jnp.bfloat16)

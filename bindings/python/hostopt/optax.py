@@ -61,7 +61,8 @@ The update is the f32 kernel's for the decoded moments, in the gradient's dtype 
 kernel's: bfloat16 gradients give bfloat16 updates), the same bits eager, jitted and on
 numpy (the moments re-encoded in the same pass, in place under jit). Every leaf runs on the
 kernel, so gradients and params must be float32, bfloat16 or float16 and the arrays on the
-CPU (``state_memory``, ``mu_dtype`` and ``reuse_state`` are refused with compressed moments).
+CPU, or the codes in pinned host memory (``state_memory="pinned_host"``, as for float
+moments: the scales too); ``mu_dtype`` and ``reuse_state`` are refused with compressed moments.
 ``init`` keeps the params' shardings on the codes; under jit the call sees whole arrays
 (sharded leaves are gathered around it) and under vmap it runs per batch element.
 
@@ -244,8 +245,15 @@ def _compressed_flat_update(s: _Static, gs, mus, nus, scales, ps, count, dynamic
   # Gradients as they are (the update takes their dtype); params widened for the decay term.
   leaves = [(g, m, v, f32(p) if d else None) for g, m, v, p, d in zip(gs, mus, nus, ps, s.decays)]
   hp_kernel = hp if any(s.decays) else hp[:5] + (0.0,)
-  outs, new_scales = _xla.adam_update_compressed(count, hp_kernel, leaves, scales, moments=s.moments, seed=s.seed,
-                                                 nesterov=s.nesterov, threads=s.threads)
+  call = lambda count, leaves, scales: _xla.adam_update_compressed(
+      count, hp_kernel, leaves, scales, moments=s.moments, seed=s.seed, nesterov=s.nesterov, threads=s.threads)
+  if s.state_memory is None:
+    outs, new_scales = call(count, leaves, scales)
+  else:  # as _flat_update: the codes stay in host memory, the gradients come, the updates go back
+    to_host = lambda x: None if x is None else jax.device_put(x, jax.memory.Space.Host)
+    leaves = [(to_host(g), m, v, to_host(p)) for g, m, v, p in leaves]
+    outs, new_scales = compute_on("device_host")(jax.jit(call))(count, leaves, scales)
+    outs = [(jax.device_put(ui, jax.memory.Space.Device), mi, vi) for ui, mi, vi in outs]
   u, m, v = (list(col) for col in zip(*outs)) if outs else ([], [], [])
   return u, m, v, new_scales
 
@@ -308,15 +316,20 @@ def _schedule_counts(state, lr_schedule, wd_schedule):
   return lr_count, wd_count
 
 
+def _place(x, kind: str):
+  """A jax array in memory `kind` of its devices (traced arrays, placed by the caller's
+  jit(init) out_shardings, and numpy arrays as they are)."""
+  if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+    return x
+  kinds = {m.kind for d in x.sharding.device_set for m in d.addressable_memories()}
+  if kind not in kinds:
+    raise ValueError(f"state_memory={kind!r}: the params' devices have memories {sorted(kinds)}")
+  return jax.device_put(x, x.sharding.with_memory_kind(kind))
+
+
 def _place_moments(adam_state, kind: str):
   """mu and nu of the leaves the kernel takes (float32), in memory `kind` of their devices."""
-  def place(x):
-    if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) or x.dtype != jnp.float32:
-      return x  # traced (jit(init)): placed by the caller's out_shardings; others: optax's arithmetic
-    kinds = {m.kind for d in x.sharding.device_set for m in d.addressable_memories()}
-    if kind not in kinds:
-      raise ValueError(f"state_memory={kind!r}: the params' devices have memories {sorted(kinds)}")
-    return jax.device_put(x, x.sharding.with_memory_kind(kind))
+  place = lambda x: _place(x, kind) if x.dtype == jnp.float32 else x  # others: optax's arithmetic, where it is
   return adam_state._replace(mu=jax.tree_util.tree_map(place, adam_state.mu),
                              nu=jax.tree_util.tree_map(place, adam_state.nu))
 
@@ -392,13 +405,13 @@ def _make(args: dict, decoupled: bool) -> optax.GradientTransformationExtraArgs:
       raise ValueError(f"{nm} = {float(value)}: expected a finite value")
 
   if moments != "f32":
-    clash = [k for k, v in (("state_memory", state_memory), ("mu_dtype", mu_dtype), ("reuse_state", reuse_state))
-             if v not in (None, False)]
+    clash = [k for k, v in (("mu_dtype", mu_dtype), ("reuse_state", reuse_state)) if v not in (None, False)]
     if clash:
       raise ValueError(f"moments={moments!r} with {clash[0]}: compressed moments live on the host kernel in their "
-                       "own format (state_memory, mu_dtype and reuse_state apply to optax's float moments)")
+                       "own format (mu_dtype and reuse_state apply to optax's float moments)")
     return _compressed_transformation(reference, moments, seed, decoupled, learning_rate, b1, b2, eps, eps_root,
-                                      weight_decay, mask, nesterov, lr_schedule, wd_schedule, int(threads))
+                                      weight_decay, mask, nesterov, lr_schedule, wd_schedule, int(threads),
+                                      state_memory)
 
   def init_fn(params):
     state = reference.init(params)
@@ -483,8 +496,8 @@ def _make(args: dict, decoupled: bool) -> optax.GradientTransformationExtraArgs:
 
 
 def _compressed_transformation(reference, moments, seed, decoupled, learning_rate, b1, b2, eps, eps_root,
-                               weight_decay, mask, nesterov, lr_schedule, wd_schedule,
-                               threads) -> optax.GradientTransformationExtraArgs:
+                               weight_decay, mask, nesterov, lr_schedule, wd_schedule, threads,
+                               state_memory) -> optax.GradientTransformationExtraArgs:
   """The transformation with compressed moments (see the module docstring)."""
   q8 = moments == "8bit"
 
@@ -509,6 +522,13 @@ def _compressed_transformation(reference, moments, seed, decoupled, learning_rat
       adam = ScaleByAdam8bitState(count=count, mu_codes=codes(np.uint8), nu_codes=codes(np.uint8), scales=scales)
     else:
       adam = optax.ScaleByAdamState(count=count, mu=codes(jnp.bfloat16), nu=codes(jnp.bfloat16))
+    if state_memory is not None and not numpy_in:  # the codes (and scales) in host memory; the count stays
+      place = lambda t: jax.tree_util.tree_map(lambda x: _place(x, state_memory), t)
+      if q8:
+        adam = adam._replace(mu_codes=place(adam.mu_codes), nu_codes=place(adam.nu_codes),
+                             scales=_place(adam.scales, state_memory))
+      else:
+        adam = adam._replace(mu=place(adam.mu), nu=place(adam.nu))
     return (adam,) + tuple(rest)
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -552,9 +572,10 @@ def _compressed_transformation(reference, moments, seed, decoupled, learning_rat
     lr_count, wd_count = _schedule_counts(state, lr_schedule, wd_schedule)
     arrays = list(g_leaves) + list(mu_leaves) + list(nu_leaves) + ([scales] if q8 else [])
     numpy_route = (_not_tracing() and isinstance(count, np.ndarray) and all(isinstance(x, np.ndarray) for x in arrays))
-    if not numpy_route and jax.default_backend() != "cpu":
+    if not numpy_route and jax.default_backend() != "cpu" and state_memory is None:
       raise ValueError(f"hostopt.optax with {moments} moments runs on the host kernel: the arrays are on "
-                       f"{jax.default_backend()} (compressed moments with state_memory are not supported yet)")
+                       f"{jax.default_backend()}; make the transformation with state_memory='pinned_host' to keep "
+                       "the moments in host memory and update them there")
     if _xla.available() is not None:
       raise RuntimeError(f"hostopt.optax cannot run: {_xla.available()}")
     no_decay = is_static_number(weight_decay) and float(weight_decay) == 0.0 and wd_schedule is None
@@ -569,16 +590,17 @@ def _compressed_transformation(reference, moments, seed, decoupled, learning_rat
     hp = (learning_rate, b1, b2, eps, eps_root, weight_decay)
     static_hp = tuple(None if (k == 0 and lr_schedule is not None) or (k == 5 and wd_schedule is not None)
                       else float(v) if is_static_number(v) else None for k, v in enumerate(hp))
-    s = _Static(tuple(decays), (True,) * n, static_hp, lr_schedule, wd_schedule, nesterov, None, threads, None,
-                moments, seed)
+    s = _Static(tuple(decays), (True,) * n, static_hp, lr_schedule, wd_schedule, nesterov, None, threads,
+                None if numpy_route else state_memory, moments, seed)
     dynamic = [v for k, v in enumerate(hp) if static_hp[k] is None
                and not (k == 0 and lr_schedule is not None) and not (k == 5 and wd_schedule is not None)]
     ps = [p_leaves[i] if decays[i] else None for i in range(n)]
-    if numpy_route:  # the same jitted call on copies, handed back as numpy
+    if numpy_route:  # the same jitted call on copies on the host's device (whatever the default), as numpy
       j = lambda xs: [None if x is None else jnp.asarray(x) for x in xs]
-      outs = _compressed_flat_update_jit(s, j(g_leaves), j(mu_leaves), j(nu_leaves),
-                                         None if scales is None else jnp.asarray(scales), j(ps), jnp.asarray(count),
-                                         dynamic, lr_count, wd_count)
+      with jax.default_device(jax.devices("cpu")[0]):
+        outs = _compressed_flat_update_jit(s, j(g_leaves), j(mu_leaves), j(nu_leaves),
+                                           None if scales is None else jnp.asarray(scales), j(ps), jnp.asarray(count),
+                                           dynamic, lr_count, wd_count)
       outs = [[np.asarray(x) for x in col] for col in outs[:3]] + [None if outs[3] is None else np.asarray(outs[3])]
     else:
       flat_update = _compressed_flat_update_jit if _not_tracing() else functools.partial(_compressed_flat_update)
