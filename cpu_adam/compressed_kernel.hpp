@@ -77,15 +77,23 @@ struct moment_codec {
   /// One block's base as the vectors both directions use: the float bits of 2^(base-127)
   /// (base << 23), the float 2^(base+1-127) (the top of the subnormal codes), its bits, and
   /// the code origin base * 8.
-  struct scale {
+  struct exponent_scale {
     uvec bits;
     vec subnormal_top;
     uvec subnormal_top_bits;
     uvec origin;
-    explicit scale(std::uint32_t base) noexcept
+    explicit exponent_scale(std::uint32_t base) noexcept
         : bits(uo::splat(base << 23)), subnormal_top(uo::from_bits(uo::splat((base + 1) << 23))),
           subnormal_top_bits(uo::splat((base + 1) << 23)), origin(uo::splat(base << 3)) {}
   };
+  /// Where one instruction scales by a power of two (uo::has_scale_pow2): base and -base as
+  /// floats. A code is then the top bits of |x| * 2^-base, whose subnormals are exactly the
+  /// subnormal codes (decode_magnitude, encode_magnitude).
+  struct pow2_scale {
+    vec up, down;
+    explicit pow2_scale(std::uint32_t base) noexcept : up(ops::splat(float(base))), down(ops::splat(-float(base))) {}
+  };
+  using scale = std::conditional_t<uo::has_scale_pow2, pow2_scale, exponent_scale>;
 
   /// The base that puts a block's largest exponent at the top of the code's exponents.
   /// The exponent is the largest value's after rounding up (its 20 discarded bits all
@@ -107,21 +115,36 @@ struct moment_codec {
   /// Magnitude code -> value: code >= 8 is the float with bits (code << 20) + (base << 23)
   /// (exponent base + code / 8, mantissa code % 8); code < 8 is code / 8 * 2^(base + 1),
   /// the same bits plus 2^23 less the float 2^(base + 1) (the subnormals).
+  ///
+  /// With a power-of-two scale: the float of bits code << 20 is code's value for base 0
+  /// (codes below 8 are its subnormals), times 2^base exactly.
   static vec decode_magnitude(uvec code, const scale& s) noexcept {
+    if constexpr (uo::has_scale_pow2) return uo::scale_pow2(uo::from_bits(code << 20), s.up);
+    else return decode_by_exponent(code, s);
+  }
+  static vec decode_by_exponent(uvec code, const exponent_scale& s) noexcept {
     const uvec eight = uo::splat(8);
     const uvec t = (code << 20) + s.bits;
     const vec x = uo::from_bits(uo::add_where_lt(code, eight, t, uo::splat(1u << 23)));
     return uo::sub_where_lt(code, eight, x, s.subnormal_top);
   }
   /// |x| (magnitude bits a) -> magnitude code, rounding stochastically with r20 (random
-  /// bits in [0, 2^20)), at most max_code.
-  static uvec encode_magnitude(uvec a, const scale& s, uvec r20, std::uint32_t max_code) noexcept {
+  /// bits in [0, 2^20)), not yet clamped to the largest code.
+  ///
+  /// With a power-of-two scale: the code is the top bits of |x| * 2^-base. Above 2^(base+1)
+  /// that is |x|'s bits less base << 23; below, a subnormal rounded to nearest even on the
+  /// grid of the add below (2^(base-149)), with the same parity: the same bits either way.
+  static uvec encode_magnitude(uvec a, const scale& s, uvec r20) noexcept {
+    if constexpr (uo::has_scale_pow2) return (uo::bits(uo::scale_pow2(uo::from_bits(a), s.down)) + r20) >> 20;
+    else return encode_by_exponent(a, s, r20);
+  }
+  static uvec encode_by_exponent(uvec a, const exponent_scale& s, uvec r20) noexcept {
     // Below 2^(base+1): |x| + 2^(base+1) puts |x|'s eighths of 2^(base+1) in the top
     // mantissa bits (the add rounds to nearest below 2^-20 of them: deterministic), a
     // binade (8 codes) above the origin.
     const uvec y = uo::add_where_lt(a, s.subnormal_top_bits, a, s.subnormal_top);
     const uvec origin = uo::add_where_lt(a, s.subnormal_top_bits, s.origin, uo::splat(8));
-    return uo::min(((y + r20) >> 20) - origin, uo::splat(max_code));
+    return ((y + r20) >> 20) - origin;
   }
   /// 16 of a lane's random bits (its low half, or its high half) spread over the 20
   /// discarded ones, with their midpoint as offset: P(round up) = discarded fraction (to
@@ -142,7 +165,7 @@ struct moment_codec {
   static void encode_m(std::uint8_t* c, vec x, std::uint32_t base, const scale& s, uvec r20) noexcept {
     if (base == poisoned) return uo::store_u8(c, uo::splat(0));
     const uvec u = uo::bits(x);
-    const uvec mag = encode_magnitude(u & uo::splat(0x7FFFFFFFu), s, r20, m_max_code);
+    const uvec mag = uo::min(encode_magnitude(u & uo::splat(0x7FFFFFFFu), s, r20), uo::splat(m_max_code));
     uo::store_u8(c, mag | ((u >> 24) & uo::splat(0x80)));
   }
   /// A positive v never codes as 0: beside a block maximum 2^33 larger, v could round to
@@ -151,8 +174,9 @@ struct moment_codec {
   static void encode_v(std::uint8_t* c, vec x, std::uint32_t base, const scale& s, uvec r20) noexcept {
     if (base == poisoned) return uo::store_u8(c, uo::splat(0));
     const uvec a = uo::bits(x) & uo::splat(0x7FFFFFFFu);
-    const uvec code = encode_magnitude(a, s, r20, v_max_code);
-    uo::store_u8(c, uo::select_lt(uo::splat(0), a, uo::max(code, uo::splat(1)), code));
+    const uvec code = encode_magnitude(a, s, r20);
+    static_assert(v_max_code == 255, "the saturating store clamps v's codes");
+    uo::store_u8_saturated(c, uo::select_lt(uo::splat(0), a, uo::max(code, uo::splat(1)), code));
   }
 };
 

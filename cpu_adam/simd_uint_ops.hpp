@@ -26,6 +26,8 @@ struct uint_ops<scalar_arch> {
   static uvec bits(vec x) noexcept { return float_bits(x); }
   static vec from_bits(uvec u) noexcept { return bits_float(u); }
   static uvec mul(uvec a, uvec b) noexcept { return a * b; }
+  /// Whether scale_pow2 is one instruction (else the codec scales by exponent arithmetic).
+  static constexpr bool has_scale_pow2 = false;
   static uvec iota(std::uint32_t first) noexcept { return first; }
   static uvec select_lt(uvec a, uvec b, uvec yes, uvec no) noexcept { return a < b ? yes : no; }
   static vec select_lt(uvec a, uvec b, vec yes, vec no) noexcept { return a < b ? yes : no; }
@@ -37,6 +39,8 @@ struct uint_ops<scalar_arch> {
   static std::uint32_t reduce_max(uvec a) noexcept { return a; }
   static uvec load_u8(const std::uint8_t* p) noexcept { return *p; }
   static void store_u8(std::uint8_t* p, uvec x) noexcept { *p = std::uint8_t(x); }
+  /// Lanes above 255 store 255.
+  static void store_u8_saturated(std::uint8_t* p, uvec x) noexcept { store_u8(p, min(x, 255)); }
   static uvec load_u16(const std::uint16_t* p) noexcept { return *p; }
   static void store_u16(std::uint16_t* p, uvec x) noexcept { *p = std::uint16_t(x); }
   static void store_high_halves(std::uint16_t* a, std::uint16_t* b, uvec x, uvec y) noexcept {
@@ -55,6 +59,7 @@ struct xsimd_uint_ops {
   static uvec bits(vec x) noexcept { return xsimd::bitwise_cast<uvec>(x); }
   static vec from_bits(uvec u) noexcept { return xsimd::bitwise_cast<vec>(u); }
   static uvec mul(uvec a, uvec b) noexcept { return a * b; }
+  static constexpr bool has_scale_pow2 = false;
   /// first, first + 1, ...: a constant vector plus a broadcast (building it through
   /// memory each call would stall on store forwarding).
   static uvec iota(std::uint32_t first) noexcept {
@@ -99,6 +104,10 @@ struct xsimd_uint_ops {
     x.store_aligned(t);
     for (std::size_t i = 0; i < width; ++i) p[i] = std::uint8_t(t[i]);
   }
+  /// Lanes above 255 store 255.
+  static void store_u8_saturated(std::uint8_t* p, uvec x) noexcept {
+    uint_ops<Arch>::store_u8(p, uint_ops<Arch>::min(x, uvec(255)));
+  }
   static uvec load_u16(const std::uint16_t* p) noexcept {
     alignas(64) std::uint32_t t[width];
     for (std::size_t i = 0; i < width; ++i) t[i] = p[i];
@@ -123,6 +132,10 @@ struct uint_ops : xsimd_uint_ops<Arch> {};
 #if defined(HOSTOPT_USE_XSIMD) && defined(__AVX512BW__)
 template <>
 struct uint_ops<xsimd::avx512bw> : xsimd_uint_ops<xsimd::avx512bw> {
+  /// x * 2^e for integral e (vscalefps), rounded once as IEEE multiplication rounds: exact
+  /// unless the result is subnormal (then to nearest even), subnormal inputs taken as they are.
+  static constexpr bool has_scale_pow2 = true;
+  static vec scale_pow2(vec x, vec e) noexcept { return _mm512_scalef_ps(x, e); }
   static uvec select_lt(uvec a, uvec b, uvec yes, uvec no) noexcept {
     return _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(a, b), no, yes);
   }
@@ -147,6 +160,9 @@ struct uint_ops<xsimd::avx512bw> : xsimd_uint_ops<xsimd::avx512bw> {
   }
   static void store_u8(std::uint8_t* p, uvec x) noexcept {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x));
+  }
+  static void store_u8_saturated(std::uint8_t* p, uvec x) noexcept { // vpmovusdb
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtusepi32_epi8(x));
   }
   static uvec load_u16(const std::uint16_t* p) noexcept {
     return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

@@ -2,7 +2,10 @@
 // this suite runs once per kernel the CPU supports (HOSTOPT_FORCE_ARCH, test_main.cpp).
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -96,4 +99,135 @@ TEST_CASE("8-bit exponent bytes past the encoder's range decode as NaN, not as n
     INFO("v base " << int(v_base));
     for (float x : d.v) CHECK(std::isnan(x));
   }
+}
+
+namespace {
+
+// The 8-bit format's definition, in double precision and integer arithmetic, independent of
+// the kernels' bit tricks (README, "Compressed moments"): a block's base, a code's value,
+// and the stochastic rounding of encode_moments (seed, step 0, element index).
+std::uint64_t splitmix64(std::uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+std::uint32_t lowbias32(std::uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  return x ^ (x >> 16);
+}
+std::uint32_t float_bits(float x) {
+  std::uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+}
+// The base of a block of finite magnitudes whose largest has bits `max_bits`.
+std::uint32_t q8_base(std::uint32_t max_bits, std::uint32_t top) {
+  const std::uint32_t e = std::min<std::uint32_t>((max_bits + 0xFFFFF) >> 23, 254);
+  return e > top ? e - top : 0;
+}
+// Magnitude a's code before clamping: its position on the block's grid in 2^-20 code
+// units (exact above 2^(base+1-127); below, a * 2^(149-base) rounded to nearest even),
+// plus 20 random bits, floored.
+std::uint32_t q8_code(float a, std::uint32_t base, std::uint32_t r20) {
+  const bool subnormal_code = double(a) < std::ldexp(1.0, int(base) - 126);
+  const double q = subnormal_code ? std::nearbyint(std::ldexp(double(a), 149 - int(base)))
+                                  : double(float_bits(a)) - std::ldexp(double(base), 23);
+  return std::uint32_t((std::uint64_t(q) + r20) >> 20);
+}
+
+} // namespace
+
+TEST_CASE("8-bit codes are the format's definition: every code at every base, ties and subnormal codes",
+          "[compressed]") {
+  // Decode: every exponent byte with every code byte, against the value the format defines.
+  const std::size_t n = 256 * 256;
+  packed all(moment_format::q8, n);
+  for (std::size_t i = 0; i < n; ++i) all.m[i] = all.v[i] = std::uint8_t(i % 256);
+  for (std::size_t b = 0; b < n / q8_block; ++b) all.scales[2 * b] = all.scales[2 * b + 1] = std::uint8_t(b / 8);
+  const decoded d = decode(all, n);
+  auto value = [](std::uint32_t c, std::uint32_t base) { // magnitude code c at base
+    return c >= 8 ? std::ldexp(1.0 + (c % 8) / 8.0, int(base + c / 8) - 127) : c / 8.0 * std::ldexp(1.0, int(base) - 126);
+  };
+  std::size_t wrong = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::uint32_t base = std::uint32_t(i / 256), c = std::uint32_t(i % 256);
+    const double m = base > 239 ? NAN : (c & 0x80 ? -1 : 1) * value(c & 0x7F, base);
+    const double v = base > 223 ? NAN : value(c, base);
+    wrong += !(std::isnan(m) ? std::isnan(d.m[i]) : double(d.m[i]) == m && std::signbit(d.m[i]) == std::signbit(m));
+    wrong += !(std::isnan(v) ? std::isnan(d.v[i]) : double(d.v[i]) == v);
+  }
+  CHECK(wrong == 0);
+
+  // Encode: blocks whose largest magnitude is 2^k over the float range; the other values
+  // are crafted from their own random bits (the generator's) to sit on the rounding's
+  // edges: a subnormal code's position a half grid step below where the random bits carry
+  // it into the next code (its nearest-even rounding decides the code), or a normal code's
+  // bits exactly there or one below; and subnormal floats. Each code against the definition.
+  const std::size_t blocks = 4000, N = blocks * q8_block;
+  const std::uint64_t seed = 23;
+  const std::uint64_t step_key = splitmix64(seed ^ splitmix64(0));
+  const std::uint32_t span = std::uint32_t(splitmix64(step_key));
+  auto random_bits = [&](std::size_t i) { return lowbias32(std::uint32_t(i) ^ span); };
+  std::vector<float> em(N), ev(N);
+  std::mt19937_64 rng(17);
+  for (std::size_t b = 0; b < blocks; ++b) {
+    const int k = int(rng() % 216) - 95; // both bases above 0
+    em[b * q8_block] = (rng() & 1 ? -1.0f : 1.0f) * std::ldexp(1.0f, k);
+    ev[b * q8_block] = std::ldexp(1.0f, k);
+    for (std::size_t j = 1; j < q8_block; ++j) {
+      const std::size_t i = b * q8_block + j;
+      const std::uint64_t r = rng();
+      const std::uint32_t bits = random_bits(i);
+      auto crafted = [&](int base, std::uint32_t r20, std::uint32_t top_code) -> float {
+        const std::uint32_t c = 1 + std::uint32_t(r >> 8) % top_code; // the code reached
+        switch (r % 4) {
+        case 0: // subnormal code c: position c 2^20 - r20 - 1/2 on the grid 2^(base-149)
+          return float(std::ldexp(double(std::min(c, 7u)) * 1048576.0 - r20 - 0.5, base - 149));
+        case 1: { // normal code c: bits exactly where r20 carries into it, or one below
+          const std::uint32_t u = (std::uint32_t(base) << 23) + std::max(c, 8u) * 1048576u - r20 - ((r >> 20) & 1);
+          float f;
+          std::memcpy(&f, &u, 4);
+          return f;
+        }
+        case 2: { // a subnormal float
+          const std::uint32_t u = std::uint32_t(r >> 16) & 0x7FFFFFu;
+          float f;
+          std::memcpy(&f, &u, 4);
+          return f;
+        }
+        default: return float(std::ldexp(double((r >> 8) % (1u << 23)) + 0.5, base - 149)); // a tie
+        }
+      };
+      em[i] = ((r >> 50) & 1 ? -1.0f : 1.0f) * crafted(k + 112, ((bits & 0xFFFF) << 4) | 8, 119);
+      ev[i] = crafted(k + 96, ((bits >> 16) << 4) | 8, 247);
+    }
+  }
+  packed out(moment_format::q8, N);
+  encode_moments(em.data(), ev.data(), out.view(), N, {seed, 0});
+  wrong = 0;
+  for (std::size_t b = 0; b < blocks; ++b) {
+    std::uint32_t m_max = 0, v_max = 0;
+    for (std::size_t j = 0; j < q8_block; ++j) {
+      m_max = std::max(m_max, float_bits(em[b * q8_block + j]) & 0x7FFFFFFFu);
+      v_max = std::max(v_max, float_bits(ev[b * q8_block + j]));
+    }
+    const std::uint32_t m_base = q8_base(m_max, 15), v_base = q8_base(v_max, 31);
+    wrong += out.scales[2 * b] != m_base || out.scales[2 * b + 1] != v_base;
+    for (std::size_t j = 0; j < q8_block; ++j) {
+      const std::size_t i = b * q8_block + j;
+      const std::uint32_t r = random_bits(i);
+      const float am = std::fabs(em[i]);
+      const std::uint32_t m_code = std::min<std::uint32_t>(q8_code(am, m_base, ((r & 0xFFFF) << 4) | 8), 127) |
+                                   (std::signbit(em[i]) ? 0x80 : 0);
+      std::uint32_t v_code = std::min<std::uint32_t>(q8_code(ev[i], v_base, ((r >> 16) << 4) | 8), 255);
+      if (ev[i] > 0) v_code = std::max<std::uint32_t>(v_code, 1);
+      wrong += out.m[i] != m_code;
+      wrong += out.v[i] != v_code;
+    }
+  }
+  CHECK(wrong == 0);
 }
