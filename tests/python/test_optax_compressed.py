@@ -266,3 +266,45 @@ def test_state_memory_pinned_host_keeps_the_codes_there_and_gives_the_same_bits(
   # mu_dtype and reuse_state still apply to float moments only.
   with pytest.raises(ValueError, match="mu_dtype"):
     hoptax.adamw(1e-2, moments=fmt, state_memory="pinned_host", mu_dtype=jnp.bfloat16)
+
+
+PINNED_SHARDED_SCRIPT = r"""
+import jax, jax.numpy as jnp, numpy as np
+import hostopt.optax as hoptax
+from jax.sharding import NamedSharding, PartitionSpec as P
+if "pinned_host" not in {m.kind for m in jax.devices()[0].addressable_memories()}:
+  print("skip"); raise SystemExit(0)
+mesh = jax.make_mesh((4,), ("x",))
+params = {"w": jax.device_put(jnp.arange(64 * 40, dtype=jnp.float32).reshape(64, 40) / 1000, NamedSharding(mesh, P("x"))),
+          "b": jax.device_put(jnp.ones(40), NamedSharding(mesh, P()))}
+for fmt in ("8bit", "bf16"):
+  placed = hoptax.adamw(1e-2, weight_decay=0.1, moments=fmt, state_memory="pinned_host")
+  plain = hoptax.adamw(1e-2, weight_decay=0.1, moments=fmt)
+  s_a, s_b = placed.init(params), plain.init(params)
+  for _ in range(2):
+    g = jax.tree_util.tree_map(jnp.cos, params)
+    u_a, s_a = jax.jit(placed.update)(g, s_a, params)
+    u_b, s_b = jax.jit(plain.update)(g, s_b, params)
+    assert all(np.array_equal(np.asarray(x), np.asarray(y))
+               for x, y in zip(jax.tree_util.tree_leaves((u_a, s_a)), jax.tree_util.tree_leaves((u_b, s_b))))
+  codes = s_a[0][1]["w"]
+  assert codes.sharding.memory_kind == "pinned_host" and codes.sharding.spec[0] == "x", codes.sharding
+  assert u_a["w"].sharding.memory_kind == "device"
+print("ok")
+"""
+
+
+def test_state_memory_pinned_host_with_params_sharded_over_devices():
+  # The one scales array is replicated over the params' devices (committed to one device it
+  # clashed with sharded params under jit).
+  import os
+  import subprocess
+  import sys
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+  env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)
+  run = subprocess.run([sys.executable, "-c", PINNED_SHARDED_SCRIPT], env=env, capture_output=True, text=True,
+                       timeout=300)
+  assert run.returncode == 0, run.stderr[-3000:]
+  if run.stdout.strip().endswith("skip"):
+    pytest.skip(f"jax {jax.__version__} has no pinned_host memory on the CPU")
+  assert run.stdout.strip().endswith("ok"), run.stdout[-1000:]

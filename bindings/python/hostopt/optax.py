@@ -525,8 +525,17 @@ def _compressed_transformation(reference, moments, seed, decoupled, learning_rat
     if state_memory is not None and not numpy_in:  # the codes (and scales) in host memory; the count stays
       place = lambda t: jax.tree_util.tree_map(lambda x: _place(x, state_memory), t)
       if q8:
+        # The one scales array: replicated over the params' devices (committed to one device it
+        # would clash with sharded params under jit).
+        devices = sorted({d for x in leaves if isinstance(x, jax.Array) for d in x.sharding.device_set},
+                         key=lambda d: d.id)
+        scales = adam.scales
+        if devices and not isinstance(scales, jax.core.Tracer):
+          replicated = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(devices), ("devices",)),
+                                                  jax.sharding.PartitionSpec())
+          scales = jax.device_put(scales, replicated)
         adam = adam._replace(mu_codes=place(adam.mu_codes), nu_codes=place(adam.nu_codes),
-                             scales=_place(adam.scales, state_memory))
+                             scales=_place(scales, state_memory))
       else:
         adam = adam._replace(mu=place(adam.mu), nu=place(adam.nu))
     return (adam,) + tuple(rest)
