@@ -133,7 +133,8 @@ struct uint_ops : xsimd_uint_ops<Arch> {};
 template <>
 struct uint_ops<xsimd::avx512bw> : xsimd_uint_ops<xsimd::avx512bw> {
   /// x * 2^e for integral e (vscalefps), rounded once as IEEE multiplication rounds: exact
-  /// unless the result is subnormal (then to nearest even), subnormal inputs taken as they are.
+  /// unless the result is subnormal (then to nearest even), subnormal inputs taken as they
+  /// are. Both need FTZ and DAZ off, as every entry point sets them (ieee_float_mode).
   static constexpr bool has_scale_pow2 = true;
   static vec scale_pow2(vec x, vec e) noexcept { return _mm512_scalef_ps(x, e); }
   static uvec select_lt(uvec a, uvec b, uvec yes, uvec no) noexcept {

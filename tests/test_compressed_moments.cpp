@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "compressed_test_support.hpp"
+#include "fp_mode.hpp"
 #include "hostopt/kernels.hpp"
 #include "reference.hpp"
 
@@ -531,6 +532,50 @@ TEST_CASE("an 8-bit v that overflows from a finite gradient saturates instead of
     CHECK(std::fabs(p[40] - p32[40]) < 0.05f * std::fabs(p32[40] - 1.0f)); // the next block: as f32, to 3-bit noise
     const decoded d = decode(mo, n);
     CHECK(std::isinf(v32[3]));
-    CHECK((std::isfinite(d.v[3]) && d.v[3] > 1e38f)); // the top code
+    CHECK(d.v[3] == std::ldexp(1.875f, 127)); // the top code, 255 at base 223: saturated, not wrapped
   }
+}
+
+TEST_CASE("8-bit steps and conversions in a caller that flushes subnormals get the IEEE bits", "[compressed]") {
+  // Codes below 8 are subnormal floats to the AVX-512 codec (decode scales them up, encode
+  // scales small values down into them), so flushing would zero them; every entry point
+  // runs in IEEE mode and restores the caller's.
+  const std::size_t n = 32 * 40 + 7;
+  std::mt19937 rng(29);
+  ref::state s = ref::random_state(n, rng);
+  for (std::size_t i = 0; i < n; ++i) { // values spanning 2^30 (m) and 2^40 (v): subnormal codes
+    s.m[i] = std::ldexp(s.m[i], -int(i * 7 % 31));
+    s.v[i] = std::ldexp(s.v[i], -int(i * 11 % 41));
+  }
+  const ref::grad_buffer g = ref::random_grad(dtype::bf16, n, rng);
+  adam_config c = adamw();
+  auto run = [&](const std::string& kernel, int threads, bool flush) {
+    ref::flush_subnormals(flush);
+    const unsigned mode = ref::fp_mode();
+    packed mo = encode(moment_format::q8, s, 3);
+    std::vector<float> p = s.p;
+    std::vector<std::uint16_t> out(n);
+    // Small gradients (scaled by 2^-40) keep the moments' spread through the step.
+    adam_step(p.data(), mo.view(), n, g.view(), {out.data(), n, dtype::bf16}, c, 2, 0x1p-40f, {3, 0}, {threads, kernel});
+    const decoded d = decode(mo, n);
+    const bool restored = ref::fp_mode() == mode;
+    ref::flush_subnormals(false);
+    return std::make_tuple(mo, p, out, d, restored);
+  };
+  const auto want = run("scalar", 1, false);
+  std::size_t subnormal_codes = 0;
+  for (unsigned char code : std::get<0>(want).m) subnormal_codes += (code & 0x7F) > 0 && (code & 0x7F) < 8;
+  for (unsigned char code : std::get<0>(want).v) subnormal_codes += code > 0 && code < 8;
+  REQUIRE(subnormal_codes > n / 20);
+  for (const auto& kernel : supported_kernels())
+    for (int threads : {1, 2}) {
+      INFO("kernel " << kernel << " threads " << threads);
+      const auto got = run(kernel, threads, true);
+      CHECK((std::get<0>(got) == std::get<0>(want)));
+      CHECK(same_bits(std::get<1>(got), std::get<1>(want)));
+      CHECK((std::get<2>(got) == std::get<2>(want)));
+      CHECK(same_bits(std::get<3>(got).m, std::get<3>(want).m));
+      CHECK(same_bits(std::get<3>(got).v, std::get<3>(want).v));
+      CHECK(std::get<4>(got)); // the caller's mode is left as it was
+    }
 }

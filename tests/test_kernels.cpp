@@ -10,11 +10,8 @@
 #include <sstream>
 #include <vector>
 
+#include "fp_mode.hpp"
 #include "reference.hpp"
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 
 using namespace hostopt;
 
@@ -317,33 +314,8 @@ TEST_CASE("large copy-outs (non-temporal stores) give the same bits, aligned or 
     }
 }
 
-namespace {
-// The calling thread's "flush subnormals" mode (what XLA leaves its threads in): FTZ and
-// DAZ on x86-64, FZ on AArch64. Returns the previous mode word.
-unsigned flush_subnormals(bool on) {
-#if defined(__x86_64__)
-  const unsigned before = _mm_getcsr();
-  _mm_setcsr(on ? (before | 0x8040u) : (before & ~0x8040u));
-  return before;
-#elif defined(__aarch64__)
-  const unsigned before = __builtin_aarch64_get_fpcr();
-  __builtin_aarch64_set_fpcr(on ? (before | (1u << 24)) : (before & ~(1u << 24)));
-  return before;
-#else
-  (void)on;
-  return 0;
-#endif
-}
-unsigned fp_mode() {
-#if defined(__x86_64__)
-  return _mm_getcsr();
-#elif defined(__aarch64__)
-  return __builtin_aarch64_get_fpcr();
-#else
-  return 0;
-#endif
-}
-} // namespace
+using ref::flush_subnormals;
+using ref::fp_mode;
 
 TEST_CASE("a caller that flushes subnormals (as XLA leaves its threads) gets the same bits", "[determinism][per_arch]") {
   // A gradient scale of 1e-39 (subnormal) makes subnormal gradients and moments: with the

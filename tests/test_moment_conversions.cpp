@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -124,8 +125,11 @@ std::uint32_t float_bits(float x) {
   std::memcpy(&u, &x, 4);
   return u;
 }
-// The base of a block of finite magnitudes whose largest has bits `max_bits`.
+// The base of a block whose largest magnitude has bits `max_bits` (top: 15 for m, 31 for v):
+// 255 (poisoned) for a NaN, or an infinite m; else the largest exponent after rounding up,
+// at most 254, less top.
 std::uint32_t q8_base(std::uint32_t max_bits, std::uint32_t top) {
+  if (max_bits > 0x7F800000u || (top == 15 && max_bits == 0x7F800000u)) return 255;
   const std::uint32_t e = std::min<std::uint32_t>((max_bits + 0xFFFFF) >> 23, 254);
   return e > top ? e - top : 0;
 }
@@ -133,9 +137,15 @@ std::uint32_t q8_base(std::uint32_t max_bits, std::uint32_t top) {
 // units (exact above 2^(base+1-127); below, a * 2^(149-base) rounded to nearest even),
 // plus 20 random bits, floored.
 std::uint32_t q8_code(float a, std::uint32_t base, std::uint32_t r20) {
-  const bool subnormal_code = double(a) < std::ldexp(1.0, int(base) - 126);
-  const double q = subnormal_code ? std::nearbyint(std::ldexp(double(a), 149 - int(base)))
-                                  : double(float_bits(a)) - std::ldexp(double(base), 23);
+  if (std::isinf(a)) return 1u << 16; // clamps to the top code
+  double q;
+  if (double(a) < std::ldexp(1.0, int(base) - 126)) {
+    q = std::nearbyint(std::ldexp(double(a), 149 - int(base)));
+  } else { // a = f 2^e, f in [0.5, 1): exponent e - 1 + 127 is (e + 126 - base) binades above the base
+    int e;
+    const double f = std::frexp(double(a), &e);
+    q = std::ldexp((e + 126 - int(base)) * 8.0 + (2 * f - 1) * 8.0, 20);
+  }
   return std::uint32_t((std::uint64_t(q) + r20) >> 20);
 }
 
@@ -166,7 +176,10 @@ TEST_CASE("8-bit codes are the format's definition: every code at every base, ti
   // are crafted from their own random bits (the generator's) to sit on the rounding's
   // edges: a subnormal code's position a half grid step below where the random bits carry
   // it into the next code (its nearest-even rounding decides the code), or a normal code's
-  // bits exactly there or one below; and subnormal floats. Each code against the definition.
+  // bits exactly there or one below; and subnormal floats. Blocks span the bases: 0 (a tiny
+  // maximum), the largest (239 and 223, a maximum near FLT_MAX, where m's top code clamps),
+  // an infinite v (saturates) and NaN moments (the block poisoned). Each code against the
+  // definition.
   const std::size_t blocks = 4000, N = blocks * q8_block;
   const std::uint64_t seed = 23;
   const std::uint64_t step_key = splitmix64(seed ^ splitmix64(0));
@@ -175,9 +188,13 @@ TEST_CASE("8-bit codes are the format's definition: every code at every base, ti
   std::vector<float> em(N), ev(N);
   std::mt19937_64 rng(17);
   for (std::size_t b = 0; b < blocks; ++b) {
-    const int k = int(rng() % 216) - 95; // both bases above 0
-    em[b * q8_block] = (rng() & 1 ? -1.0f : 1.0f) * std::ldexp(1.0f, k);
-    ev[b * q8_block] = std::ldexp(1.0f, k);
+    const int kind = int(b % 10);
+    const int k = kind == 6 ? -112 - int(rng() % 10) : kind == 7 ? 127 : int(rng() % 216) - 95;
+    const float big = kind == 7 ? std::numeric_limits<float>::max() : std::ldexp(1.0f, k);
+    em[b * q8_block] = (rng() & 1 ? -1.0f : 1.0f) * big;
+    ev[b * q8_block] = kind == 8 ? std::numeric_limits<float>::infinity() : big;
+    const int base_m = std::max(1, int(q8_base(float_bits(big), 15)));
+    const int base_v = std::max(1, int(q8_base(float_bits(ev[b * q8_block]), 31)));
     for (std::size_t j = 1; j < q8_block; ++j) {
       const std::size_t i = b * q8_block + j;
       const std::uint64_t r = rng();
@@ -202,13 +219,16 @@ TEST_CASE("8-bit codes are the format's definition: every code at every base, ti
         default: return float(std::ldexp(double((r >> 8) % (1u << 23)) + 0.5, base - 149)); // a tie
         }
       };
-      em[i] = ((r >> 50) & 1 ? -1.0f : 1.0f) * crafted(k + 112, ((bits & 0xFFFF) << 4) | 8, 119);
-      ev[i] = crafted(k + 96, ((bits >> 16) << 4) | 8, 247);
+      em[i] = ((r >> 50) & 1 ? -1.0f : 1.0f) * crafted(base_m, ((bits & 0xFFFF) << 4) | 8, 119);
+      ev[i] = crafted(base_v, ((bits >> 16) << 4) | 8, 247);
+      if (kind == 9 && j == 17) (r & 1 ? em[i] : ev[i]) = std::numeric_limits<float>::quiet_NaN();
     }
   }
   packed out(moment_format::q8, N);
   encode_moments(em.data(), ev.data(), out.view(), N, {seed, 0});
   wrong = 0;
+  bool seen_base[256] = {};
+  std::size_t top_m = 0, top_v = 0;
   for (std::size_t b = 0; b < blocks; ++b) {
     std::uint32_t m_max = 0, v_max = 0;
     for (std::size_t j = 0; j < q8_block; ++j) {
@@ -217,17 +237,24 @@ TEST_CASE("8-bit codes are the format's definition: every code at every base, ti
     }
     const std::uint32_t m_base = q8_base(m_max, 15), v_base = q8_base(v_max, 31);
     wrong += out.scales[2 * b] != m_base || out.scales[2 * b + 1] != v_base;
+    seen_base[m_base] = seen_base[v_base] = true;
     for (std::size_t j = 0; j < q8_block; ++j) {
       const std::size_t i = b * q8_block + j;
       const std::uint32_t r = random_bits(i);
       const float am = std::fabs(em[i]);
-      const std::uint32_t m_code = std::min<std::uint32_t>(q8_code(am, m_base, ((r & 0xFFFF) << 4) | 8), 127) |
+      std::uint32_t m_code = std::min<std::uint32_t>(q8_code(am, m_base, ((r & 0xFFFF) << 4) | 8), 127) |
                                    (std::signbit(em[i]) ? 0x80 : 0);
       std::uint32_t v_code = std::min<std::uint32_t>(q8_code(ev[i], v_base, ((r >> 16) << 4) | 8), 255);
       if (ev[i] > 0) v_code = std::max<std::uint32_t>(v_code, 1);
+      if (m_base == 255) m_code = 0;
+      if (v_base == 255) v_code = 0;
+      top_m += (m_code & 0x7F) == 127;
+      top_v += v_code == 255;
       wrong += out.m[i] != m_code;
       wrong += out.v[i] != v_code;
     }
   }
   CHECK(wrong == 0);
+  CHECK((seen_base[0] && seen_base[239] && seen_base[223] && seen_base[255])); // the edges were reached
+  CHECK((top_m > 0 && top_v > 0));
 }
