@@ -99,6 +99,9 @@ def main():
       if not np.array_equal(np.asarray(a), np.asarray(b)):
         raise SystemExit(f"step {i}: 8-bit pinned_host and the numpy route differ")
     params = optax.apply_updates(params, u)
+  after_steps = sorted({x.sharding.memory_kind for x in jax.tree_util.tree_leaves(tuple(state[0])[1:])})
+  if after_steps != kinds:
+    raise SystemExit(f"the 8-bit codes moved from {kinds} to {after_steps} during the updates")
   state_bytes = None if before is None or after is None else after - before
   print(f"{'hostopt.optax 8bit pinned_host':>28}: codes in {kinds}, device memory for the state "
         f"{'n/a' if state_bytes is None else f'{state_bytes / 2**20:.1f} MiB'}, "

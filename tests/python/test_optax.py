@@ -422,6 +422,9 @@ def test_state_memory_pinned_host_keeps_the_moments_there_and_gives_the_same_bit
   assert _leaves_equal((u_a, s_a), (u_b, s_b))
   with pytest.raises(ValueError, match="state_memory"):
     hoptax.adamw(1e-2, state_memory="hbm")
+  # A state in device memory (the plain transformation's) is refused by name, not run.
+  with pytest.raises(ValueError, match=r"state_memory='pinned_host': mu\[0\] is in 'device' memory"):
+    placed.update(grad_fn(p), plain.init(p), p)
 
 
 SHARDING_SCRIPT = r"""

@@ -253,6 +253,7 @@ def test_state_memory_pinned_host_keeps_the_codes_there_and_gives_the_same_bits(
   kinds = lambda t: set(jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda x: x.sharding.memory_kind, t)))
   codes = lambda s: tuple(s[0])[1:]  # mu and nu (8-bit: their codes and the scales), not the count
   assert kinds(codes(s_a)) == {"pinned_host"} and kinds(codes(s_b)) == {device.default_memory().kind}
+  jax.jit(placed.init)(params)  # traced: placed by the caller's out_shardings, not here
   step_a = jax.jit(placed.update)
   p = params
   for i in range(4):
@@ -266,6 +267,31 @@ def test_state_memory_pinned_host_keeps_the_codes_there_and_gives_the_same_bits(
   # mu_dtype and reuse_state still apply to float moments only.
   with pytest.raises(ValueError, match="mu_dtype"):
     hoptax.adamw(1e-2, moments=fmt, state_memory="pinned_host", mu_dtype=jnp.bfloat16)
+  # A state in device memory (the plain transformation's) is refused by name, not run.
+  field = "mu_codes" if fmt == "8bit" else "mu"
+  with pytest.raises(ValueError, match=rf"state_memory='pinned_host': {field}\[0\] is in 'device' memory"):
+    placed.update(grad_fn(p), plain.init(p), p)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_state_memory_pinned_host_composes_with_optax_wrappers(fmt):
+  device = jax.devices()[0]
+  if not hasattr(jax, "memory") or "pinned_host" not in {m.kind for m in device.addressable_memories()}:
+    pytest.skip(f"jax {jax.__version__} on {device.platform} has no pinned_host memory")
+  params, _, grad = mlp_problem()
+  wrappers = {"inject_hyperparams": lambda **kw: optax.inject_hyperparams(hoptax.adamw)(learning_rate=1e-2, **kw),
+              "apply_if_finite": lambda **kw: optax.apply_if_finite(hoptax.adamw(1e-2, **kw), 3),
+              "MultiSteps": lambda **kw: optax.MultiSteps(hoptax.adamw(1e-2, **kw), 2)}
+  for name, make in wrappers.items():
+    placed, plain = make(moments=fmt, state_memory="pinned_host"), make(moments=fmt)
+    s_a, s_b = placed.init(params), plain.init(params)
+    p = params
+    for _ in range(3):
+      g = grad(p)
+      u_a, s_a = jax.jit(placed.update)(g, s_a, p)
+      u_b, s_b = jax.jit(plain.update)(g, s_b, p)
+      assert same((u_a, s_a), (u_b, s_b)), name
+      p = optax.apply_updates(p, u_a)
 
 
 PINNED_SHARDED_SCRIPT = r"""
@@ -290,6 +316,17 @@ for fmt in ("8bit", "bf16"):
   codes = s_a[0][1]["w"]
   assert codes.sharding.memory_kind == "pinned_host" and codes.sharding.spec[0] == "x", codes.sharding
   assert u_a["w"].sharding.memory_kind == "device"
+# Params on one device that is not the default, and on a mesh in reversed device order.
+w, b = np.arange(64 * 40, dtype=np.float32).reshape(64, 40) / 1000, np.ones(40, np.float32)
+reversed_mesh = jax.sharding.Mesh(np.array(jax.devices()[::-1]), ("x",))
+placements = ((jax.devices()[1], jax.devices()[1]),
+              (NamedSharding(reversed_mesh, P("x")), NamedSharding(reversed_mesh, P())))
+for w_at, b_at in placements:
+  p = {"w": jax.device_put(w, w_at), "b": jax.device_put(b, b_at)}
+  opt = hoptax.adamw_8bit(1e-2, weight_decay=0.1, state_memory="pinned_host")
+  st = opt.init(p)
+  u, st = jax.jit(opt.update)(jax.tree_util.tree_map(jnp.cos, p), st, p)
+  assert st[0].scales.sharding.memory_kind == "pinned_host"
 print("ok")
 """
 

@@ -241,12 +241,14 @@ def _blocks(x) -> int:
 def _compressed_flat_update(s: _Static, gs, mus, nus, scales, ps, count, dynamic, lr_count, wd_count):
   """The update over compressed moments (every leaf on the kernel); jax-traceable."""
   hp = _resolve_hp(s, dynamic, lr_count, wd_count)
-  f32 = lambda x: x if x.dtype == jnp.float32 else x.astype(jnp.float32)  # exact widening
-  # Gradients as they are (the update takes their dtype); params widened for the decay term.
-  leaves = [(g, m, v, f32(p) if d else None) for g, m, v, p, d in zip(gs, mus, nus, ps, s.decays)]
+  f32 = lambda x: x if x is None or x.dtype == jnp.float32 else x.astype(jnp.float32)  # exact widening
+  # Gradients as they are (the update takes their dtype); params widened for the decay term,
+  # where the kernel runs (16-bit params cross to host memory in 16 bits).
+  leaves = [(g, m, v, p if d else None) for g, m, v, p, d in zip(gs, mus, nus, ps, s.decays)]
   hp_kernel = hp if any(s.decays) else hp[:5] + (0.0,)
   call = lambda count, leaves, scales: _xla.adam_update_compressed(
-      count, hp_kernel, leaves, scales, moments=s.moments, seed=s.seed, nesterov=s.nesterov, threads=s.threads)
+      count, hp_kernel, [(g, m, v, f32(p)) for g, m, v, p in leaves], scales, moments=s.moments, seed=s.seed,
+      nesterov=s.nesterov, threads=s.threads)
   if s.state_memory is None:
     outs, new_scales = call(count, leaves, scales)
   else:  # as _flat_update: the codes stay in host memory, the gradients come, the updates go back
@@ -332,6 +334,33 @@ def _place_moments(adam_state, kind: str):
   place = lambda x: _place(x, kind) if x.dtype == jnp.float32 else x  # others: optax's arithmetic, where it is
   return adam_state._replace(mu=jax.tree_util.tree_map(place, adam_state.mu),
                              nu=jax.tree_util.tree_map(place, adam_state.nu))
+
+
+def _replicated_like(leaves):
+  """A replicated sharding over the devices of the concrete jax leaf on the most devices, in
+  its own device order (jit compares device assignments in order); None without one."""
+  concrete = [x for x in leaves if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)]
+  if not concrete:
+    return None
+  sharding = max(concrete, key=lambda x: len(x.sharding.device_set)).sharding
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+  if len(sharding.device_set) == 1:
+    return jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)))
+  devices = sorted(sharding.device_set, key=lambda d: d.id)  # pragma: no cover - other multi-device shardings
+  return jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(devices), ("devices",)), jax.sharding.PartitionSpec())
+
+
+def _check_in_memory(arrays, names, kind: str):
+  """state_memory: the state's concrete arrays must be in memory `kind` (a state made by
+  jit(init) without out_shardings there, or moved since, would run the host kernel on
+  device memory)."""
+  for name, x in zip(names, arrays):
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+      got = x.sharding.memory_kind
+      if got is not None and got != kind:
+        raise ValueError(f"state_memory={kind!r}: {name} is in {got!r} memory; make the state with this "
+                         f"transformation's init (outside jit, or jit(init) with out_shardings in {kind!r})")
 
 
 def _not_tracing() -> bool:
@@ -463,6 +492,10 @@ def _make(args: dict, decoupled: bool) -> optax.GradientTransformationExtraArgs:
     on_host = numpy_route or state_memory is not None or _backend_is_cpu()
     kernel = tuple(on_host and _on_kernel(g_leaves[i], mu_leaves[i], nu_leaves[i], p_leaves[i] if decays[i] else None,
                                           decays[i]) for i in range(n))
+    if not numpy_route and state_memory is not None:
+      k_idx = [i for i in range(n) if kernel[i]]
+      _check_in_memory([mu_leaves[i] for i in k_idx] + [nu_leaves[i] for i in k_idx],
+                       [f"mu[{i}]" for i in k_idx] + [f"nu[{i}]" for i in k_idx], state_memory)
     static_hp = tuple(float(v) if is_static_number(v) else None for v in hp)
     if not numpy_route:  # the schedules' slots are evaluated inside the jitted call
       static_hp = tuple(None if (k == 0 and lr_schedule is not None) or (k == 5 and wd_schedule is not None) else v
@@ -527,12 +560,9 @@ def _compressed_transformation(reference, moments, seed, decoupled, learning_rat
       if q8:
         # The one scales array: replicated over the params' devices (committed to one device it
         # would clash with sharded params under jit).
-        devices = sorted({d for x in leaves if isinstance(x, jax.Array) for d in x.sharding.device_set},
-                         key=lambda d: d.id)
         scales = adam.scales
-        if devices and not isinstance(scales, jax.core.Tracer):
-          replicated = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(devices), ("devices",)),
-                                                  jax.sharding.PartitionSpec())
+        replicated = _replicated_like(leaves)
+        if replicated is not None and not isinstance(scales, jax.core.Tracer):
           scales = jax.device_put(scales, replicated)
         adam = adam._replace(mu_codes=place(adam.mu_codes), nu_codes=place(adam.nu_codes),
                              scales=_place(scales, state_memory))
@@ -585,6 +615,11 @@ def _compressed_transformation(reference, moments, seed, decoupled, learning_rat
       raise ValueError(f"hostopt.optax with {moments} moments runs on the host kernel: the arrays are on "
                        f"{jax.default_backend()}; make the transformation with state_memory='pinned_host' to keep "
                        "the moments in host memory and update them there")
+    if not numpy_route and state_memory is not None:
+      field = "_codes" if q8 else ""
+      _check_in_memory(list(mu_leaves) + list(nu_leaves) + ([scales] if q8 else []),
+                       [f"mu{field}[{i}]" for i in range(len(mu_leaves))] +
+                       [f"nu{field}[{i}]" for i in range(len(nu_leaves))] + ["scales"], state_memory)
     if _xla.available() is not None:
       raise RuntimeError(f"hostopt.optax cannot run: {_xla.available()}")
     no_decay = is_static_number(weight_decay) and float(weight_decay) == 0.0 and wd_schedule is None
@@ -606,7 +641,14 @@ def _compressed_transformation(reference, moments, seed, decoupled, learning_rat
     ps = [p_leaves[i] if decays[i] else None for i in range(n)]
     if numpy_route:  # the same jitted call on copies on the host's device (whatever the default), as numpy
       j = lambda xs: [None if x is None else jnp.asarray(x) for x in xs]
-      with jax.default_device(jax.devices("cpu")[0]):
+      try:
+        cpu = jax.devices("cpu")[0]
+      except RuntimeError as e:
+        raise RuntimeError(f"hostopt.optax with {moments} moments runs numpy inputs on jax's CPU backend, which "
+                           f"this process has not enabled (JAX_PLATFORMS): {e}") from None
+      # Hyper-parameters given as arrays on an accelerator come to the host with the rest.
+      dynamic = [np.asarray(v) if isinstance(v, jax.Array) else v for v in dynamic]
+      with jax.default_device(cpu):
         outs = _compressed_flat_update_jit(s, j(g_leaves), j(mu_leaves), j(nu_leaves),
                                            None if scales is None else jnp.asarray(scales), j(ps), jnp.asarray(count),
                                            dynamic, lr_count, wd_count)
