@@ -237,11 +237,17 @@ def test_python_scalar_leaves_as_optax_takes_them(moments):
   assert np.allclose(np.asarray(u["s"]), np.asarray(want["s"]), rtol=1e-5)  # optax rounds its bias corrections in f32
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_state_memory_pinned_host_keeps_the_codes_there_and_gives_the_same_bits(fmt):
+def needs_pinned_host():
+  """The default device, skipping the test where it has no pinned_host memory."""
   device = jax.devices()[0]
   if not hasattr(jax, "memory") or "pinned_host" not in {m.kind for m in device.addressable_memories()}:
     pytest.skip(f"jax {jax.__version__} on {device.platform} has no pinned_host memory")
+  return device
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_state_memory_pinned_host_keeps_the_codes_there_and_gives_the_same_bits(fmt):
+  device = needs_pinned_host()
   params, _, grad = mlp_problem()
   params = {**params, "l2": {**params["l2"], "w": params["l2"]["w"].astype(jnp.bfloat16)}}  # a bf16 leaf too
   grad_fn = lambda p: jax.tree_util.tree_map(lambda g, x: g.astype(x.dtype),
@@ -275,9 +281,7 @@ def test_state_memory_pinned_host_keeps_the_codes_there_and_gives_the_same_bits(
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_state_memory_pinned_host_composes_with_optax_wrappers(fmt):
-  device = jax.devices()[0]
-  if not hasattr(jax, "memory") or "pinned_host" not in {m.kind for m in device.addressable_memories()}:
-    pytest.skip(f"jax {jax.__version__} on {device.platform} has no pinned_host memory")
+  needs_pinned_host()
   params, _, grad = mlp_problem()
   wrappers = {"inject_hyperparams": lambda **kw: optax.inject_hyperparams(hoptax.adamw)(learning_rate=1e-2, **kw),
               "apply_if_finite": lambda **kw: optax.apply_if_finite(hoptax.adamw(1e-2, **kw), 3),
