@@ -23,6 +23,27 @@ inline unsigned flush_subnormals(bool on) {
   return 0;
 #endif
 }
+/// Sets the mode word flush_subnormals returned.
+inline void set_fp_mode(unsigned mode) {
+#if defined(__x86_64__)
+  _mm_setcsr(mode);
+#elif defined(__aarch64__)
+  __builtin_aarch64_set_fpcr(mode);
+#else
+  (void)mode;
+#endif
+}
+/// Flushing on (or off) for a scope; the caller's mode back at its end, also when a check throws.
+class flushing_scope {
+public:
+  explicit flushing_scope(bool on = true) : before_(flush_subnormals(on)) {}
+  ~flushing_scope() { set_fp_mode(before_); }
+  flushing_scope(const flushing_scope&) = delete;
+  flushing_scope& operator=(const flushing_scope&) = delete;
+
+private:
+  unsigned before_;
+};
 /// The mode word (MXCSR or FPCR).
 inline unsigned fp_mode() {
 #if defined(__x86_64__)

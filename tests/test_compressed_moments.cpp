@@ -546,20 +546,24 @@ TEST_CASE("8-bit steps and conversions in a caller that flushes subnormals get t
   for (std::size_t i = 0; i < n; ++i) { // values spanning 2^30 (m) and 2^40 (v): subnormal codes
     s.m[i] = std::ldexp(s.m[i], -int(i * 7 % 31));
     s.v[i] = std::ldexp(s.v[i], -int(i * 11 % 41));
+    if (i / q8_block % 4 == 1) { // blocks of subnormal floats: base 0 for every codec
+      s.m[i] = std::ldexp(s.m[i], -120);
+      s.v[i] = std::ldexp(s.v[i], -120);
+    }
   }
   const ref::grad_buffer g = ref::random_grad(dtype::bf16, n, rng);
   adam_config c = adamw();
   auto run = [&](const std::string& kernel, int threads, bool flush) {
-    ref::flush_subnormals(flush);
+    const ref::flushing_scope scope(flush);
     const unsigned mode = ref::fp_mode();
     packed mo = encode(moment_format::q8, s, 3);
     std::vector<float> p = s.p;
     std::vector<std::uint16_t> out(n);
-    // Small gradients (scaled by 2^-40) keep the moments' spread through the step.
-    adam_step(p.data(), mo.view(), n, g.view(), {out.data(), n, dtype::bf16}, c, 2, 0x1p-40f, {3, 0}, {threads, kernel});
+    // Tiny gradients (scaled by 2^-140, subnormal) keep the moments' spread through the step.
+    adam_step(p.data(), mo.view(), n, g.view(), {out.data(), n, dtype::bf16}, c, 2, 0x1p-140f, {3, 0},
+              {threads, kernel});
     const decoded d = decode(mo, n);
     const bool restored = ref::fp_mode() == mode;
-    ref::flush_subnormals(false);
     return std::make_tuple(mo, p, out, d, restored);
   };
   const auto want = run("scalar", 1, false);
@@ -567,6 +571,9 @@ TEST_CASE("8-bit steps and conversions in a caller that flushes subnormals get t
   for (unsigned char code : std::get<0>(want).m) subnormal_codes += (code & 0x7F) > 0 && (code & 0x7F) < 8;
   for (unsigned char code : std::get<0>(want).v) subnormal_codes += code > 0 && code < 8;
   REQUIRE(subnormal_codes > n / 20);
+  std::size_t subnormal_floats = 0; // decoded moments below 2^-126: what the exponent codecs flush
+  for (float x : std::get<3>(want).v) subnormal_floats += x != 0 && std::fabs(x) < 0x1p-126f;
+  REQUIRE(subnormal_floats > n / 20);
   for (const auto& kernel : supported_kernels())
     for (int threads : {1, 2}) {
       INFO("kernel " << kernel << " threads " << threads);

@@ -314,7 +314,6 @@ TEST_CASE("large copy-outs (non-temporal stores) give the same bits, aligned or 
     }
 }
 
-using ref::flush_subnormals;
 using ref::fp_mode;
 
 TEST_CASE("a caller that flushes subnormals (as XLA leaves its threads) gets the same bits", "[determinism][per_arch]") {
@@ -342,12 +341,14 @@ TEST_CASE("a caller that flushes subnormals (as XLA leaves its threads) gets the
   REQUIRE(any_subnormal); // the case exercises subnormals at all
   for (const auto& kernel : supported_kernels())
     for (int threads : {1, 2, 3}) {
-      const unsigned before = flush_subnormals(true);
-      const unsigned flushing = fp_mode();
-      const auto got = run(kernel, threads);
-      const unsigned after = fp_mode();
-      flush_subnormals(false);
-      (void)before;
+      unsigned flushing = 0, after = 0;
+      const auto got = [&] {
+        const ref::flushing_scope scope;
+        flushing = fp_mode();
+        auto r = run(kernel, threads);
+        after = fp_mode();
+        return r;
+      }();
       INFO("kernel " << kernel << " threads " << threads);
       CHECK((got.first == want.first));
       CHECK((got.second == want.second));

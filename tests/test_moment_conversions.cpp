@@ -221,7 +221,11 @@ TEST_CASE("8-bit codes are the format's definition: every code at every base, ti
       };
       em[i] = ((r >> 50) & 1 ? -1.0f : 1.0f) * crafted(base_m, ((bits & 0xFFFF) << 4) | 8, 119);
       ev[i] = crafted(base_v, ((bits >> 16) << 4) | 8, 247);
-      if (kind == 9 && j == 17) (r & 1 ? em[i] : ev[i]) = std::numeric_limits<float>::quiet_NaN();
+      if (kind == 9 && j == 17) { // a NaN m or v, or an infinite m: that moment's block is poisoned
+        const int which = int(r % 3);
+        (which == 1 ? ev[i] : em[i]) = which == 2 ? std::numeric_limits<float>::infinity()
+                                                  : std::numeric_limits<float>::quiet_NaN();
+      }
     }
   }
   packed out(moment_format::q8, N);

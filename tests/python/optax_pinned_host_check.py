@@ -66,6 +66,11 @@ def main():
       jax.block_until_ready(params)
       times.append(time.perf_counter() - t0)
     state_bytes = None if before is None or after is None else after - before
+    if "pinned_host" in label:
+      now = sorted({x.sharding.memory_kind for x in jax.tree_util.tree_leaves((state[0].mu, state[0].nu))})
+      if kinds != ["pinned_host"] or now != kinds:
+        raise SystemExit(f"the f32 moments were in {kinds} after init and in {now} after the steps, "
+                         "expected ['pinned_host']")
     results[label] = params
     print(f"{label:>28}: moments in {kinds}, device memory for the state "
           f"{'n/a' if state_bytes is None else f'{state_bytes / 2**20:.1f} MiB'}, "
@@ -100,8 +105,9 @@ def main():
         raise SystemExit(f"step {i}: 8-bit pinned_host and the numpy route differ")
     params = optax.apply_updates(params, u)
   after_steps = sorted({x.sharding.memory_kind for x in jax.tree_util.tree_leaves(tuple(state[0])[1:])})
-  if after_steps != kinds:
-    raise SystemExit(f"the 8-bit codes moved from {kinds} to {after_steps} during the updates")
+  if kinds != ["pinned_host"] or after_steps != kinds:
+    raise SystemExit(f"the 8-bit codes were in {kinds} after init and in {after_steps} after the updates, "
+                     "expected ['pinned_host']")
   state_bytes = None if before is None or after is None else after - before
   print(f"{'hostopt.optax 8bit pinned_host':>28}: codes in {kinds}, device memory for the state "
         f"{'n/a' if state_bytes is None else f'{state_bytes / 2**20:.1f} MiB'}, "

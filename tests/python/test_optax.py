@@ -423,8 +423,14 @@ def test_state_memory_pinned_host_keeps_the_moments_there_and_gives_the_same_bit
   with pytest.raises(ValueError, match="state_memory"):
     hoptax.adamw(1e-2, state_memory="hbm")
   # A state in device memory (the plain transformation's) is refused by name, not run.
-  with pytest.raises(ValueError, match=r"state_memory='pinned_host': mu\[0\] is in 'device' memory"):
-    placed.update(grad_fn(p), plain.init(p), p)
+  for update in (placed.update, jax.jit(placed.update)):  # eager, and traced (the aval's memory space)
+    with pytest.raises(ValueError, match=r"state_memory='pinned_host': mu\[0\] is in 'device' memory"):
+      update(grad_fn(p), plain.init(p), p)
+  # Leaves the kernel does not take (bf16 mu by mu_dtype) stay where optax's arithmetic runs on
+  # them: placing their f32 nu alone mixed memories in one add.
+  mixed, ref = (hoptax.adamw(1e-2, mu_dtype=jnp.bfloat16, **kw) for kw in ({"state_memory": "pinned_host"}, {}))
+  g = grad_fn(params)
+  assert _leaves_equal(mixed.update(g, mixed.init(params), params), ref.update(g, ref.init(params), params))
 
 
 SHARDING_SCRIPT = r"""

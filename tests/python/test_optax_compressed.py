@@ -275,8 +275,9 @@ def test_state_memory_pinned_host_keeps_the_codes_there_and_gives_the_same_bits(
     hoptax.adamw(1e-2, moments=fmt, state_memory="pinned_host", mu_dtype=jnp.bfloat16)
   # A state in device memory (the plain transformation's) is refused by name, not run.
   field = "mu_codes" if fmt == "8bit" else "mu"
-  with pytest.raises(ValueError, match=rf"state_memory='pinned_host': {field}\[0\] is in 'device' memory"):
-    placed.update(grad_fn(p), plain.init(p), p)
+  for update in (placed.update, jax.jit(placed.update)):  # eager, and traced (the aval's memory space)
+    with pytest.raises(ValueError, match=rf"state_memory='pinned_host': {field}\[0\] is in 'device' memory"):
+      update(grad_fn(p), plain.init(p), p)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -296,6 +297,8 @@ def test_state_memory_pinned_host_composes_with_optax_wrappers(fmt):
       u_b, s_b = jax.jit(plain.update)(g, s_b, p)
       assert same((u_a, s_a), (u_b, s_b)), name
       p = optax.apply_updates(p, u_a)
+    codes = [x for x in jax.tree_util.tree_leaves(s_a) if x.dtype in (jnp.uint8, jnp.bfloat16)]
+    assert codes and {x.sharding.memory_kind for x in codes} == {"pinned_host"}, name  # still on the host
 
 
 PINNED_SHARDED_SCRIPT = r"""
@@ -325,12 +328,13 @@ w, b = np.arange(64 * 40, dtype=np.float32).reshape(64, 40) / 1000, np.ones(40, 
 reversed_mesh = jax.sharding.Mesh(np.array(jax.devices()[::-1]), ("x",))
 placements = ((jax.devices()[1], jax.devices()[1]),
               (NamedSharding(reversed_mesh, P("x")), NamedSharding(reversed_mesh, P())))
+placements += ((NamedSharding(mesh, P("x")), None),)  # b a numpy array: its codes uncommitted until placed
 for w_at, b_at in placements:
-  p = {"w": jax.device_put(w, w_at), "b": jax.device_put(b, b_at)}
+  p = {"w": jax.device_put(w, w_at), "b": b if b_at is None else jax.device_put(b, b_at)}
   opt = hoptax.adamw_8bit(1e-2, weight_decay=0.1, state_memory="pinned_host")
   st = opt.init(p)
   u, st = jax.jit(opt.update)(jax.tree_util.tree_map(jnp.cos, p), st, p)
-  assert st[0].scales.sharding.memory_kind == "pinned_host"
+  assert {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(tuple(st[0])[1:])} == {"pinned_host"}
 print("ok")
 """
 

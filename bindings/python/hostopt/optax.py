@@ -213,10 +213,12 @@ def _flat_update(s: _Static, gs, mus, nus, ps, count, dynamic, lr_count, wd_coun
       outs = call(count, hp_kernel, leaves)
     else:  # the moments stay in host memory: the gradients come to them, the updates go back
       to_host = lambda x: None if x is None else jax.device_put(x, jax.memory.Space.Host)
-      leaves = [tuple(to_host(x) if j in (0, 3) else x for j, x in enumerate(leaf)) for leaf in leaves]
+      # 16-bit gradients and params cross in 16 bits and widen on the host.
+      leaves = [(to_host(gs[i]), mus[i], nus[i], to_host(ps[i]) if s.decays[i] else None) for i in k_idx]
+      widen = lambda lv: [(f32(g), m, v, None if p is None else f32(p)) for g, m, v, p in lv]
       # hp_kernel is closed over: its Python floats stay static attributes (as jit arguments they
       # would become float32 operands and change the bits).
-      outs = compute_on("device_host")(jax.jit(lambda c, lv: call(c, hp_kernel, lv, False)))(count, leaves)
+      outs = compute_on("device_host")(jax.jit(lambda c, lv: call(c, hp_kernel, widen(lv), False)))(count, leaves)
       outs = [(jax.device_put(ui, jax.memory.Space.Device), mi, vi) for ui, mi, vi in outs]
     for i, (ui, mi, vi) in zip(k_idx, outs):
       u[i], new_mu[i], new_nu[i] = ui, mi, vi
@@ -318,22 +320,33 @@ def _schedule_counts(state, lr_schedule, wd_schedule):
   return lr_count, wd_count
 
 
-def _place(x, kind: str):
+def _place(x, kind: str, uncommitted_to=None):
   """A jax array in memory `kind` of its devices (traced arrays, placed by the caller's
-  jit(init) out_shardings, and numpy arrays as they are)."""
+  jit(init) out_shardings, and numpy arrays as they are). An uncommitted array (from numpy
+  or scalar params) goes to `uncommitted_to` (_replicated_like), where it cannot clash with
+  the other leaves' devices under jit."""
   if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
     return x
+  if not x.committed and uncommitted_to is not None:
+    x = jax.device_put(x, uncommitted_to)
   kinds = {m.kind for d in x.sharding.device_set for m in d.addressable_memories()}
   if kind not in kinds:
     raise ValueError(f"state_memory={kind!r}: the params' devices have memories {sorted(kinds)}")
   return jax.device_put(x, x.sharding.with_memory_kind(kind))
 
 
-def _place_moments(adam_state, kind: str):
-  """mu and nu of the leaves the kernel takes (float32), in memory `kind` of their devices."""
-  place = lambda x: _place(x, kind) if x.dtype == jnp.float32 else x  # others: optax's arithmetic, where it is
-  return adam_state._replace(mu=jax.tree_util.tree_map(place, adam_state.mu),
-                             nu=jax.tree_util.tree_map(place, adam_state.nu))
+def _place_moments(adam_state, params, kind: str):
+  """mu and nu of the leaves the kernel takes (both float32, params of a kernel dtype), in
+  memory `kind` of their devices; the others stay where optax's arithmetic runs on them."""
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  mus, nus = treedef.flatten_up_to(adam_state.mu), treedef.flatten_up_to(adam_state.nu)
+  target = _replicated_like(leaves)
+  f32 = np.dtype(np.float32)
+  for i, p in enumerate(leaves):
+    if (np.dtype(mus[i].dtype) == f32 and np.dtype(nus[i].dtype) == f32 and hasattr(p, "dtype")
+        and np.dtype(p.dtype) in _KERNEL_INPUT):
+      mus[i], nus[i] = _place(mus[i], kind, target), _place(nus[i], kind, target)
+  return adam_state._replace(mu=treedef.unflatten(mus), nu=treedef.unflatten(nus))
 
 
 def _replicated_like(leaves):
@@ -347,20 +360,27 @@ def _replicated_like(leaves):
     return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
   if len(sharding.device_set) == 1:
     return jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)))
-  devices = sorted(sharding.device_set, key=lambda d: d.id)  # pragma: no cover - other multi-device shardings
+  # Other multi-device shardings: their own device order where jax exposes it.
+  devices = getattr(sharding, "_device_assignment", None) or sorted(sharding.device_set, key=lambda d: d.id)
   return jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(devices), ("devices",)), jax.sharding.PartitionSpec())
 
 
 def _check_in_memory(arrays, names, kind: str):
-  """state_memory: the state's concrete arrays must be in memory `kind` (a state made by
-  jit(init) without out_shardings there, or moved since, would run the host kernel on
-  device memory)."""
+  """state_memory: the state's arrays must be in memory `kind` (a state made by jit(init)
+  without out_shardings there, or moved since, would run the host kernel on device memory).
+  Traced arrays carry their memory space in their aval."""
+  host = getattr(getattr(jax, "memory", None), "Space", None)
   for name, x in zip(names, arrays):
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+    got = None
+    if isinstance(x, jax.core.Tracer):
+      space = getattr(getattr(x, "aval", None), "memory_space", None)
+      if host is not None and space == host.Device:
+        got = "device"
+    elif isinstance(x, jax.Array):
       got = x.sharding.memory_kind
-      if got is not None and got != kind:
-        raise ValueError(f"state_memory={kind!r}: {name} is in {got!r} memory; make the state with this "
-                         f"transformation's init (outside jit, or jit(init) with out_shardings in {kind!r})")
+    if got is not None and got != kind:
+      raise ValueError(f"state_memory={kind!r}: {name} is in {got!r} memory; make the state with this "
+                       f"transformation's init (outside jit, or jit(init) with out_shardings in {kind!r})")
 
 
 def _not_tracing() -> bool:
@@ -448,7 +468,7 @@ def _make(args: dict, decoupled: bool) -> optax.GradientTransformationExtraArgs:
     if leaves and all(isinstance(x, np.ndarray) for x in leaves):  # numpy in, numpy out
       state = jax.tree_util.tree_map(lambda x: np.asarray(x).copy(), state)
     elif state_memory is not None:
-      state = (_place_moments(state[0], state_memory),) + tuple(state[1:])
+      state = (_place_moments(state[0], params, state_memory),) + tuple(state[1:])
     return state
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -556,16 +576,13 @@ def _compressed_transformation(reference, moments, seed, decoupled, learning_rat
     else:
       adam = optax.ScaleByAdamState(count=count, mu=codes(jnp.bfloat16), nu=codes(jnp.bfloat16))
     if state_memory is not None and not numpy_in:  # the codes (and scales) in host memory; the count stays
-      place = lambda t: jax.tree_util.tree_map(lambda x: _place(x, state_memory), t)
+      # Uncommitted codes (of numpy or scalar params) and the one scales array go replicated over
+      # the params' devices: committed to one device they would clash with sharded params.
+      target = _replicated_like(leaves)
+      place = lambda t: jax.tree_util.tree_map(lambda x: _place(x, state_memory, target), t)
       if q8:
-        # The one scales array: replicated over the params' devices (committed to one device it
-        # would clash with sharded params under jit).
-        scales = adam.scales
-        replicated = _replicated_like(leaves)
-        if replicated is not None and not isinstance(scales, jax.core.Tracer):
-          scales = jax.device_put(scales, replicated)
         adam = adam._replace(mu_codes=place(adam.mu_codes), nu_codes=place(adam.nu_codes),
-                             scales=_place(scales, state_memory))
+                             scales=_place(adam.scales, state_memory, target))
       else:
         adam = adam._replace(mu=place(adam.mu), nu=place(adam.nu))
     return (adam,) + tuple(rest)
@@ -640,7 +657,8 @@ def _compressed_transformation(reference, moments, seed, decoupled, learning_rat
                and not (k == 0 and lr_schedule is not None) and not (k == 5 and wd_schedule is not None)]
     ps = [p_leaves[i] if decays[i] else None for i in range(n)]
     if numpy_route:  # the same jitted call on copies on the host's device (whatever the default), as numpy
-      j = lambda xs: [None if x is None else jnp.asarray(x) for x in xs]
+      # np.asarray first: params may be jax arrays committed to an accelerator.
+      j = lambda xs: [None if x is None else jnp.asarray(np.asarray(x)) for x in xs]
       try:
         cpu = jax.devices("cpu")[0]
       except RuntimeError as e:
