@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
@@ -120,11 +119,6 @@ std::uint32_t lowbias32(std::uint32_t x) {
   x *= 0x846CA68Bu;
   return x ^ (x >> 16);
 }
-std::uint32_t float_bits(float x) {
-  std::uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return u;
-}
 // The base of a block whose largest magnitude has bits `max_bits` (top: 15 for m, 31 for v):
 // 255 (poisoned) for a NaN, or an infinite m; else the largest exponent after rounding up,
 // at most 254, less top.
@@ -193,8 +187,8 @@ TEST_CASE("8-bit codes are the format's definition: every code at every base, ti
     const float big = kind == 7 ? std::numeric_limits<float>::max() : std::ldexp(1.0f, k);
     em[b * q8_block] = (rng() & 1 ? -1.0f : 1.0f) * big;
     ev[b * q8_block] = kind == 8 ? std::numeric_limits<float>::infinity() : big;
-    const int base_m = std::max(1, int(q8_base(float_bits(big), 15)));
-    const int base_v = std::max(1, int(q8_base(float_bits(ev[b * q8_block]), 31)));
+    const int base_m = std::max(1, int(q8_base(ref::bits(big), 15)));
+    const int base_v = std::max(1, int(q8_base(ref::bits(ev[b * q8_block]), 31)));
     for (std::size_t j = 1; j < q8_block; ++j) {
       const std::size_t i = b * q8_block + j;
       const std::uint64_t r = rng();
@@ -204,18 +198,9 @@ TEST_CASE("8-bit codes are the format's definition: every code at every base, ti
         switch (r % 4) {
         case 0: // subnormal code c: position c 2^20 - r20 - 1/2 on the grid 2^(base-149)
           return float(std::ldexp(double(std::min(c, 7u)) * 1048576.0 - r20 - 0.5, base - 149));
-        case 1: { // normal code c: bits exactly where r20 carries into it, or one below
-          const std::uint32_t u = (std::uint32_t(base) << 23) + std::max(c, 8u) * 1048576u - r20 - ((r >> 20) & 1);
-          float f;
-          std::memcpy(&f, &u, 4);
-          return f;
-        }
-        case 2: { // a subnormal float
-          const std::uint32_t u = std::uint32_t(r >> 16) & 0x7FFFFFu;
-          float f;
-          std::memcpy(&f, &u, 4);
-          return f;
-        }
+        case 1: // normal code c: bits exactly where r20 carries into it, or one below
+          return ref::from_bits((std::uint32_t(base) << 23) + std::max(c, 8u) * 1048576u - r20 - ((r >> 20) & 1));
+        case 2: return ref::from_bits(std::uint32_t(r >> 16) & 0x7FFFFFu); // a subnormal float
         default: return float(std::ldexp(double((r >> 8) % (1u << 23)) + 0.5, base - 149)); // a tie
         }
       };
@@ -236,8 +221,8 @@ TEST_CASE("8-bit codes are the format's definition: every code at every base, ti
   for (std::size_t b = 0; b < blocks; ++b) {
     std::uint32_t m_max = 0, v_max = 0;
     for (std::size_t j = 0; j < q8_block; ++j) {
-      m_max = std::max(m_max, float_bits(em[b * q8_block + j]) & 0x7FFFFFFFu);
-      v_max = std::max(v_max, float_bits(ev[b * q8_block + j]));
+      m_max = std::max(m_max, ref::bits(em[b * q8_block + j]) & 0x7FFFFFFFu);
+      v_max = std::max(v_max, ref::bits(ev[b * q8_block + j]));
     }
     const std::uint32_t m_base = q8_base(m_max, 15), v_base = q8_base(v_max, 31);
     wrong += out.scales[2 * b] != m_base || out.scales[2 * b + 1] != v_base;

@@ -197,6 +197,23 @@ def _resolve_hp(s: _Static, dynamic, lr_count, wd_count) -> tuple:
   return tuple(hp)
 
 
+def _f32(x):
+  """Exact widening to float32 (None passes)."""
+  return x if x is None or x.dtype == jnp.float32 else x.astype(jnp.float32)
+
+
+def _to_host(leaves):
+  """state_memory's route in: each kernel leaf's gradient and param (g, mu, nu, p) go to host
+  memory, where the moments stay; 16-bit ones cross in 16 bits (the kernel call widens them)."""
+  put = lambda x: None if x is None else jax.device_put(x, jax.memory.Space.Host)
+  return [(put(g), m, v, put(p)) for g, m, v, p in leaves]
+
+
+def _updates_to_device(outs):
+  """state_memory's route out: each leaf's update (u, mu, nu) back to device memory."""
+  return [(jax.device_put(u, jax.memory.Space.Device), m, v) for u, m, v in outs]
+
+
 def _flat_update(s: _Static, gs, mus, nus, ps, count, dynamic, lr_count, wd_count):
   """The update of flat leaf lists; jax-traceable (runs under jit)."""
   hp = _resolve_hp(s, dynamic, lr_count, wd_count)
@@ -204,22 +221,18 @@ def _flat_update(s: _Static, gs, mus, nus, ps, count, dynamic, lr_count, wd_coun
   u, new_mu, new_nu = [None] * n, list(mus), list(nus)
   k_idx = [i for i in range(n) if s.kernel[i]]
   if k_idx:
-    f32 = lambda x: x if x.dtype == jnp.float32 else x.astype(jnp.float32)  # exact widening
-    leaves = [(f32(gs[i]), mus[i], nus[i], f32(ps[i]) if s.decays[i] else None) for i in k_idx]
+    leaves = [(gs[i], mus[i], nus[i], ps[i] if s.decays[i] else None) for i in k_idx]
     hp_kernel = hp if any(s.decays) else hp[:5] + (0.0,)
     call = lambda count, hp_kernel, leaves, per_shard=True: _xla.adam_update(
-        count, hp_kernel, leaves, nesterov=s.nesterov, threads=s.threads, per_shard=per_shard)
+        count, hp_kernel, [(_f32(g), m, v, _f32(p)) for g, m, v, p in leaves], nesterov=s.nesterov,
+        threads=s.threads, per_shard=per_shard)
     if s.state_memory is None:
       outs = call(count, hp_kernel, leaves)
     else:  # the moments stay in host memory: the gradients come to them, the updates go back
-      to_host = lambda x: None if x is None else jax.device_put(x, jax.memory.Space.Host)
-      # 16-bit gradients and params cross in 16 bits and widen on the host.
-      leaves = [(to_host(gs[i]), mus[i], nus[i], to_host(ps[i]) if s.decays[i] else None) for i in k_idx]
-      widen = lambda lv: [(f32(g), m, v, None if p is None else f32(p)) for g, m, v, p in lv]
       # hp_kernel is closed over: its Python floats stay static attributes (as jit arguments they
       # would become float32 operands and change the bits).
-      outs = compute_on("device_host")(jax.jit(lambda c, lv: call(c, hp_kernel, widen(lv), False)))(count, leaves)
-      outs = [(jax.device_put(ui, jax.memory.Space.Device), mi, vi) for ui, mi, vi in outs]
+      outs = compute_on("device_host")(jax.jit(lambda c, lv: call(c, hp_kernel, lv, False)))(count, _to_host(leaves))
+      outs = _updates_to_device(outs)
     for i, (ui, mi, vi) in zip(k_idx, outs):
       u[i], new_mu[i], new_nu[i] = ui, mi, vi
   o_idx = [i for i in range(n) if not s.kernel[i]]
@@ -243,21 +256,17 @@ def _blocks(x) -> int:
 def _compressed_flat_update(s: _Static, gs, mus, nus, scales, ps, count, dynamic, lr_count, wd_count):
   """The update over compressed moments (every leaf on the kernel); jax-traceable."""
   hp = _resolve_hp(s, dynamic, lr_count, wd_count)
-  f32 = lambda x: x if x is None or x.dtype == jnp.float32 else x.astype(jnp.float32)  # exact widening
-  # Gradients as they are (the update takes their dtype); params widened for the decay term,
-  # where the kernel runs (16-bit params cross to host memory in 16 bits).
+  # Gradients as they are (the update takes their dtype); params widened for the decay term.
   leaves = [(g, m, v, p if d else None) for g, m, v, p, d in zip(gs, mus, nus, ps, s.decays)]
   hp_kernel = hp if any(s.decays) else hp[:5] + (0.0,)
   call = lambda count, leaves, scales: _xla.adam_update_compressed(
-      count, hp_kernel, [(g, m, v, f32(p)) for g, m, v, p in leaves], scales, moments=s.moments, seed=s.seed,
+      count, hp_kernel, [(g, m, v, _f32(p)) for g, m, v, p in leaves], scales, moments=s.moments, seed=s.seed,
       nesterov=s.nesterov, threads=s.threads)
   if s.state_memory is None:
     outs, new_scales = call(count, leaves, scales)
   else:  # as _flat_update: the codes stay in host memory, the gradients come, the updates go back
-    to_host = lambda x: None if x is None else jax.device_put(x, jax.memory.Space.Host)
-    leaves = [(to_host(g), m, v, to_host(p)) for g, m, v, p in leaves]
-    outs, new_scales = compute_on("device_host")(jax.jit(call))(count, leaves, scales)
-    outs = [(jax.device_put(ui, jax.memory.Space.Device), mi, vi) for ui, mi, vi in outs]
+    outs, new_scales = compute_on("device_host")(jax.jit(call))(count, _to_host(leaves), scales)
+    outs = _updates_to_device(outs)
   u, m, v = (list(col) for col in zip(*outs)) if outs else ([], [], [])
   return u, m, v, new_scales
 
