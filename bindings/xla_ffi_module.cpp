@@ -20,15 +20,18 @@
 //               nesterov, threads (i64), decays (string, one '0'/'1' per leaf)
 //
 // Call "hostopt_adam_update_compressed": the same over compressed moments
-// (hostopt::compressed_update_leaf):
-//   operands: count, hp, scales (8-bit only: u8 [blocks, 2], every leaf's 32-element blocks
-//             in leaf order), then per leaf: g, mu, nu (bf16 values, or u8 8-bit codes), and
-//             p f32 if the leaf decays
-//   results:  per leaf: u, mu, nu; then scales (8-bit); aliased to the operands
-//   attributes: as above, plus moments ("bf16" or "8bit") and seed_lo, seed_hi (i64: the
-//               rounding seed's low and high 32 bits)
-//   Leaf i's rounding indices start at the sum of the earlier leaves' sizes, each rounded
-//   up to a 32-element block: the update is a function of the leaves alone.
+// (hostopt::compressed_update_leaf), one leaf, or one shard of it, per operand group:
+//   operands: count, hp, then per leaf: g, mu, nu (bf16 values, or u8 8-bit codes), p f32
+//             if the leaf decays, rows (u32[r]: the numbers of this buffer's rows along
+//             the leaf's dim 0; [0] for a 0-d leaf), and for 8-bit the exponent bytes of
+//             its 32-element blocks (u8 [ceil(n / 32), 2])
+//   results:  per leaf: u, mu, nu, then its exponent bytes (8-bit); aliased to the operands
+//   attributes: as above, plus moments ("bf16" or "8bit"), seed_lo, seed_hi (i64: the
+//               rounding seed's low and high 32 bits) and firsts (string: each leaf's
+//               first rounding index, decimal, comma-separated)
+//   A buffer's rounding indices start at its leaf's first + rows[0] * (its elements per
+//   row): a shard cut along dim 0 (8-bit: on a block) rounds as the whole leaf does, so
+//   the update is a function of the leaves alone, however they are sharded.
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
@@ -84,6 +87,7 @@ struct call_attributes {
   int64_t seed_lo = 0, seed_hi = 0;
   std::string decays;
   std::string moments;
+  std::string firsts;
 };
 
 call_attributes read_attributes(const XLA_FFI_Attrs& attrs) {
@@ -95,6 +99,7 @@ call_attributes read_attributes(const XLA_FFI_Attrs& attrs) {
       const auto* s = static_cast<const XLA_FFI_ByteSpan*>(attrs.attrs[i]);
       if (name == "decays") out.decays.assign(s->ptr, s->len);
       if (name == "moments") out.moments.assign(s->ptr, s->len);
+      if (name == "firsts") out.firsts.assign(s->ptr, s->len);
       continue;
     }
     if (attrs.types[i] != XLA_FFI_AttrType_SCALAR) continue;
@@ -190,22 +195,24 @@ call_setup setup_call(const XLA_FFI_CallFrame* frame, const call_attributes& at)
 }
 
 // One leaf's operands and results, in both calls' order: g, mu, nu, p (when it decays)
-// from operand `next` on (advanced); u, mu, nu as results 3i..3i+2.
+// from operand `next` on (advanced); u, mu, nu as the leaf's first results (`per_leaf`
+// results each).
 struct leaf_buffers {
   const XLA_FFI_Buffer *g, *mu, *nu, *p, *u, *mu_out, *nu_out;
   hostopt::dtype grad_type;
   std::size_t n;
 };
 
-leaf_buffers leaf_at(const XLA_FFI_CallFrame* frame, int64_t& next, std::size_t i, bool decays) {
+leaf_buffers leaf_at(const XLA_FFI_CallFrame* frame, int64_t& next, std::size_t i, bool decays,
+                     std::size_t per_leaf = 3) {
   leaf_buffers b{};
   b.g = arg(frame, next++);
   b.mu = arg(frame, next++);
   b.nu = arg(frame, next++);
   b.p = decays ? arg(frame, next++) : nullptr;
-  b.u = ret(frame, int64_t(3 * i));
-  b.mu_out = ret(frame, int64_t(3 * i + 1));
-  b.nu_out = ret(frame, int64_t(3 * i + 2));
+  b.u = ret(frame, int64_t(per_leaf * i));
+  b.mu_out = ret(frame, int64_t(per_leaf * i + 1));
+  b.nu_out = ret(frame, int64_t(per_leaf * i + 2));
   b.grad_type = grad_dtype(b.g->dtype, "leaf " + std::to_string(i) + " gradient");
   b.n = element_count(b.g);
   if (b.u->dtype != b.g->dtype || element_count(b.u) != b.n)
@@ -251,8 +258,46 @@ void adam_update_call(const XLA_FFI_CallFrame* frame) {
                            {static_cast<int>(at.threads), ""});
 }
 
-// The call over compressed moments: validated completely, then one hostopt::adam_update
-// of compressed_update_leaf per gradient dtype.
+// The `firsts` attribute: one index per leaf.
+std::vector<std::uint64_t> parse_firsts(const std::string& text, std::size_t leaves) {
+  std::vector<std::uint64_t> out;
+  for (std::size_t at = 0; at < text.size() && out.size() <= leaves;) {
+    const std::size_t end = std::min(text.find(',', at), text.size());
+    std::uint64_t v = 0;
+    if (end == at) throw std::invalid_argument("firsts: an empty entry in '" + text + "'");
+    for (std::size_t i = at; i < end; ++i) {
+      if (text[i] < '0' || text[i] > '9' || v > (UINT64_MAX - 9) / 10)
+        throw std::invalid_argument("firsts: '" + text + "' is not comma-separated decimal indices");
+      v = v * 10 + std::uint64_t(text[i] - '0');
+    }
+    out.push_back(v);
+    at = end + 1;
+  }
+  if (out.size() != leaves)
+    throw std::invalid_argument("firsts has " + std::to_string(out.size()) + " entries for " + std::to_string(leaves) +
+                                " leaves");
+  return out;
+}
+
+// Where a buffer's rounding indices start: its leaf's first, plus its first row's number
+// times its elements per row (a shard cut along dim 0 has the whole leaf's rows).
+std::uint64_t buffer_first(const XLA_FFI_Buffer* rows, std::uint64_t leaf_first, std::size_t n, std::size_t i) {
+  const std::string at = "leaf " + std::to_string(i) + ": rows";
+  if (rows->dtype != XLA_FFI_DataType_U32 || rows->rank != 1) throw std::invalid_argument(at + " must be uint32 [r]");
+  const std::size_t r = element_count(rows);
+  if (n == 0) return leaf_first;
+  if (r == 0 || n % r)
+    throw std::invalid_argument(at + ": " + std::to_string(r) + " rows for " + std::to_string(n) + " elements");
+  std::uint32_t row0 = 0;
+  std::memcpy(&row0, rows->data, sizeof row0);
+  const std::uint64_t offset = std::uint64_t(row0) * (n / r);
+  if (leaf_first > UINT64_MAX - n || offset > UINT64_MAX - n - leaf_first)
+    throw std::invalid_argument(at + ": its rounding indices overflow");
+  return leaf_first + offset;
+}
+
+// The call over compressed moments: validated completely (the kernel's own checks too),
+// then one hostopt::adam_update of compressed_update_leaf per gradient dtype.
 void adam_update_compressed_call(const XLA_FFI_CallFrame* frame) {
   const call_attributes at = read_attributes(frame->attrs);
   const call_setup setup = setup_call(frame, at);
@@ -264,41 +309,43 @@ void adam_update_compressed_call(const XLA_FFI_CallFrame* frame) {
     throw std::invalid_argument("seed_lo and seed_hi must each be in [0, 2^32)");
   const std::uint64_t seed = std::uint64_t(at.seed_lo) | std::uint64_t(at.seed_hi) << 32;
   const std::size_t leaves = at.decays.size();
+  const std::vector<std::uint64_t> firsts = parse_firsts(at.firsts, leaves);
+  const std::size_t per_leaf = q8 ? 4 : 3;
   std::vector<hostopt::compressed_update_leaf> by_dtype[3];
-  std::uint64_t first_index = 0;
+  struct copy_in { const XLA_FFI_Buffer *from, *to; std::size_t bytes; };
+  std::vector<copy_in> copies; // operands to their results where XLA did not alias them
   int64_t next = 2;
-  const XLA_FFI_Buffer* scales = q8 ? arg(frame, next++) : nullptr;
-  const XLA_FFI_Buffer* scales_out = q8 ? ret(frame, int64_t(3 * leaves)) : nullptr;
   for (std::size_t i = 0; i < leaves; ++i) {
     const bool decays = at.decays[i] == '1';
-    const auto [g, mu, nu, p, u, mu_out, nu_out, gt, n] = leaf_at(frame, next, i, decays);
+    const auto [g, mu, nu, p, u, mu_out, nu_out, gt, n] = leaf_at(frame, next, i, decays, per_leaf);
     for (const XLA_FFI_Buffer* b : {mu, nu, mu_out, nu_out})
       if (b->dtype != code_type || element_count(b) != n)
         throw std::invalid_argument("leaf " + std::to_string(i) + ": mu and nu must be " +
                                     (q8 ? "uint8 codes" : "bfloat16") + " of the gradient's size");
-    // Updated in place in the results; XLA aliases them, so these copies happen only if a
-    // caller did not.
+    const std::uint64_t first = buffer_first(arg(frame, next++), firsts[i], n, i);
     const std::size_t code_bytes = n * hostopt::moment_code_bytes(format);
-    if (mu_out->data != mu->data) std::memcpy(mu_out->data, mu->data, code_bytes);
-    if (nu_out->data != nu->data) std::memcpy(nu_out->data, nu->data, code_bytes);
-    // The leaf's blocks in the one scales array: from block first_index / 32 (checked below).
-    hostopt::compressed_moments mo{format, mu_out->data, nu_out->data,
-                                   q8 ? static_cast<std::uint8_t*>(scales_out->data) + 2 * (first_index / hostopt::q8_block)
-                                      : nullptr};
-    by_dtype[int(gt)].push_back({p ? static_cast<const float*>(p->data) : nullptr, mo, {g->data, n, gt},
-                                 {u->data, n, gt}, decays ? std::size_t(1) : std::size_t(0), first_index});
-    first_index += (n + hostopt::q8_block - 1) / hostopt::q8_block * hostopt::q8_block;
+    copies.push_back({mu, mu_out, code_bytes});
+    copies.push_back({nu, nu_out, code_bytes});
+    std::uint8_t* scales = nullptr;
+    if (q8) {
+      const XLA_FFI_Buffer* in = arg(frame, next++);
+      const XLA_FFI_Buffer* out = ret(frame, int64_t(per_leaf * i + 3));
+      const std::size_t bytes = hostopt::moment_scale_bytes(format, n);
+      for (const XLA_FFI_Buffer* b : {in, out})
+        if (b->dtype != XLA_FFI_DataType_U8 || element_count(b) != bytes)
+          throw std::invalid_argument("leaf " + std::to_string(i) + ": its exponent bytes must be uint8 [" +
+                                      std::to_string(bytes / 2) + ", 2] (one pair per 32-element block)");
+      copies.push_back({in, out, bytes});
+      scales = static_cast<std::uint8_t*>(out->data);
+    }
+    by_dtype[int(gt)].push_back({p ? static_cast<const float*>(p->data) : nullptr,
+                                 {format, mu_out->data, nu_out->data, scales}, {g->data, n, gt}, {u->data, n, gt},
+                                 decays ? std::size_t(1) : std::size_t(0), first});
   }
-  if (next != frame->args.size || int64_t(3 * leaves + q8) != frame->rets.size)
+  if (next != frame->args.size || int64_t(per_leaf * leaves) != frame->rets.size)
     throw std::invalid_argument("operand or result count does not match the leaves");
-  if (q8) { // every leaf's blocks, in leaf order
-    const std::size_t scale_bytes = 2 * (first_index / hostopt::q8_block);
-    for (const XLA_FFI_Buffer* b : {scales, scales_out})
-      if (b->dtype != XLA_FFI_DataType_U8 || element_count(b) != scale_bytes)
-        throw std::invalid_argument("scales must be uint8 [" + std::to_string(scale_bytes / 2) +
-                                    ", 2] (the leaves' 32-element blocks)");
-    if (scales_out->data != scales->data) std::memcpy(scales_out->data, scales->data, scale_bytes);
-  }
+  for (const copy_in& c : copies)
+    if (c.to->data != c.from->data) std::memcpy(c.to->data, c.from->data, c.bytes);
   if (!setup.in_range) {
     for (const auto& group : by_dtype)
       for (const hostopt::compressed_update_leaf& l : group) fill_nan(l.update);

@@ -426,6 +426,9 @@ def test_state_memory_pinned_host_keeps_the_moments_there_and_gives_the_same_bit
   for update in (placed.update, jax.jit(placed.update)):  # eager, and traced (the aval's memory space)
     with pytest.raises(ValueError, match=r"state_memory='pinned_host': mu\[0\] is in 'device' memory"):
       update(grad_fn(p), plain.init(p), p)
+  # So is a numpy state beside jax gradients (it would go to device memory).
+  with pytest.raises(ValueError, match=r"state_memory='pinned_host': mu\[0\] is a numpy array"):
+    placed.update(grad_fn(p), jax.tree_util.tree_map(np.asarray, s_a), p)
   # Leaves the kernel does not take (bf16 mu by mu_dtype) stay where optax's arithmetic runs on
   # them: placing their f32 nu alone mixed memories in one add.
   mixed, ref = (hoptax.adamw(1e-2, mu_dtype=jnp.bfloat16, **kw) for kw in ({"state_memory": "pinned_host"}, {}))

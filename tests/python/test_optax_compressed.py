@@ -104,8 +104,8 @@ def test_jit_has_no_callback_and_updates_codes_in_place_when_donated(fmt):
     u, s = opt.update(grad(p), s, p)
     return optax.apply_updates(p, u), s
   leaves = len(jax.tree_util.tree_leaves(params))
-  # u over the gradient, mu and nu per leaf, and the one scales array (8-bit).
-  want = 3 * leaves + (fmt == "8bit")
+  # u over the gradient, mu and nu per leaf, and (8-bit) the leaf's slice of the scales.
+  want = (4 if fmt == "8bit" else 3) * leaves
   assert jax.jit(train_step).lower(params, state).as_text().count("output_operand_alias<") == want
   hlo = jax.jit(train_step, donate_argnums=(0, 1)).lower(params, state).compile().as_text()
   entry = hlo[hlo.index("ENTRY"):]
@@ -278,6 +278,10 @@ def test_state_memory_pinned_host_keeps_the_codes_there_and_gives_the_same_bits(
   for update in (placed.update, jax.jit(placed.update)):  # eager, and traced (the aval's memory space)
     with pytest.raises(ValueError, match=rf"state_memory='pinned_host': {field}\[0\] is in 'device' memory"):
       update(grad_fn(p), plain.init(p), p)
+  # So is a numpy state beside jax gradients (it would go to device memory).
+  numpy_state = jax.tree_util.tree_map(np.asarray, s_a)
+  with pytest.raises(ValueError, match=rf"state_memory='pinned_host': {field}\[0\] is a numpy array"):
+    placed.update(grad_fn(p), numpy_state, p)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -353,3 +357,85 @@ def test_state_memory_pinned_host_with_params_sharded_over_devices():
   if run.stdout.strip().endswith("skip"):
     pytest.skip(f"jax {jax.__version__} has no pinned_host memory on the CPU")
   assert run.stdout.strip().endswith("ok"), run.stdout[-1000:]
+
+
+SHARDED_SCRIPT = r"""
+import re
+import jax, jax.numpy as jnp, numpy as np
+import hostopt.optax as hoptax
+from hostopt import _xla
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+devices = np.array(jax.devices())
+line, square = Mesh(devices, ("x",)), Mesh(devices.reshape(2, 2), ("x", "y"))
+rng = np.random.default_rng(0)
+arr = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+host = {"w": arr(64, 40), "odd": arr(8, 3), "cols": arr(4, 64), "b": arr(40), "s": np.float32(0.5), "w2": arr(32, 8),
+        "w3": arr(16, 8), "empty": np.zeros((0, 4), np.float32)}
+# Per shard: w, w2, w3 (dim 0 cut into whole blocks), odd with bf16 (8-bit: 6-element shards
+# split blocks); gathered: cols (dim 1 cut); replicated: b, s, empty.
+layouts = {
+    line: {"w": P("x"), "odd": P("x"), "cols": P(None, "x"), "w2": P("x"), "w3": P()},
+    square: {"w": P("x"), "odd": P("y"), "cols": P(None, "x"), "w2": P(("x", "y")), "w3": P("y")}}
+same = lambda a, b: all(np.array_equal(np.asarray(x), np.asarray(y))
+                        for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+for mesh, specs in layouts.items():
+  params = {k: jax.device_put(v, NamedSharding(mesh, specs.get(k, P()))) for k, v in host.items()}
+  for fmt in ("bf16", "8bit"):
+    opt = hoptax.adamw(1e-2, weight_decay=0.1, moments=fmt)
+    state, state_np = opt.init(params), opt.init(host)
+    step = jax.jit(opt.update, donate_argnums=1)
+    hlo = step.lower(params, state, params).compile().as_text()
+    gathered = {m.group(1) for m in re.finditer(r"= [a-z0-9]+\[([0-9,]*)\][^ ]* all-gather\(", hlo)}
+    p, p_np = params, host
+    for t in range(3):  # the bits of the numpy route (one call on whole arrays), step after step
+      g = jax.tree_util.tree_map(lambda x: jnp.cos(3 * x + t), p)
+      u, state = step(g, state, p)
+      u_np, state_np = opt.update(jax.tree_util.tree_map(np.asarray, g), state_np, p_np)
+      assert same((u, state), (u_np, state_np)), (fmt, t)
+      p = jax.tree_util.tree_map(lambda a, b: a + b, p, u)
+      p_np = jax.tree_util.tree_map(np.asarray, p)
+    codes = state[0].mu_codes if fmt == "8bit" else state[0].mu
+    for k, x in params.items():  # the update and the codes keep the params' shardings
+      if _xla._SHARDY:
+        assert u[k].sharding.is_equivalent_to(x.sharding, x.ndim), (fmt, k, u[k].sharding)
+        assert codes[k].sharding.is_equivalent_to(x.sharding, x.ndim), (fmt, k, codes[k].sharding)
+    if _xla._SHARDY:  # per shard: no leaf cut on dim 0 alone (into whole blocks) is gathered
+      per_shard = {"w", "w2"} | ({"w3"} if mesh is square else set()) | ({"odd"} if fmt == "bf16" else set())
+      assert not {",".join(map(str, host[k].shape)) for k in per_shard} & gathered, (fmt, gathered)
+      assert "4,64" in gathered and ("8,3" in gathered) == (fmt == "8bit"), (fmt, gathered)
+# vmap of the jitted update with several devices: per batch element, as with one device.
+opt = hoptax.adamw_8bit(1e-2)
+batch = jnp.stack([jnp.ones((40,)), 2 * jnp.ones((40,))])
+states = jax.vmap(opt.init)(batch)
+vu, _ = jax.vmap(jax.jit(opt.update))(batch, states, batch)
+one, _ = opt.update(batch[1], jax.tree_util.tree_map(lambda x: x[1], states), batch[1])
+assert np.array_equal(np.asarray(vu[1]), np.asarray(one))
+# Explicit sharding: the update's and the state's types carry the params' shardings.
+if hasattr(jax.sharding, "AxisType") and hasattr(jax, "set_mesh"):
+  mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+  with jax.set_mesh(mesh):
+    for spec in (P("x"), P(None, "x")):
+      params = jax.device_put(jnp.arange(8 * 16 * 4, dtype=jnp.float32).reshape(8, 16, 4) / 100, spec)
+      for fmt in ("bf16", "8bit"):
+        opt = hoptax.adamw(1e-2, moments=fmt)
+        state = opt.init(params)
+        u, new = jax.jit(opt.update)(params, state, params)
+        assert jax.typeof(u) == jax.typeof(params), (fmt, jax.typeof(u))
+        codes = new[0].mu_codes if fmt == "8bit" else new[0].mu
+        assert jax.typeof(codes).sharding.spec == jax.typeof(params).sharding.spec, (fmt, jax.typeof(codes))
+        assert same(u, opt.update(*(jax.device_get(x) for x in (params, state, params)))[0])
+print("ok")
+"""
+
+
+def test_sharded_leaves_run_per_shard_keep_their_shardings_and_bits():
+  # Each leaf cut along dim 0 alone into whole blocks runs on its devices' shards (the
+  # rounding indices and exponent bytes of the shard's own rows), with the bits of one call
+  # on the whole arrays; any other leaf is gathered around the call.
+  import os
+  import subprocess
+  import sys
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+  env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)
+  run = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]

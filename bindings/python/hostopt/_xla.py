@@ -15,11 +15,15 @@ batched; per batch element (lax.map) when the count or a hyper-parameter is.
 
 ``adam_update_compressed`` binds the same over compressed moments (bf16 values or 8-bit
 codes, with one array of every leaf's blocks' exponent bytes), lowered to
-``hostopt_adam_update_compressed`` with the codes and exponents aliased to their outputs. Under vmap it runs per batch element
-(8-bit blocks belong to one leaf: a batch flattened into one leaf would mix them), and
-under sharding it sees whole arrays (XLA gathers them: blocks are not cut on shards). Differentiating
-through the update raises: the kernel has no derivative rule, and optax.adamw is the tool for
-meta-gradients through an optimizer.
+``hostopt_adam_update_compressed`` with the codes and each leaf's slice of the exponents
+aliased to their outputs. Under vmap it runs per batch element (8-bit blocks belong to one
+leaf: a batch flattened into one leaf would mix them). Under jit with several devices it is
+a custom_partitioning op like the f32 call's: a leaf cut along dim 0 alone (8-bit: into
+whole blocks) runs per shard, its rounding indices from its rows' numbers (an operand cut
+like the leaf), so the bits are those of the whole arrays; XLA gathers any other leaf.
+
+Differentiating through either update raises: the kernel has no derivative rule, and
+optax.adamw is the tool for meta-gradients through an optimizer.
 """
 
 import functools
@@ -260,7 +264,8 @@ def _per_shard(params, ranks):
     dims = " ".join(f"l{leaf}d{j}" for j in range(rank))
     operands += [dims] * k
     results += [dims] * 3
-  partition._hostopt_params = params  # how _batch_partitioned recognises the op as ours
+  # How _batch_partitioned recognises the op as ours: its batching rule and operand count.
+  partition._hostopt_batch = (functools.partial(_batch, **params), 2 + sum(k for _, k in spans))
   op = custom_partitioning(call)
   op.def_partition(partition=partition, sharding_rule=", ".join(operands) + " -> " + ", ".join(results),
                    need_replication_factors=("h",))
@@ -268,14 +273,13 @@ def _per_shard(params, ranks):
 
 
 def _batch_partitioned(args, dims, *, partition, **rest):
-  """vmap of the per-shard op: the plain call's rule (one call over the batch, no longer per
-  shard). JAX has no batching rule for custom_partitioning; any other user of it gets the
-  error JAX gives."""
-  params = getattr(partition, "_hostopt_params", None)
-  if params is None:
+  """vmap of a per-shard op: its plain call's batching rule (no longer per shard). JAX has no
+  batching rule for custom_partitioning; any other user of it gets the error JAX gives."""
+  ours = getattr(partition, "_hostopt_batch", None)
+  if ours is None:
     raise NotImplementedError("Batching rule for 'custom_partitioning' not implemented")
-  n = 2 + sum(4 if d == "1" else 3 for d in params["decays"])
-  return _batch(list(args[len(args) - n:]), list(dims[len(dims) - n:]), **params)
+  rule, n = ours
+  return rule(list(args[len(args) - n:]), list(dims[len(dims) - n:]))
 
 
 # Per-shard execution needs Shardy's sharding rules (jax >= 0.5); under GSPMD (jax 0.4) the
@@ -296,41 +300,48 @@ _cprim = Primitive("hostopt_adam_update_compressed")
 _cprim.multiple_results = True
 
 
-def _compressed_operands(decays: str, q8: bool, operands):
-  """Splits the flat operands into scales (8-bit) or None, and (g, mu, nu, p|None) per leaf."""
-  scales, i = (operands[0], 1) if q8 else (None, 0)
-  leaves = []
+def _leaf_groups(decays: str, q8: bool, operands):
+  """Splits the flat operands into per-leaf groups (g, mu, nu, p|None, rows, scales|None)."""
+  groups, i = [], 0
   for d in decays:
-    k = 4 if d == "1" else 3
-    leaves.append(tuple(operands[i:i + 3]) + ((operands[i + 3],) if d == "1" else (None,)))
-    i += k
-  return scales, leaves
+    g, mu, nu = operands[i:i + 3]
+    i += 3
+    p = operands[i] if d == "1" else None
+    i += d == "1"
+    rows = operands[i]
+    scales = operands[i + 1] if q8 else None
+    i += 1 + q8
+    groups.append((g, mu, nu, p, rows, scales))
+  return groups
 
 
 def _compressed_abstract_eval(count, hp, *operands, decays, moments, **_):
-  scales, leaves = _compressed_operands(decays, moments == "8bit", operands)
   outs = []
-  for g, mu, nu, _p in leaves:
-    outs += [g, mu, nu]
-  return outs + ([scales] if scales is not None else [])
+  for g, mu, nu, _p, _rows, scales in _leaf_groups(decays, moments == "8bit", operands):
+    outs += [g, mu, nu] + ([scales] if scales is not None else [])
+  return outs
 
 
 def _compressed_lowering(ctx, count, hp, *operands, decays, over_grad, traced, nesterov, threads, static, moments,
-                         seed):
+                         seed, firsts):
   q8 = moments == "8bit"
+  per_leaf = 4 if q8 else 3
   aliases, i = {}, 2
-  if q8:  # the one scales operand, after every leaf's results
-    aliases[2] = 3 * len(decays)
-    i = 3
   for k, d in enumerate(decays):
+    out = per_leaf * k
     if over_grad[k] == "1":  # the update over a gradient computed here (as _lowering)
-      aliases[i] = 3 * k
-    aliases[i + 1], aliases[i + 2] = 3 * k + 1, 3 * k + 2
+      aliases[i] = out
+    aliases[i + 1], aliases[i + 2] = out + 1, out + 2
     i += 4 if d == "1" else 3
+    i += 1  # rows
+    if q8:
+      aliases[i] = out + 3
+      i += 1
   attrs = dict(zip(HP_NAMES, (float(v) for v in static)))
   rule = _ffi.ffi_lowering(COMPRESSED_TARGET, operand_output_aliases=aliases)
   return rule(ctx, count, hp, *operands, traced=int(traced), nesterov=int(nesterov), threads=int(threads),
-              decays=decays, moments=moments, seed_lo=int(seed & 0xFFFFFFFF), seed_hi=int(seed >> 32), **attrs)
+              decays=decays, moments=moments, seed_lo=int(seed & 0xFFFFFFFF), seed_hi=int(seed >> 32),
+              firsts=",".join(str(f) for f in firsts), **attrs)
 
 
 def _compressed_batch(args, dims, **params):
@@ -355,21 +366,111 @@ ad.primitive_jvps[_cprim] = _jvp
 
 
 def adam_update_compressed(count, hp_values: Sequence, leaves: List[Tuple], scales, *, moments: str, seed: int,
-                           nesterov: bool, threads: int):
+                           nesterov: bool, threads: int, per_shard: bool = True):
   """One FFI call for `leaves` = [(g, mu, nu, p or None)]: g float32, bfloat16 or float16;
   mu and nu bfloat16 (moments="bf16") or uint8 codes (moments="8bit", with `scales` uint8
   [blocks, 2]: every leaf's 32-element blocks in leaf order; None for bf16); p float32.
-  hp_values as adam_update's. Returns ([(u, mu, nu)] per leaf, new scales or None)."""
+  hp_values as adam_update's. Returns ([(u, mu, nu)] per leaf, new scales or None).
+
+  Leaf i's rounding indices start at the sum of the earlier leaves' sizes, each rounded up
+  to a block. Under jit with several devices (Shardy) the call runs per shard, as
+  adam_update's, on each leaf cut along dim 0 alone into shards of whole blocks (8-bit);
+  a leaf cut otherwise is gathered around the call."""
   if _unavailable is not None:
     raise RuntimeError(_unavailable)
   static, hp, traced = _split_hyperparameters(hp_values)
   q8 = moments == "8bit"
-  operands, decays, over_grad = ([scales] if q8 else []), "", ""
-  for g, mu, nu, p in leaves:
-    operands += [g, mu, nu] + ([p] if p is not None else [])
+  blocks = [-(-int(np.size(g)) // 32) for g, _, _, _ in leaves]
+  if q8 and tuple(jnp.shape(scales)) != (sum(blocks), 2):
+    raise ValueError(f"scales has shape {tuple(jnp.shape(scales))}, expected ({sum(blocks)}, 2): every leaf's "
+                     "32-element blocks in leaf order")
+  if not leaves:
+    return [], scales
+  operands, decays, over_grad, firsts, block = [], "", "", [], 0
+  for (g, mu, nu, p), b in zip(leaves, blocks):
+    shape = jnp.shape(g)
+    rows = jax.lax.iota(jnp.uint32, shape[0] if shape else 1)  # each row's number along dim 0
+    operands += [g, mu, nu] + ([p] if p is not None else []) + [rows]
+    if q8:  # the leaf's blocks' exponent bytes
+      operands.append(jax.lax.slice_in_dim(scales, block, block + b))
     decays += "1" if p is not None else "0"
     over_grad += "1" if _computed_here(g) else "0"
+    firsts.append(32 * block)
+    block += b
   params = dict(decays=decays, over_grad=over_grad, traced=traced, nesterov=bool(nesterov), threads=int(threads),
-                static=static, moments=moments, seed=int(seed))
-  outs = _cprim.bind(jnp.asarray(count, jnp.int32), hp, *operands, **params)
-  return [tuple(outs[3 * i:3 * i + 3]) for i in range(len(leaves))], (outs[-1] if q8 else None)
+                static=static, moments=moments, seed=int(seed), firsts=tuple(firsts))
+  args = [jnp.asarray(count, jnp.int32), hp, *operands]
+  if per_shard and _SHARDY and jax.device_count() > 1 and all(type(x).__name__ == "DynamicJaxprTracer"
+                                                for x in args if isinstance(x, core.Tracer)):
+    outs = _compressed_per_shard(params, [len(jnp.shape(g)) for g, _, _, _ in leaves],
+                                 [tuple(jnp.shape(g)) for g, _, _, _ in leaves])(*args)
+  else:
+    outs = _cprim.bind(*args, **params)
+  per_leaf = 4 if q8 else 3
+  results = [tuple(outs[per_leaf * i:per_leaf * i + 3]) for i in range(len(leaves))]
+  new_scales = jnp.concatenate([outs[per_leaf * i + 3] for i in range(len(leaves))]) if q8 else None
+  return results, new_scales
+
+
+def _dim0_axes(mesh, sharding, shape, q8: bool):
+  """The mesh axes a leaf may run per shard on: those of its sharding's dim 0 when no other
+  dim is cut, the cut is even and (8-bit) each shard holds whole 32-element blocks; else
+  None (the leaf is gathered around the call)."""
+  spec = tuple(getattr(sharding, "spec", None) or ())
+  if not shape or not isinstance(sharding, jax.sharding.NamedSharding) or not spec or spec[0] is None:
+    return None
+  if any(s is not None for s in spec[1:]):
+    return None
+  axes = (spec[0],) if isinstance(spec[0], str) else tuple(spec[0])
+  shards = int(np.prod([mesh.shape[a] for a in axes]))
+  row = int(np.prod(shape[1:]))
+  if shape[0] % shards or (q8 and (shape[0] // shards * row) % 32):
+    return None
+  return spec[0]
+
+
+def _compressed_per_shard(params, ranks, shapes):
+  """adam_update_compressed's call as a custom_partitioning op (see _per_shard): each leaf
+  cut along dim 0 alone into shards of whole blocks runs on each device's shard, its rows
+  and exponent bytes cut alike; any other leaf is gathered (replicated) around the call."""
+  q8 = params["moments"] == "8bit"
+  decays = params["decays"]
+  spans, i = [], 2
+  for d in decays:
+    k = (4 if d == "1" else 3) + 1 + q8  # g, mu, nu, [p], rows, [scales]
+    spans.append((i, k))
+    i += k
+
+  def call(count, hp, *operands):
+    return tuple(_cprim.bind(count, hp, *operands, **params))
+
+  def partition(mesh, arg_shapes, result_shape):
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    arg_shardings, result_shardings = [replicated, replicated], []
+    for (i, k), shape in zip(spans, shapes):
+      axes = _dim0_axes(mesh, arg_shapes[i].sharding, shape, q8)
+      if axes is None:
+        leaf = rows = blocks = replicated
+      else:
+        spec = jax.sharding.PartitionSpec
+        leaf = jax.sharding.NamedSharding(mesh, spec(axes, *[None] * (len(shape) - 1)))
+        rows = jax.sharding.NamedSharding(mesh, spec(axes))
+        blocks = jax.sharding.NamedSharding(mesh, spec(axes, None))
+      arg_shardings += [leaf] * (k - 1 - q8) + [rows] + ([blocks] if q8 else [])
+      result_shardings += [leaf] * 3 + ([blocks] if q8 else [])
+    return mesh, call, tuple(result_shardings), tuple(arg_shardings)
+
+  operands, results, replicated_factors = ["", "h"], [], ["h"]
+  for leaf, ((_, k), rank) in enumerate(zip(spans, ranks)):
+    dims = " ".join(f"l{leaf}d{j}" for j in range(rank))
+    operands += [dims] * (k - 1 - q8) + [f"l{leaf}d0" if rank else f"l{leaf}z"]
+    results += [dims] * 3
+    if q8:
+      operands.append(f"l{leaf}b l{leaf}s")
+      results.append(f"l{leaf}b l{leaf}s")
+      replicated_factors.append(f"l{leaf}s")
+  partition._hostopt_batch = (functools.partial(_compressed_batch, **params), 2 + sum(k for _, k in spans))
+  op = custom_partitioning(call)
+  op.def_partition(partition=partition, sharding_rule=", ".join(operands) + " -> " + ", ".join(results),
+                   need_replication_factors=tuple(replicated_factors))
+  return op

@@ -63,8 +63,10 @@ numpy (the moments re-encoded in the same pass, in place under jit). Every leaf 
 kernel, so gradients and params must be float32, bfloat16 or float16 and the arrays on the
 CPU, or the codes in pinned host memory (``state_memory="pinned_host"``, as for float
 moments: the scales too); ``mu_dtype`` and ``reuse_state`` are refused with compressed moments.
-``init`` keeps the params' shardings on the codes; under jit the call sees whole arrays
-(sharded leaves are gathered around it) and under vmap it runs per batch element.
+``init`` keeps the params' shardings on the codes; under vmap the call runs per batch
+element; under jit with several devices it runs per shard on each leaf cut along dim 0 alone
+(8-bit: into whole 32-element blocks), the same bits as on whole arrays, and gathers any
+other sharded leaf around the call.
 
 hostopt's own options are keyword arguments collected apart from optax's, so that
 ``optax.inject_hyperparams`` never mistakes them for hyper-parameters:
@@ -259,13 +261,14 @@ def _compressed_flat_update(s: _Static, gs, mus, nus, scales, ps, count, dynamic
   # Gradients as they are (the update takes their dtype); params widened for the decay term.
   leaves = [(g, m, v, p if d else None) for g, m, v, p, d in zip(gs, mus, nus, ps, s.decays)]
   hp_kernel = hp if any(s.decays) else hp[:5] + (0.0,)
-  call = lambda count, leaves, scales: _xla.adam_update_compressed(
+  call = lambda count, leaves, scales, per_shard=True: _xla.adam_update_compressed(
       count, hp_kernel, [(g, m, v, _f32(p)) for g, m, v, p in leaves], scales, moments=s.moments, seed=s.seed,
-      nesterov=s.nesterov, threads=s.threads)
+      nesterov=s.nesterov, threads=s.threads, per_shard=per_shard)
   if s.state_memory is None:
     outs, new_scales = call(count, leaves, scales)
   else:  # as _flat_update: the codes stay in host memory, the gradients come, the updates go back
-    outs, new_scales = compute_on("device_host")(jax.jit(call))(count, _to_host(leaves), scales)
+    outs, new_scales = compute_on("device_host")(jax.jit(lambda c, lv, sc: call(c, lv, sc, False)))(
+        count, _to_host(leaves), scales)
     outs = _updates_to_device(outs)
   u, m, v = (list(col) for col in zip(*outs)) if outs else ([], [], [])
   return u, m, v, new_scales
@@ -387,8 +390,11 @@ def _check_in_memory(arrays, names, kind: str):
         got = "device"
     elif isinstance(x, jax.Array):
       got = x.sharding.memory_kind
+    elif isinstance(x, np.ndarray):  # beside jax arrays it would go to device memory
+      got = "numpy"
     if got is not None and got != kind:
-      raise ValueError(f"state_memory={kind!r}: {name} is in {got!r} memory; make the state with this "
+      where = "a numpy array" if got == "numpy" else f"in {got!r} memory"
+      raise ValueError(f"state_memory={kind!r}: {name} is {where}; make the state with this "
                        f"transformation's init (outside jit, or jit(init) with out_shardings in {kind!r})")
 
 
