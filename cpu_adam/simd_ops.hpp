@@ -183,15 +183,31 @@ struct simd_ops<xsimd::fma3<xsimd::avx2>> : xsimd_ops<xsimd::fma3<xsimd::avx2>> 
   static vec load(const f16_t* p) noexcept {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
+  /// u's lanes rounded to nearest even at bit 16, shifted down: the bf16 of each lane.
+  static __m256i rounded_high_halves(__m256i u) noexcept {
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  }
+  static __m128i narrow(__m256i r) noexcept {
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  }
   static __m128i bf16_bits(vec x) noexcept {
     const __m256 f = x;
     const __m256i u = _mm256_castps_si256(f);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
     const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-    r = _mm256_blendv_epi8(r, quiet, nan);
-    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    return narrow(_mm256_blendv_epi8(rounded_high_halves(u), quiet, nan));
+  }
+  /// bf16_bits of x whose only NaN is the canonical one (the kernels' results): rounding
+  /// 0x7FC00000 to nearest even gives its quiet NaN already, so the NaN test goes.
+  static __m128i bf16_bits_of_canonical(vec x) noexcept {
+    return narrow(rounded_high_halves(_mm256_castps_si256(x)));
+  }
+  static void store_canonical(bf16_t* p, vec x) noexcept {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16_bits_of_canonical(x));
+  }
+  static void stream_canonical(bf16_t* p, vec x) noexcept {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), bf16_bits_of_canonical(x));
   }
   static __m128i f16_bits(vec x) noexcept { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   static void store(bf16_t* p, vec x) noexcept { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16_bits(x)); }
