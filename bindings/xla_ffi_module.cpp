@@ -22,15 +22,15 @@
 // Call "hostopt_adam_update_compressed": the same over compressed moments
 // (hostopt::compressed_update_leaf), one leaf, or one shard of it, per operand group:
 //   operands: count, hp, then per leaf: g, mu, nu (bf16 values, or u8 8-bit codes), p f32
-//             if the leaf decays, rows (u32[r]: the numbers of this buffer's rows along
-//             the leaf's dim 0; [0] for a 0-d leaf), and for 8-bit the exponent bytes of
-//             its 32-element blocks (u8 [ceil(n / 32), 2])
+//             if the leaf decays, piece (u32[1]: which of its leaf's equal pieces along
+//             dim 0 this buffer is; 0 for the whole leaf), and for 8-bit the exponent
+//             bytes of its 32-element blocks (u8 [ceil(n / 32), 2])
 //   results:  per leaf: u, mu, nu, then its exponent bytes (8-bit); aliased to the operands
 //   attributes: as above, plus moments ("bf16" or "8bit"), seed_lo, seed_hi (i64: the
 //               rounding seed's low and high 32 bits) and firsts (string: each leaf's
 //               first rounding index, decimal, comma-separated)
-//   A buffer's rounding indices start at its leaf's first + rows[0] * (its elements per
-//   row): a shard cut along dim 0 (8-bit: on a block) rounds as the whole leaf does, so
+//   A buffer of n elements starts its rounding indices at its leaf's first + piece * n: a
+//   shard of an even cut along dim 0 (8-bit: on a block) rounds as the whole leaf does, so
 //   the update is a function of the leaves alone, however they are sharded.
 #include <pybind11/pybind11.h>
 
@@ -279,18 +279,19 @@ std::vector<std::uint64_t> parse_firsts(const std::string& text, std::size_t lea
   return out;
 }
 
-// Where a buffer's rounding indices start: its leaf's first, plus its first row's number
-// times its elements per row (a shard cut along dim 0 has the whole leaf's rows).
-std::uint64_t buffer_first(const XLA_FFI_Buffer* rows, std::uint64_t leaf_first, std::size_t n, std::size_t i) {
-  const std::string at = "leaf " + std::to_string(i) + ": rows";
-  if (rows->dtype != XLA_FFI_DataType_U32 || rows->rank != 1) throw std::invalid_argument(at + " must be uint32 [r]");
-  const std::size_t r = element_count(rows);
+// Where a buffer of n elements starts its rounding indices: its leaf's first, plus its
+// piece's index times n (the pieces of an even cut along dim 0 are all n long). One number
+// per buffer, not one per row: a row array as long as a 1-D leaf cost 4 bytes per element
+// every step.
+std::uint64_t buffer_first(const XLA_FFI_Buffer* piece, std::uint64_t leaf_first, std::size_t n, std::size_t i) {
+  const std::string at = "leaf " + std::to_string(i) + ": piece";
+  if (piece->dtype != XLA_FFI_DataType_U32 || piece->rank != 1 || element_count(piece) != 1)
+    throw std::invalid_argument(at + " must be uint32 [1] (which of the leaf's equal pieces this buffer is)");
+  std::uint32_t k = 0;
+  std::memcpy(&k, piece->data, sizeof k);
   if (n == 0) return leaf_first;
-  if (r == 0 || n % r)
-    throw std::invalid_argument(at + ": " + std::to_string(r) + " rows for " + std::to_string(n) + " elements");
-  std::uint32_t row0 = 0;
-  std::memcpy(&row0, rows->data, sizeof row0);
-  const std::uint64_t offset = std::uint64_t(row0) * (n / r);
+  if (k != 0 && n > UINT64_MAX / k) throw std::invalid_argument(at + ": its rounding indices overflow");
+  const std::uint64_t offset = std::uint64_t(k) * n;
   if (leaf_first > UINT64_MAX - n || offset > UINT64_MAX - n - leaf_first)
     throw std::invalid_argument(at + ": its rounding indices overflow");
   return leaf_first + offset;

@@ -99,6 +99,9 @@ def test_jit_has_no_callback_and_updates_codes_in_place_when_donated(fmt):
   state = opt.init(params)
   text = jax.jit(opt.update).lower(grad(params), state, params).as_text()
   assert "hostopt_adam_update_compressed" in text and "callback" not in text
+  # Nothing per element beside the codes: each leaf's rounding offset is one uint32 (a
+  # u32 row-number array as long as a 1-D leaf cost 4 bytes per element every step).
+  assert set(re.findall(r"tensor<([0-9x]*)ui32>", text)) <= {"1x", ""}, re.findall(r"tensor<[0-9x]*ui32>", text)
 
   def train_step(p, s):
     u, s = opt.update(grad(p), s, p)
@@ -386,6 +389,10 @@ for mesh, specs in layouts.items():
     step = jax.jit(opt.update, donate_argnums=1)
     hlo = step.lower(params, state, params).compile().as_text()
     gathered = {m.group(1) for m in re.finditer(r"= [a-z0-9]+\[([0-9,]*)\][^ ]* all-gather\(", hlo)}
+    # A shard's rounding offset is one uint32 (its index, from the mesh's table of device
+    # ids), not a row-number array per shard.
+    u32 = [int(np.prod([int(d) for d in m.split(",") if d])) for m in re.findall(r"u32\[([0-9,]*)\]", hlo)]
+    assert max(u32) <= devices.size, (fmt, u32)
     p, p_np = params, host
     for t in range(3):  # the bits of the numpy route (one call on whole arrays), step after step
       g = jax.tree_util.tree_map(lambda x: jnp.cos(3 * x + t), p)
@@ -404,12 +411,16 @@ for mesh, specs in layouts.items():
       assert not {",".join(map(str, host[k].shape)) for k in per_shard} & gathered, (fmt, gathered)
       assert "4,64" in gathered and ("8,3" in gathered) == (fmt == "8bit"), (fmt, gathered)
 # vmap of the jitted update with several devices: per batch element, as with one device.
+# Two steps, states compared: the first update does not depend on the rounding.
 opt = hoptax.adamw_8bit(1e-2)
-batch = jnp.stack([jnp.ones((40,)), 2 * jnp.ones((40,))])
+batch = jnp.stack([jnp.cos(jnp.arange(40.0)), 2 * jnp.sin(jnp.arange(40.0))])
 states = jax.vmap(opt.init)(batch)
-vu, _ = jax.vmap(jax.jit(opt.update))(batch, states, batch)
-one, _ = opt.update(batch[1], jax.tree_util.tree_map(lambda x: x[1], states), batch[1])
-assert np.array_equal(np.asarray(vu[1]), np.asarray(one))
+one = jax.tree_util.tree_map(lambda x: x[1], states)
+for t in range(2):
+  g = batch * (t + 1)
+  vu, states = jax.vmap(jax.jit(opt.update))(g, states, batch)
+  u1, one = opt.update(g[1], one, batch[1])
+  assert same((vu[1], jax.tree_util.tree_map(lambda x: x[1], states)), (u1, one)), t
 # Explicit sharding: the update's and the state's types carry the params' shardings.
 if hasattr(jax.sharding, "AxisType") and hasattr(jax, "set_mesh"):
   mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
@@ -418,12 +429,15 @@ if hasattr(jax.sharding, "AxisType") and hasattr(jax, "set_mesh"):
       params = jax.device_put(jnp.arange(8 * 16 * 4, dtype=jnp.float32).reshape(8, 16, 4) / 100, spec)
       for fmt in ("bf16", "8bit"):
         opt = hoptax.adamw(1e-2, moments=fmt)
-        state = opt.init(params)
-        u, new = jax.jit(opt.update)(params, state, params)
+        new, state_np = opt.init(params), opt.init(np.asarray(params))
+        for t in range(2):  # states compared after two steps: the rounding's indices too
+          g = jnp.cos(params * (t + 1))
+          u, new = jax.jit(opt.update)(g, new, params)
+          u_np, state_np = opt.update(np.asarray(g), state_np, np.asarray(params))
+          assert same((u, new), (u_np, state_np)), (fmt, spec, t)
         assert jax.typeof(u) == jax.typeof(params), (fmt, jax.typeof(u))
         codes = new[0].mu_codes if fmt == "8bit" else new[0].mu
         assert jax.typeof(codes).sharding.spec == jax.typeof(params).sharding.spec, (fmt, jax.typeof(codes))
-        assert same(u, opt.update(*(jax.device_get(x) for x in (params, state, params)))[0])
 print("ok")
 """
 

@@ -19,8 +19,9 @@ codes, with one array of every leaf's blocks' exponent bytes), lowered to
 aliased to their outputs. Under vmap it runs per batch element (8-bit blocks belong to one
 leaf: a batch flattened into one leaf would mix them). Under jit with several devices it is
 a custom_partitioning op like the f32 call's: a leaf cut along dim 0 alone (8-bit: into
-whole blocks) runs per shard, its rounding indices from its rows' numbers (an operand cut
-like the leaf), so the bits are those of the whole arrays; XLA gathers any other leaf.
+whole blocks) runs per shard, its rounding indices from the shard's index among the leaf's
+equal pieces (one uint32, from the mesh axes' indices), so the bits are those of the whole
+arrays; XLA gathers any other leaf.
 
 Differentiating through either update raises: the kernel has no derivative rule, and
 optax.adamw is the tool for meta-gradients through an optimizer.
@@ -301,23 +302,23 @@ _cprim.multiple_results = True
 
 
 def _leaf_groups(decays: str, q8: bool, operands):
-  """Splits the flat operands into per-leaf groups (g, mu, nu, p|None, rows, scales|None)."""
+  """Splits the flat operands into per-leaf groups (g, mu, nu, p|None, piece, scales|None)."""
   groups, i = [], 0
   for d in decays:
     g, mu, nu = operands[i:i + 3]
     i += 3
     p = operands[i] if d == "1" else None
     i += d == "1"
-    rows = operands[i]
+    piece = operands[i]
     scales = operands[i + 1] if q8 else None
     i += 1 + q8
-    groups.append((g, mu, nu, p, rows, scales))
+    groups.append((g, mu, nu, p, piece, scales))
   return groups
 
 
 def _compressed_abstract_eval(count, hp, *operands, decays, moments, **_):
   outs = []
-  for g, mu, nu, _p, _rows, scales in _leaf_groups(decays, moments == "8bit", operands):
+  for g, mu, nu, _p, _piece, scales in _leaf_groups(decays, moments == "8bit", operands):
     outs += [g, mu, nu] + ([scales] if scales is not None else [])
   return outs
 
@@ -333,7 +334,7 @@ def _compressed_lowering(ctx, count, hp, *operands, decays, over_grad, traced, n
       aliases[i] = out
     aliases[i + 1], aliases[i + 2] = out + 1, out + 2
     i += 4 if d == "1" else 3
-    i += 1  # rows
+    i += 1  # piece
     if q8:
       aliases[i] = out + 3
       i += 1
@@ -389,8 +390,9 @@ def adam_update_compressed(count, hp_values: Sequence, leaves: List[Tuple], scal
   operands, decays, over_grad, firsts, block = [], "", "", [], 0
   for (g, mu, nu, p), b in zip(leaves, blocks):
     shape = jnp.shape(g)
-    rows = jax.lax.iota(jnp.uint32, shape[0] if shape else 1)  # each row's number along dim 0
-    operands += [g, mu, nu] + ([p] if p is not None else []) + [rows]
+    # Which of the leaf's equal pieces this call holds: 0, the whole leaf (a shard's own
+    # index under _compressed_per_shard).
+    operands += [g, mu, nu] + ([p] if p is not None else []) + [jnp.zeros((1,), jnp.uint32)]
     if q8:  # the leaf's blocks' exponent bytes
       operands.append(jax.lax.slice_in_dim(scales, block, block + b))
     decays += "1" if p is not None else "0"
@@ -429,15 +431,25 @@ def _dim0_axes(mesh, sharding, shape, q8: bool):
   return spec[0]
 
 
+def _shard_index(mesh, axes):
+  """Inside a per-shard call: this shard's index along a dimension cut over mesh `axes` (a
+  name, or names major first), as uint32[1]: the shard's piece of its leaf."""
+  k = jnp.uint32(0)
+  for a in (axes,) if isinstance(axes, str) else axes:
+    k = k * jnp.uint32(mesh.shape[a]) + jax.lax.axis_index(a).astype(jnp.uint32)
+  return k.reshape(1)
+
+
 def _compressed_per_shard(params, ranks, shapes):
   """adam_update_compressed's call as a custom_partitioning op (see _per_shard): each leaf
-  cut along dim 0 alone into shards of whole blocks runs on each device's shard, its rows
-  and exponent bytes cut alike; any other leaf is gathered (replicated) around the call."""
+  cut along dim 0 alone into shards of whole blocks runs on each device's shard, with its
+  exponent bytes cut alike and the shard's index as its piece; any other leaf is gathered
+  (replicated) around the call."""
   q8 = params["moments"] == "8bit"
   decays = params["decays"]
   spans, i = [], 2
   for d in decays:
-    k = (4 if d == "1" else 3) + 1 + q8  # g, mu, nu, [p], rows, [scales]
+    k = (4 if d == "1" else 3) + 1 + q8  # g, mu, nu, [p], piece, [scales]
     spans.append((i, k))
     i += k
 
@@ -446,24 +458,31 @@ def _compressed_per_shard(params, ranks, shapes):
 
   def partition(mesh, arg_shapes, result_shape):
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    arg_shardings, result_shardings = [replicated, replicated], []
+    arg_shardings, result_shardings, pieces = [replicated, replicated], [], []
     for (i, k), shape in zip(spans, shapes):
       axes = _dim0_axes(mesh, arg_shapes[i].sharding, shape, q8)
       if axes is None:
-        leaf = rows = blocks = replicated
+        leaf = blocks = replicated
       else:
         spec = jax.sharding.PartitionSpec
         leaf = jax.sharding.NamedSharding(mesh, spec(axes, *[None] * (len(shape) - 1)))
-        rows = jax.sharding.NamedSharding(mesh, spec(axes))
         blocks = jax.sharding.NamedSharding(mesh, spec(axes, None))
-      arg_shardings += [leaf] * (k - 1 - q8) + [rows] + ([blocks] if q8 else [])
+        pieces.append((i + k - 1 - q8, axes))
+      arg_shardings += [leaf] * (k - 1 - q8) + [replicated] + ([blocks] if q8 else [])
       result_shardings += [leaf] * 3 + ([blocks] if q8 else [])
-    return mesh, call, tuple(result_shardings), tuple(arg_shardings)
+
+    def per_shard_call(*args):
+      args = list(args)
+      for at, axes in pieces:
+        args[at] = _shard_index(mesh, axes)
+      return call(*args)
+    return mesh, per_shard_call, tuple(result_shardings), tuple(arg_shardings)
 
   operands, results, replicated_factors = ["", "h"], [], ["h"]
   for leaf, ((_, k), rank) in enumerate(zip(spans, ranks)):
     dims = " ".join(f"l{leaf}d{j}" for j in range(rank))
-    operands += [dims] * (k - 1 - q8) + [f"l{leaf}d0" if rank else f"l{leaf}z"]
+    operands += [dims] * (k - 1 - q8) + [f"l{leaf}r"]
+    replicated_factors.append(f"l{leaf}r")
     results += [dims] * 3
     if q8:
       operands.append(f"l{leaf}b l{leaf}s")
