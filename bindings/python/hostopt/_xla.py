@@ -230,8 +230,7 @@ def adam_update(count, hp_values: Sequence, leaves: List[Tuple], *, nesterov: bo
   params = dict(decays=decays, over_grad=over_grad, traced=traced, nesterov=bool(nesterov), threads=int(threads),
                 static=static)
   args = [count, hp, *operands]
-  if per_shard and _SHARDY and jax.device_count() > 1 and all(type(x).__name__ == "DynamicJaxprTracer"
-                                                for x in args if isinstance(x, core.Tracer)):
+  if per_shard and _runs_per_shard(args):
     outs = _per_shard(params, [len(jnp.shape(g)) for g, _, _, _ in leaves])(*args)
   else:
     outs = _prim.bind(*args, **params)
@@ -271,6 +270,20 @@ def _per_shard(params, ranks):
   op.def_partition(partition=partition, sharding_rule=", ".join(operands) + " -> " + ", ".join(results),
                    need_replication_factors=("h",))
   return op
+
+
+def _runs_per_shard(args) -> bool:
+  """Whether the call is a per-shard (custom_partitioning) op: with Shardy and several
+  devices, under jit (no eager tracer), and outside shard_map's manual axes. There the arrays
+  are already each device's own, and in a partly manual region (manual over some axes, a
+  leaf constrained to another) XLA's partitioner aborts the process on the op (a failed
+  CHECK) instead of raising; the plain call is the right one."""
+  if not (_SHARDY and jax.device_count() > 1):
+    return False
+  if not all(type(x).__name__ == "DynamicJaxprTracer" for x in args if isinstance(x, core.Tracer)):
+    return False
+  mesh = jax.sharding.get_abstract_mesh() if hasattr(jax.sharding, "get_abstract_mesh") else None
+  return not getattr(mesh, "manual_axes", ())
 
 
 def _batch_partitioned(args, dims, *, partition, **rest):
@@ -402,8 +415,7 @@ def adam_update_compressed(count, hp_values: Sequence, leaves: List[Tuple], scal
   params = dict(decays=decays, over_grad=over_grad, traced=traced, nesterov=bool(nesterov), threads=int(threads),
                 static=static, moments=moments, seed=int(seed), firsts=tuple(firsts))
   args = [jnp.asarray(count, jnp.int32), hp, *operands]
-  if per_shard and _SHARDY and jax.device_count() > 1 and all(type(x).__name__ == "DynamicJaxprTracer"
-                                                for x in args if isinstance(x, core.Tracer)):
+  if per_shard and _runs_per_shard(args):
     outs = _compressed_per_shard(params, [len(jnp.shape(g)) for g, _, _, _ in leaves],
                                  [tuple(jnp.shape(g)) for g, _, _, _ in leaves])(*args)
   else:
