@@ -16,6 +16,17 @@ jax.config.update("jax_platform_name", "cpu")
 FORMATS = ["bf16", "8bit"]
 
 
+def run_on_four_cpu_devices(script):
+  """Runs a Python script in a process with 4 CPU devices (jax fixes its device count at
+  start), with this process's PYTHONPATH made absolute."""
+  import os
+  import subprocess
+  import sys
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+  env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)
+  return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+
+
 def mlp_problem(seed=1):
   rng = np.random.default_rng(seed)
   x = jnp.asarray(rng.standard_normal((64, 8)).astype(np.float32))
@@ -349,13 +360,7 @@ print("ok")
 def test_state_memory_pinned_host_with_params_sharded_over_devices():
   # The one scales array is replicated over the params' devices (committed to one device it
   # clashed with sharded params under jit).
-  import os
-  import subprocess
-  import sys
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-  env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)
-  run = subprocess.run([sys.executable, "-c", PINNED_SHARDED_SCRIPT], env=env, capture_output=True, text=True,
-                       timeout=300)
+  run = run_on_four_cpu_devices(PINNED_SHARDED_SCRIPT)
   assert run.returncode == 0, run.stderr[-3000:]
   if run.stdout.strip().endswith("skip"):
     pytest.skip(f"jax {jax.__version__} has no pinned_host memory on the CPU")
@@ -446,12 +451,7 @@ def test_sharded_leaves_run_per_shard_keep_their_shardings_and_bits():
   # Each leaf cut along dim 0 alone into whole blocks runs on its devices' shards (the
   # rounding indices and exponent bytes of the shard's own rows), with the bits of one call
   # on the whole arrays; any other leaf is gathered around the call.
-  import os
-  import subprocess
-  import sys
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-  env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)
-  run = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+  run = run_on_four_cpu_devices(SHARDED_SCRIPT)
   assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
 
 
@@ -485,13 +485,7 @@ print("ok")
 def test_partly_manual_shard_map_runs_the_plain_call():
   # Inside shard_map manual over some mesh axes, a leaf constrained to another made XLA's
   # partitioner abort the process on the per-shard op (a failed CHECK, exit 134).
-  import os
-  import subprocess
-  import sys
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-  env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)
-  run = subprocess.run([sys.executable, "-c", PARTLY_MANUAL_SCRIPT], env=env, capture_output=True, text=True,
-                       timeout=300)
+  run = run_on_four_cpu_devices(PARTLY_MANUAL_SCRIPT)
   if run.returncode == 0 and run.stdout.strip().endswith("skip"):
     pytest.skip(f"jax {jax.__version__} has no jax.shard_map or abstract mesh")
   assert run.returncode == 0 and run.stdout.strip().endswith("ok"), (run.returncode, run.stderr[-3000:])
