@@ -645,3 +645,211 @@ def test_state_dict_has_entries_only_for_parameters_that_were_stepped_like_torch
     opt.step()
   assert [float(again.state[p]["step"]) for p in again.param_groups[0]["params"]] == [2.0, 1.0]
   assert [float(ot.state[p]["step"]) for p in theirs] == [2.0, 1.0]
+
+
+def _stepped_pair(dtype, steps=3, **kw):
+  """Two identical optimizers over one (6, 5) parameter, stepped alike; and their gradients."""
+  g = torch.Generator().manual_seed(7)
+  init = torch.randn(6, 5, generator=g).to(dtype)
+  grads = [torch.randn(6, 5, generator=g).to(dtype) for _ in range(steps + 2)]
+  pairs = []
+  for _ in range(2):
+    p = torch.nn.Parameter(init.clone())
+    opt = htorch.AdamW([p], lr=1e-2, **kw)
+    for gr in grads[:steps]:
+      p.grad = gr.clone()
+      opt.step()
+    pairs.append((p, opt))
+  return pairs, grads[steps:]
+
+
+def _same_state(a: dict, b: dict) -> bool:
+  return a["state"].keys() == b["state"].keys() and all(
+      sa.keys() == sb.keys() and all(torch.equal(x, sb[k]) if torch.is_tensor(x) else x == sb[k] for k, x in sa.items())
+      for sa, sb in ((a["state"][i], b["state"][i]) for i in a["state"]))
+
+
+def _refused_load_changes_nothing(pairs, grads, bad, words, convert=False):
+  """The load is refused naming the rule; the state and the next steps are exactly those of
+  the twin that never saw it."""
+  (p, opt), (twin_p, twin) = pairs
+  before, param_before = copy.deepcopy(opt.state_dict()), p.detach().clone()
+  with pytest.raises((ValueError, TypeError), match=words):
+    opt.load_state_dict(bad, convert_moments=convert)
+  assert torch.equal(p.detach(), param_before)
+  assert _same_state(opt.state_dict(), before)
+  for gr in grads:
+    p.grad, twin_p.grad = gr.clone(), gr.clone()
+    opt.step()
+    twin.step()
+  assert torch.equal(p.detach(), twin_p.detach())
+  assert _same_state(opt.state_dict(), twin.state_dict())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["negative exp_avg_sq", "step", "master_param", "shape"])
+def test_a_refused_load_changes_nothing_and_the_next_steps_are_as_before(dtype, case):
+  # Everything in the state_dict is checked before anything changes: a second moment is never
+  # negative (it would be NaN a step later), a step is an integer count (2.5 is not truncated,
+  # -1 or NaN not taken for 0), a master fits its parameter (never silently ignored).
+  bads = []
+  pairs, grads = _stepped_pair(dtype)
+  good = pairs[0][1].state_dict()
+  if case == "negative exp_avg_sq":
+    bad = copy.deepcopy(good)
+    bad["state"][0]["exp_avg_sq"][2, 3] = -1.0
+    bads.append((bad, "exp_avg_sq has negative entries: a second moment is never negative"))
+  elif case == "step":
+    for step in (-1, float("nan"), float("inf"), None, 1e20, 2**53 + 1, "abc", 2.5, True, torch.tensor(2.5),
+                 torch.tensor([1.0, 2.0]), torch.tensor(-3)):
+      bad = copy.deepcopy(good)
+      bad["state"][0]["step"] = step
+      bads.append((bad, r"\['step'\] = .*: a step count is an integer in \[0, 2\*\*53\]"))
+  elif case == "master_param":
+    for master in (torch.zeros(29), torch.zeros(5, 6), torch.zeros(6, 5, dtype=torch.float64),
+                   torch.zeros(6, 5, dtype=torch.int32), [0.0] * 30):
+      bad = copy.deepcopy(good)
+      bad["state"][0]["master_param"] = master
+      bads.append((bad, "master_param is .*: expected the master weights, float32 with the parameter's shape"))
+  else:
+    for key in ("exp_avg", "exp_avg_sq"):
+      bad = copy.deepcopy(good)
+      bad["state"][0][key] = bad["state"][0][key].reshape(5, 6)
+      bads.append((bad, rf"{key} has shape \(5, 6\), the parameter \(6, 5\)"))
+  for bad, words in bads:
+    pairs, grads = _stepped_pair(dtype)
+    _refused_load_changes_nothing(pairs, grads, bad, words)
+
+
+def test_loaded_steps_may_be_ints_integral_floats_or_one_element_tensors():
+  for step in (3, 3.0, np.int64(3), torch.tensor(3.0), torch.tensor(3), torch.tensor([3.0])):
+    (p, opt), (twin_p, twin) = _stepped_pair(torch.float32)[0]
+    sd = opt.state_dict()
+    sd["state"][0]["step"] = step
+    opt.load_state_dict(sd)
+    for q, o in ((p, opt), (twin_p, twin)):
+      q.grad = torch.ones(6, 5)
+      o.step()
+    assert torch.equal(p.detach(), twin_p.detach()), repr(step)
+    assert float(opt.state[p]["step"]) == 4.0
+
+
+def test_a_refused_step_across_dtypes_changes_nothing():
+  # One f32 and one bf16 parameter, the bf16 one with a sparse gradient: torch.optim raises
+  # with nothing changed; so does hostopt (every dtype's gradients are checked before any
+  # dtype is stepped). A retry with a dense gradient is the step torch.optim takes.
+  g = torch.Generator().manual_seed(3)
+  a = torch.nn.Parameter(torch.randn(7, generator=g))
+  b = torch.nn.Parameter(torch.randn(9, generator=g).to(torch.bfloat16))
+  ref_a, ref_b = torch.nn.Parameter(a.detach().clone()), torch.nn.Parameter(b.detach().float())  # b's f32 master
+  ours, theirs = htorch.AdamW([a, b], lr=0.05), torch.optim.AdamW([ref_a, ref_b], lr=0.05)
+  grads = [(torch.randn(7, generator=g), torch.randn(9, generator=g).to(torch.bfloat16)) for _ in range(3)]
+  a.grad, b.grad = grads[0][0].clone(), grads[0][1].clone()
+  ref_a.grad, ref_b.grad = grads[0][0].clone(), grads[0][1].float()
+  ours.step()
+  theirs.step()
+  sparse = grads[1][1].to_sparse()
+  a.grad, b.grad = grads[1][0].clone(), sparse
+  ref_a.grad, ref_b.grad = grads[1][0].clone(), sparse.float()
+  before = (a.detach().clone(), b.detach().clone(), copy.deepcopy(ours.state_dict()))
+  with pytest.raises(RuntimeError, match="sparse gradient"):
+    ours.step()
+  with pytest.raises(RuntimeError, match="sparse"):
+    theirs.step()
+  assert torch.equal(a.detach(), before[0]) and torch.equal(b.detach(), before[1])
+  assert _same_state(ours.state_dict(), before[2])
+  assert [float(ours.state[p]["step"]) for p in (a, b)] == [1.0, 1.0]
+  for gr in grads[1:]:
+    a.grad, b.grad = gr[0].clone(), gr[1].clone()
+    ref_a.grad, ref_b.grad = gr[0].clone(), gr[1].float()
+    ours.step()
+    theirs.step()
+  assert [float(ours.state[p]["step"]) for p in (a, b)] == [3.0, 3.0]
+  torch.testing.assert_close(a, ref_a, rtol=1e-6, atol=1e-7)
+  torch.testing.assert_close(ours.state[b]["master_param"], ref_b.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_parameters_appended_to_or_replaced_in_param_groups_are_trained_like_torch():
+  # torch.optim steps whatever param_groups[i]["params"] holds at each step: hostopt adopts
+  # parameters appended or replaced there after the first step, as add_param_group would.
+  def params():
+    g = torch.Generator().manual_seed(5)
+    return [torch.nn.Parameter(torch.randn(n, generator=g)) for n in (5, 3, 4, 6, 2)]
+
+  ours, theirs = params(), params()
+  oo = htorch.AdamW([{"params": ours[:2]}, {"params": [ours[2]], "lr": 0.02}], lr=0.05)
+  ot = torch.optim.AdamW([{"params": theirs[:2]}, {"params": [theirs[2]], "lr": 0.02}], lr=0.05)
+  g = torch.Generator().manual_seed(6)
+  for step in range(6):
+    if step == 2:
+      for opt, ps in ((oo, ours), (ot, theirs)):
+        opt.param_groups[0]["params"].append(ps[3])
+        opt.param_groups[1]["params"][0] = ps[4]  # ps[2] leaves the optimizer: no longer stepped
+    grads = [torch.randn(p.shape, generator=g) for p in ours]
+    for ps in (ours, theirs):
+      for p, gr in zip(ps, grads):
+        p.grad = gr.clone()
+    oo.step()
+    ot.step()
+  for a, b in zip(ours, theirs):
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+  for k in (0, 1, 3, 4):
+    assert float(oo.state[ours[k]]["step"]) == float(ot.state[theirs[k]]["step"]) == (6 if k < 2 else 4)
+  assert float(oo.state[ours[2]]["step"]) == float(ot.state[theirs[2]]["step"]) == 2
+
+
+def test_state_dict_while_another_thread_steps_is_one_steps_state():
+  # A step is several core calls (one per parameter dtype, then the step counts): a
+  # state_dict taken meanwhile must be the state after some step k, never a mix of two.
+  # Every step takes the same gradients, so replaying k steps from scratch gives state k.
+  import threading
+
+  def make():
+    g = torch.Generator().manual_seed(8)
+    ps = [torch.nn.Parameter(torch.randn(20000, generator=g)) for _ in range(6)]
+    ps += [torch.nn.Parameter(torch.randn(20000, generator=g).to(torch.bfloat16)) for _ in range(2)]
+    for p in ps:
+      p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+    return ps, htorch.AdamW(ps, lr=1e-3, threads=1)
+
+  ps, opt = make()
+  done, errors, cond = [0, False], [], threading.Condition()
+
+  def stepper():
+    try:
+      while done[0] < 2000 and not done[1]:
+        opt.step()
+        with cond:
+          done[0] += 1
+          cond.notify_all()
+    except Exception as e:  # reported below
+      errors.append(e)
+    with cond:
+      done[1] = True
+      cond.notify_all()
+
+  thread = threading.Thread(target=stepper)
+  thread.start()
+  snaps = []
+  try:
+    for _ in range(30):
+      with cond:  # one more step since the last copy (or the stepper ended)
+        seen = done[0]
+        cond.wait_for(lambda: done[0] > seen or done[1])
+      snaps.append(opt.state_dict())
+  finally:
+    with cond:
+      done[1] = True
+    thread.join()
+  assert not errors
+  counts = [sorted({int(st["step"]) for st in sd["state"].values()}) for sd in snaps]
+  assert all(len(c) == 1 for c in counts), f"copies mixing steps: {counts}"
+  _, replay = make()
+  for k in range(max(c[0] for c in counts) + 1):
+    if k:
+      replay.step()
+    if [k] in counts:
+      want = replay.state_dict()
+      for i, (sd, c) in enumerate(zip(snaps, counts)):
+        if c == [k]:
+          assert _same_state(sd, want), f"copy {i} is not the state after step {k}"

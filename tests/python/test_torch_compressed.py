@@ -367,3 +367,45 @@ def test_a_parameter_changing_memory_format_keeps_its_moments(fmt):
   ref = run(lambda ps: torch.optim.AdamW(ps, lr=1e-2))
   ours = run(lambda ps: ht.AdamW(ps, lr=1e-2, moments=fmt))
   assert float((ours - ref).abs().max()) < {"f32": 1e-6, "bf16": 1e-3, "8bit": 2e-2}[fmt]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_refused_conversion_changes_nothing_and_the_next_step_is_as_before(fmt):
+  # A bf16-parameter optimizer after 3 steps refuses a torch.optim state with a negative
+  # second moment before anything changes: its own state, step counts and next step stay.
+  def stepped():
+    m = model().to(torch.bfloat16)
+    opt = ht.AdamW(m.parameters(), lr=1e-2, moments=fmt)
+    for step in range(3):
+      opt.zero_grad()
+      m(batch(step)[0].to(torch.bfloat16)).float().pow(2).mean().backward()
+      opt.step()
+    return m, opt
+
+  (a, opt_a), (b, opt_b) = stepped(), stepped()
+  theirs = model()
+  torch_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+  train_steps(theirs, torch_opt, 2)
+  bad = copy.deepcopy(torch_opt.state_dict())
+  bad["state"][3]["exp_avg_sq"][0] = -1.0
+  own = copy.deepcopy(opt_a.state_dict())
+  if fmt == "bf16":  # the group's own format: no conversion, refused all the same
+    own["state"][1]["exp_avg_sq"][5] = -2.0
+  else:
+    own["state"][1]["master_param"] = own["state"][1]["master_param"][:-1]  # a master that does not fit
+  before, params = copy.deepcopy(opt_a.state_dict()), [p.detach().clone() for p in a.parameters()]
+  for sd, convert, words in ((bad, True, "never negative"), (own, False, "never negative|master_param")):
+    with pytest.raises(ValueError, match=words):
+      opt_a.load_state_dict(sd, convert_moments=convert)
+    after = opt_a.state_dict()
+    for i, st in before["state"].items():
+      assert after["state"][i].keys() == st.keys()
+      for key, x in st.items():
+        assert torch.equal(after["state"][i][key], x) if torch.is_tensor(x) else after["state"][i][key] == x, key
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), params))
+  for m, opt in ((a, opt_a), (b, opt_b)):
+    opt.zero_grad()
+    m(batch(7)[0].to(torch.bfloat16)).float().pow(2).mean().backward()
+    opt.step()
+  assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+  assert float(opt_a.state[a[0].weight]["step"]) == 4

@@ -25,7 +25,13 @@ shared memory is adopted back into the arena (sharing is not kept). Writes to
 take effect at the next step, as in torch. Gradients and parameters in any dense layout
 (``channels_last`` included) are read in their memory order; a gradient whose layout differs
 from its parameter's is copied once into the parameter's layout. Duplicate parameters are
-refused (torch warns and applies them twice).
+refused (torch warns and applies them twice). Parameters appended to or replaced in
+``param_groups[i]["params"]`` after a step are trained from the next one, as torch.optim does
+(the layout is rebuilt as after ``add_param_group``, the state kept). ``load_state_dict``
+checks the whole state (moments, steps, masters) before anything changes, and ``step`` every
+gradient before any dtype is stepped: a refused call changes nothing. ``step``,
+``state_dict`` and ``load_state_dict`` hold one lock, so a state_dict taken while another
+thread steps is one step's state.
 
 CUDA parameters (or ``offload="host"``) go through the offload pipeline: parameters become
 views of one flat device buffer, laid out in reverse order (the order the backward produces
@@ -54,7 +60,10 @@ Threads: all physical cores of the process's CPU set unless ``threads=`` says ot
 (``default_threads()``).
 """
 
+import functools
+import math
 import os
+import threading
 import warnings
 import weakref
 from typing import Callable, Dict, List, Optional
@@ -77,6 +86,7 @@ _MASTER = "master_param"  # f32 master weights of a 16-bit parameter, in state_d
 # exponent bytes; a block is 32 elements of the parameter's memory order.
 _CODES = ("exp_avg_codes", "exp_avg_sq_codes")
 _SCALES = "moment_scales"
+_MAX_STEP = 1 << 53  # the core's max_step_count
 
 
 def _moment_keys(fmt: str) -> tuple:
@@ -115,6 +125,10 @@ def _check_moment_state(st: dict, fmt: str, like: torch.Tensor, where: str) -> b
       raise ValueError(f"{where}: {key} has dtype {value.dtype}: {fmt} moments are floating-point values")
     if fmt == "8bit" and not _dense_order(value):
       raise ValueError(f"{where}: {key} is not dense: 8-bit codes are blocks of memory order")
+    if tuple(value.shape) != tuple(like.shape):
+      raise ValueError(f"{where}: {key} has shape {tuple(value.shape)}, the parameter {tuple(like.shape)}")
+    if key == "exp_avg_sq" and bool((value.detach() < 0).any()):
+      raise ValueError(f"{where}: exp_avg_sq has negative entries: a second moment is never negative")
   codes = [st[key] for key in _CODES if fmt == "8bit" and st.get(key) is not None]
   if codes:
     scales = st.get(_SCALES)
@@ -127,6 +141,32 @@ def _check_moment_state(st: dict, fmt: str, like: torch.Tensor, where: str) -> b
     if len(codes) == 2 and not _same_memory_order(codes[0], codes[1]):
       raise ValueError(f"{where}: {_CODES[0]} and {_CODES[1]} are laid out differently")
   return any(not _same_memory_order(c, like) for c in codes)
+
+
+def _check_step(value, where: str) -> int:
+  """A saved per-parameter step: a count in [0, 2^53] (the core's largest), as an int, an
+  integral float or a one-element real tensor holding one. Refused otherwise (2.5 is not
+  truncated, NaN or -1 not taken for 0)."""
+  x = value
+  if torch.is_tensor(value) and value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool:
+    x = value.item()
+  if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)) or (
+      isinstance(x, (float, np.floating)) and not (math.isfinite(x) and float(x).is_integer())) or not (
+      0 <= x <= _MAX_STEP):
+    shown = f"tensor({value.tolist()})" if torch.is_tensor(value) else repr(value)
+    raise ValueError(f"{where} = {shown}: a step count is an integer in [0, 2**53] (an int, or a one-element "
+                     "tensor holding one)")
+  return int(x)
+
+
+def _check_master(value, like: torch.Tensor, where: str) -> None:
+  """A parameter's saved f32 master weights: float32 (or the parameter's own dtype, as
+  torch.optim casts them) with the parameter's shape. Refused otherwise, never ignored."""
+  if not torch.is_tensor(value) or value.dtype not in (torch.float32, like.dtype) or (
+      tuple(value.shape) != tuple(like.shape)):
+    got = f"{value.dtype} {tuple(value.shape)}" if torch.is_tensor(value) else type(value).__name__
+    raise ValueError(f"{where}: {_MASTER} is {got}: expected the master weights, float32 with the parameter's shape "
+                     f"{tuple(like.shape)}")
 
 
 def _moments_as_f32(st: dict, fmt: str, like: torch.Tensor):
@@ -356,6 +396,18 @@ def _grad_hook(opt_ref, tag: str, k: int):
   return hook
 
 
+def _serialized(method):
+  """Runs the method under the optimizer's lock: a state_dict taken while another thread
+  steps is one step's state, never a mix of two (a step is several core calls)."""
+
+  @functools.wraps(method)
+  def run(self, *args, **kwargs):
+    with self._lock:
+      return method(self, *args, **kwargs)
+
+  return run
+
+
 class _HostAdam(torch.optim.Optimizer):
   _mode = "adamw"
 
@@ -404,6 +456,7 @@ class _HostAdam(torch.optim.Optimizer):
     self._layout = None  # set by _build
     self._hook_handles, self._last_chunk_events = [], 0
     weakref.finalize(self, _remove_handles, self._hook_handles)  # a dropped optimizer's hooks go too
+    self._lock = threading.RLock()  # step, state_dict, load_state_dict, ... one at a time
     super().__init__(params, defaults)
     if self._overlap_backward and offload != "host" and all(
         p.device.type == "cpu" for g in self.param_groups for p in g["params"]):
@@ -416,7 +469,9 @@ class _HostAdam(torch.optim.Optimizer):
                  _overlap=self._overlap, _overlap_backward=self._overlap_backward)
     return state
 
-  def __setstate__(self, state: dict) -> None:  # copy.deepcopy, pickle
+  def __setstate__(self, state: dict) -> None:  # copy.deepcopy, pickle (and torch's load_state_dict)
+    if "_lock" not in self.__dict__:  # a load holds its lock: keep it
+      self._lock = threading.RLock()
     super().__setstate__(state)
     self.__dict__.setdefault("_threads", default_threads())
     for key, value in (("_offload", None), ("_offload_chunk", 1 << 22), ("_overlap", False),
@@ -435,6 +490,7 @@ class _HostAdam(torch.optim.Optimizer):
                          "single pass; capturable/differentiable are CUDA-graph/autograd features)")
 
   # --- layout -------------------------------------------------------------------------
+  @_serialized
   def add_param_group(self, param_group: dict) -> None:
     self._refuse_unsupported(param_group, "param group")
     if "moments" in param_group:  # an unknown format is named now, not at the first step
@@ -472,6 +528,11 @@ class _HostAdam(torch.optim.Optimizer):
         if not _dense_order(p):
           raise ValueError(f"{where} is a strided view with gaps or overlaps (strides {tuple(p.stride())}): "
                            "hostopt keeps each parameter in one dense slice")
+        st = self.state.get(p) or {}  # (written by the user, or loaded): checked before anything moves
+        if st.get("step") is not None:
+          _check_step(st["step"], f"opt.state[p]['step'] of {where}")
+        if st.get(_MASTER) is not None:
+          _check_master(st[_MASTER], p, f"opt.state[p] of {where}")
         by_dtype.setdefault(_TAGS[p.dtype], []).append((gi, p))
     devices = {p.device for entries in by_dtype.values() for _, p in entries}
     offload = self._offload
@@ -539,7 +600,7 @@ class _HostAdam(torch.optim.Optimizer):
           raise ValueError(f"the state of {where}: its 8-bit codes are laid out in another memory order than the "
                            "parameter (load the state_dict with convert_moments=True to re-encode them)")
         self._move_moments(fmt, m, v, scales, st, f"the state of {where}")
-        seg_steps[si] = int(st["step"]) if "step" in st else 0
+        seg_steps[si] = int(st["step"]) if st.get("step") is not None else 0
         step = torch.from_numpy(steps[k:k + 1]).reshape(())
         st["step"] = step
         device_view = grad_view = None
@@ -569,6 +630,7 @@ class _HostAdam(torch.optim.Optimizer):
       layout[tag] = [core, tracked, steps, seg_of, steps.tolist(), dev]
     self._layout = layout
     self._formats = [self._group_format(g) for g in self.param_groups]  # fixed while this layout stands
+    self._built_params = [list(g["params"]) for g in self.param_groups]
     self._applied = {}  # (dtype, group) -> config last given to the core
     self._views = {}  # (dtype, index) -> (grad tensor, data_ptr, numpy view), reused while unchanged
 
@@ -630,6 +692,7 @@ class _HostAdam(torch.optim.Optimizer):
       if layout[5] is not None:
         layout[5].pop("hooked", None)
 
+  @_serialized
   def adopt_params(self) -> None:
     """Takes every parameter's current values as the master weights (after writes the
     optimizer cannot see, e.g. through ``p.data`` of a 16-bit parameter)."""
@@ -714,6 +777,10 @@ class _HostAdam(torch.optim.Optimizer):
     """The user replaced or deleted entries of opt.state[p]: as torch, they are the state
     (moments in the group's format; deleted ones are zeros)."""
     keys = _moment_keys(t.format)
+    if st.get("step") is not t.step and st.get("step") is not None:
+      _check_step(st["step"], f"opt.state[p]['step'] of {t.where}")
+    if t.param.dtype != torch.float32 and st.get(_MASTER) is not t.master and st.get(_MASTER) is not None:
+      _check_master(st[_MASTER], t.param, f"opt.state[p] of {t.where}")
     if any(st.get(key) is not view for key, view in zip(keys + (_SCALES,), (t.m, t.v, t.scales))
            if view is not None) or any(key in st for key in _MOMENTS + _CODES if key not in keys):
       where = f"opt.state[p] of {t.where}"
@@ -727,8 +794,8 @@ class _HostAdam(torch.optim.Optimizer):
       st["step"] = t.step
     if t.param.dtype != torch.float32 and st.get(_MASTER) is not t.master:
       value = st.get(_MASTER)
-      if torch.is_tensor(value) and value.numel() == t.master.numel():
-        t.master.copy_(value.reshape(t.master.shape))
+      if value is not None:  # (checked above; a deleted master keeps the arena's)
+        t.master.copy_(value)
       st[_MASTER] = t.master
 
   def _stream(self) -> int:
@@ -798,23 +865,32 @@ class _HostAdam(torch.optim.Optimizer):
     if closure is not None:
       with torch.enable_grad():
         loss = closure()
+    self._step()
+    return loss
+
+  @_serialized
+  def _step(self) -> None:
     self._drain()
     if self._layout is None:
       self._build()
     else:
-      for gi, group in enumerate(self.param_groups):
+      for gi, group in enumerate(self.param_groups[:len(self._formats)]):
         if self._group_format(group) != self._formats[gi]:
           raise ValueError(f"param_groups[{gi}]['moments'] changed from {self._formats[gi]!r} to "
                            f"{self._group_format(group)!r}: a group's moment format is fixed (convert through "
                            "state_dict and load_state_dict(..., convert_moments=True) into a new optimizer)")
       self._adopt_user_changes()
+      if self._params_changed():  # appended to or replaced in param_groups[i]["params"]: as add_param_group
+        self._build()
     configs = [self._config(g) for g in self.param_groups]  # lr schedulers and edits take effect here
+    self._check_grads()  # every dtype's, before any is stepped
     self._last_chunk_events = 0
-    for tag, (core, tracked, steps, seg_of, _, dev) in self._layout.items():
+    for tag, (core, _, _, _, _, _) in self._layout.items():
       for gi, cfg in enumerate(configs):
         if self._applied.get((tag, gi)) != cfg:
           core.set_group_config(self._group_of[tag][gi], cfg)
           self._applied[(tag, gi)] = cfg
+    for tag, (core, tracked, steps, seg_of, _, dev) in self._layout.items():
       if dev is not None:
         self._offloaded_step(tag, tracked, dev)
         self._add_grad_hooks(tag, tracked, dev)  # parameters unfrozen since
@@ -852,9 +928,33 @@ class _HostAdam(torch.optim.Optimizer):
       if tag != "f32":
         for t in tracked:
           t.remember()  # hostopt's own write (through numpy) is not the user's
-    return loss
+
+  def _params_changed(self) -> bool:
+    """Whether param_groups holds other parameters than the layout was built for (torch.optim
+    steps whatever the lists hold at each step)."""
+    built = self._built_params
+    return len(built) != len(self.param_groups) or any(
+        len(old) != len(group["params"]) or any(a is not b for a, b in zip(old, group["params"]))
+        for old, group in zip(built, self.param_groups))
+
+  def _check_grads(self) -> None:
+    """Refuses gradients no step can take, for every parameter of every dtype before any is
+    stepped (a refused step changes nothing, as in torch.optim)."""
+    for tag, layout in self._layout.items():
+      for i, t in enumerate(layout[1]):
+        g = t.param.grad
+        cached = self._views.get((tag, i))
+        if g is None or (cached is not None and cached[0] is g and cached[1] == g.data_ptr()):
+          continue  # (a gradient seen last step: checked then)
+        if g.layout != torch.strided:
+          raise RuntimeError(f"{t.where} has a sparse gradient ({g.layout}): hostopt.torch does not support sparse "
+                             "gradients; nothing was stepped")
+        if tuple(g.shape) != tuple(t.param.shape) or (t.device_view is None and g.device != t.param.device):
+          raise ValueError(f"{t.where} has a gradient of shape {tuple(g.shape)} on {g.device}: expected the "
+                           f"parameter's, {tuple(t.param.shape)} on {t.param.device}; nothing was stepped")
 
   # --- state_dict -----------------------------------------------------------------------
+  @_serialized
   def state_dict(self) -> dict:
     """torch's format, as copies: the tensors handed out are not the arena, so an
     optimizer that loads them (torch 2 does not copy) never shares hostopt's state. 16-bit
@@ -871,6 +971,7 @@ class _HostAdam(torch.optim.Optimizer):
                    for k, st in sd["state"].items() if not never_stepped(st)}
     return sd
 
+  @_serialized
   def load_state_dict(self, state_dict: dict, convert_moments: bool = False) -> None:
     """Loads torch's format (from hostopt or torch.optim.Adam/AdamW) into the arena, with
     each parameter's own step; f32 moments and masters are kept exact (torch would cast
@@ -887,9 +988,10 @@ class _HostAdam(torch.optim.Optimizer):
       self._refuse_unsupported(group, f"state_dict['param_groups'][{gi}]")
     formats = [self._group_format(g) for g in self.param_groups]
     seeds = [g.get("rounding_seed", 0) for g in self.param_groups]
-    # Every saved moment state is checked before anything changes: its format against its
-    # group's, its tensors against the parameter (torch names count mismatches itself).
-    todo = {}  # saved index -> (its format, the parameter, the group's format, seed) to convert
+    # Every saved state is checked before anything changes: its moments' format against its
+    # group's, its tensors, step and master against the parameter (torch names count
+    # mismatches itself, also before it changes anything).
+    todo = {}  # saved index -> its moments converted into the group's format (state entries)
     haves = {}  # saved index -> its format
     if len(saved_groups) == len(formats) and all(
         len(a["params"]) == len(b["params"]) for a, b in zip(saved_groups, self.param_groups)):
@@ -902,6 +1004,10 @@ class _HostAdam(torch.optim.Optimizer):
             continue
           where = f"state_dict['state'][{index}]"
           relaid = _check_moment_state(st, have, p, where)
+          if "step" in st:
+            _check_step(st["step"], f"{where}['step']")
+          if _MASTER in st:
+            _check_master(st[_MASTER], p, where)
           haves[index] = have
           if have == formats[gi] and not relaid:
             continue
@@ -911,7 +1017,8 @@ class _HostAdam(torch.optim.Optimizer):
                    "parameter's)")
             raise ValueError(f"{where} {why}: pass convert_moments=True to convert them (lossy into bf16 or 8-bit); "
                              "nothing was loaded")
-          todo[index] = (have, p, formats[gi], seed)
+          # Converted now, from the saved tensors: a conversion that fails changes nothing.
+          todo[index] = _encoded(*_moments_as_f32(st, have, p), formats[gi], p, seed)
     # Moments, codes and masters as saved (torch casts every state tensor to a floating
     # parameter's dtype, 8-bit codes too): f32 moments and masters exact, others their own dtype.
     exact = {k: {key: v for key, v in st.items()
@@ -937,11 +1044,9 @@ class _HostAdam(torch.optim.Optimizer):
         elif torch.is_tensor(v):
           st[key] = v.detach().clone()
       if index in todo:  # the explicit conversion, applied now: state_dict and copies see its result
-        have, param, fmt, seed = todo[index]
-        m32, v32 = _moments_as_f32(st, have, param)
         for key in _MOMENTS + _CODES + (_SCALES,):
           st.pop(key, None)
-        st.update(_encoded(m32, v32, fmt, param, seed))
+        st.update(todo[index])
     # Built at the next step, when the parameters hold what the caller loaded into the model
     # (before or after this call): the f32 masters are kept exactly when they still fit.
     self._layout = None
