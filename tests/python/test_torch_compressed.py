@@ -409,3 +409,18 @@ def test_a_refused_conversion_changes_nothing_and_the_next_step_is_as_before(fmt
     opt.step()
   assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
   assert float(opt_a.state[a[0].weight]["step"]) == 4
+
+
+def test_groups_removed_from_param_groups_keep_the_others_formats():
+  # torch.optim steps the groups param_groups holds: removing one leaves the others as they
+  # were, each keeping its format (groups are known by identity, not by position).
+  m = model()
+  opt = ht.AdamW([{"params": [m[0].weight]}, {"params": [m[3].weight], "moments": "8bit"}], lr=1e-2)
+  train_steps(m, opt, 1)
+  del opt.param_groups[0]
+  train_steps(m, opt, 1)
+  assert float(opt.state[m[3].weight]["step"]) == 2 and "exp_avg_codes" in opt.state[m[3].weight]
+  assert float(opt.state[m[0].weight]["step"]) == 1
+  opt.param_groups[0]["moments"] = "bf16"
+  with pytest.raises(ValueError, match=r"param_groups\[0\]\['moments'\] changed from '8bit' to 'bf16'"):
+    opt.step()

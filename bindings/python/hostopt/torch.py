@@ -629,7 +629,9 @@ class _HostAdam(torch.optim.Optimizer):
         self._add_grad_hooks(tag, tracked, dev)
       layout[tag] = [core, tracked, steps, seg_of, steps.tolist(), dev]
     self._layout = layout
-    self._formats = [self._group_format(g) for g in self.param_groups]  # fixed while this layout stands
+    # Each group's format is fixed while this layout stands (groups known by identity: the
+    # user may append, replace or remove them and their parameters, see _params_changed).
+    self._built_groups = [(g, self._group_format(g)) for g in self.param_groups]
     self._built_params = [list(g["params"]) for g in self.param_groups]
     self._applied = {}  # (dtype, group) -> config last given to the core
     self._views = {}  # (dtype, index) -> (grad tensor, data_ptr, numpy view), reused while unchanged
@@ -874,9 +876,10 @@ class _HostAdam(torch.optim.Optimizer):
     if self._layout is None:
       self._build()
     else:
-      for gi, group in enumerate(self.param_groups[:len(self._formats)]):
-        if self._group_format(group) != self._formats[gi]:
-          raise ValueError(f"param_groups[{gi}]['moments'] changed from {self._formats[gi]!r} to "
+      built = {id(g): fmt for g, fmt in self._built_groups}
+      for gi, group in enumerate(self.param_groups):
+        if built.get(id(group), self._group_format(group)) != self._group_format(group):
+          raise ValueError(f"param_groups[{gi}]['moments'] changed from {built[id(group)]!r} to "
                            f"{self._group_format(group)!r}: a group's moment format is fixed (convert through "
                            "state_dict and load_state_dict(..., convert_moments=True) into a new optimizer)")
       self._adopt_user_changes()
