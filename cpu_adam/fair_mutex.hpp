@@ -33,9 +33,15 @@ public:
     }
     turn_.notify_all(); // the next ticket's holder among the waiters goes on
   }
+  /// Callers that took a ticket and wait for their turn (not the holder). A diagnostic, and
+  /// what lets a test know that a caller has queued without waiting for a while.
+  std::uint64_t waiting() const {
+    std::lock_guard<std::mutex> guard(m_);
+    return next_ - serving_ > 1 ? next_ - serving_ - 1 : 0;
+  }
 
 private:
-  std::mutex m_;
+  mutable std::mutex m_;
   std::condition_variable turn_;
   std::uint64_t next_ = 0, serving_ = 0;
 };

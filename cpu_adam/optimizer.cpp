@@ -3,6 +3,7 @@
 #include "hostopt/optimizer.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
@@ -110,7 +111,9 @@ struct optimizer::impl {
   // is signalled when a chunked step closes.
   mutable fair_mutex mu;
   mutable std::condition_variable_any idle;
-  mutable std::size_t idle_waiters = 0; // callers waiting in acquire() for a chunked step to close
+  // Callers waiting in acquire() for a chunked step to close. Changed under `mu`; atomic so
+  // that waiting_callers() can read it without queuing behind them.
+  mutable std::atomic<std::size_t> idle_waiters{0};
   std::thread::id chunk_owner;
   std::size_t chunk_updates = 0; // update_range calls of the open chunked step
   std::size_t chunk_covered = 0; // the chunks so far covered [0, chunk_covered), in order
@@ -751,6 +754,9 @@ void optimizer::set_skipped_steps(std::int64_t count) {
   impl_->skipped = count;
 }
 
+std::size_t optimizer::waiting_callers() const noexcept {
+  return std::size_t(impl_->mu.waiting()) + impl_->idle_waiters.load();
+}
 bool optimizer::usable() const {
   std::lock_guard<fair_mutex> lock(impl_->mu);
   return impl_->failure.empty();

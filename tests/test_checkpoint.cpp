@@ -270,25 +270,9 @@ TEST_CASE("loading from a fifo is refused at once instead of blocking", "[checkp
   const fs::path fifo = dir / "fifo.safetensors";
   REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
   optimizer opt(model());
-  std::atomic<bool> done{false};
-  std::string message;
-  std::thread loader([&] {
-    try {
-      load_checkpoint(opt, fifo.string());
-    } catch (const std::exception& e) {
-      message = e.what();
-    }
-    done = true;
-  });
-  for (int i = 0; i < 500 && !done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  const bool refused_in_time = done;
-  if (!done) { // unblock a loader stuck in open() so the test can end
-    const int fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
-    if (fd >= 0) ::close(fd);
-  }
-  loader.join();
-  CHECK(refused_in_time);
-  CHECK_THAT(message, Catch::Contains("not a regular file"));
+  // No writer ever opens the fifo: a load that opened it blocking would never return (the
+  // suite's timeout then fails it). No clock is read here: a busy machine cannot fail it.
+  CHECK_THROWS_WITH(load_checkpoint(opt, fifo.string()), Catch::Contains("not a regular file"));
   fs::remove_all(dir);
 }
 

@@ -219,6 +219,10 @@ public:
   step_result step(const_view flat_grad, mut_view flat_out = {}, float grad_scale = 1.0f);
   /// The same with checks and clipping (step_options).
   step_result step(const_view flat_grad, mut_view flat_out, const step_options& options);
+  /// Throws what step(flat_grad, flat_out, options) would refuse before reading a gradient
+  /// (buffers, options, a state that is not usable, a step count at its limit), changing
+  /// nothing. A step that passes may still be skipped (non-finite gradients).
+  void check_step(const_view flat_grad, mut_view flat_out, const step_options& options) const;
   /// One step with one gradient view per tensor (arena order, one dtype for all) and
   /// optionally one copy-out view per tensor (one dtype for all). An empty view
   /// (`const_view{}`) means the tensor has no gradient this step: its parameters, moments
@@ -260,6 +264,10 @@ public:
   void read_params(std::size_t begin, std::size_t end, void* out, dtype type) const override;
   /// Whether begin_step() opened a step that is not finished or aborted yet.
   bool step_in_progress() const;
+  /// How many callers are blocked on this optimizer right now: queued for its lock, or
+  /// waiting for another thread's chunked step to close. Never blocks (a contention
+  /// diagnostic: e.g. a save stuck behind a pipeline shows here).
+  std::size_t waiting_callers() const noexcept;
 
 private:
   friend class detail::exclusive_state;

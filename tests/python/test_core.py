@@ -1,4 +1,6 @@
 """hostopt._core through the package: zero-copy intake, errors naming the argument, the GIL."""
+import faulthandler
+import sys
 import threading
 import time
 
@@ -120,26 +122,40 @@ def test_optimizer_views_groups_and_skipped_tensors(rng):
 
 
 def test_gil_is_released_during_a_step():
-  n = 1 << 23
+  # A worker steps again and again, publishing the number of the call it is about to make;
+  # this thread looks for a call in progress: the same number read twice with the GIL given
+  # up in between. The switch interval is raised so far that the GIL changes hands only
+  # where a thread gives it up: this thread runs only while a step has released it, and a
+  # step that held it would starve this thread for good (faulthandler then ends the run
+  # with every thread's traceback — a safety net, not a time bound on the test).
+  n = 1 << 20
   p, m, v, g = (np.zeros(n, np.float32) for _ in range(4))
-  spans, ticks = [], []
-  done = threading.Event()
+  calling, seen = [0], threading.Event()
 
   def worker():
-    for t in range(1, 6):
-      t0 = time.perf_counter()
+    t = 0
+    while not seen.is_set():
+      t += 1
+      calling[0] = t
       hostopt.adam_step(p, m, v, g, step=t, threads=1)
-      spans.append((t0, time.perf_counter()))
-    done.set()
+      calling[0] = 0
 
+  interval = sys.getswitchinterval()
+  faulthandler.dump_traceback_later(600, exit=True)
+  sys.setswitchinterval(1000.0)
   th = threading.Thread(target=worker)
   th.start()
-  while not done.is_set():
-    ticks.append(time.perf_counter())
-  th.join()
-  # Python code ran on this thread while the step ran on the other one.
-  inside = sum(1 for x in ticks for a, b in spans if a < x < b)
-  assert inside > 100
+  try:
+    while True:
+      c = calling[0]
+      time.sleep(0)  # gives up the GIL
+      if c and calling[0] == c:
+        break
+  finally:
+    seen.set()
+    th.join()
+    sys.setswitchinterval(interval)
+    faulthandler.cancel_dump_traceback_later()
 
 
 def test_checkpoint_round_trip_and_safetensors_readable(tmp_path, rng):
