@@ -401,15 +401,9 @@ struct optimizer::impl {
     return j;
   }
 
-  // Makes the step's plan; a skipped step is counted here. The norm, when the options
-  // need one and none is known, comes from the statistics of stat_views.
-  step_plan plan(const step_io& io, const step_options& o) {
-    return plan(io, o, [&] { return gradient_stats(stat_views, exec).norm; });
-  }
-  template <class NormFn>
-  step_plan plan(const step_io& io, const step_options& o, NormFn&& norm) {
-    // A range (a shard) sees only its part of the gradients: a skip or clip decided from
-    // them would differ between ranks. Such decisions need the global norm.
+  // A range (a shard) sees only its part of the gradients: a skip or clip decided from
+  // them would differ between ranks. Such decisions need the global norm.
+  void check_range_norm(const step_options& o) const {
     if (!whole() && needs_unknown_norm(o)) {
       decide_step(o, 0.0); // a bad option is named first
       throw std::invalid_argument(
@@ -417,6 +411,31 @@ struct optimizer::impl {
           "global gradient norm (known_grad_norm: sqrt of the all-reduced shard sums of squares, or "
           "sharded_optimizer::set_norm_reduction); a norm of the shard alone would let ranks decide differently");
     }
+  }
+
+  // The checks of a flat step's buffers (sizes, dtypes, no overlap with each other or the
+  // state) and of its grad_scale; returns whether it has a copy-out.
+  bool check_flat_step(const_view flat_grad, mut_view flat_out, const step_options& opts) {
+    check_grad_scale(opts.grad_scale);
+    check_view("flat_grad", flat_grad.data, flat_grad.size, flat_grad.type, arena);
+    const bool has_out = flat_out.data != nullptr || flat_out.size != 0;
+    if (has_out) check_view("flat_out", flat_out.data, flat_out.size, flat_out.type, arena);
+    ranges.clear();
+    ranges.push_back(range_of(flat_grad.data, arena * dtype_size(flat_grad.type), false, kind_grad, 0));
+    if (has_out) ranges.push_back(range_of(flat_out.data, arena * dtype_size(flat_out.type), true, kind_out, 0));
+    push_state_ranges();
+    check_no_overlap(ranges, view_kinds);
+    return has_out;
+  }
+
+  // Makes the step's plan; a skipped step is counted here. The norm, when the options
+  // need one and none is known, comes from the statistics of stat_views.
+  step_plan plan(const step_io& io, const step_options& o) {
+    return plan(io, o, [&] { return gradient_stats(stat_views, exec).norm; });
+  }
+  template <class NormFn>
+  step_plan plan(const step_io& io, const step_options& o, NormFn&& norm) {
+    check_range_norm(o);
     const step_plan pl = step_plan::make(*kernels, configs, count, io, o, norm,
                                          std::span<group_kernel>(group_kernels.data(), configs.size()));
     if (!pl.decision().apply) {
@@ -773,17 +792,7 @@ void optimizer::reset_failure() {
 step_result optimizer::step(const_view flat_grad, mut_view flat_out, const step_options& opts) {
   impl& s = *impl_;
   const auto lock = s.acquire("step");
-  check_grad_scale(opts.grad_scale);
-  check_view("flat_grad", flat_grad.data, flat_grad.size, flat_grad.type, s.arena);
-  const bool has_out = flat_out.data != nullptr || flat_out.size != 0;
-  if (has_out) check_view("flat_out", flat_out.data, flat_out.size, flat_out.type, s.arena);
-  s.ranges.clear();
-  s.ranges.push_back(range_of(flat_grad.data, s.arena * dtype_size(flat_grad.type), false, kind_grad, 0));
-  if (has_out)
-    s.ranges.push_back(range_of(flat_out.data, s.arena * dtype_size(flat_out.type), true, kind_out, 0));
-  s.push_state_ranges();
-  check_no_overlap(s.ranges, view_kinds);
-
+  const bool has_out = s.check_flat_step(flat_grad, flat_out, opts);
   s.stat_views.clear();
   for (const auto& piece : s.pieces) // per tensor: padding is never read
     s.stat_views.push_back({static_cast<const char*>(flat_grad.data) + piece.offset * dtype_size(flat_grad.type),
@@ -796,6 +805,15 @@ step_result optimizer::step(const_view flat_grad, mut_view flat_out, const step_
   run_update(job, s.exec.threads);
   ++s.count;
   return s.result_of(pl);
+}
+
+void optimizer::check_step(const_view flat_grad, mut_view flat_out, const step_options& opts) const {
+  impl& s = *impl_;
+  const auto lock = s.acquire("step");
+  s.check_flat_step(flat_grad, flat_out, opts);
+  s.check_range_norm(opts);
+  detail::step_plan::check_count(s.count);
+  decide_step(opts, 0.0);
 }
 
 step_result optimizer::step(std::span<const const_view> grads, std::span<const mut_view> outs,

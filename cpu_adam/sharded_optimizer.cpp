@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <mutex>
 #include <dirent.h>
@@ -31,6 +32,19 @@ void check_save_id(const std::string& id) {
   });
   if (!ok || id == "." || id == "..")
     throw std::invalid_argument("save_id '" + id + "': expected 1 to 64 letters, digits, '.', '_' or '-'");
+}
+
+// The sizes of a shard's buffers, named as the caller knows them (the shard's optimizer
+// would call them flat_grad and flat_out).
+void check_shard_views(const_view grad, mut_view params, shard_range shard) {
+  auto check = [&](const char* what, std::size_t size) {
+    if (size != shard.size())
+      throw std::invalid_argument(std::string(what) + ".size = " + std::to_string(size) + ": expected " +
+                                  std::to_string(shard.size()) + " (the shard's range [" + std::to_string(shard.begin) +
+                                  ", " + std::to_string(shard.end) + ") of the arena)");
+  };
+  check("shard_grad", grad.size);
+  if (params.data != nullptr || params.size != 0) check("shard_params", params.size);
 }
 
 } // namespace
@@ -79,19 +93,85 @@ void sharded_optimizer::set_norm_reduction(sum_across_ranks reduce) {
   reduce_ = std::move(reduce);
 }
 
+sum_across_ranks sharded_optimizer::norm_reduction() const {
+  std::lock_guard<std::mutex> lock(*reduce_mu_);
+  return reduce_;
+}
+
+// Every rank adds its refusal: 2^rank in worlds of up to 24 ranks (which ranks refused,
+// exact even in float32), else 1 (how many). Any rank's refusal makes every rank throw.
+void sharded_optimizer::agree(const sum_across_ranks& reduce, const std::string* refusal) const {
+  constexpr int named = 24;
+  const double total = reduce(refusal ? (world_ <= named ? std::ldexp(1.0, rank_) : 1.0) : 0.0);
+  if (total == 0 && !refusal) return;
+  const std::string of = " of " + std::to_string(world_) + " ranks";
+  int count = -1;
+  std::string who; // "rank 1", "ranks 0, 2"
+  if (world_ <= named && total >= 1 && total < std::ldexp(1.0, world_) && total == std::floor(total)) {
+    const auto mask = std::uint32_t(total);
+    count = 0;
+    for (int r = 0; r < world_; ++r)
+      if (mask >> r & 1) who += (count++ ? ", " : "") + std::to_string(r);
+    who = (count > 1 ? "ranks " : "rank ") + who;
+  } else if (world_ > named && total >= 1 && total <= world_ && total == std::floor(total)) {
+    count = int(total);
+  }
+  std::string what = "sharded step refused by ";
+  if (count < 0) // a reduction that does not sum (or lost this rank's refusal)
+    what += "some of the " + std::to_string(world_) + " ranks (the reduction of the refusals returned " +
+            std::to_string(total) + ")";
+  else
+    what += std::to_string(count) + of + (who.empty() ? "" : " (" + who + ")");
+  if (refusal)
+    what += "; rank " + std::to_string(rank_) + " refused it: " + *refusal;
+  else
+    what += count == 1 ? ": see that rank's error" : ": see their errors";
+  what += "; nothing was applied on any rank";
+  throw sharded_step_refused(what, count, refusal ? *refusal : std::string());
+}
+
+void sharded_optimizer::check_step(const_view shard_grad, mut_view shard_params, const step_options& options) const {
+  check_shard_views(shard_grad, shard_params, shard_);
+  decide_step(options, 0.0); // the options, whatever the norm
+  step_options given = options;
+  given.known_grad_norm = 0; // the global norm will be known: its all-reduce can carry the verdict
+  local_.check_step(shard_grad, shard_params, given);
+}
+
+void sharded_optimizer::agree_step(const_view shard_grad, mut_view shard_params, const step_options& options,
+                                   const sum_across_ranks& reduce) const {
+  if (!reduce) throw std::invalid_argument("agree_step: reduce is empty (expected a sum across every rank)");
+  std::string refusal;
+  bool refused = false;
+  try {
+    check_step(shard_grad, shard_params, options);
+  } catch (const std::exception& e) {
+    refusal = e.what();
+    refused = true;
+  }
+  agree(reduce, refused ? &refusal : nullptr);
+}
+
+void sharded_optimizer::refuse_step(const std::string& reason, const step_options& options,
+                                    const sum_across_ranks& reduce) const {
+  if (reduce) agree(reduce, &reason);
+  const sum_across_ranks own = norm_reduction();
+  if (own && needs_unknown_norm(options)) agree(own, &reason);
+}
+
 step_result sharded_optimizer::step(const_view shard_grad, mut_view shard_params, const step_options& options) {
   // The global norm, when the checks need one and the caller has a reduction for it; the
-  // shard's optimizer refuses such a step without one (its plan's rule for ranges).
+  // shard's optimizer refuses such a step without one (its plan's rule for ranges). Whether
+  // the step reduces depends on the options alone (the same on every rank), never on a
+  // check that could fail on one rank only: a refusing rank still joins the agreement.
+  const sum_across_ranks reduce = norm_reduction();
+  if (!reduce || !needs_unknown_norm(options)) {
+    check_shard_views(shard_grad, shard_params, shard_);
+    return local_.step(shard_grad, shard_params, options);
+  }
+  agree_step(shard_grad, shard_params, options, reduce);
   step_options o = options;
-  sum_across_ranks reduce;
-  {
-    std::lock_guard<std::mutex> lock(*reduce_mu_);
-    reduce = reduce_;
-  }
-  if (needs_unknown_norm(o) && reduce) {
-    decide_step(o, 0.0); // a bad option is named before the collective
-    o.known_grad_norm = std::sqrt(reduce(shard_stats(shard_grad).sum_squares));
-  }
+  o.known_grad_norm = std::sqrt(reduce(shard_stats(shard_grad).sum_squares));
   return local_.step(shard_grad, shard_params, o);
 }
 

@@ -61,10 +61,11 @@ public:
   const step_decision& decision() const { return decision_; }
   /// The step number t the kernels use.
   std::int64_t step() const { return t_; }
+  /// Refuses a step from `count` completed steps when the count is at its limit.
+  static void check_count(std::int64_t count);
 
 private:
   step_plan(step_decision d, std::int64_t t) : decision_(d), t_(t) {}
-  static void check_count(std::int64_t count);
   void prepare(const kernel_set& ks, std::span<const adam_config> configs, const step_io& io,
                std::span<group_kernel> groups) const;
 

@@ -3,7 +3,11 @@
 // single-process optimizer; sharded checkpoints re-sharded across world sizes.
 #include <catch2/catch.hpp>
 
+#include <condition_variable>
+#include <exception>
 #include <filesystem>
+#include <mutex>
+#include <thread>
 
 #include "reference.hpp"
 
@@ -41,6 +45,80 @@ std::vector<sharded_optimizer> make_world(int world) {
   std::vector<sharded_optimizer> ranks;
   for (int r = 0; r < world; ++r) ranks.emplace_back(model(), world, r, execution_options{1, ""});
   return ranks;
+}
+
+// One thread per rank and an all-reduce among them, as MPI's (the sum in rank order). A
+// rank waiting in it for a rank that has left its call without joining (where MPI would
+// wait forever) throws instead of hanging, so a would-be hang fails the test at once.
+class thread_world {
+public:
+  explicit thread_world(int n) : n_(n), parts_(std::size_t(n)) {}
+
+  sum_across_ranks reduction(int rank) {
+    return [this, rank](double v) { return sum(rank, v); };
+  }
+  // Runs fn(rank) on every rank's thread; returns each rank's exception (null: none).
+  template <class Fn>
+  std::vector<std::exception_ptr> run(Fn fn) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      arrived_ = left_ = 0;
+    }
+    std::vector<std::exception_ptr> errors(static_cast<std::size_t>(n_));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n_; ++r)
+      threads.emplace_back([&, r] {
+        try {
+          fn(r);
+        } catch (...) {
+          errors[std::size_t(r)] = std::current_exception();
+        }
+        std::lock_guard<std::mutex> lock(mu_);
+        ++left_;
+        cv_.notify_all();
+      });
+    for (auto& t : threads) t.join();
+    return errors;
+  }
+  std::int64_t calls() const { return calls_; }
+
+private:
+  double sum(int rank, double v) {
+    std::unique_lock<std::mutex> lock(mu_);
+    ++calls_;
+    parts_[std::size_t(rank)] = v;
+    const std::int64_t round = round_;
+    if (++arrived_ == n_) {
+      result_ = 0;
+      for (const double p : parts_) result_ += p;
+      arrived_ = 0;
+      ++round_;
+      cv_.notify_all();
+      return result_;
+    }
+    cv_.wait(lock, [&] { return round_ != round || arrived_ + left_ == n_; });
+    if (round_ != round) return result_;
+    --arrived_; // this rank leaves too; the others waiting see it
+    throw std::runtime_error("rank " + std::to_string(rank) +
+                             " waits in the reduction for a rank that left its step without joining: MPI would hang");
+  }
+
+  const int n_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<double> parts_;
+  int arrived_ = 0, left_ = 0;
+  std::int64_t round_ = 0, calls_ = 0;
+  double result_ = 0;
+};
+
+std::string message_of(const std::exception_ptr& e) {
+  if (!e) return "(no exception)";
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  }
 }
 
 } // namespace
@@ -220,26 +298,32 @@ TEST_CASE("global decisions are global: a NaN on one rank makes every rank skip;
                         Catch::Contains("holds a range of the arena"));
       CHECK(r.local().step_count() == 0);
     }
-    // The reduction every rank calls: here, in one process, the precomputed sum of all shards.
-    auto reduce_all = [&](const std::vector<float>& grad) {
+    // The reduction every rank calls: an all-reduce among the ranks' threads.
+    thread_world threads(w);
+    for (int k = 0; k < w; ++k) world[std::size_t(k)].set_norm_reduction(threads.reduction(k));
+    auto total_of = [&](const std::vector<float>& grad) { // the same sum, in rank order
       double total = 0;
       for (auto& r : world) {
         const shard_range s = r.shard();
         total += r.shard_stats({grad.data() + s.begin, s.size(), dtype::f32}).sum_squares;
       }
-      for (auto& r : world) r.set_norm_reduction([total](double) { return total; });
       return total;
     };
     step_options clip;
     clip.max_grad_norm = 5.0;
     // A clipped step: every rank scales by the global norm's factor.
-    const double total = reduce_all(g.f32);
+    const double total = total_of(g.f32);
     std::vector<float> gathered(n, -1.0f), out(n, -1.0f);
-    for (auto& r : world) {
-      const shard_range s = r.shard();
-      const auto res = r.step({g.f32.data() + s.begin, s.size(), dtype::f32}, {gathered.data() + s.begin, s.size(), dtype::f32}, clip);
-      CHECK(res.applied);
-      CHECK(res.grad_norm == std::sqrt(total));
+    std::vector<step_result> res(static_cast<std::size_t>(w));
+    auto errors = threads.run([&](int k) {
+      const shard_range s = world[std::size_t(k)].shard();
+      res[std::size_t(k)] = world[std::size_t(k)].step({g.f32.data() + s.begin, s.size(), dtype::f32},
+                                                       {gathered.data() + s.begin, s.size(), dtype::f32}, clip);
+    });
+    for (int k = 0; k < w; ++k) {
+      CHECK(message_of(errors[std::size_t(k)]) == "(no exception)");
+      CHECK(res[std::size_t(k)].applied);
+      CHECK(res[std::size_t(k)].grad_norm == std::sqrt(total));
     }
     step_options known = clip;
     known.known_grad_norm = std::sqrt(total);
@@ -254,15 +338,240 @@ TEST_CASE("global decisions are global: a NaN on one rank makes every rank skip;
       if (s.size && s.offset + s.size > last.begin && at == last.end) at = std::max(s.offset, last.begin);
     REQUIRE(at < last.end);
     g.f32[at] = std::nanf("");
-    reduce_all(g.f32);
-    for (auto& r : world) {
-      const shard_range s = r.shard();
-      const auto before = std::vector<float>(r.local().params().begin(), r.local().params().end());
-      const auto res = r.step({g.f32.data() + s.begin, s.size(), dtype::f32}, {}, clip);
-      CHECK_FALSE(res.applied);
-      CHECK(res.step == 1);
-      CHECK(std::vector<float>(r.local().params().begin(), r.local().params().end()) == before);
+    std::vector<std::vector<float>> before;
+    for (auto& r : world) before.emplace_back(r.local().params().begin(), r.local().params().end());
+    errors = threads.run([&](int k) {
+      const shard_range s = world[std::size_t(k)].shard();
+      res[std::size_t(k)] = world[std::size_t(k)].step({g.f32.data() + s.begin, s.size(), dtype::f32}, {}, clip);
+    });
+    for (int k = 0; k < w; ++k) {
+      auto& r = world[std::size_t(k)];
+      CHECK(message_of(errors[std::size_t(k)]) == "(no exception)");
+      CHECK_FALSE(res[std::size_t(k)].applied);
+      CHECK(res[std::size_t(k)].step == 1);
+      CHECK(std::vector<float>(r.local().params().begin(), r.local().params().end()) == before[std::size_t(k)]);
     }
     for (auto& r : world) CHECK(r.local().skipped_steps() == 1);
   }
+}
+
+namespace {
+
+// The shard's slices of a full gradient and copy-out, and the options of a clipping step
+// that reduces (no known norm).
+struct shard_buffers {
+  std::vector<float> grad, out;
+};
+shard_buffers buffers_of(const sharded_optimizer& r, const std::vector<float>& full) {
+  const shard_range s = r.shard();
+  return {std::vector<float>(full.begin() + std::ptrdiff_t(s.begin), full.begin() + std::ptrdiff_t(s.end)),
+          std::vector<float>(s.size(), -1.0f)};
+}
+step_options reducing_clip() {
+  step_options o;
+  o.max_grad_norm = 5.0;
+  return o;
+}
+
+} // namespace
+
+TEST_CASE("a step refused on one rank is refused on every rank before any rank waits in the reduction",
+          "[sharding][agreement]") {
+  std::mt19937 rng(13);
+  // What the bad rank does wrong; `reason` is a part of its own error.
+  struct fault {
+    const char* name;
+    const char* reason;
+  };
+  const fault faults[] = {{"a gradient one element short", "shard_grad.size"},
+                          {"a copy-out of the wrong size", "shard_params.size"},
+                          {"a copy-out that is its gradient", "overlap"},
+                          {"a negative max_grad_norm", "max_grad_norm"},
+                          {"a state that is not usable", "not usable"},
+                          {"no step call: its buffers failed to convert", "could not convert"}};
+  for (int w : {2, 3})
+    for (int bad = 0; bad < w; ++bad)
+      for (const fault& f : faults) {
+        INFO("world " << w << ", rank " << bad << " has " << f.name);
+        auto world = make_world(w);
+        thread_world threads(w);
+        for (int k = 0; k < w; ++k) world[std::size_t(k)].set_norm_reduction(threads.reduction(k));
+        const auto full = ref::random_grad(dtype::f32, world.front().arena_size(), rng, 4.0f).f32;
+        std::vector<shard_buffers> bufs;
+        std::vector<std::vector<float>> before;
+        for (auto& r : world) {
+          bufs.push_back(buffers_of(r, full));
+          before.emplace_back(r.local().params().begin(), r.local().params().end());
+        }
+        const std::string fault_name = f.name;
+        if (fault_name == "a state that is not usable") world[std::size_t(bad)].local().mark_unusable("a test broke it");
+        auto errors = threads.run([&](int k) {
+          sharded_optimizer& r = world[std::size_t(k)];
+          shard_buffers& b = bufs[std::size_t(k)];
+          step_options o = reducing_clip();
+          const_view grad{b.grad.data(), b.grad.size(), dtype::f32};
+          mut_view out{b.out.data(), b.out.size(), dtype::f32};
+          if (k == bad) {
+            if (fault_name == "a gradient one element short") grad.size -= 1;
+            if (fault_name == "a copy-out of the wrong size") out.size += 16;
+            if (fault_name == "a copy-out that is its gradient") out.data = b.grad.data();
+            if (fault_name == "a negative max_grad_norm") o.max_grad_norm = -1;
+            if (fault_name == "no step call: its buffers failed to convert") {
+              r.refuse_step("could not convert its buffers", o);
+              throw std::logic_error("refuse_step returned although the other ranks wait");
+            }
+          }
+          r.step(grad, out, o);
+        });
+        if (fault_name == "a state that is not usable") world[std::size_t(bad)].local().reset_failure();
+        for (int k = 0; k < w; ++k) {
+          INFO("rank " << k << ": " << message_of(errors[std::size_t(k)]));
+          bool refused = false;
+          try {
+            std::rethrow_exception(errors[std::size_t(k)]);
+          } catch (const sharded_step_refused& e) {
+            refused = true;
+            const std::string what = e.what();
+            CHECK(e.refused_ranks() == 1);
+            CHECK_THAT(what, Catch::StartsWith("sharded step refused by 1 of " + std::to_string(w) + " ranks (rank " +
+                                               std::to_string(bad) + ")"));
+            CHECK_THAT(what, Catch::EndsWith("nothing was applied on any rank"));
+            if (k == bad) {
+              CHECK_THAT(what, Catch::Contains("rank " + std::to_string(bad) + " refused it: "));
+              CHECK_THAT(e.reason(), Catch::Contains(f.reason));
+            } else {
+              CHECK_THAT(what, Catch::Contains(": see that rank's error"));
+              CHECK(e.reason().empty());
+            }
+          } catch (...) {
+          }
+          CHECK(refused);
+          const auto& params = world[std::size_t(k)].local().params();
+          CHECK(world[std::size_t(k)].local().step_count() == 0);
+          CHECK(std::vector<float>(params.begin(), params.end()) == before[std::size_t(k)]);
+          CHECK(bufs[std::size_t(k)].out == std::vector<float>(bufs[std::size_t(k)].out.size(), -1.0f));
+        }
+        // Nothing applied anywhere; then the same step, valid on every rank, is taken by all
+        // (the ranks' reductions are still in step with each other).
+        std::vector<step_result> res(static_cast<std::size_t>(w));
+        errors = threads.run([&](int k) {
+          sharded_optimizer& r = world[std::size_t(k)];
+          shard_buffers& b = bufs[std::size_t(k)];
+          res[std::size_t(k)] = r.step({b.grad.data(), b.grad.size(), dtype::f32},
+                                       {b.out.data(), b.out.size(), dtype::f32}, reducing_clip());
+        });
+        for (int k = 0; k < w; ++k) {
+          INFO("rank " << k << ": " << message_of(errors[std::size_t(k)]));
+          CHECK_FALSE(errors[std::size_t(k)]);
+          CHECK(res[std::size_t(k)].applied);
+          CHECK(res[std::size_t(k)].grad_norm == res[0].grad_norm);
+          CHECK(world[std::size_t(k)].local().step_count() == 1);
+        }
+        CHECK(threads.calls() == 3 * w); // the refused step's agreement; the agreement and the norm
+      }
+}
+
+TEST_CASE("refusals on several ranks are counted and named; beyond 24 ranks counted", "[sharding][agreement]") {
+  std::mt19937 rng(14);
+  struct world_case {
+    int w;
+    std::vector<int> bad;
+    std::string who; // what every rank's error says
+  };
+  const world_case cases[] = {{3, {0, 2}, "sharded step refused by 2 of 3 ranks (ranks 0, 2)"},
+                              {3, {0, 1, 2}, "sharded step refused by 3 of 3 ranks (ranks 0, 1, 2)"},
+                              {30, {7}, "sharded step refused by 1 of 30 ranks: see that rank's error"},
+                              {30, {3, 29}, "sharded step refused by 2 of 30 ranks: see their errors"}};
+  for (const auto& c : cases) {
+    INFO("world " << c.w << ": " << c.who);
+    auto world = make_world(c.w);
+    thread_world threads(c.w);
+    for (int k = 0; k < c.w; ++k) world[std::size_t(k)].set_norm_reduction(threads.reduction(k));
+    const auto full = ref::random_grad(dtype::f32, world.front().arena_size(), rng, 4.0f).f32;
+    auto errors = threads.run([&](int k) {
+      auto b = buffers_of(world[std::size_t(k)], full);
+      const bool is_bad = std::find(c.bad.begin(), c.bad.end(), k) != c.bad.end();
+      world[std::size_t(k)].step({b.grad.data(), b.grad.size() + (is_bad ? 1 : 0), dtype::f32}, {}, reducing_clip());
+    });
+    for (int k = 0; k < c.w; ++k) {
+      const bool is_bad = std::find(c.bad.begin(), c.bad.end(), k) != c.bad.end();
+      const std::string what = message_of(errors[std::size_t(k)]);
+      INFO("rank " << k << ": " << what);
+      CHECK_THAT(what, Catch::StartsWith(is_bad && c.w > 24 ? c.who.substr(0, c.who.find(':')) : c.who));
+      if (is_bad) CHECK_THAT(what, Catch::Contains("rank " + std::to_string(k) + " refused it: shard_grad.size"));
+      try {
+        std::rethrow_exception(errors[std::size_t(k)]);
+      } catch (const sharded_step_refused& e) {
+        CHECK(e.refused_ranks() == int(c.bad.size()));
+      } catch (...) {
+        FAIL("not sharded_step_refused");
+      }
+      CHECK(world[std::size_t(k)].local().step_count() == 0);
+    }
+  }
+}
+
+TEST_CASE("steps given the norm make no collective; check_step and agree_step let the caller agree",
+          "[sharding][agreement]") {
+  std::mt19937 rng(15);
+  const int w = 3, bad = 1;
+  auto world = make_world(w);
+  thread_world threads(w);
+  for (int k = 0; k < w; ++k) world[std::size_t(k)].set_norm_reduction(threads.reduction(k));
+  const auto full = ref::random_grad(dtype::f32, world.front().arena_size(), rng, 4.0f).f32;
+  std::vector<shard_buffers> bufs;
+  for (auto& r : world) bufs.push_back(buffers_of(r, full));
+  auto grad_of = [&](int k, std::size_t less = 0) {
+    return const_view{bufs[std::size_t(k)].grad.data(), bufs[std::size_t(k)].grad.size() - less, dtype::f32};
+  };
+  step_options known = reducing_clip();
+  known.known_grad_norm = 3.0;
+  // check_step throws what step throws, on this rank alone, and calls no reduction; it
+  // takes the norm as known (the norm's all-reduce can carry its verdict).
+  sharded_optimizer& r = world[bad];
+  std::string step_error;
+  try {
+    r.step(grad_of(bad, 1), {}, known);
+  } catch (const std::invalid_argument& e) {
+    step_error = e.what();
+  }
+  REQUIRE_THAT(step_error, Catch::Contains("shard_grad.size"));
+  CHECK_THROWS_WITH(r.check_step(grad_of(bad, 1), {}, known), step_error);
+  step_options negative = reducing_clip();
+  negative.max_grad_norm = -1;
+  CHECK_THROWS_WITH(r.check_step(grad_of(bad), {}, negative), Catch::Contains("max_grad_norm"));
+  r.local().mark_unusable("a test broke it");
+  CHECK_THROWS_WITH(r.check_step(grad_of(bad), {}, known), Catch::Contains("a test broke it"));
+  r.local().reset_failure();
+  CHECK_NOTHROW(r.check_step(grad_of(bad), {}, reducing_clip())); // the norm to come
+  CHECK_NOTHROW(r.check_step(grad_of(bad), {}, known));
+  CHECK(threads.calls() == 0);
+  CHECK(r.local().step_count() == 0);
+
+  // agree_step: one collective, every rank refuses together.
+  auto errors = threads.run([&](int k) {
+    world[std::size_t(k)].agree_step(grad_of(k, k == bad ? 1 : 0), {}, known, threads.reduction(k));
+  });
+  for (int k = 0; k < w; ++k) {
+    const std::string what = message_of(errors[std::size_t(k)]);
+    INFO("rank " << k << ": " << what);
+    CHECK_THAT(what, Catch::StartsWith("sharded step refused by 1 of 3 ranks (rank 1)"));
+  }
+  CHECK(threads.calls() == w);
+  // Accepted everywhere: agree_step returns, and the steps given the norm call no reduction.
+  std::vector<step_result> res(static_cast<std::size_t>(w));
+  errors = threads.run([&](int k) {
+    world[std::size_t(k)].agree_step(grad_of(k), {}, known, threads.reduction(k));
+    res[std::size_t(k)] = world[std::size_t(k)].step(grad_of(k), {}, known);
+  });
+  for (int k = 0; k < w; ++k) {
+    INFO("rank " << k << ": " << message_of(errors[std::size_t(k)]));
+    CHECK_FALSE(errors[std::size_t(k)]);
+    CHECK(res[std::size_t(k)].applied);
+    CHECK(res[std::size_t(k)].grad_norm == 3.0);
+  }
+  CHECK(threads.calls() == 2 * w);
+  // Without an agreement to join (the step would not reduce), refuse_step returns.
+  CHECK_NOTHROW(r.refuse_step("its own error", known));
+  CHECK(threads.calls() == 2 * w);
 }
