@@ -35,6 +35,7 @@
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <limits>
 #include <cstdint>
@@ -49,6 +50,8 @@
 #include "hostopt/adam_config.hpp"
 #include "hostopt/kernels.hpp"
 #include "hostopt/moment_format.hpp"
+
+#include "../cpu_adam/q8_exponents.hpp" // the exponent bytes the 8-bit encoder writes
 
 namespace py = pybind11;
 
@@ -132,25 +135,42 @@ const XLA_FFI_Buffer* ret(const XLA_FFI_CallFrame* frame, int64_t i) {
   return static_cast<const XLA_FFI_Buffer*>(frame->rets.rets[i]);
 }
 
-void fill_nan(const hostopt::mut_view& u) {
-  if (u.type == hostopt::dtype::f32) {
-    std::fill_n(static_cast<float*>(u.data), u.size, std::numeric_limits<float>::quiet_NaN());
-  } else { // the canonical quiet NaNs of bfloat16 and float16
-    std::fill_n(static_cast<uint16_t*>(u.data), u.size, uint16_t(u.type == hostopt::dtype::bf16 ? 0x7FC0 : 0x7E00));
-  }
-}
-
 // What both calls share: the step number from optax's count and the two configs (no
 // decay, decayed) from the static and traced hyper-parameters.
 struct call_setup {
   std::int64_t step = 1;
   adam_config configs[2];
-  // A hyper-parameter out of the kernel's range (a traced one: static ones are checked when
-  // the transformation is made) gives non-finite updates, as optax's arithmetic does for a
-  // NaN rate or a beta of 1, rather than an error that would lose a donated state: every
-  // update is NaN and the moments are left as they were.
-  bool in_range = true;
 };
+
+// x as Python's repr writes a float (shortest round trip; "1.0", "nan", "inf"), so the
+// handler names a value as the Python checks do.
+std::string number(double x) {
+  if (std::isnan(x)) return "nan";
+  char buf[40];
+  const auto end = std::to_chars(buf, buf + sizeof buf, x).ptr;
+  std::string s(buf, end);
+  if (std::isfinite(x) && s.find_first_of(".e") == std::string::npos) s += ".0";
+  return s;
+}
+
+// The hyper-parameters hostopt.optax takes (the same rule as its Python checks, which
+// refuse concrete values before the call): a traced one outside it is refused here, before
+// anything is written, naming it. eps and eps_root may be +inf: Adam's term is then 0, as
+// optax's arithmetic gives.
+void check_hyperparameters(const double (&v)[6]) {
+  static constexpr const char* names[6] = {"learning_rate", "b1", "b2", "eps", "eps_root", "weight_decay"};
+  for (int k = 0; k < 6; ++k) {
+    const bool ok = k == 1 || k == 2   ? v[k] >= 0 && v[k] < 1
+                    : k == 3 || k == 4 ? v[k] >= 0
+                                       : std::isfinite(v[k]);
+    if (!ok)
+      throw std::invalid_argument(std::string(names[k]) + " = " + number(v[k]) + ": expected " +
+                                  (k == 1 || k == 2   ? "a value in [0, 1)"
+                                   : k == 3 || k == 4 ? "a value >= 0 (+inf included)"
+                                                      : "a finite value") +
+                                  " (hostopt.optax refuses a hyper-parameter outside its range, traced or not)");
+  }
+}
 
 call_setup setup_call(const XLA_FFI_CallFrame* frame, const call_attributes& at) {
   call_setup out;
@@ -186,9 +206,7 @@ call_setup setup_call(const XLA_FFI_CallFrame* frame, const call_attributes& at)
   base.nesterov = at.nesterov != 0;
   adam_config decayed = base;
   decayed.weight_decay = values[5];
-  out.in_range = std::isfinite(values[0]) && values[1] >= 0 && values[1] < 1 && values[2] >= 0 && values[2] < 1 &&
-                 std::isfinite(values[3]) && values[3] >= 0 && std::isfinite(values[4]) && values[4] >= 0 &&
-                 std::isfinite(values[5]);
+  check_hyperparameters(values);
   out.configs[0] = base;
   out.configs[1] = decayed;
   return out;
@@ -247,11 +265,6 @@ void adam_update_call(const XLA_FFI_CallFrame* frame) {
   }
   if (next != frame->args.size || int64_t(3 * leaves) != frame->rets.size)
     throw std::invalid_argument("operand or result count does not match the leaves");
-  if (!setup.in_range) {
-    for (const auto& group : by_dtype)
-      for (const hostopt::update_leaf& l : group) fill_nan(l.update);
-    return;
-  }
   for (auto& group : by_dtype)
     if (!group.empty())
       hostopt::adam_update(group, std::span<const adam_config>(configs, 2), setup.step, 1.0f,
@@ -297,6 +310,28 @@ std::uint64_t buffer_first(const XLA_FFI_Buffer* piece, std::uint64_t leaf_first
   return leaf_first + offset;
 }
 
+// An 8-bit buffer's exponent bytes (m's, v's per block; its first block is the leaf's block
+// `first_block`) against those the encoder writes: any other byte is a corrupt or foreign
+// state (it would decode as NaN forever after), refused naming the leaf and the block.
+void check_exponents(const std::uint8_t* pairs, std::size_t blocks, std::uint64_t first_block, std::size_t leaf) {
+  using namespace hostopt::detail;
+  bool bad = false; // a branch-free pass first (every step reads them): the message only when needed
+  for (std::size_t b = 0; b < blocks; ++b)
+    bad |= (pairs[2 * b] > q8_m_max_base && pairs[2 * b] != q8_poisoned_base) |
+           (pairs[2 * b + 1] > q8_v_max_base && pairs[2 * b + 1] != q8_poisoned_base);
+  if (!bad) return;
+  for (std::size_t b = 0; b < blocks; ++b)
+    for (int k = 0; k < 2; ++k) {
+      const std::uint8_t base = pairs[2 * b + std::size_t(k)];
+      if (q8_base_is_written(base, k == 1)) continue;
+      throw std::invalid_argument(
+          "leaf " + std::to_string(leaf) + ": block " + std::to_string(first_block + b) + "'s " +
+          (k == 1 ? "exp_avg_sq" : "exp_avg") + " exponent byte is " + std::to_string(base) +
+          ": the 8-bit encoder writes at most " + std::to_string(k == 1 ? q8_v_max_base : q8_m_max_base) + " (or " +
+          std::to_string(q8_poisoned_base) + " for a non-finite block): the state is corrupt or not hostopt's");
+    }
+}
+
 // The call over compressed moments: validated completely (the kernel's own checks too),
 // then one hostopt::adam_update of compressed_update_leaf per gradient dtype.
 void adam_update_compressed_call(const XLA_FFI_CallFrame* frame) {
@@ -336,6 +371,7 @@ void adam_update_compressed_call(const XLA_FFI_CallFrame* frame) {
         if (b->dtype != XLA_FFI_DataType_U8 || element_count(b) != bytes)
           throw std::invalid_argument("leaf " + std::to_string(i) + ": its exponent bytes must be uint8 [" +
                                       std::to_string(bytes / 2) + ", 2] (one pair per 32-element block)");
+      check_exponents(static_cast<const std::uint8_t*>(in->data), bytes / 2, (first - firsts[i]) / hostopt::q8_block, i);
       copies.push_back({in, out, bytes});
       scales = static_cast<std::uint8_t*>(out->data);
     }
@@ -347,11 +383,6 @@ void adam_update_compressed_call(const XLA_FFI_CallFrame* frame) {
     throw std::invalid_argument("operand or result count does not match the leaves");
   for (const copy_in& c : copies)
     if (c.to->data != c.from->data) std::memcpy(c.to->data, c.from->data, c.bytes);
-  if (!setup.in_range) {
-    for (const auto& group : by_dtype)
-      for (const hostopt::compressed_update_leaf& l : group) fill_nan(l.update);
-    return;
-  }
   for (auto& group : by_dtype)
     if (!group.empty())
       hostopt::adam_update(group, std::span<const adam_config>(setup.configs, 2), setup.step, 1.0f, seed,

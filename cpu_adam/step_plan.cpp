@@ -112,6 +112,10 @@ step_plan one_buffer_plan(const kernel_set& ks, std::span<const adam_config> con
     if (signed_rates) {
       c.lr = std::fabs(c.lr);
       c.weight_decay = std::fabs(c.weight_decay);
+      // optax's arithmetic with eps or eps_root = +inf: Adam's term is 0 (the update is the
+      // decay term alone), which the kernel computes as it stands.
+      if (std::isinf(c.eps) && c.eps > 0) c.eps = 0;
+      if (std::isinf(c.eps_root) && c.eps_root > 0) c.eps_root = 0;
     }
     validate(c, configs.size() == 1 ? "config" : "configs[" + std::to_string(g) + "]");
   }

@@ -86,8 +86,9 @@ void check_update_leaf(const std::string& at, const float* params, const_view gr
 
 /// The plan of a one-buffer step (adam_step, adam_update): the same rules and scalars as
 /// the optimizer's, for step number `step` (>= 1). The optax form (`signed_rates`) takes lr
-/// and weight_decay of either sign, as optax does (a negative rate ascends); everything
-/// else is validated as for the optimizer.
+/// and weight_decay of either sign, as optax does (a negative rate ascends), and eps or
+/// eps_root = +inf (Adam's term is then 0, as in optax); everything else is validated as
+/// for the optimizer.
 step_plan one_buffer_plan(const kernel_set& ks, std::span<const adam_config> configs, std::int64_t step,
                           const step_io& io, float grad_scale, std::span<group_kernel> groups,
                           bool signed_rates = false);

@@ -102,7 +102,8 @@ void decode_moments(const compressed_moments& in, std::size_t n, float* exp_avg,
 /// new_params - params = -(Adam step) - lr * wd * params, in the same single pass.
 /// `update` may be `grad` itself (the update overwrites the gradient, in place); any other
 /// overlap between the buffers is refused. As in optax, lr and weight_decay may be negative
-/// here (a negative learning rate ascends); adam_step and the optimizer refuse that.
+/// here (a negative learning rate ascends), and eps or eps_root may be +inf (Adam's term is
+/// then 0: the update is the decay term alone); adam_step and the optimizer refuse both.
 /// Throws std::invalid_argument like adam_step, and when update's dtype is not grad's.
 void adam_update(const float* params, float* exp_avg, float* exp_avg_sq, std::size_t n, const_view grad,
                  mut_view update, const adam_config& config, std::int64_t step, float grad_scale = 1.0f,

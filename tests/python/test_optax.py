@@ -493,18 +493,79 @@ def test_sharded_inputs_keep_their_shardings_and_values_and_run_per_shard():
   assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
 
 
-def test_out_of_range_traced_hyperparameters_give_nan_updates_not_a_lost_state():
+# Out of hostopt.optax's range: optax computes garbage or NaN with these without a word.
+BAD_HYPERPARAMETERS = [("b1", 1.5), ("b2", 1.0), ("b1", -0.5), ("eps", -1.0), ("learning_rate", np.nan),
+                       ("b2", np.nan), ("eps_root", -1.0), ("weight_decay", np.inf)]
+
+
+def _hyperparameter_routes(opt, name, value, params, g):
+  """(route, update, grads, state, params) for the numpy, eager and jitted routes, with
+  hyperparams[name] = value injected as inject_hyperparams keeps it (a jax scalar)."""
+  np_params, np_g = (jax.tree_util.tree_map(np.asarray, t) for t in (params, g))
+  for route, p, gg, update in (("numpy", np_params, np_g, opt.update), ("eager", params, g, opt.update),
+                               ("jit", params, g, jax.jit(opt.update))):
+    state = opt.init(p)
+    state.hyperparams[name] = jnp.asarray(value, state.hyperparams[name].dtype)
+    yield route, update, gg, state, p
+
+
+@pytest.mark.parametrize("moments", ["f32", "bf16", "8bit"])
+def test_out_of_range_hyperparameters_are_refused_naming_them_on_every_route(moments):
   params, grad_fn = mlp_problem()
   g = grad_fn(params)
-  for name, value in (("learning_rate", jnp.nan), ("b1", 1.0), ("b2", 1.0)):
-    ours, ref = (optax.inject_hyperparams(m.adamw)(learning_rate=1e-2) for m in (hoptax, optax))
-    state, rstate = ours.init(params), ref.init(params)
-    state.hyperparams[name], rstate.hyperparams[name] = jnp.asarray(value), jnp.asarray(value)
-    u, new = jax.jit(ours.update, donate_argnums=1)(g, state, params)
+  for name, value in BAD_HYPERPARAMETERS:
+    # optax side by side: its arithmetic takes the value and gives non-finite or garbage updates.
+    ref = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2, weight_decay=0.1)
+    rstate = ref.init(params)
+    rstate.hyperparams[name] = jnp.asarray(value)
     v, _ = ref.update(g, rstate, params)
-    assert not all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(v))  # optax: non-finite too
-    assert all(bool(jnp.all(jnp.isnan(x))) for x in jax.tree_util.tree_leaves(u)), name
-    assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(new))  # no error: the state lives on
+    assert all(x.shape == y.shape for x, y in zip(jax.tree_util.tree_leaves(v), jax.tree_util.tree_leaves(g)))
+    # hostopt.optax refuses it on every route, naming it; nothing changes.
+    opt = optax.inject_hyperparams(hoptax.adamw)(learning_rate=1e-2, weight_decay=0.1, moments=moments)
+    for route, update, gg, state, p in _hyperparameter_routes(opt, name, value, params, g):
+      before = jax.tree_util.tree_map(np.array, state)
+      # Under jit the value is traced: the XLA FFI handler refuses it when the call runs (jax raises
+      # its runtime error, a RuntimeError or a ValueError by jax version and call path).
+      with pytest.raises((RuntimeError, ValueError) if route == "jit" else ValueError,
+                         match=rf"\b{name} = {re.escape(str(float(value)))}: expected"):
+        update(gg, state, p)
+      assert all(np.array_equal(x, y, equal_nan=True) for x, y in zip(jax.tree_util.tree_leaves(before),
+                                                                       jax.tree_util.tree_leaves(state))), route
+  # Given as numbers, they are refused when the transformation is made.
+  for name, value in BAD_HYPERPARAMETERS:
+    with pytest.raises(ValueError, match=rf"\b{name} = {re.escape(str(float(value)))}: expected"):
+      hoptax.adamw(**{"learning_rate": 1e-2, name: value}, moments=moments)
+
+
+@pytest.mark.parametrize("name", ["eps", "eps_root"])
+def test_infinite_eps_gives_the_update_optax_gives_on_every_route(name):
+  # eps or eps_root = +inf: Adam's term is 0 and the update is the decay term alone, in optax
+  # as in hostopt (which gave NaN: its kernel's range stopped at finite values).
+  params, grad_fn = mlp_problem()
+  g = grad_fn(params)
+  ref = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2, weight_decay=0.1)
+  rstate = ref.init(params)
+  rstate.hyperparams[name] = jnp.asarray(np.inf)
+  v, rnew = ref.update(g, rstate, params)
+  assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(v))
+  results = []
+  for moments in ("f32", "bf16", "8bit"):
+    opt = optax.inject_hyperparams(hoptax.adamw)(learning_rate=1e-2, weight_decay=0.1, moments=moments)
+    for route, update, gg, state, p in _hyperparameter_routes(opt, name, np.inf, params, g):
+      u, new = update(gg, state, p)
+      # optax's -lr * (wd * p) against hostopt's -(lr * wd) * p: one rounding apart at most.
+      jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=3e-7, atol=0),
+                             u, v)
+      results.append(u)
+      if moments == "f32":  # the moments step as optax's do
+        assert_trees_close(new.inner_state[0].mu, rnew.inner_state[0].mu, rtol=1e-6, atol=0)
+        assert_trees_close(new.inner_state[0].nu, rnew.inner_state[0].nu, rtol=1e-6, atol=0)
+  # Every route and moment format gives the same bits (Adam's term is exactly 0 for all).
+  assert all(_leaves_equal(results[0], r) for r in results[1:])
+  # A number eps = inf is taken when the transformation is made, with optax's update too.
+  opt = hoptax.adamw(1e-2, weight_decay=0.1, **{name: np.inf})
+  u, _ = jax.jit(opt.update)(g, opt.init(params), params)
+  jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=3e-7, atol=0), u, v)
 
 
 def test_update_runs_under_disable_jit():

@@ -219,6 +219,39 @@ def test_bad_input_is_refused_naming_the_problem():
     opt.update(f64, jax.tree_util.tree_map(np.asarray, opt.init(f64)), f64)
 
 
+def test_8bit_exponent_bytes_the_encoder_never_writes_are_refused_naming_the_leaf():
+  # A state restored from a corrupt or foreign checkpoint: such a byte decodes as NaN, and
+  # its block stayed NaN forever after. Refused on every route, as core load and the
+  # jax/torch load_state_dict refuse it; nothing changes.
+  params, _, grad = mlp_problem()
+  opt = hoptax.adamw_8bit(1e-2, weight_decay=0.1)
+  _, state = train(opt, params, grad, 3)
+  g = grad(params)
+  # Leaves in order: l1.b (rows 0-1 of scales), l1.w (2-11), l2.b (12), l2.w (13-14).
+  for row, col, byte, where in ((5, 0, 250, r"leaf 1\b.*block 3's exp_avg exponent byte is 250: the 8-bit encoder "
+                                            r"writes at most 239 \(or 255"),
+                                (13, 1, 224, r"leaf 3\b.*block 0's exp_avg_sq exponent byte is 224: the 8-bit "
+                                             r"encoder writes at most 223 \(or 255")):
+    scales = np.array(state[0].scales)
+    scales[row, col] = byte
+    bad = (state[0]._replace(scales=jnp.asarray(scales)),) + state[1:]
+    np_bad = jax.tree_util.tree_map(np.array, bad)
+    np_params, np_g = (jax.tree_util.tree_map(np.asarray, t) for t in (params, g))
+    for route, update, gg, st, p in (("numpy", opt.update, np_g, np_bad, np_params), ("eager", opt.update, g, bad, params),
+                                     ("jit", jax.jit(opt.update), g, bad, params)):
+      before = jax.tree_util.tree_map(np.array, st)
+      # Under jit the state is traced: the XLA FFI handler refuses it when the call runs (jax raises
+      # its runtime error, a RuntimeError or a ValueError by jax version and call path).
+      with pytest.raises((RuntimeError, ValueError) if route == "jit" else ValueError, match=where):
+        update(gg, st, p)
+      assert same(before, st), route
+  # 255 is written (a block whose moment was not finite): taken as it is.
+  scales = np.array(state[0].scales)
+  scales[5] = 255
+  u, _ = jax.jit(opt.update)(g, (state[0]._replace(scales=jnp.asarray(scales)),) + state[1:], params)
+  assert bool(jnp.all(jnp.isnan(u["l1"]["w"].reshape(-1)[96:128])))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_bf16_params_and_gradients_get_bf16_updates_through_lax_scan(fmt):
   # The update takes the gradient's dtype (the kernel's), so a scan carrying bf16 params

@@ -40,7 +40,11 @@ Hyper-parameters may be Python or numpy numbers (passed to the kernel as float64
 attributes), arrays or schedules (evaluated by XLA and passed as traced scalars;
 ``weight_decay`` may be a schedule where optax accepts one; any callable will do); numpy,
 eager and jitted calls give the same bits. As in optax, the learning rate and weight decay
-may be negative. ``vmap`` works;
+may be negative. Outside hostopt's range (b1, b2 in [0, 1); eps, eps_root >= 0, +inf
+included: Adam's term is then 0, as in optax; learning_rate, weight_decay finite) a
+hyper-parameter is refused, naming it, on every route and moment format: a known value with
+a ValueError before anything changes, a traced one by the FFI handler (jax's runtime error
+when the call runs; buffers donated to it are gone, as with any failed XLA call). ``vmap`` works;
 differentiating through ``update`` raises (the kernel has no derivative rule: use optax
 itself for meta-gradients).
 
@@ -57,6 +61,8 @@ typed, so optax's own update fails loudly on it instead of reading codes as mome
   ``ceil(size / 32)`` blocks (one array, not a tree like the params, so
   ``optax.tree_utils.tree_map_params`` maps the codes only).
 
+Exponent bytes the 8-bit encoder never writes (a corrupt or foreign state) are refused
+naming the leaf and block: eagerly for a known state, by the FFI handler for a traced one.
 The update is the f32 kernel's for the decoded moments, in the gradient's dtype (the
 kernel's: bfloat16 gradients give bfloat16 updates), the same bits eager, jitted and on
 numpy (the moments re-encoded in the same pass, in place under jit). Every leaf runs on the
@@ -102,7 +108,7 @@ import optax
 from jax.experimental.compute_on import compute_on
 
 from . import _core, _xla
-from ._arrays import check_seed
+from ._arrays import check_q8_scales, check_seed
 from ._masks import mask_flags
 from ._xla import is_static_number
 
@@ -129,6 +135,34 @@ class ScaleByAdam8bitState(NamedTuple):
 
 def _is_traced(x) -> bool:
   return isinstance(x, jax.core.Tracer)
+
+
+_HP_NAMES = ("learning_rate", "b1", "b2", "eps", "eps_root", "weight_decay")
+
+
+def _hp_rule(name: str) -> Tuple[Callable[[np.ndarray], np.ndarray], str]:
+  """The range hostopt.optax takes for a hyper-parameter (the XLA FFI handlers' rule too)."""
+  if name in ("b1", "b2"):
+    return (lambda x: (x >= 0.0) & (x < 1.0)), "a value in [0, 1)"
+  if name in ("eps", "eps_root"):  # +inf too: Adam's term is then 0, as optax's arithmetic gives
+    return (lambda x: x >= 0.0), "a value >= 0 (+inf included)"
+  return np.isfinite, "a finite value"  # learning_rate and weight_decay: either sign, as optax
+
+
+def _check_hyperparameters(hp) -> None:
+  """Refuses, naming it, a known hyper-parameter (a number, numpy array or jax array not
+  being traced) outside its range, before anything changes; traced ones are refused by the
+  FFI handler that reads them, by the same rule. Schedules (callables) pass: they are
+  checked where they are evaluated."""
+  for name, v in zip(_HP_NAMES, hp):
+    if v is None or callable(v) or _is_traced(v):
+      continue
+    x = np.asarray(v, dtype=np.float64).reshape(-1)
+    ok, rule = _hp_rule(name)
+    bad = np.flatnonzero(~ok(x))
+    if bad.size:
+      raise ValueError(f"{name} = {float(x[bad[0]])}: expected {rule} (hostopt.optax refuses a hyper-parameter "
+                       "outside its range, traced or not)")
 
 
 class _ByIdentity:
@@ -253,6 +287,23 @@ _flat_update_jit = jax.jit(_flat_update, static_argnums=0)
 def _blocks(x) -> int:
   """A leaf's 32-element blocks of 8-bit moments."""
   return (int(np.size(x)) + 31) // 32
+
+
+def _check_exponents(scales, g_leaves) -> None:
+  """A known 8-bit state's exponent bytes against those the encoder writes (as core load and
+  the jax/torch load_state_dict check them): any other byte (a corrupt or foreign state)
+  would decode as NaN forever after. Refused naming the leaf and its block; a traced state
+  is checked by the FFI handler, by the same rule."""
+  pairs = np.asarray(scales)
+  try:
+    check_q8_scales(pairs, "state[0].scales")
+  except ValueError:
+    at = 0
+    for i, g in enumerate(g_leaves):  # the first bad byte, named by its leaf
+      b = _blocks(g)
+      check_q8_scales(pairs[at:at + b], f"state[0].scales, leaf {i} (updates[{i}]; its rows {at}..{at + b - 1})")
+      at += b
+    raise
 
 
 def _compressed_flat_update(s: _Static, gs, mus, nus, scales, ps, count, dynamic, lr_count, wd_count):
@@ -458,15 +509,7 @@ def _make(args: dict, decoupled: bool) -> optax.GradientTransformationExtraArgs:
     if key not in _KNOWN and value is not inspect.signature(reference_fn).parameters[key].default:
       raise NotImplementedError(f"hostopt.optax.{name}: argument {key}={value!r} of optax {optax.__version__} is "
                                 "not supported")
-  for nm, value in (("b1", b1), ("b2", b2)):
-    if is_static_number(value) and not 0.0 <= float(value) < 1.0:
-      raise ValueError(f"{nm} = {float(value)}: expected a value in [0, 1)")
-  for nm, value in (("eps", eps), ("eps_root", eps_root)):
-    if is_static_number(value) and not (float(value) >= 0.0 and np.isfinite(float(value))):
-      raise ValueError(f"{nm} = {float(value)}: expected a finite value >= 0")
-  for nm, value in (("learning_rate", learning_rate), ("weight_decay", weight_decay)):  # either sign, as optax
-    if is_static_number(value) and not np.isfinite(float(value)):
-      raise ValueError(f"{nm} = {float(value)}: expected a finite value")
+  _check_hyperparameters((learning_rate, b1, b2, eps, eps_root, weight_decay))  # the known ones, at once
 
   if moments != "f32":
     clash = [k for k, v in (("mu_dtype", mu_dtype), ("reuse_state", reuse_state)) if v not in (None, False)]
@@ -522,6 +565,7 @@ def _make(args: dict, decoupled: bool) -> optax.GradientTransformationExtraArgs:
       raise ValueError("You are using a transformation that requires the current value of parameters, but you are "
                        "not passing `params` when calling `update`.")
     hp = (lr, b1, b2, eps, eps_root, wd)
+    _check_hyperparameters(hp)
     # The kernel runs on the host: on another backend the moments must be in host memory
     # (state_memory), or optax's arithmetic runs where the arrays are.
     on_host = numpy_route or state_memory is not None or _backend_is_cpu()
@@ -640,6 +684,8 @@ def _compressed_transformation(reference, moments, seed, decoupled, learning_rat
       if p_leaves is not None and p_leaves[i] is not None and tuple(np.shape(p_leaves[i])) != tuple(np.shape(g)):
         raise ValueError(f"params[{i}] has shape {tuple(np.shape(p_leaves[i]))}: expected {tuple(np.shape(g))} like "
                          f"updates[{i}] (mu, nu and params must have the shape of the updates)")
+    if q8 and not _is_traced(scales):
+      _check_exponents(scales, g_leaves)
     lr_count, wd_count = _schedule_counts(state, lr_schedule, wd_schedule)
     arrays = list(g_leaves) + list(mu_leaves) + list(nu_leaves) + ([scales] if q8 else [])
     numpy_route = (_not_tracing() and isinstance(count, np.ndarray) and all(isinstance(x, np.ndarray) for x in arrays))
@@ -664,6 +710,11 @@ def _compressed_transformation(reference, moments, seed, decoupled, learning_rat
       if decays[i] and np.dtype(p_leaves[i].dtype) not in _KERNEL_INPUT:
         raise TypeError(f"params[{i}]: dtype {p_leaves[i].dtype}; expected float32, bfloat16 or float16")
     hp = (learning_rate, b1, b2, eps, eps_root, weight_decay)
+    if numpy_route:  # the schedules' values too, as the f32 numpy route checks them (refused before anything changes)
+      _check_hyperparameters((_call_jit(lr_schedule, jnp.asarray(lr_count)) if lr_schedule is not None else None,
+                              None, None, None, None,
+                              _call_jit(wd_schedule, jnp.asarray(wd_count)) if wd_schedule is not None else None))
+    _check_hyperparameters(hp)
     static_hp = tuple(None if (k == 0 and lr_schedule is not None) or (k == 5 and wd_schedule is not None)
                       else float(v) if is_static_number(v) else None for k, v in enumerate(hp))
     s = _Static(tuple(decays), (True,) * n, static_hp, lr_schedule, wd_schedule, nesterov, None, threads,
