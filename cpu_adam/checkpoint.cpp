@@ -11,6 +11,7 @@
 #include <dirent.h>
 #include <map>
 #include <random>
+#include <set>
 #include <sys/file.h>
 #include <stdexcept>
 #include <string>
@@ -46,6 +47,41 @@ constexpr const char* checksum_placeholder = "0000000000000000";
 
 [[noreturn]] void fail_errno(const std::string& path, const std::string& what) {
   fail(path, what + ": " + std::strerror(errno));
+}
+
+// JSON from a file, with every object's keys unique: json::parse keeps the last of two
+// equal keys silently, so a header with "step" twice in __metadata__ (or a tensor listed
+// twice) would load whichever came last. `what` names the text in errors.
+json parse_unique(const std::string& path, const std::string& what, const std::string& text) {
+  struct level {
+    std::set<std::string> keys;
+    std::string name, last_key; // the key this object is the value of; its latest key
+  };
+  std::vector<level> open; // the objects being parsed, outermost first
+  std::string twice, where; // the first repeated key, and the object it is in
+  json j;
+  try {
+    j = json::parse(text, [&](int, json::parse_event_t event, json& parsed) {
+      if (event == json::parse_event_t::object_start) {
+        open.push_back({{}, open.empty() ? std::string() : open.back().last_key, {}});
+      } else if (event == json::parse_event_t::object_end) {
+        open.pop_back();
+      } else if (event == json::parse_event_t::key && !open.empty()) {
+        level& l = open.back();
+        l.last_key = parsed.get<std::string>();
+        if (!l.keys.insert(l.last_key).second && twice.empty()) {
+          twice = l.last_key;
+          where = l.name.empty() ? std::string() : " in '" + l.name + "'";
+        }
+      }
+      return true;
+    });
+  } catch (const std::exception& e) {
+    fail(path, what + " is not valid JSON: " + e.what());
+  }
+  if (!twice.empty())
+    fail(path, what + " holds the key '" + twice + "' twice" + where + " (a JSON reader keeps only one of them): refused");
+  return j;
 }
 
 // A fast 64-bit checksum: 8-byte words mixed by multiply and rotate (not cryptographic: it
@@ -101,7 +137,7 @@ std::string hex(std::uint64_t x) {
 // A tensor's entries: the f32 master, the moments (in its group's format) and, for 8-bit
 // moments, the block exponents ([blocks, 2] bytes: exp_avg's, exp_avg_sq's).
 const char* const kinds[] = {"param", "exp_avg", "exp_avg_sq", "moment_scales"};
-constexpr int kind_scales = 3;
+constexpr int kind_exp_avg_sq = 2, kind_scales = 3;
 
 int kinds_of(moment_format f) { return f == moment_format::q8 ? 4 : 3; }
 
@@ -532,8 +568,8 @@ void read_moment_formats(source_file& src, const json& meta, std::size_t groups)
     if (!meta.contains("moments") || !meta.contains("rounding_seeds") || !meta["moments"].is_string() ||
         !meta["rounding_seeds"].is_string())
       fail(path, "__metadata__ has one of 'moments' and 'rounding_seeds' without the other");
-    const json names = json::parse(meta["moments"].get<std::string>());
-    const json seeds = json::parse(meta["rounding_seeds"].get<std::string>());
+    const json names = parse_unique(path, "__metadata__ 'moments'", meta["moments"].get<std::string>());
+    const json seeds = parse_unique(path, "__metadata__ 'rounding_seeds'", meta["rounding_seeds"].get<std::string>());
     if (!names.is_array() || names.size() != groups || !seeds.is_array() || seeds.size() != groups)
       fail(path, "__metadata__ 'moments' and 'rounding_seeds' must list one entry per group (" +
                      std::to_string(groups) + ")");
@@ -579,12 +615,7 @@ source_file open_source(const std::string& path, std::span<const segment> segs, 
                    std::to_string(file_size - 8) + " after the length");
   std::string text(header_len, '\0');
   read_all_at(fd, text.data(), header_len, 8, path);
-  json header;
-  try {
-    header = json::parse(text);
-  } catch (const std::exception& e) {
-    fail(path, std::string("the header is not valid JSON: ") + e.what());
-  }
+  const json header = parse_unique(path, "the header", text);
   if (!header.is_object() || !header.contains("__metadata__") || !header["__metadata__"].is_object())
     fail(path, "the header has no __metadata__: not a hostopt checkpoint");
   const json& meta = header["__metadata__"];
@@ -606,7 +637,7 @@ source_file open_source(const std::string& path, std::span<const segment> segs, 
   // user should hear that (with the way to convert), not "a different model".
   std::size_t file_groups = 0;
   try {
-    const json groups = json::parse(meta_string("groups"));
+    const json groups = parse_unique(path, "__metadata__ 'groups'", meta_string("groups"));
     if (!groups.is_array()) fail(path, "__metadata__ 'groups' is not a list");
     file_groups = groups.size();
   } catch (const std::runtime_error&) {
@@ -636,13 +667,7 @@ source_file open_source(const std::string& path, std::span<const segment> segs, 
   if (file_q8 && (src.range.begin % q8_block || (src.range.end % q8_block && src.range.end != end)))
     fail(path, "range " + range_text(src.range) + " cuts 8-bit blocks (its ends must be multiples of 32)");
   json pieces = json::object();
-  if (meta.contains("pieces")) {
-    try {
-      pieces = json::parse(meta_string("pieces"));
-    } catch (const std::exception& e) {
-      fail(path, std::string("__metadata__ 'pieces' is not valid JSON: ") + e.what());
-    }
-  }
+  if (meta.contains("pieces")) pieces = parse_unique(path, "__metadata__ 'pieces'", meta_string("pieces"));
 
   src.data_start = 8 + header_len;
   src.data_size = file_size - src.data_start;
@@ -714,10 +739,10 @@ source_file open_source(const std::string& path, std::span<const segment> segs, 
 
   // Groups, tensor groups, counts: parsed strictly.
   try {
-    const json groups = json::parse(meta_string("groups"));
+    const json groups = parse_unique(path, "__metadata__ 'groups'", meta_string("groups"));
     if (!groups.is_array()) fail(path, "__metadata__ 'groups' is not a list");
     for (const auto& g : groups) src.configs.push_back(config_from(g));
-    const json tensor_groups = json::parse(meta_string("tensor_groups"));
+    const json tensor_groups = parse_unique(path, "__metadata__ 'tensor_groups'", meta_string("tensor_groups"));
     for (const auto& s : segs)
       if (!tensor_groups.contains(s.name) || !tensor_groups[s.name].is_number_unsigned() ||
           tensor_groups[s.name].get<std::size_t>() != s.group)
@@ -730,12 +755,7 @@ source_file open_source(const std::string& path, std::span<const segment> segs, 
   src.step = parse_count(path, "step", meta_string("step"));
   src.skipped = parse_count(path, "skipped_steps", meta_string("skipped_steps"));
   if (meta.contains("tensor_steps")) {
-    json own;
-    try {
-      own = json::parse(meta_string("tensor_steps"));
-    } catch (const std::exception& e) {
-      fail(path, std::string("__metadata__ 'tensor_steps' is not valid JSON: ") + e.what());
-    }
+    const json own = parse_unique(path, "__metadata__ 'tensor_steps'", meta_string("tensor_steps"));
     if (!own.is_object()) fail(path, "__metadata__ 'tensor_steps' is not an object of tensor names");
     src.lags.assign(segs.size(), 0);
     std::size_t found = 0;
@@ -772,14 +792,57 @@ source_file open_source(const std::string& path, std::span<const segment> segs, 
   return src;
 }
 
-// Pass 1: the whole file against its checksum, streamed through `block`, and every 8-bit
-// block exponent byte against those the encoder writes: a crafted file with a valid
-// checksum would otherwise load blocks that decode as NaN.
+// Whether the bits of an f32 or bf16 exp_avg_sq value are negative: below -0.0, up to
+// -inf (NaN excluded). No step produces one — v starts at +0 and only ever adds g*g >= +0
+// to beta2 * v, so a negative v comes from a crafted file or a buggy writer, and would turn
+// its parameter NaN a step later (sqrt of it). Accepted: +inf (a finite gradient whose
+// square overflows, with skip_nonfinite off), NaN (a NaN gradient with skip_nonfinite off:
+// what a step writes, and what the jax/torch fronts load) and -0.0, which no step writes
+// either but which equals zero in every use (sqrt(-0) + eps = eps) and which the views
+// and write_moments take as zero (refusing it would refuse files hostopt itself wrote).
+constexpr bool negative_bits(std::uint32_t x) { return x > 0x80000000u && x <= 0xFF800000u; }
+constexpr bool negative_bits(std::uint16_t x) { return x > 0x8000u && x <= 0xFF80u; }
+
+// An element of an exp_avg_sq entry, as the number it is.
+float value_of_bits(std::uint32_t x, unsigned width) {
+  if (width == 2) x <<= 16;
+  float f;
+  std::memcpy(&f, &x, 4);
+  return f;
+}
+
+// The index of the first of `count` width-byte values at p whose bits are negative, or count.
+template <class Bits>
+std::size_t first_negative(const unsigned char* p, std::size_t count) {
+  for (std::size_t j = 0; j < count; ++j) {
+    Bits x;
+    std::memcpy(&x, p + j * sizeof(Bits), sizeof(Bits));
+    if (negative_bits(x)) return j;
+  }
+  return count;
+}
+
+// Pass 1: the whole file against its checksum, streamed through `block`, every 8-bit
+// block exponent byte against those the encoder writes, and every f32/bf16 exp_avg_sq
+// against the values a step writes: a crafted file with a valid checksum would otherwise
+// load blocks that decode as NaN, or second moments that make their parameters NaN.
 void verify_checksum(const source_file& s, std::span<const segment> layout, std::vector<unsigned char>& block) {
   std::vector<const source_file::entry*> scales; // in data order
   for (const auto& e : s.entries)
     if (e.kind == kind_scales) scales.push_back(&e);
   std::sort(scales.begin(), scales.end(), [](auto* a, auto* b) { return a->begin < b->begin; });
+  struct second_moment {
+    const source_file::entry* e;
+    unsigned width; // bytes per value: 4 (f32) or 2 (bf16)
+  };
+  std::vector<second_moment> vs; // in data order
+  for (const auto& e : s.entries) {
+    const moment_format f = s.formats[layout[e.tensor].group];
+    if (e.kind == kind_exp_avg_sq && e.bytes && f != moment_format::q8) vs.push_back({&e, f == moment_format::f32 ? 4u : 2u});
+  }
+  std::sort(vs.begin(), vs.end(), [](const auto& a, const auto& b) { return a.e->begin < b.e->begin; });
+  std::size_t next_v = 0;
+  std::uint32_t partial = 0; // the bytes so far of a value that a block boundary cuts
   std::string bad; // the first byte the encoder never writes, reported once the checksum holds
   std::size_t next = 0;
   checksum64 sum = s.head;
@@ -802,6 +865,41 @@ void verify_checksum(const source_file& s, std::span<const segment> layout, std:
         break;
       }
       if (end <= done + n && i == next) ++next;
+    }
+    for (std::size_t i = next_v; bad.empty() && i < vs.size() && vs[i].e->begin < done + n; ++i) {
+      const source_file::entry& e = *vs[i].e;
+      const unsigned w = vs[i].width;
+      const std::uint64_t end = e.begin + e.bytes, hi = std::min(end, done + n);
+      std::uint64_t found = e.bytes; // byte offset in the entry of the first negative value
+      for (std::uint64_t at = std::max(e.begin, done); at < hi && found == e.bytes;) {
+        const unsigned k = unsigned((at - e.begin) % w); // byte of its value
+        if (k == 0 && at + w <= hi) { // whole values
+          const std::size_t count = std::size_t((hi - at) / w);
+          const unsigned char* p = block.data() + (at - done);
+          const std::size_t j = w == 4 ? first_negative<std::uint32_t>(p, count) : first_negative<std::uint16_t>(p, count);
+          if (j < count) {
+            partial = 0;
+            std::memcpy(&partial, p + j * w, w);
+            found = at - e.begin + j * w;
+          }
+          at += std::uint64_t(count) * w;
+          continue;
+        }
+        if (k == 0) partial = 0;
+        partial |= std::uint32_t(block[std::size_t(at - done)]) << (8 * k);
+        if (k == w - 1 && (w == 4 ? negative_bits(partial) : negative_bits(std::uint16_t(partial))))
+          found = at + 1 - w - e.begin;
+        ++at;
+      }
+      if (found != e.bytes) {
+        char value[32];
+        std::snprintf(value, sizeof value, "%.9g", double(value_of_bits(partial, w)));
+        bad = "tensor '" + layout[e.tensor].name + "' exp_avg_sq[" + std::to_string(e.a + found / w) + "] = " + value +
+              ": a second moment is never negative (no step produces one, and the parameter would be NaN a step "
+              "later): refused";
+        break;
+      }
+      if (end <= done + n && i == next_v) ++next_v;
     }
     done += n;
   }

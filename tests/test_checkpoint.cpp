@@ -388,3 +388,220 @@ TEST_CASE("many tensors, empty ones among them, save and load exactly", "[checkp
   CHECK(snapshot(loaded) == snapshot(opt));
   fs::remove_all(dir);
 }
+
+namespace {
+
+// The checkpoint checksum (checkpoint.hpp's format: 8-byte words mixed by multiply and
+// rotate over the length, the header with its checksum digits read as zeros, and the
+// data), so a test can craft a file that only the loader's own checks can refuse.
+std::uint64_t file_checksum(const std::string& header_text, const std::string& data) {
+  std::string all(8, '\0');
+  for (int i = 0; i < 8; ++i) all[i] = char((std::uint64_t(header_text.size()) >> (8 * i)) & 0xFF);
+  all += header_text + data;
+  std::uint64_t h = 0x9E3779B97F4A7C15ull;
+  std::size_t i = 0;
+  for (; i + 8 <= all.size(); i += 8) {
+    std::uint64_t w;
+    std::memcpy(&w, all.data() + i, 8);
+    h = (h ^ w) * 0x100000001B3ull;
+    h = (h << 31) | (h >> 33);
+  }
+  unsigned char last[8] = {};
+  std::memcpy(last, all.data() + i, all.size() - i);
+  std::uint64_t w;
+  std::memcpy(&w, last, 8);
+  std::uint64_t x = h ^ (w + all.size());
+  x ^= x >> 33;
+  x *= 0xFF51AFD7ED558CCDull;
+  x ^= x >> 33;
+  return x;
+}
+
+// A file of this header text (padded, its checksum re-stamped) and data.
+std::string stamped(std::string text, const std::string& data) {
+  text.append((8 - text.size() % 8) % 8, ' ');
+  const std::string key = "\"checksum\":\"";
+  const std::size_t at = text.find(key) + key.size();
+  REQUIRE(at != std::string::npos + key.size());
+  text.replace(at, 16, "0000000000000000");
+  char digits[17];
+  std::snprintf(digits, sizeof digits, "%016llx", (unsigned long long)file_checksum(text, data));
+  text.replace(at, 16, digits);
+  std::string out(8, '\0');
+  for (int i = 0; i < 8; ++i) out[i] = char((text.size() >> (8 * i)) & 0xFF);
+  return out + text + data;
+}
+
+std::string header_text(const std::string& file) {
+  std::uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= std::uint64_t(static_cast<unsigned char>(file[i])) << (8 * i);
+  return file.substr(8, n);
+}
+
+std::string replaced(std::string text, const std::string& from, const std::string& to) {
+  const std::size_t at = text.find(from);
+  REQUIRE(at != std::string::npos);
+  return text.replace(at, from.size(), to);
+}
+
+} // namespace
+
+TEST_CASE("a file with a valid checksum and a negative exp_avg_sq is refused, naming tensor and index; "
+          "what a step writes (NaN, inf) loads",
+          "[checkpoint][errors]") {
+  const fs::path dir = scratch_dir();
+  const std::string path = (dir / "v.safetensors").string();
+  std::mt19937 rng(11);
+  optimizer source(model());
+  train(source, 2, rng);
+  optimizer target(model());
+  train(target, 1, rng);
+  const snapshot before(target);
+  auto v_of = [&](const char* name) { return source.exp_avg_sq(name); };
+  for (const float bad : {-1.0f, -1e-30f, -std::numeric_limits<float>::infinity(),
+                          -std::numeric_limits<float>::denorm_min()}) {
+    INFO("exp_avg_sq = " << bad);
+    for (const auto& [name, at] : {std::pair<const char*, std::size_t>{"embed", 7}, {"embed", 399}, {"scalar", 0},
+                                   {"bias", 5}}) {
+      const float was = v_of(name)[at];
+      v_of(name)[at] = bad;
+      save_checkpoint(source, path); // a valid checksum: only the value check can refuse it
+      v_of(name)[at] = was;
+      try {
+        load_checkpoint(target, path);
+        FAIL("accepted a negative exp_avg_sq");
+      } catch (const std::runtime_error& e) {
+        CHECK_THAT(e.what(), Catch::Contains(std::string("tensor '") + name + "' exp_avg_sq[" + std::to_string(at) + "]") &&
+                                 Catch::Contains("never negative") && Catch::Contains("v.safetensors"));
+      }
+      CHECK(snapshot(target) == before);
+    }
+  }
+  // What steps can write loads: +inf (a huge finite gradient, unchecked), NaN (a NaN
+  // gradient, unchecked), and -0.0 (zero in every use; views and write_moments take it).
+  std::vector<float> g(source.arena_size(), 0.5f);
+  g[source.tensor("embed").offset + 3] = 1e20f;
+  g[source.tensor("bias").offset + 2] = std::numeric_limits<float>::quiet_NaN();
+  source.step({g.data(), g.size(), dtype::f32}, {}, ref::trusting());
+  CHECK(std::isinf(source.exp_avg_sq("embed")[3]));
+  CHECK(std::isnan(source.exp_avg_sq("bias")[2]));
+  source.exp_avg_sq("embed")[9] = -0.0f;
+  save_checkpoint(source, path);
+  load_checkpoint(target, path);
+  CHECK(std::memcmp(target.exp_avg_sq().data(), source.exp_avg_sq().data(), source.arena_size() * 4) == 0);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("a negative bf16 exp_avg_sq code is refused too, and a value cut by the loader's read blocks is read whole",
+          "[checkpoint][errors]") {
+  const fs::path dir = scratch_dir();
+  const std::string path = (dir / "v16.safetensors").string();
+  // An 8-bit tensor of 33 elements first (202 bytes: the entries after it are 2 mod 4), then
+  // a bf16 group and an f32 group large enough that the loader reads the data in blocks.
+  adam_config c;
+  std::vector<param_group> groups{{c, {{"q", {33}}}, moment_format::q8, 1},
+                                  {c, {{"h", {1000}}}, moment_format::bf16, 2},
+                                  {c, {{"f", {800000}}}}};
+  optimizer source(groups, {1, ""});
+  std::mt19937 rng(12);
+  train(source, 2, rng);
+  optimizer target(groups, {1, ""});
+  const std::vector<float> params_before(target.params().begin(), target.params().end());
+  auto refused = [&](const std::string& message) {
+    try {
+      load_checkpoint(target, path);
+      FAIL("accepted a negative exp_avg_sq");
+    } catch (const std::runtime_error& e) {
+      CHECK_THAT(e.what(), Catch::Contains(message) && Catch::Contains("never negative"));
+    }
+    CHECK(target.step_count() == 0);
+    CHECK(std::equal(params_before.begin(), params_before.end(), target.params().begin()));
+    std::vector<float> m(1000), v(1000);
+    target.read_moments("h", m, v);
+    CHECK(std::all_of(v.begin(), v.end(), [](float x) { return x == 0.0f; }));
+  };
+  auto* h = static_cast<std::uint16_t*>(source.moment_codes("h").exp_avg_sq);
+  for (const std::uint16_t bits : {std::uint16_t(0xBF80) /* -1 */, std::uint16_t(0x8001) /* -tiny */,
+                                   std::uint16_t(0xFF80) /* -inf */}) {
+    INFO("bf16 bits " << bits);
+    const std::uint16_t was = h[999];
+    h[999] = bits;
+    save_checkpoint(source, path);
+    h[999] = was;
+    refused("tensor 'h' exp_avg_sq[999]");
+  }
+  // NaN bits (of either sign: x86 writes 0xFFC0) and -0.0 are loaded.
+  for (const std::uint16_t bits : {std::uint16_t(0xFFC0), std::uint16_t(0x7FC0), std::uint16_t(0x8000)}) {
+    const std::uint16_t was = h[4];
+    h[4] = bits;
+    save_checkpoint(source, path);
+    h[4] = was;
+    optimizer takes(groups, {1, ""});
+    load_checkpoint(takes, path);
+    CHECK(static_cast<std::uint16_t*>(takes.moment_codes("h").exp_avg_sq)[4] == bits);
+  }
+  // An f32 value whose 4 bytes straddle a 4 MiB boundary of the data section (the size of
+  // the loader's read blocks): found and named like any other.
+  save_checkpoint(source, path);
+  const auto header = nlohmann::json::parse(header_text(read_file(path)));
+  const std::uint64_t begin = header["f.exp_avg_sq"]["data_offsets"][0].get<std::uint64_t>();
+  REQUIRE(begin % 4 != 0); // the layout above: every value of f's exp_avg_sq sits 2 bytes off the word grid
+  const std::uint64_t boundary = (begin / (std::uint64_t(4) << 20) + 1) * (std::uint64_t(4) << 20);
+  const std::size_t cut = std::size_t((boundary - begin) / 4); // its bytes 0-1 before the boundary, 2-3 after
+  REQUIRE(cut < 800000);
+  for (const std::size_t at : {cut, cut - 1, cut + 1, std::size_t(799999)}) {
+    INFO("f element " << at);
+    const float was = source.exp_avg_sq("f")[at];
+    source.exp_avg_sq("f")[at] = -2.0f;
+    save_checkpoint(source, path);
+    source.exp_avg_sq("f")[at] = was;
+    refused("tensor 'f' exp_avg_sq[" + std::to_string(at) + "] = -2");
+  }
+  fs::remove_all(dir);
+}
+
+TEST_CASE("a key twice in a header object (last wins in a JSON reader) is refused, checksum valid or not",
+          "[checkpoint][errors]") {
+  const fs::path dir = scratch_dir();
+  const fs::path good = dir / "good.safetensors", bad = dir / "dup.safetensors";
+  std::mt19937 rng(13);
+  optimizer source(model());
+  train(source, 4, rng);
+  save_checkpoint(source, good.string());
+  const std::string file = read_file(good);
+  const std::string text = header_text(file), data = file.substr(8 + text.size());
+  REQUIRE(stamped(text, data) == file); // the test's checksum is the file's
+
+  optimizer target(model());
+  train(target, 1, rng);
+  const snapshot before(target);
+  auto groups_with = [&](const std::string& from, const std::string& to) {
+    // The groups list is a JSON string inside the header: edited as the string it is.
+    auto h = nlohmann::json::parse(text);
+    h["__metadata__"]["groups"] = replaced(h["__metadata__"]["groups"].get<std::string>(), from, to);
+    return h.dump();
+  };
+  const std::vector<std::pair<std::string, std::string>> cases{
+      {"the key 'step' twice in '__metadata__'", replaced(text, "\"step\":\"4\"", "\"step\":\"4\",\"step\":\"1\"")},
+      {"the key 'step' twice in '__metadata__'", replaced(text, "\"step\":\"4\"", "\"step\":\"1\",\"step\":\"4\"")},
+      {"the key 'skipped_steps' twice", replaced(text, "\"skipped_steps\":\"0\"", "\"skipped_steps\":\"0\",\"skipped_steps\":\"2\"")},
+      {"the key 'bias.param' twice", replaced(text, "\"bias.param\":", "\"bias.param\":{},\"bias.param\":")},
+      {"the key 'dtype' twice in 'embed.param'", [&] { // within one tensor's entry
+         const std::size_t at = text.find("\"dtype\"", text.find("\"embed.param\":"));
+         return std::string(text).insert(at, "\"dtype\":\"F16\",");
+       }()},
+      {"__metadata__ 'groups' holds the key 'lr' twice", groups_with("\"lr\":", "\"lr\":0.5,\"lr\":")},
+  };
+  for (const auto& [words, header] : cases) {
+    INFO("expecting: " << words);
+    write_file(bad, stamped(header, data));
+    try {
+      load_checkpoint(target, bad.string());
+      FAIL("accepted a header with a duplicated key");
+    } catch (const std::runtime_error& e) {
+      CHECK_THAT(e.what(), Catch::Contains(words) && Catch::Contains("dup.safetensors"));
+    }
+    CHECK(snapshot(target) == before);
+  }
+  fs::remove_all(dir);
+}

@@ -38,10 +38,13 @@ void save_checkpoint(const optimizer& opt, const std::string& path);
 /// into an optimizer of the file's formats and convert with read_moments/write_moments).
 /// The groups' rounding seeds become the file's. Everything is verified first — a regular file (a fifo or device is refused
 /// without blocking), header size, JSON, format and version, tensor names, dtypes, shapes,
-/// offsets that tile the data section exactly (trailing bytes are refused), strictly parsed
+/// offsets that tile the data section exactly (trailing bytes are refused), no key twice in
+/// any JSON object of the header (a JSON reader would keep one silently), strictly parsed
 /// counts, valid hyper-parameters, and the checksum over the whole file, computed in a
-/// streaming pass (no second copy of the state in memory) — and std::runtime_error names
-/// the first problem, with `opt` unchanged. Then the data is read into place. If the file
+/// streaming pass (no second copy of the state in memory) that also refuses values no step
+/// writes: 8-bit exponent bytes the encoder never writes, and a negative f32/bf16
+/// exp_avg_sq (named by tensor and index; NaN, +inf and -0.0 load) — and std::runtime_error
+/// names the first problem, with `opt` unchanged. Then the data is read into place. If the file
 /// changes or a read fails during that second pass, `opt` is left not usable (see
 /// optimizer::usable()) rather than half-loaded and silent. A successful load makes a
 /// not-usable optimizer usable again.
