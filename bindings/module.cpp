@@ -406,10 +406,14 @@ PYBIND11_MODULE(_core, m) {
       .def_readonly("grad_norm", &step_result::grad_norm)
       .def_readonly("applied_scale", &step_result::applied_scale)
       .def_readonly("skipped_steps", &step_result::skipped_steps)
+      .def_readonly("poisoned_blocks", &step_result::poisoned_blocks)
+      .def_readonly("saturated_blocks", &step_result::saturated_blocks)
       .def("__repr__", [](const step_result& r) {
         return "StepResult(applied=" + std::string(r.applied ? "True" : "False") + ", step=" + std::to_string(r.step) +
                ", grad_norm=" + std::to_string(r.grad_norm) + ", applied_scale=" + std::to_string(r.applied_scale) +
-               ", skipped_steps=" + std::to_string(r.skipped_steps) + ")";
+               ", skipped_steps=" + std::to_string(r.skipped_steps) +
+               ", poisoned_blocks=" + std::to_string(r.poisoned_blocks) +
+               ", saturated_blocks=" + std::to_string(r.saturated_blocks) + ")";
       });
 
   py::class_<optimizer>(m, "Optimizer", "Flat-arena Adam/AdamW state (see hostopt.Optimizer).")

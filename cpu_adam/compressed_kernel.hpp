@@ -14,7 +14,9 @@
 //   and a power-of-two scale makes encoding bit arithmetic (no code-book search, no
 //   division). Rounding is stochastic as for bf16. A block whose moment is NaN (or m
 //   infinite) has base 255 and decodes as NaN; an infinite v saturates (base_for).
-//   2 + 2/32 bytes per element.
+//   2 + 2/32 bytes per element. The encode counts poisoned blocks and blocks whose range
+//   it exceeded (moment_codec::saturated): scalar tests per block, and one running
+//   minimum per vector (the smallest v of the elements that had a gradient).
 // The random bits of element i at step t come from lowbias32(i ^ span_key) (rounding_key.hpp).
 //
 // Only included by the per-instruction-set translation units (cpu_adam/arch_*.cpp).
@@ -111,6 +113,24 @@ struct moment_codec {
     const std::uint32_t e = rounded_up < 254 ? rounded_up : 254;
     const std::uint32_t top = max_code >> 3; // 15 (m) or 31 (v)
     return e > top ? e - top : 0;
+  }
+  /// Whether encoding a block with base `v_base` exceeded the format's range, from the
+  /// block's largest magnitudes (bits) and `v_low`, per lane the smallest magnitude bits
+  /// less one of v among its elements with a nonzero gradient (unsigned: a zero v wraps to
+  /// the largest value, as does "none"):
+  /// - such an element's v lies below the smallest v code (2^(v_base - 129), more than
+  ///   2^33 below the block's largest v), so the floor raises it (encode_v): its steps
+  ///   shrink by the square root of that factor, frozen where it is large. Elements
+  ///   without a gradient (their v decaying: their m has, too) are not counted;
+  /// - or a largest magnitude is in f32's top binade's last eighth or is an infinite v:
+  ///   its code clamps at the top (base_for has no larger base to give).
+  /// m's own range (2^17) is not counted: m crosses zero, and rounds stochastically
+  /// (unbiased) below its block's smallest code. A poisoned block is not saturated.
+  static bool saturated(std::uint32_t m_top, std::uint32_t v_top, uvec v_low, std::uint32_t v_base) noexcept {
+    constexpr std::uint32_t clamps = 0x7F800000u - 0xFFFFFu; // base_for's rounded-up exponent reaches 255
+    if (m_top >= clamps || v_top >= clamps) return true;
+    const std::uint32_t smallest = v_base >= 3 ? (v_base - 2) << 23 : 1u << (v_base + 20); // code 1's bits
+    return uo::any_lt_unsigned(v_low, uo::splat(smallest - 1));
   }
   /// Magnitude code -> value: code >= 8 is the float with bits (code << 20) + (base << 23)
   /// (exponent base + code / 8, mantissa code % 8); code < 8 is code / 8 * 2^(base + 1),
@@ -318,8 +338,8 @@ struct adam_bf16_state_kernel : compressed_kernel_base<Arch> {
     codec::store_bf16_pair(m, v, mm, vv, codec::random(lo, key));
   }
 
-  static void run(const compressed_call& k, float* p, void* m_raw, void* v_raw, std::uint8_t*, const void* grad_raw,
-                  void* out_raw, std::size_t n) noexcept {
+  static block_counts run(const compressed_call& k, float* p, void* m_raw, void* v_raw, std::uint8_t*,
+                          const void* grad_raw, void* out_raw, std::size_t n) noexcept {
     const typename rule::constants c(k);
     const G* grad = static_cast<const G*>(grad_raw);
     O* out = static_cast<O*>(out_raw);
@@ -346,6 +366,7 @@ struct adam_bf16_state_kernel : compressed_kernel_base<Arch> {
           std::memcpy(v + j, vb, r * sizeof(bf16_t));
           if constexpr (!std::is_same_v<O, no_out>) std::memcpy(out + j, ob, r * sizeof(O));
         });
+    return {}; // per-element values: no block to poison or saturate
   }
 };
 
@@ -361,10 +382,11 @@ struct adam_q8_state_kernel : compressed_kernel_base<Arch> {
   using base::W;
   static constexpr std::size_t V = q8_block / W;
 
-  /// One block between update and encode: its new moments and their largest magnitudes.
+  /// One block between update and encode: its new moments, their largest magnitudes and
+  /// the smallest v of the elements with a nonzero gradient (moment_codec::saturated).
   struct updated {
     vec mm[V], vv[V];
-    uvec m_max, v_max;
+    uvec m_max, v_max, v_low;
   };
 
   /// Decodes a block's moments and updates p (and the copy-out) and the moments.
@@ -374,25 +396,34 @@ struct adam_q8_state_kernel : compressed_kernel_base<Arch> {
     base::template prefetch_ahead<Delta>(p, m, v, grad);
     u.m_max = uo::splat(0);
     u.v_max = uo::splat(0);
+    u.v_low = uo::splat(0xFFFFFFFFu);
     const std::uint32_t m_base = scales[0], v_base = scales[1];
     const typename codec::scale m_in(m_base), v_in(v_base);
     for (std::size_t j = 0; j < V; ++j) {
       u.mm[j] = codec::decode_m(m + j * W, m_base, m_in);
       u.vv[j] = codec::decode_v(v + j * W, v_base, v_in);
       const vec pin = base::template load_p<Delta>(!Delta || p ? p + j * W : p);
-      const vec pp = rule::template apply<false, Delta>(c, ops::load(grad + j * W), pin, u.mm[j], u.vv[j]);
+      const vec g = ops::load(grad + j * W);
+      const vec pp = rule::template apply<false, Delta>(c, g, pin, u.mm[j], u.vv[j]);
       if constexpr (!Delta) ops::store(p + j * W, pp);
       store_copy_out<ops>(out_at(out, j * W), pp, Stream);
+      const uvec v_mag = uo::bits(u.vv[j]) & uo::splat(0x7FFFFFFFu);
       u.m_max = uo::max(u.m_max, uo::bits(u.mm[j]) & uo::splat(0x7FFFFFFFu));
-      u.v_max = uo::max(u.v_max, uo::bits(u.vv[j]) & uo::splat(0x7FFFFFFFu));
+      u.v_max = uo::max(u.v_max, v_mag);
+      u.v_low = uo::min_where_magnitude(u.v_low, v_mag - uo::splat(1), g);
     }
   }
 
-  /// Encodes an updated block with new bases from its largest magnitudes.
+  /// Encodes an updated block with new bases from its largest magnitudes; counts it in
+  /// `seen` when it is poisoned or saturated.
   static void encode(const updated& u, std::uint8_t* m, std::uint8_t* v, std::uint8_t* scales, std::uint32_t lo,
-                     std::uint32_t key) noexcept {
-    const std::uint32_t new_m_base = codec::base_for(uo::reduce_max(u.m_max), codec::m_max_code);
-    const std::uint32_t new_v_base = codec::base_for(uo::reduce_max(u.v_max), codec::v_max_code);
+                     std::uint32_t key, block_counts& seen) noexcept {
+    const std::uint32_t m_top = uo::reduce_max(u.m_max), v_top = uo::reduce_max(u.v_max);
+    const std::uint32_t new_m_base = codec::base_for(m_top, codec::m_max_code);
+    const std::uint32_t new_v_base = codec::base_for(v_top, codec::v_max_code);
+    const bool poisoned = new_m_base == codec::poisoned || new_v_base == codec::poisoned;
+    seen.poisoned += poisoned;
+    seen.saturated += !poisoned && codec::saturated(m_top, v_top, u.v_low, new_v_base);
     const typename codec::scale m_out(new_m_base), v_out(new_v_base);
     for (std::size_t j = 0; j < V; ++j) {
       const uvec r = codec::random(lo + std::uint32_t(j * W), key);
@@ -405,10 +436,11 @@ struct adam_q8_state_kernel : compressed_kernel_base<Arch> {
 
   template <bool Stream>
   static void block(const typename rule::constants& c, float* p, std::uint8_t* m, std::uint8_t* v,
-                    std::uint8_t* scales, const G* grad, O* out, std::uint32_t lo, std::uint32_t key) noexcept {
+                    std::uint8_t* scales, const G* grad, O* out, std::uint32_t lo, std::uint32_t key,
+                    block_counts& seen) noexcept {
     updated u;
     update<Stream>(c, p, m, v, scales, grad, out, u);
-    encode(u, m, v, scales, lo, key);
+    encode(u, m, v, scales, lo, key, seen);
   }
 
   /// Two blocks, both updated before either is encoded: a block's encode waits on its
@@ -416,18 +448,20 @@ struct adam_q8_state_kernel : compressed_kernel_base<Arch> {
   /// fills that wait. The same bits as two block() calls.
   template <bool Stream>
   static void block_pair(const typename rule::constants& c, float* p, std::uint8_t* m, std::uint8_t* v,
-                         std::uint8_t* scales, const G* grad, O* out, std::uint32_t lo, std::uint32_t key) noexcept {
+                         std::uint8_t* scales, const G* grad, O* out, std::uint32_t lo, std::uint32_t key,
+                         block_counts& seen) noexcept {
     constexpr std::size_t B = q8_block;
     updated a, b;
     update<Stream>(c, p, m, v, scales, grad, out, a);
     update<Stream>(c, !Delta || p ? p + B : p, m + B, v + B, scales + 2, grad + B, out_at(out, B), b);
-    encode(a, m, v, scales, lo, key);
-    encode(b, m + B, v + B, scales + 2, lo + std::uint32_t(B), key);
+    encode(a, m, v, scales, lo, key, seen);
+    encode(b, m + B, v + B, scales + 2, lo + std::uint32_t(B), key, seen);
   }
 
-  static void run(const compressed_call& k, float* p, void* m_raw, void* v_raw, std::uint8_t* scales,
-                  const void* grad_raw, void* out_raw, std::size_t n) noexcept {
+  static block_counts run(const compressed_call& k, float* p, void* m_raw, void* v_raw, std::uint8_t* scales,
+                          const void* grad_raw, void* out_raw, std::size_t n) noexcept {
     const typename rule::constants c(k);
+    block_counts seen;
     const G* grad = static_cast<const G*>(grad_raw);
     O* out = static_cast<O*>(out_raw);
     std::uint8_t* m = static_cast<std::uint8_t*>(m_raw);
@@ -437,12 +471,12 @@ struct adam_q8_state_kernel : compressed_kernel_base<Arch> {
         k, out, n,
         [&](auto stream, std::size_t j, std::uint32_t lo, std::uint32_t key) {
           block_pair<decltype(stream)::value>(c, !Delta || p ? p + j : p, m + j, v + j, scales + 2 * (j / q8_block),
-                                              grad + j, out_at(out, j), lo, key);
+                                              grad + j, out_at(out, j), lo, key, seen);
         },
         [&](std::size_t j, std::size_t r, std::uint32_t lo, std::uint32_t key) {
           if (r >= q8_block) { // a whole block before the last, partial one
             block<false>(c, !Delta || p ? p + j : p, m + j, v + j, scales + 2 * (j / q8_block), grad + j,
-                         out_at(out, j), lo, key);
+                         out_at(out, j), lo, key, seen);
             j += q8_block;
             r -= q8_block;
             lo += std::uint32_t(q8_block);
@@ -457,12 +491,13 @@ struct adam_q8_state_kernel : compressed_kernel_base<Arch> {
           std::memcpy(mb, m + j, r);
           std::memcpy(vb, v + j, r);
           std::memcpy(gb, grad + j, r * sizeof(G));
-          block<false>(c, pb, mb, vb, scales + 2 * (j / q8_block), gb, ob, lo, key);
+          block<false>(c, pb, mb, vb, scales + 2 * (j / q8_block), gb, ob, lo, key, seen);
           if constexpr (!Delta) std::memcpy(p + j, pb, r * sizeof(float));
           std::memcpy(m + j, mb, r);
           std::memcpy(v + j, vb, r);
           if constexpr (!std::is_same_v<O, no_out>) std::memcpy(out + j, ob, r * sizeof(O));
         });
+    return seen;
   }
 };
 

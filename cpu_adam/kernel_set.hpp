@@ -49,9 +49,19 @@ struct compressed_call {
   std::uint64_t first = 0;
 };
 
+/// What a compressed kernel's encode saw in the 8-bit blocks of its call (zero for bf16).
+/// Integer counts of whole blocks (no block is split between calls), so any split of the
+/// work (threads, chunks, shards) sums to the same totals. No member functions: per-arch
+/// translation units include this (ODR, STYLE.md).
+struct block_counts {
+  std::uint64_t poisoned = 0;  ///< blocks whose moments are NaN after the call (base 255)
+  std::uint64_t saturated = 0; ///< blocks whose range the encode exceeded (moment_codec::saturated)
+};
+
 /// Fused step over compressed moments (cpu_adam/compressed_kernel.hpp): m and v point at
 /// the call's first element's codes, `scales` at its block's exponent bytes (8-bit only).
-using adam_compressed_fn = void (*)(const compressed_call& call, float* p, void* m, void* v, std::uint8_t* scales,
+/// Returns what the encode saw (block_counts).
+using adam_compressed_fn = block_counts (*)(const compressed_call& call, float* p, void* m, void* v, std::uint8_t* scales,
                                     const void* grad, void* out, std::size_t n) noexcept;
 /// Its roofline twin: the same loads and stores, no arithmetic.
 using roofline_compressed_fn = void (*)(float* p, void* m, void* v, std::uint8_t* scales, const void* grad,

@@ -162,6 +162,7 @@ struct optimizer::impl {
   bool chunked_open = false;
   chunk_step_options chunked{};
   step_decision chunk_decision;
+  block_counts chunk_seen; // what its update_range calls' kernels saw so far
 
   float* p() const { return state.data(); }
   char* moment_base() const { return reinterpret_cast<char*>(moments.data()); }
@@ -470,13 +471,15 @@ struct optimizer::impl {
     for (std::size_t k = 0; k < pieces.size(); ++k) pieces[k].group = segs[piece_tensor[k]].group;
   }
 
-  step_result result_of(const step_plan& pl) const {
+  step_result result_of(const step_plan& pl, const block_counts& seen = {}) const {
     step_result r;
     r.applied = pl.decision().apply;
     r.step = count;
     r.grad_norm = pl.decision().grad_norm;
     r.applied_scale = pl.decision().scale;
     r.skipped_steps = skipped;
+    r.poisoned_blocks = seen.poisoned;
+    r.saturated_blocks = seen.saturated;
     return r;
   }
 };
@@ -802,9 +805,9 @@ step_result optimizer::step(const_view flat_grad, mut_view flat_out, const step_
   update_job job = s.job(flat_grad.type, out_of(has_out, flat_out.type));
   job.flat_grad = flat_grad.data;
   job.flat_out = has_out ? flat_out.data : nullptr;
-  run_update(job, s.exec.threads);
+  const block_counts seen = run_update(job, s.exec.threads);
   ++s.count;
-  return s.result_of(pl);
+  return s.result_of(pl, seen);
 }
 
 void optimizer::check_step(const_view flat_grad, mut_view flat_out, const step_options& opts) const {
@@ -873,14 +876,14 @@ step_result optimizer::step(std::span<const const_view> grads, std::span<const m
   s.stat_views.assign(grads.begin(), grads.end());
   const step_plan pl = s.plan({grad_type, out_of(has_out, out_type), false}, opts);
   if (!pl.decision().apply) return s.result_of(pl);
-  run_update(s.job(grad_type, out_of(has_out, out_type)), s.exec.threads);
+  const block_counts seen = run_update(s.job(grad_type, out_of(has_out, out_type)), s.exec.threads);
   ++s.count;
   for (std::size_t i = 0; i < n; ++i)
     if (grads[i].data == nullptr && grads[i].size == 0) { // not stepped: its own count stays
       ++s.lag[i];
       s.lagging = true;
     }
-  return s.result_of(pl);
+  return s.result_of(pl, seen);
 }
 
 step_result optimizer::begin_step(const chunk_step_options& o) {
@@ -897,6 +900,7 @@ step_result optimizer::begin_step(const chunk_step_options& o) {
   if (!pl.decision().apply) return s.result_of(pl);
   s.chunked = o;
   s.chunk_decision = pl.decision();
+  s.chunk_seen = {};
   s.chunked_open = true;
   s.chunk_owner = std::this_thread::get_id();
   s.chunk_updates = 0;
@@ -959,7 +963,9 @@ void optimizer::update_range(std::size_t begin, std::size_t end, const void* gra
   }
   ++s.chunk_updates;
   s.chunk_covered = end;
-  run_update(job, s.exec.threads);
+  const block_counts seen = run_update(job, s.exec.threads);
+  s.chunk_seen.poisoned += seen.poisoned;
+  s.chunk_seen.saturated += seen.saturated;
   if (out) s.copy_out_without_grad(begin, end, out);
 }
 
@@ -982,6 +988,8 @@ step_result optimizer::finish_step() {
   r.applied_scale = s.chunk_decision.scale;
   r.grad_norm = s.chunk_decision.grad_norm;
   r.skipped_steps = s.skipped;
+  r.poisoned_blocks = s.chunk_seen.poisoned;
+  r.saturated_blocks = s.chunk_seen.saturated;
   return r;
 }
 

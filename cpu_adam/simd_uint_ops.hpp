@@ -37,6 +37,12 @@ struct uint_ops<scalar_arch> {
   static uvec add_where_lt(uvec a, uvec b, uvec x, vec y) noexcept { return a < b ? bits(from_bits(x) + y) : x; }
   static vec sub_where_lt(uvec a, uvec b, vec x, vec y) noexcept { return a < b ? x - y : x; }
   static std::uint32_t reduce_max(uvec a) noexcept { return a; }
+  /// acc = min(acc, x) (unsigned, every 32 bits) in the lanes where f's magnitude is nonzero.
+  static uvec min_where_magnitude(uvec acc, uvec x, vec f) noexcept {
+    return (bits(f) & 0x7FFFFFFFu) != 0 && x < acc ? x : acc;
+  }
+  /// Whether a < b (unsigned, every 32 bits) in some lane.
+  static bool any_lt_unsigned(uvec a, uvec b) noexcept { return a < b; }
   static uvec load_u8(const std::uint8_t* p) noexcept { return *p; }
   static void store_u8(std::uint8_t* p, uvec x) noexcept { *p = std::uint8_t(x); }
   /// Lanes above 255 store 255.
@@ -94,6 +100,12 @@ struct xsimd_uint_ops {
     for (std::size_t i = 1; i < width; ++i) r = t[i] > r ? t[i] : r;
     return r;
   }
+  /// acc = min(acc, x) (unsigned, every 32 bits) in the lanes where f's magnitude is nonzero.
+  static uvec min_where_magnitude(uvec acc, uvec x, vec f) noexcept {
+    return xsimd::select((bits(f) & uvec(0x7FFFFFFFu)) != uvec(0), xsimd::min(acc, x), acc);
+  }
+  /// Whether a < b (unsigned, every 32 bits) in some lane.
+  static bool any_lt_unsigned(uvec a, uvec b) noexcept { return xsimd::any(a < b); }
   static uvec load_u8(const std::uint8_t* p) noexcept {
     alignas(64) std::uint32_t t[width];
     for (std::size_t i = 0; i < width; ++i) t[i] = p[i];
@@ -156,6 +168,11 @@ struct uint_ops<xsimd::avx512bw> : xsimd_uint_ops<xsimd::avx512bw> {
     return _mm512_mask_sub_ps(x, _mm512_cmplt_epu32_mask(a, b), x, y);
   }
   static std::uint32_t reduce_max(uvec a) noexcept { return _mm512_reduce_max_epu32(a); }
+  static uvec min_where_magnitude(uvec acc, uvec x, vec f) noexcept { // vptestmd, masked vpminud
+    return _mm512_mask_min_epu32(acc, _mm512_test_epi32_mask(_mm512_castps_si512(f), _mm512_set1_epi32(0x7FFFFFFF)),
+                                 acc, x);
+  }
+  static bool any_lt_unsigned(uvec a, uvec b) noexcept { return _mm512_cmplt_epu32_mask(a, b) != 0; }
   static uvec load_u8(const std::uint8_t* p) noexcept {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
@@ -188,6 +205,11 @@ template <>
 struct uint_ops<xsimd::fma3<xsimd::avx2>> : xsimd_uint_ops<xsimd::fma3<xsimd::avx2>> {
   static uvec min(uvec a, uvec b) noexcept { return _mm256_min_epu32(a, b); }
   static uvec max(uvec a, uvec b) noexcept { return _mm256_max_epu32(a, b); }
+  /// Lanes where f's magnitude is zero take x | all ones, which never lowers acc.
+  static uvec min_where_magnitude(uvec acc, uvec x, vec f) noexcept {
+    const __m256i zero = _mm256_cmpeq_epi32(_mm256_slli_epi32(_mm256_castps_si256(f), 1), _mm256_setzero_si256());
+    return _mm256_min_epu32(acc, _mm256_or_si256(x, zero));
+  }
   static std::uint32_t reduce_max(uvec a) noexcept {
     __m128i m = _mm_max_epu32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
     m = _mm_max_epu32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(1, 0, 3, 2)));

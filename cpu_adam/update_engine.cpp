@@ -1,6 +1,7 @@
 #include "update_engine.hpp"
 
 #include <algorithm>
+#include <atomic>
 
 #include "parallel.hpp"
 
@@ -11,9 +12,14 @@ namespace {
 // Elements per accumulator block: 16 KiB of f32, well inside L1/L2.
 constexpr std::size_t accumulate_block = 4096;
 
-// The group's kernel over arena elements [a, a + n).
+void add_to(block_counts& total, const block_counts& c) noexcept {
+  total.poisoned += c.poisoned;
+  total.saturated += c.saturated;
+}
+
+// The group's kernel over arena elements [a, a + n); what a compressed one saw is added to `seen`.
 void run_kernel(const update_job& job, const group_kernel& g, std::size_t a, const void* grad, void* out,
-                std::size_t n) noexcept {
+                std::size_t n, block_counts& seen) noexcept {
   const moment_storage& st = g.storage;
   if (!g.compressed) { // f32 moments: the job's flat arrays, or the group's own
     float* m = st.exp_avg ? static_cast<float*>(st.exp_avg) + (a - st.origin) : job.exp_avg + a;
@@ -25,16 +31,16 @@ void run_kernel(const update_job& job, const group_kernel& g, std::size_t a, con
   const std::size_t code_bytes = moment_code_bytes(st.format);
   compressed_call call = g.call;
   call.first = job.index_origin + a;
-  g.compressed(call, job.params + a, static_cast<char*>(st.exp_avg) + k * code_bytes,
-               static_cast<char*>(st.exp_avg_sq) + k * code_bytes,
-               st.scales ? st.scales + 2 * (k / q8_block) : nullptr, grad, out, n);
+  add_to(seen, g.compressed(call, job.params + a, static_cast<char*>(st.exp_avg) + k * code_bytes,
+                            static_cast<char*>(st.exp_avg_sq) + k * code_bytes,
+                            st.scales ? st.scales + 2 * (k / q8_block) : nullptr, grad, out, n));
 }
 
 // Runs the kernel over [a, b) of one piece, adding the accumulator first when present.
 void run_range(const update_job& job, const group_kernel& g, std::size_t a, std::size_t b, const void* grad,
-               void* out) noexcept {
+               void* out, block_counts& seen) noexcept {
   if (!job.flat_accumulator) {
-    run_kernel(job, g, a, grad, out, b - a);
+    run_kernel(job, g, a, grad, out, b - a, seen);
     return;
   }
   alignas(64) float sum[accumulate_block];
@@ -43,11 +49,11 @@ void run_range(const update_job& job, const group_kernel& g, std::size_t a, std:
     const std::size_t skip = lo - a;
     job.add_grad(sum, job.flat_accumulator + (lo - job.flat_origin),
                  static_cast<const char*>(grad) + skip * job.grad_elem_bytes, n);
-    run_kernel(job, g, lo, sum, out ? static_cast<char*>(out) + skip * job.out_elem_bytes : nullptr, n);
+    run_kernel(job, g, lo, sum, out ? static_cast<char*>(out) + skip * job.out_elem_bytes : nullptr, n, seen);
   }
 }
 
-void run_slice(const update_job& job, std::size_t lo, std::size_t hi) noexcept {
+void run_slice(const update_job& job, std::size_t lo, std::size_t hi, block_counts& seen) noexcept {
   const update_piece* first = job.pieces;
   const update_piece* last = job.pieces + job.num_pieces;
   // First piece that ends after lo.
@@ -69,19 +75,27 @@ void run_slice(const update_job& job, std::size_t lo, std::size_t hi) noexcept {
       grad = static_cast<const char*>(it->grad) + skip * job.grad_elem_bytes;
       out = it->out ? static_cast<char*>(it->out) + skip * job.out_elem_bytes : nullptr;
     }
-    run_range(job, job.groups[it->group], a, b, grad, out);
+    run_range(job, job.groups[it->group], a, b, grad, out, seen);
   }
 }
 
 } // namespace
 
-void run_update(const update_job& job, int threads) {
-  if (job.begin >= job.end || job.num_pieces == 0) return;
-  auto body = [&job](int tid, int n) {
+block_counts run_update(const update_job& job, int threads) {
+  if (job.begin >= job.end || job.num_pieces == 0) return {};
+  // Each thread adds its slice's counts once: integers, so the totals do not depend on
+  // the order or on the thread count.
+  std::atomic<std::uint64_t> poisoned{0}, saturated{0};
+  auto body = [&](int tid, int n) {
     const auto [lo, hi] = partition(job.begin, job.end, tid, n);
-    if (lo < hi) run_slice(job, lo, hi);
+    if (lo >= hi) return;
+    block_counts seen;
+    run_slice(job, lo, hi, seen);
+    poisoned.fetch_add(seen.poisoned, std::memory_order_relaxed);
+    saturated.fetch_add(seen.saturated, std::memory_order_relaxed);
   };
   run_parallel(threads, body);
+  return {poisoned.load(), saturated.load()};
 }
 
 } // namespace hostopt::detail

@@ -88,7 +88,8 @@ inline update_job one_piece_job(float* params, float* exp_avg, float* exp_avg_sq
   return job;
 }
 
-/// Runs the job on `threads` workers (0 = default).
-void run_update(const update_job& job, int threads);
+/// Runs the job on `threads` workers (0 = default); returns what the compressed kernels
+/// saw (block_counts: zero without 8-bit groups).
+block_counts run_update(const update_job& job, int threads);
 
 } // namespace hostopt::detail

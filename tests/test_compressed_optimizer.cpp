@@ -500,3 +500,131 @@ TEST_CASE("a checkpoint whose 8-bit exponent bytes the encoder never writes is r
     CHECK(std::all_of(tm.begin(), tm.end(), [](float x) { return x == 0.0f; }));
   }
 }
+
+namespace {
+
+// What one step reports for its 8-bit blocks.
+struct counts {
+  std::uint64_t poisoned, saturated;
+  bool operator==(const counts& o) const { return poisoned == o.poisoned && saturated == o.saturated; }
+};
+counts counts_of(const step_result& r) { return {r.poisoned_blocks, r.saturated_blocks}; }
+std::ostream& operator<<(std::ostream& os, const counts& c) {
+  return os << "{poisoned " << c.poisoned << ", saturated " << c.saturated << "}";
+}
+
+// An 8-bit tensor of 4 blocks and one of 40 elements (its second block ends early), an
+// f32 and a bf16 tensor: only 8-bit blocks are ever counted.
+std::vector<param_group> counted_model() {
+  const adam_config c;
+  return {{c, {{"w", {4, 32}}, {"tail", {40}}}, moment_format::q8, 3},
+          {c, {{"f", {64}}}},
+          {c, {{"b", {64}}}, moment_format::bf16, 4}};
+}
+
+} // namespace
+
+TEST_CASE("8-bit steps count poisoned and saturated blocks, alike on every kernel, thread count and step form",
+          "[compressed][optimizer][block_counts]") {
+  const auto groups = counted_model();
+  const optimizer layout(groups);
+  const auto at = [&](const char* name, std::size_t i) { return layout.tensor(name).offset + i; };
+  // Steps 1-2: ordinary gradients. 3: 8e18 in w's block 1 and in tail's second block, and
+  // in the f32 and bf16 tensors (a norm of 1.6e19, below sqrt(FLT_MAX): the check passes it).
+  // 4: ordinary again: the neighbours' v sit on their blocks' smallest code, still below
+  // it after decaying: still saturated. 5 (unchecked): a NaN in w's block 2, in f and b.
+  // 6: ordinary: block 2 stays NaN. 7 (unchecked): 1e20 in w's block 3: g*g overflows, v
+  // is infinite and clamps at the top code (and block 3's neighbours sit at the floor).
+  const std::vector<counts> want = {{0, 0}, {0, 0}, {0, 2}, {0, 2}, {1, 2}, {1, 2}, {1, 3}};
+  for (const auto& kernel : ref::supported_kernels())
+    for (const int threads : {1, 2}) {
+      INFO(kernel << ", " << threads << " threads");
+      optimizer flat(groups, {threads, kernel}), per_tensor(groups, {threads, kernel}),
+          chunked(groups, {threads, kernel});
+      const std::size_t n = flat.arena_size();
+      for (std::size_t s = 0; s < want.size(); ++s) {
+        INFO("step " << s + 1);
+        std::vector<float> g(n, 0.0f);
+        for (const auto& seg : flat.segments())
+          for (std::size_t i = 0; i < seg.size; ++i) g[seg.offset + i] = 0.01f * float(1 + (i % 7));
+        if (s == 2)
+          for (const std::size_t i : {at("w", 40), at("tail", 35), at("f", 3), at("b", 3)}) g[i] = 8e18f;
+        if (s == 4)
+          for (const std::size_t i : {at("w", 70), at("f", 5), at("b", 5)}) g[i] = std::nanf("");
+        if (s == 6) g[at("w", 100)] = 1e20f;
+        step_options o; // checked (the default), except where a step must get through
+        o.skip_nonfinite = s != 4 && s != 6;
+        const step_result r = flat.step({g.data(), n, dtype::f32}, {}, o);
+        REQUIRE(r.applied);
+        CHECK(counts_of(r) == want[s]);
+        std::vector<const_view> views;
+        for (const auto& seg : flat.segments()) views.push_back({g.data() + seg.offset, seg.size, dtype::f32});
+        CHECK(counts_of(per_tensor.step(views, {}, o)) == want[s]);
+        chunk_step_options co;
+        co.checks = ref::trusting();
+        REQUIRE(chunked.begin_step(co).applied);
+        for (std::size_t b = 0; b < n; b += 64) chunked.update_range(b, std::min(b + 64, n), g.data() + b);
+        CHECK(counts_of(chunked.finish_step()) == want[s]);
+      }
+      // What the counts say is what the state holds: w's block 2 is NaN, its others finite.
+      std::vector<float> m(128), v(128);
+      flat.read_moments("w", m, v);
+      CHECK(std::isnan(m[64]));
+      CHECK(std::isnan(v[95]));
+      CHECK(std::isfinite(m[63]));
+      CHECK(std::isfinite(v[96]));
+      CHECK(v[100] > 1e38f); // the infinite v, clamped at the top code
+    }
+}
+
+TEST_CASE("a saturated block is one where an element with a gradient had its v raised to the block's floor",
+          "[compressed][optimizer][block_counts]") {
+  adam_config c;
+  c.lr = 1e-3;
+  for (const auto& kernel : ref::supported_kernels()) {
+    INFO(kernel);
+    // One block: v = 1 at element 0, 1e-20 at element 1 (2^-66 of it: far below the floor,
+    // the smallest code is ~2^-33 of the largest v).
+    std::vector<float> m0(32, 0.0f), v0(32, 1e-6f);
+    v0[0] = 1.0f;
+    v0[1] = 1e-20f;
+    for (const bool element_1_has_gradient : {false, true}) {
+      INFO("element 1 has a gradient: " << element_1_has_gradient);
+      optimizer opt({{c, {{"w", {32}}}, moment_format::q8, 1}}, {1, kernel});
+      opt.write_moments("w", m0, v0);
+      std::vector<float> g(32, 1e-3f);
+      g[0] = 1.0f;
+      g[1] = element_1_has_gradient ? 1e-14f : 0.0f; // its v stays ~1e-20 either way
+      const step_result r = opt.step({g.data(), 32, dtype::f32}, {}, step_options{});
+      REQUIRE(r.applied);
+      CHECK(r.poisoned_blocks == 0);
+      // An element without a gradient (pruned, unused, its v decaying) is not a freeze.
+      CHECK(r.saturated_blocks == (element_1_has_gradient ? 1u : 0u));
+    }
+    // Ordinary ranges (here 1e3 between gradients: 1e6 in v) count nothing.
+    optimizer ok({{c, {{"w", {32}}}, moment_format::q8, 1}}, {1, kernel});
+    std::vector<float> g(32, 1e-3f);
+    g[0] = 1.0f;
+    for (int t = 0; t < 3; ++t) {
+      const step_result r = ok.step({g.data(), 32, dtype::f32}, {}, step_options{});
+      CHECK(r.poisoned_blocks == 0);
+      CHECK(r.saturated_blocks == 0);
+    }
+  }
+}
+
+TEST_CASE("a skipped step counts no block; the default check keeps a NaN gradient out of an 8-bit block",
+          "[compressed][optimizer][block_counts]") {
+  const adam_config c;
+  optimizer opt({{c, {{"w", {64}}}, moment_format::q8, 1}}, {1, ""});
+  std::vector<float> g(64, 0.01f);
+  g[3] = std::nanf("");
+  const step_result r = opt.step({g.data(), 64, dtype::f32}, {}, step_options{});
+  CHECK_FALSE(r.applied);
+  CHECK(r.skipped_steps == 1);
+  CHECK(r.poisoned_blocks == 0);
+  CHECK(r.saturated_blocks == 0);
+  std::vector<float> m(64), v(64);
+  opt.read_moments("w", m, v);
+  CHECK(std::all_of(m.begin(), m.end(), [](float x) { return x == 0.0f; }));
+}

@@ -51,6 +51,16 @@ struct step_result {
   double grad_norm = -1.0;       ///< norm of grad_scale * gradients (-1 when not computed)
   float applied_scale = 1.0f;    ///< the gradient multiplier used: grad_scale times the clip factor
   std::int64_t skipped_steps = 0; ///< steps skipped for non-finite gradients so far
+  /// 8-bit groups (moment_format::q8), counted by the step's encode over the blocks it
+  /// updated (a skipped step, f32 and bf16 groups count none); integers, the same for every
+  /// kernel, thread count and chunking:
+  /// Blocks whose moments are NaN after the step (a NaN moment or an infinite m: all 32
+  /// elements decode as NaN, for good; counted by every step that updates them).
+  std::uint64_t poisoned_blocks = 0;
+  /// Blocks whose range this step's encode exceeded: an element with a nonzero gradient had
+  /// a v more than 2^33 below its block's largest (raised to the smallest code: its step
+  /// shrinks, frozen beside an outlier), or a largest moment clamped at the top code.
+  std::uint64_t saturated_blocks = 0;
 };
 
 } // namespace hostopt
