@@ -29,8 +29,11 @@ step_decision decide_step(const step_options& o, double raw_norm) {
   if (!o.skip_nonfinite && o.max_grad_norm == 0) return d;
   const double norm = double(o.grad_scale) * raw_norm;
   d.grad_norm = norm;
-  if (!std::isfinite(norm)) {    // a NaN or inf gradient
-    d.apply = !o.skip_nonfinite; // asked not to check: the step goes on, unclipped
+  if (!std::isfinite(norm)) { // a NaN or inf gradient, or a norm that overflowed where it was computed
+    // Asked not to check, and not to clip, the step goes on (returned above). Clipping by a
+    // non-finite norm has no factor: an unclipped step would apply gradients that may be
+    // huge but finite (a GPU norm that overflowed), so it is skipped, checked or not.
+    d.apply = false;
     return d;
   }
   double seen = norm; // the norm of the gradients the kernel will see

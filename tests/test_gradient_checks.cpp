@@ -194,3 +194,61 @@ TEST_CASE("gradients that overflow float once scaled are judged non-finite, as t
     CHECK(decide_step(plain, 1.9e19).apply); // asked not to check
   }
 }
+
+TEST_CASE("a non-finite norm never means 'no clipping': a clipped step skips, checked or not", "[stats][optimizer]") {
+  const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
+  std::mt19937 rng(21);
+  optimizer opt({{adam_config{}, {{"w", {1000}}}}});
+  auto g = ref::random_grad(dtype::f32, opt.arena_size(), rng, 1000.0f); // finite, norm ~ 1.8e4
+  opt.step(g.view(), {}, step_options{});
+  const std::vector<float> p(opt.params().begin(), opt.params().end()), m(opt.exp_avg().begin(), opt.exp_avg().end()),
+      v(opt.exp_avg_sq().begin(), opt.exp_avg_sq().end());
+  auto unchanged = [&] {
+    return std::memcmp(p.data(), opt.params().data(), p.size() * 4) == 0 &&
+           std::memcmp(m.data(), opt.exp_avg().data(), m.size() * 4) == 0 &&
+           std::memcmp(v.data(), opt.exp_avg_sq().data(), v.size() * 4) == 0;
+  };
+  // A norm that overflowed where it was computed (a GPU reduction), with finite gradients:
+  // the clip has no factor, so the step is skipped and counted, never applied unclipped.
+  std::int64_t skipped = 0;
+  for (const double known : {inf, nan}) {
+    INFO("known_grad_norm " << known);
+    step_options o;
+    o.skip_nonfinite = false;
+    o.max_grad_norm = 1.0;
+    o.known_grad_norm = known;
+    const auto r = opt.step(g.view(), {}, o);
+    CHECK_FALSE(r.applied);
+    CHECK(r.step == 1);
+    CHECK(r.skipped_steps == ++skipped);
+    CHECK(opt.skipped_steps() == skipped);
+    CHECK(unchanged());
+    CHECK_FALSE(decide_step(o, known).apply);
+  }
+  // The same for a norm computed from gradients that hold a NaN or inf.
+  for (const float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    auto h = g;
+    h.f32[17] = bad;
+    step_options o;
+    o.skip_nonfinite = false;
+    o.max_grad_norm = 1.0;
+    const auto r = opt.step(h.view(), {}, o);
+    CHECK_FALSE(r.applied);
+    CHECK(r.skipped_steps == ++skipped);
+    CHECK(unchanged());
+  }
+  // Without clipping, unchecked, the step still goes on (asked not to check); with a
+  // finite known norm it is clipped as always.
+  step_options clip;
+  clip.skip_nonfinite = false;
+  clip.max_grad_norm = 1.0;
+  clip.known_grad_norm = 8000.0;
+  const auto ok = opt.step(g.view(), {}, clip);
+  CHECK(ok.applied);
+  CHECK(ok.applied_scale == float(1.0 / 8000.0));
+  step_options trusting;
+  trusting.skip_nonfinite = false;
+  trusting.known_grad_norm = inf;
+  CHECK(opt.step(g.view(), {}, trusting).applied);
+  CHECK(opt.skipped_steps() == skipped);
+}

@@ -12,6 +12,9 @@ struct step_options {
   float grad_scale = 1.0f;
   /// > 0: clip by global norm with optax's rule — the scaled gradients' norm N, when
   /// N >= max_grad_norm, is brought to max_grad_norm (folded into the scale: one pass).
+  /// A NaN or infinite N (a non-finite gradient, or a known_grad_norm that overflowed where
+  /// it was computed) has no clip factor: the step is skipped and counted in
+  /// step_result::skipped_steps, with skip_nonfinite or without — never applied unclipped.
   double max_grad_norm = 0.0;
   /// Check every gradient first; a non-finite one skips the step, leaving params, moments
   /// and the step count bit-for-bit as they were (step_result says so). Costs one read of
@@ -21,7 +24,8 @@ struct step_options {
   /// stay inf for good), and 1e30 scaled by 1e10 overflows outright.
   bool skip_nonfinite = true;
   /// >= 0 (or inf/NaN): the norm of the unscaled gradients, computed by the caller (e.g.
-  /// on the GPU), used instead of a statistics pass. Negative: not known.
+  /// on the GPU), used instead of a statistics pass. Negative: not known. Inf or NaN skips
+  /// the step when it is checked (skip_nonfinite) or clipped (max_grad_norm > 0).
   double known_grad_norm = -1.0;
 };
 
@@ -36,7 +40,7 @@ inline bool needs_unknown_norm(const step_options& o) {
 /// when one is non-finite): the one rule every step path (optimizer::step, the sharded
 /// step, the offload pipeline) applies.
 struct step_decision {
-  bool apply = true;        ///< false: skip the step (non-finite gradients and skip_nonfinite)
+  bool apply = true;        ///< false: skip the step (a non-finite norm, checked or clipped)
   float scale = 1.0f;       ///< grad_scale times the clip factor: the kernel's multiplier
   double grad_norm = -1.0;  ///< norm of grad_scale * gradients (-1 when not needed)
 };
