@@ -15,10 +15,11 @@ import numpy as np
 
 from . import _core
 from ._arrays import as_buffer, check_seed
+from ._block_checks import CompressedMomentsWarning, report as _report_blocks
 
 __version__ = _core.__version__
 
-__all__ = ["Optimizer", "StepResult", "adam_step", "CompressedMoments", "adam_step_compressed", "active_kernel", "kernels", "as_buffer", "__version__"]
+__all__ = ["Optimizer", "StepResult", "CompressedMomentsWarning", "adam_step", "CompressedMoments", "adam_step_compressed", "active_kernel", "kernels", "as_buffer", "__version__"]
 
 StepResult = _core.StepResult
 
@@ -189,6 +190,7 @@ class Optimizer:
         entry["rounding_seed"] = int(g["rounding_seed"])
       spec.append(entry)
     self._core = _core.Optimizer(spec, int(threads), kernel)
+    self._has_8bit = any(self._core.group_moments(g) == "8bit" for g in range(len(spec)))
     self._segments = [tuple(s) for s in self._core.segments()]
     self._index = {s[0]: i for i, s in enumerate(self._segments)}
 
@@ -324,8 +326,10 @@ class Optimizer:
 
   # the step
   def step(self, grads, out=None, grad_scale: float = 1.0, *, max_grad_norm: float = 0.0,
-           skip_nonfinite: bool = False, known_grad_norm: Optional[float] = None) -> StepResult:
-    """One step; returns a StepResult (applied, step, grad_norm, applied_scale, skipped_steps).
+           skip_nonfinite: Optional[bool] = None, known_grad_norm: Optional[float] = None) -> StepResult:
+    """One step; returns a StepResult (applied, step, grad_norm, applied_scale, skipped_steps,
+    and for 8-bit groups poisoned_blocks and saturated_blocks: the first step that counts
+    some warns, once per kind, with a CompressedMomentsWarning).
 
     Args:
       grads: a mapping name -> gradient (a missing name or None: that tensor has no
@@ -336,11 +340,14 @@ class Optimizer:
       max_grad_norm: > 0 clips by global norm (optax's rule), folded into the step.
       skip_nonfinite: check the gradients first; a non-finite one (or one that overflows
         float once scaled) skips the step with params, moments and step count untouched
-        (``applied`` is False, ``skipped_steps`` counts it). Off by default, like
-        torch.optim: the check costs one read of the gradients.
+        (``applied`` is False, ``skipped_steps`` counts it). None (the default): on when a
+        group has 8-bit moments (a NaN there would poison its whole 32-element block, for
+        good), else off, like torch.optim: the check costs one read of the gradients.
       known_grad_norm: the gradients' norm computed by the caller (e.g. on the GPU),
         used instead of reading them for the check and the clip.
     """
+    if skip_nonfinite is None:
+      skip_nonfinite = self._has_8bit
     opts = (float(grad_scale), float(max_grad_norm), bool(skip_nonfinite),
             -1.0 if known_grad_norm is None else float(known_grad_norm))
     if isinstance(grads, Mapping) or isinstance(grads, (list, tuple)):
@@ -360,8 +367,11 @@ class Optimizer:
       otypes = {b[1] for b in obufs}
       if len(otypes) > 1:
         raise TypeError(f"out: mixed dtypes {sorted(otypes)}; one copy-out dtype per step")
-      return self._core.step_tensors([None if b is None else b[0] for b in bufs], types.pop() if types else "f32",
-                                     [b[0] for b in obufs], otypes.pop() if otypes else "f32", *opts)
-    g, gt = as_buffer(grads, "grads")
-    o, ot = (None, "f32") if out is None else as_buffer(out, "out", writable=True)
-    return self._core.step_flat(g, gt, o, ot, *opts)
+      result = self._core.step_tensors([None if b is None else b[0] for b in bufs], types.pop() if types else "f32",
+                                       [b[0] for b in obufs], otypes.pop() if otypes else "f32", *opts)
+    else:
+      g, gt = as_buffer(grads, "grads")
+      o, ot = (None, "f32") if out is None else as_buffer(out, "out", writable=True)
+      result = self._core.step_flat(g, gt, o, ot, *opts)
+    _report_blocks(self, result, "hostopt.Optimizer")
+    return result

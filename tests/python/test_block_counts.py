@@ -1,0 +1,89 @@
+"""8-bit blocks that a NaN poisons or an outlier saturates: every front counts them in its
+step statistics, warns once (CompressedMomentsWarning) the first time a step has some, and
+checks for non-finite gradients by default when a group has 8-bit moments (README:
+"Compressed moments", 8-bit)."""
+import warnings
+
+import numpy as np
+import pytest
+
+import hostopt
+
+# 4 blocks of w (one poisoned or saturated below), f32 and bf16 tensors beside it.
+N = 128
+
+
+def core_optimizer(**extra):
+  return hostopt.Optimizer([{"params": {"w": (N,)}, "lr": 1e-2, "moments": "8bit", "rounding_seed": 1, **extra},
+                            {"params": {"f": (32,)}, "lr": 1e-2}], threads=1)
+
+
+def grads(bad=None, where=5):
+  g = {"w": np.full(N, 0.01, np.float32), "f": np.full(32, 0.01, np.float32)}
+  if bad is not None:
+    g["w"][where] = bad
+  return g
+
+
+def blocks_warnings(record):
+  return [w for w in record if issubclass(w.category, hostopt.CompressedMomentsWarning)]
+
+
+def test_a_nan_gradient_is_skipped_by_default_when_a_group_has_8bit_moments():
+  opt = core_optimizer()
+  opt.step(grads())
+  before = [np.array(x) for x in opt.read_moments("w")] + [np.array(opt.params("w"))]
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", hostopt.CompressedMomentsWarning)
+    r = opt.step(grads(np.nan))
+  assert not r.applied and r.skipped_steps == 1 and opt.step_count == 1
+  assert (r.poisoned_blocks, r.saturated_blocks) == (0, 0)
+  after = [np.array(x) for x in opt.read_moments("w")] + [np.array(opt.params("w"))]
+  for a, b in zip(before, after):
+    assert a.tobytes() == b.tobytes()
+  # Only f32 groups: the default stays off (torch.optim's behaviour), NaN and all.
+  f32 = hostopt.Optimizer([{"params": {"f": (32,)}, "lr": 1e-2}], threads=1)
+  assert f32.step({"f": np.full(32, np.nan, np.float32)}).applied
+
+
+def test_a_poisoned_block_is_counted_every_step_and_warned_once():
+  opt = core_optimizer()
+  with pytest.warns(hostopt.CompressedMomentsWarning, match="1 8-bit moment block.* poisoned") as record:
+    r = opt.step(grads(np.nan), skip_nonfinite=False)
+  assert r.applied and (r.poisoned_blocks, r.saturated_blocks) == (1, 0)
+  assert len(blocks_warnings(record)) == 1
+  m, v = opt.read_moments("w")
+  assert np.isnan(m[:32]).all() and np.isfinite(m[32:]).all()  # the whole block, the others not
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", hostopt.CompressedMomentsWarning)  # not again
+    for _ in range(3):
+      r = opt.step(grads())
+      assert (r.poisoned_blocks, r.saturated_blocks) == (1, 0)
+  assert np.isnan(opt.params("w")[:32]).all()
+
+
+def test_an_outlier_that_passes_the_check_saturates_its_block_counted_and_warned_once():
+  opt = core_optimizer()
+  opt.step(grads())
+  with pytest.warns(hostopt.CompressedMomentsWarning, match="saturated") as record:
+    r = opt.step(grads(1e19, where=40))  # finite, below sqrt(FLT_MAX): the default check lets it through
+  assert r.applied and (r.poisoned_blocks, r.saturated_blocks) == (0, 1)
+  assert len(blocks_warnings(record)) == 1
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", hostopt.CompressedMomentsWarning)
+    r = opt.step(grads())  # the neighbours still sit at the block's floor
+    assert (r.poisoned_blocks, r.saturated_blocks) == (0, 1)
+  # A poisoning later is another kind: warned once too.
+  with pytest.warns(hostopt.CompressedMomentsWarning, match="poisoned"):
+    opt.step(grads(np.inf, where=3), skip_nonfinite=False)
+
+
+def test_ordinary_steps_count_nothing_and_stay_silent():
+  opt = core_optimizer()
+  rng = np.random.default_rng(0)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", hostopt.CompressedMomentsWarning)
+    for _ in range(5):
+      g = {"w": rng.standard_normal(N).astype(np.float32), "f": rng.standard_normal(32).astype(np.float32)}
+      r = opt.step(g)
+      assert r.applied and (r.poisoned_blocks, r.saturated_blocks) == (0, 0)
