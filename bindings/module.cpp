@@ -9,6 +9,7 @@
 #include <cmath>
 #include <type_traits>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -139,6 +140,60 @@ step_options options_of(float grad_scale, double max_grad_norm, bool skip_nonfin
 // A float32 numpy view of optimizer memory that keeps the optimizer alive.
 py::array_t<float> view_of(std::span<float> s, py::handle owner) {
   return py::array_t<float>({py::ssize_t(s.size())}, {py::ssize_t(sizeof(float))}, s.data(), owner);
+}
+
+// A Python callable as a reduction the C++ step calls with the GIL released: copies of it
+// (the step copies the one set) share one holder, so no copy touches a Python refcount
+// without the GIL; the call takes the GIL.
+sum_across_ranks python_sum(py::function f) {
+  struct holder {
+    py::function f;
+    ~holder() {
+      if (!Py_IsInitialized()) {
+        f.release(); // the interpreter is gone: nothing to release it to
+        return;
+      }
+      py::gil_scoped_acquire acquire;
+      f = py::function();
+    }
+  };
+  auto h = std::make_shared<holder>();
+  h->f = std::move(f);
+  return [h](double local) {
+    py::gil_scoped_acquire acquire;
+    return h->f(local).cast<double>();
+  };
+}
+
+// A sharded step's arguments, converted. A conversion refused on one rank still joins the
+// agreement the other ranks make (sharded_optimizer::refuse_step), so that every rank
+// raises ShardedStepRefused instead of the others waiting in the reduction for good.
+struct sharded_call {
+  buffer grad, out;
+  step_options options;
+};
+sharded_call sharded_args(const sharded_optimizer& o, py::handle grad, const std::string& gdt, py::handle out,
+                          const std::string& odt, float grad_scale, double known_grad_norm, double max_grad_norm,
+                          bool skip_nonfinite, const sum_across_ranks& agreement) {
+  step_options raw; // what decides whether the ranks agree: the fields as given
+  raw.grad_scale = grad_scale;
+  raw.max_grad_norm = max_grad_norm;
+  raw.skip_nonfinite = skip_nonfinite;
+  raw.known_grad_norm = known_grad_norm;
+  try {
+    sharded_call c;
+    c.grad = check_array(grad, "shard_grad", gdt, false);
+    if (!out.is_none()) c.out = check_array(out, "shard_params", odt, true);
+    c.options = options_of(grad_scale, max_grad_norm, skip_nonfinite, known_grad_norm);
+    return c;
+  } catch (const std::exception& e) {
+    const std::string reason = e.what();
+    {
+      py::gil_scoped_release release; // waits as the step does: the reduction takes the GIL itself
+      o.refuse_step(reason, raw, agreement); // throws when other ranks wait for this one
+    }
+    throw; // no rank waits: this rank's own error
+  }
 }
 
 } // namespace
@@ -340,6 +395,7 @@ PYBIND11_MODULE(_core, m) {
      "[begin, end) of the arena owned by `rank` (hostopt::shard_of): cut on multiples of `unit` (16; 32 when a "
      "group has 8-bit moments, as ShardedOptimizer and Optimizer.chunk_unit use).");
 
+  py::register_exception<sharded_step_refused>(m, "ShardedStepRefused", PyExc_RuntimeError);
   py::class_<sharded_optimizer>(m, "ShardedOptimizer",
                                 "One rank's shard of the optimizer state (see hostopt.ShardedOptimizer).")
       .def(py::init([](py::list groups, int world, int rank, int threads) {
@@ -367,19 +423,46 @@ PYBIND11_MODULE(_core, m) {
       .def("step", [](sharded_optimizer& o, py::handle grad, const std::string& gdt, py::handle out,
                       const std::string& odt, float grad_scale, double known_grad_norm, double max_grad_norm,
                       bool skip_nonfinite) {
-        const buffer g = check_array(grad, "shard_grad", gdt, false);
-        buffer b;
-        if (!out.is_none()) b = check_array(out, "shard_params", odt, true);
-        const step_options so = options_of(grad_scale, max_grad_norm, skip_nonfinite, known_grad_norm);
+        const sharded_call c =
+            sharded_args(o, grad, gdt, out, odt, grad_scale, known_grad_norm, max_grad_norm, skip_nonfinite, {});
         step_result r;
         {
           py::gil_scoped_release release;
-          r = o.step({g.data, g.size, g.type}, {b.data, b.size, b.type}, so);
+          r = o.step({c.grad.data, c.grad.size, c.grad.type}, {c.out.data, c.out.size, c.out.type}, c.options);
         }
         return py::make_tuple(r.applied, r.step);
       }, py::arg("shard_grad"), py::arg("grad_dtype") = "f32", py::arg("shard_params") = py::none(),
          py::arg("params_dtype") = "f32", py::arg("grad_scale") = 1.0f, py::arg("known_grad_norm") = -1.0,
-         py::arg("max_grad_norm") = 0.0, py::arg("skip_nonfinite") = true)
+         py::arg("max_grad_norm") = 0.0, py::arg("skip_nonfinite") = true,
+         "Steps the shard (sharded_optimizer::step). With a norm reduction and a checked or clipping step, the "
+         "ranks agree first: a step refused on any rank raises ShardedStepRefused on every rank, nothing applied.")
+      .def("check_step", [](const sharded_optimizer& o, py::handle grad, const std::string& gdt, py::handle out,
+                            const std::string& odt, float grad_scale, double known_grad_norm, double max_grad_norm,
+                            bool skip_nonfinite) {
+        const buffer g = check_array(grad, "shard_grad", gdt, false);
+        buffer b;
+        if (!out.is_none()) b = check_array(out, "shard_params", odt, true);
+        const step_options so = options_of(grad_scale, max_grad_norm, skip_nonfinite, known_grad_norm);
+        o.check_step({g.data, g.size, g.type}, {b.data, b.size, b.type}, so);
+      }, py::arg("shard_grad"), py::arg("grad_dtype") = "f32", py::arg("shard_params") = py::none(),
+         py::arg("params_dtype") = "f32", py::arg("grad_scale") = 1.0f, py::arg("known_grad_norm") = -1.0,
+         py::arg("max_grad_norm") = 0.0, py::arg("skip_nonfinite") = true,
+         "Raises what step would refuse on this rank, given the global norm (known_grad_norm may still be -1), "
+         "changing nothing and calling no reduction: fold its verdict into the norm's all-reduce.")
+      .def("agree_step", [](const sharded_optimizer& o, py::handle grad, const std::string& gdt, py::handle out,
+                            const std::string& odt, float grad_scale, double known_grad_norm, double max_grad_norm,
+                            bool skip_nonfinite, py::function reduce) {
+        const sum_across_ranks sum = python_sum(std::move(reduce));
+        const sharded_call c =
+            sharded_args(o, grad, gdt, out, odt, grad_scale, known_grad_norm, max_grad_norm, skip_nonfinite, sum);
+        py::gil_scoped_release release;
+        o.agree_step({c.grad.data, c.grad.size, c.grad.type}, {c.out.data, c.out.size, c.out.type}, c.options, sum);
+      }, py::arg("shard_grad"), py::arg("grad_dtype") = "f32", py::arg("shard_params") = py::none(),
+         py::arg("params_dtype") = "f32", py::arg("grad_scale") = 1.0f, py::arg("known_grad_norm") = -1.0,
+         py::arg("max_grad_norm") = 0.0, py::arg("skip_nonfinite") = true, py::kw_only(),
+         py::arg("sum_across_ranks"),
+         "The agreement a reducing step makes, through sum_across_ranks (collective: every rank, before a step "
+         "given known_grad_norm): ShardedStepRefused on every rank when any rank would refuse the step.")
       .def("save", [](const sharded_optimizer& o, const std::string& dir, const std::string& save_id) {
              py::gil_scoped_release release;
              o.save(dir, save_id);
@@ -389,12 +472,10 @@ PYBIND11_MODULE(_core, m) {
              o.commit_save(dir, save_id);
            }, py::arg("dir"), py::arg("save_id"))
       .def("set_norm_reduction", [](sharded_optimizer& o, py::function reduce) {
-             // Called from the step with the GIL released: take it for the Python call.
-             o.set_norm_reduction([reduce](double local) {
-               py::gil_scoped_acquire acquire;
-               return reduce(local).cast<double>();
-             });
-           }, py::arg("sum_across_ranks"))
+             o.set_norm_reduction(python_sum(std::move(reduce))); // called from the step, without the GIL
+           }, py::arg("sum_across_ranks"),
+           "sum_across_ranks(local) -> total across every rank (e.g. torch.distributed.all_reduce in float64): a "
+           "checked or clipping step calls it twice, for the ranks' refusals and for the sums of squares.")
       .def("load", [](sharded_optimizer& o, const std::string& dir) {
              py::gil_scoped_release release;
              o.load(dir);

@@ -471,7 +471,7 @@ TEST_CASE("a step refused on one rank is refused on every rank before any rank w
       }
 }
 
-TEST_CASE("refusals on several ranks are counted and named; beyond 24 ranks counted", "[sharding][agreement]") {
+TEST_CASE("refusals on several ranks are counted and named, beyond 24 ranks counted", "[sharding][agreement]") {
   std::mt19937 rng(14);
   struct world_case {
     int w;
@@ -511,7 +511,7 @@ TEST_CASE("refusals on several ranks are counted and named; beyond 24 ranks coun
   }
 }
 
-TEST_CASE("steps given the norm make no collective; check_step and agree_step let the caller agree",
+TEST_CASE("steps given the norm make no collective, and check_step and agree_step let the caller agree",
           "[sharding][agreement]") {
   std::mt19937 rng(15);
   const int w = 3, bad = 1;
