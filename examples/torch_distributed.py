@@ -5,7 +5,8 @@ Each rank keeps only its shard of the optimizer state (hostopt._core.ShardedOpti
 Each step the ranks' gradients, flattened into the optimizer's arena layout, are summed
 (gloo has no reduce_scatter on CPU, so all_reduce, and each rank keeps its slice — NCCL
 would use reduce_scatter), the global norm is the all_reduce of the shards' sums of
-squares, every rank steps its shard, and all_gather brings back the parameters.
+squares (with each rank's check_step verdict: a step refused on one rank is refused on
+all), every rank steps its shard, and all_gather brings back the parameters.
 
 Rank 0 then replays the summed gradients through a single-process hostopt optimizer and
 checks the parameters bit for bit.
@@ -54,11 +55,21 @@ def run(rank, world, port, steps, result_file):
     grad = torch.from_numpy(grad_of(t, rank, n))
     dist.all_reduce(grad, op=dist.ReduceOp.SUM)
     shard_grad = grad.numpy()[begin:end].copy()
-    local = torch.tensor([opt.shard_sum_squares(shard_grad)], dtype=torch.float64)
-    dist.all_reduce(local, op=dist.ReduceOp.SUM)
-    norm = float(np.sqrt(local.item()))
-    norms.append(norm)
     shard_params = np.zeros(end - begin, np.float32)
+    # A step given known_grad_norm makes no collective of its own: this rank's verdict on
+    # its step (check_step) rides with its sum of squares in the norm's all_reduce, so a
+    # step refused on one rank is refused on all, none left waiting in the next collective.
+    try:
+      opt.check_step(shard_grad, "f32", shard_params, "f32", 1.0, -1.0, 50.0)
+      refused, reason = 0.0, ""
+    except (TypeError, ValueError, RuntimeError) as e:
+      refused, reason = 1.0, f": rank {rank} refused it: {e}"
+    local = torch.tensor([0.0 if refused else opt.shard_sum_squares(shard_grad), refused], dtype=torch.float64)
+    dist.all_reduce(local, op=dist.ReduceOp.SUM)
+    if local[1].item() > 0:
+      raise RuntimeError(f"step {t} refused by {int(local[1].item())} of {world} ranks{reason}")
+    norm = float(np.sqrt(local[0].item()))
+    norms.append(norm)
     opt.step(shard_grad, "f32", shard_params, "f32", 1.0, norm, 50.0)
     padded = torch.zeros(widest)
     padded[:end - begin] = torch.from_numpy(shard_params)
