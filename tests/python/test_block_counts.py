@@ -87,3 +87,48 @@ def test_ordinary_steps_count_nothing_and_stay_silent():
       g = {"w": rng.standard_normal(N).astype(np.float32), "f": rng.standard_normal(32).astype(np.float32)}
       r = opt.step(g)
       assert r.applied and (r.poisoned_blocks, r.saturated_blocks) == (0, 0)
+
+
+# --- hostopt.jax ---------------------------------------------------------------------------
+def jax_params():
+  jnp = pytest.importorskip("jax.numpy")
+  return {"w": jnp.zeros(N, jnp.float32), "f": jnp.zeros(32, jnp.float32)}
+
+
+def jax_grads(bad=None, where=5):
+  jnp = pytest.importorskip("jax.numpy")
+  g = grads(bad, where)
+  return {k: jnp.asarray(v) for k, v in g.items()}
+
+
+@pytest.mark.parametrize("offload", [None, "host"])
+def test_hostopt_jax_checks_8bit_groups_by_default_and_warns_once(offload):
+  hj = pytest.importorskip("hostopt.jax")
+  opt = hj.adamw(jax_params(), learning_rate=1e-2, moments="8bit", offload=offload)
+  opt.step(jax_grads())
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", hostopt.CompressedMomentsWarning)
+    opt.step(jax_grads(np.nan))
+  assert not opt.last_step.applied and opt.last_step.skipped_steps == 1 and opt.step_count == 1
+  with pytest.warns(hostopt.CompressedMomentsWarning, match="hostopt.jax: .*saturated") as record:
+    opt.step(jax_grads(1e19, where=40))
+  assert len(blocks_warnings(record)) == 1
+  assert (opt.last_step.poisoned_blocks, opt.last_step.saturated_blocks) == (0, 1)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", hostopt.CompressedMomentsWarning)
+    opt.step(jax_grads())
+  assert opt.last_step.saturated_blocks == 1
+
+  unchecked = hj.adamw(jax_params(), learning_rate=1e-2, moments="8bit", offload=offload, skip_nonfinite=False)
+  with pytest.warns(hostopt.CompressedMomentsWarning, match="poisoned") as record:
+    unchecked.step(jax_grads(np.nan))
+  assert len(blocks_warnings(record)) == 1
+  assert unchecked.last_step.applied and unchecked.last_step.poisoned_blocks == 1
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", hostopt.CompressedMomentsWarning)
+    unchecked.step(jax_grads())
+  assert unchecked.last_step.poisoned_blocks == 1
+  # f32 moments only: unchecked by default, as before.
+  f32 = hj.adamw(jax_params(), learning_rate=1e-2, offload=offload)
+  f32.step(jax_grads(np.nan))
+  assert f32.last_step.applied

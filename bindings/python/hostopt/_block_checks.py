@@ -28,6 +28,7 @@ def report(owner, result, front: str, stacklevel: int = 3) -> None:
   """Warns (CompressedMomentsWarning) the first time `owner`'s steps count poisoned or
   saturated blocks, once per kind; `result` is a StepResult (or has its two counts)."""
   told = owner.__dict__.setdefault("_hostopt_blocks_told", set())
+  front = owner.__dict__.get("_hostopt_front", front)  # a front wrapping the owner names itself
   for key, (kind, why) in _WHAT.items():
     count = int(getattr(result, key, 0) or 0)
     if count and kind not in told:

@@ -17,7 +17,7 @@ Also ``opt.accumulate(grads)`` (micro-batches summed in a host f32 accumulator; 
 ``step`` averages them like optax.MultiSteps), ``step(grads, grad_norm=...)`` (a norm
 computed on the device), ``max_grad_norm`` (clipping by global norm, optax's rule) and
 ``skip_nonfinite`` (a step with a non-finite gradient changes nothing and is reported in
-``opt.last_step``), schedules for ``learning_rate`` and ``weight_decay`` (called with the
+``opt.last_step``; on by default when a group has 8-bit moments), schedules for ``learning_rate`` and ``weight_decay`` (called with the
 step count, as optax), ``save``/``load`` (the library's atomic safetensors checkpoints),
 ``state_dict``/``load_state_dict`` and ``optax_state()``, an optax-shaped
 ``ScaleByAdamState`` of read-only views for inspection.
@@ -29,6 +29,9 @@ label (``group_options={"norms": {"moments": "f32"}}``); README: "Compressed mom
 ``mu``/``nu`` and 8-bit ones as ``mu_codes``/``nu_codes`` (uint8) with ``moment_scales``
 (uint8 [blocks, 2]), so a resume is exact; ``load_state_dict`` refuses moments of another
 format, with nothing changed, unless ``convert_moments=True`` (lossy into bf16 or 8-bit).
+``opt.last_step`` counts the step's ``poisoned_blocks`` (8-bit blocks whose moments are NaN)
+and ``saturated_blocks`` (blocks whose range an outlier exceeded); the first step that has
+some warns once per kind (``hostopt.CompressedMomentsWarning``).
 
 The update is the fused step of hostopt.Optimizer (DESIGN.md's update rule: AdamW decays
 the master by ``1 - lr*wd`` before the Adam step), bit for bit; against optax.adamw it
@@ -62,6 +65,7 @@ import numpy as np
 from . import Optimizer as _Optimizer
 from . import _core
 from ._arrays import as_buffer, check_q8_scales, check_seed
+from ._block_checks import report as _report_blocks
 from ._masks import mask_flags, per_leaf
 
 __all__ = ["adam", "adamw", "HostAdam"]
@@ -93,7 +97,7 @@ class HostAdam:
 
   def __init__(self, params, *, learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                eps_root: float = 0.0, weight_decay=0.0, mask=None, decoupled: bool = True, nesterov: bool = False,
-               param_dtype=None, max_grad_norm: Optional[float] = None, skip_nonfinite: bool = False,
+               param_dtype=None, max_grad_norm: Optional[float] = None, skip_nonfinite: Optional[bool] = None,
                threads: int = 0, offload: Optional[str] = None, offload_chunk: int = 1 << 22, groups=None,
                group_options: Optional[dict] = None, moments: str = "f32", rounding_seed: int = 0):
     if offload not in (None, "host", "cuda"):
@@ -153,11 +157,14 @@ class HostAdam:
                      for g in core_groups]
     self._formats = [self._options[lab]["moments"] for lab in labels]  # each leaf's moment format
     self._core = _Optimizer(core_groups, threads=int(threads))
+    self._core._hostopt_front = "hostopt.jax"  # names this front in its CompressedMomentsWarning
     for name, x in zip(self._names, leaves):
       self._core.params(name)[...] = np.asarray(jax.device_get(x), dtype=np.float32)
     self._threads = int(threads)
     self._max_grad_norm = float(max_grad_norm or 0.0)
-    self._skip_nonfinite = bool(skip_nonfinite)
+    # None: checked when a group has 8-bit moments (a NaN would poison its whole block).
+    self._skip_auto = skip_nonfinite is None
+    self._skip_nonfinite = "8bit" in self._formats if skip_nonfinite is None else bool(skip_nonfinite)
     # One copy-out dtype per step (the core's rule): float32 when the leaves' dtypes differ.
     kinds = {d for d in self._out_dtypes}
     self._copy_out = kinds.pop() if len(kinds) == 1 else np.dtype(np.float32)
@@ -310,7 +317,10 @@ class HostAdam:
     if grads is None and ds.micro_batches == 0:
       raise ValueError("step(None): nothing accumulated (call accumulate(grads) first, or pass grads)")
     leaves = None if grads is None else self._device_grads(grads)
-    needs_norm = (self._max_grad_norm > 0 or self._skip_nonfinite) and grad_norm is None
+    skip = self._skip_nonfinite
+    if skip and self._skip_auto and grad_norm is None and ds.micro_batches and self._max_grad_norm == 0:
+      skip = False  # the default check cannot take the norm of host-accumulated micro-batches: unchecked, as asked
+    needs_norm = (self._max_grad_norm > 0 or skip) and grad_norm is None
     if needs_norm and ds.micro_batches:
       raise ValueError("max_grad_norm/skip_nonfinite over accumulated micro-batches on the offloaded path: the "
                        "accumulator is in host memory, so the norm of the averaged gradients cannot be taken on the "
@@ -323,7 +333,8 @@ class HostAdam:
         grad_norm = norm
     without = [] if leaves is None else [i for i, g in enumerate(leaves) if g is None]
     self.last_step, out = ds.step(flat, without=without, max_grad_norm=self._max_grad_norm,
-                                  skip_nonfinite=self._skip_nonfinite, known_grad_norm=grad_norm)
+                                  skip_nonfinite=skip, known_grad_norm=grad_norm)
+    _report_blocks(self._core, self.last_step, "hostopt.jax")
     out = [a if np.dtype(a.dtype) == d else a.astype(d) for a, d in zip(out, self._out_dtypes)]
     return self._treedef.unflatten(out)
 
@@ -577,7 +588,7 @@ class HostAdam:
 
 def adamw(params, learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
           weight_decay=1e-4, mask=None, *, nesterov: bool = False, param_dtype=None,
-          max_grad_norm: Optional[float] = None, skip_nonfinite: bool = False, threads: int = 0,
+          max_grad_norm: Optional[float] = None, skip_nonfinite: Optional[bool] = None, threads: int = 0,
           offload: Optional[str] = None, offload_chunk: int = 1 << 22, groups=None,
           group_options: Optional[dict] = None, moments: str = "f32", rounding_seed: int = 0) -> HostAdam:
   """AdamW (optax.adamw's hyper-parameters and defaults; `mask` as optax's: a tree of bools,
@@ -585,7 +596,9 @@ def adamw(params, learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float 
   tree of string labels (optax.multi_transform's form), and `group_options` {label: {any of
   learning_rate (or a schedule), b1, b2, eps, eps_root, weight_decay, moments}} overriding
   the arguments for that group's leaves. `moments`: "f32", "bf16" or "8bit" (the module
-  docstring); `rounding_seed` keys their stochastic rounding."""
+  docstring); `rounding_seed` keys their stochastic rounding. `skip_nonfinite`: None checks
+  the gradients when a group has 8-bit moments (on the offloaded path, not over host-
+  accumulated micro-batches without ``grad_norm=``); True or False decides."""
   return HostAdam(params, learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
                   weight_decay=weight_decay, mask=mask, decoupled=True, nesterov=nesterov, param_dtype=param_dtype,
                   max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, threads=threads, offload=offload,
@@ -595,7 +608,7 @@ def adamw(params, learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float 
 
 def adam(params, learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0, *,
          nesterov: bool = False, param_dtype=None, max_grad_norm: Optional[float] = None,
-         skip_nonfinite: bool = False, threads: int = 0, offload: Optional[str] = None,
+         skip_nonfinite: Optional[bool] = None, threads: int = 0, offload: Optional[str] = None,
          offload_chunk: int = 1 << 22, groups=None, group_options: Optional[dict] = None, moments: str = "f32",
          rounding_seed: int = 0) -> HostAdam:
   """Adam (optax.adam's hyper-parameters) with its state in host memory; `groups` and
