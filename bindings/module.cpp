@@ -110,18 +110,47 @@ py::dict config_to(const adam_config& c) {
   return d;
 }
 
+// An integer argument: an int or anything with __index__ (numpy integers), never a float
+// or bool truncated; pybind11's own cast refuses a float or a negative seed with an error
+// that names neither the argument nor the rule. A non-integer is a TypeError, or with
+// `value_error` a ValueError (as the package's check_seed raises for seeds).
+template <class T>
+T integer_of(py::handle obj, const std::string& what, const std::string& rule, bool value_error = false) {
+  if (py::isinstance<py::bool_>(obj) || !PyIndex_Check(obj.ptr())) {
+    const std::string message = what + " = " + std::string(py::repr(obj)) + ": expected an integer" + rule;
+    if (value_error) throw py::value_error(message);
+    throw py::type_error(message);
+  }
+  const auto index = py::reinterpret_steal<py::object>(PyNumber_Index(obj.ptr()));
+  if (!index) throw py::error_already_set();
+  try {
+    return index.cast<T>();
+  } catch (const py::cast_error&) {
+    throw py::value_error(what + " = " + std::string(py::repr(obj)) + ": expected an integer" + rule);
+  }
+}
+
 // [{"config": {...}, "tensors": [(name, shape), ...]}, ...] -> parameter groups.
 std::vector<param_group> groups_from(py::list groups) {
   std::vector<param_group> gs;
   for (auto g : groups) {
+    const std::string at = "groups[" + std::to_string(gs.size()) + "]";
     auto d = g.cast<py::dict>();
     param_group pg;
     pg.config = config_from(d["config"].cast<py::dict>());
     if (d.contains("moments")) pg.moments = parse_moment_format(d["moments"].cast<std::string>());
-    if (d.contains("rounding_seed")) pg.rounding_seed = d["rounding_seed"].cast<std::uint64_t>();
+    if (d.contains("rounding_seed"))
+      pg.rounding_seed =
+          integer_of<std::uint64_t>(d["rounding_seed"], at + "['rounding_seed']", " in [0, 2**64)", true);
     for (auto t : d["tensors"].cast<py::list>()) {
       auto tup = t.cast<py::tuple>();
-      pg.tensors.push_back({tup[0].cast<std::string>(), tup[1].cast<std::vector<std::int64_t>>()});
+      const std::string name = tup[0].cast<std::string>();
+      std::vector<std::int64_t> shape;
+      for (auto extent : tup[1])
+        shape.push_back(integer_of<std::int64_t>(extent, at + ": tensor '" + name + "' shape " +
+                                                             std::string(py::repr(tup[1])) + ": extent",
+                                                 " in [0, 2**63)"));
+      pg.tensors.push_back({name, std::move(shape)});
     }
     gs.push_back(std::move(pg));
   }

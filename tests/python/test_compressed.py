@@ -13,7 +13,8 @@ def test_step_is_the_f32_step_of_the_decoded_moments(fmt, kernel):
   rng = np.random.default_rng(0)
   n = 1000
   p = rng.standard_normal(n).astype(np.float32)
-  mo = hostopt.CompressedMoments.encode(0.1 * rng.standard_normal(n), 0.01 * rng.random(n), fmt, seed=1)
+  mo = hostopt.CompressedMoments.encode((0.1 * rng.standard_normal(n)).astype(np.float32),
+                                       (0.01 * rng.random(n)).astype(np.float32), fmt, seed=1)
   g = rng.standard_normal(n).astype(np.float32)
   m, v = mo.decode()
   p32 = p.copy()
@@ -37,7 +38,7 @@ def test_step_is_the_f32_step_of_the_decoded_moments(fmt, kernel):
 def test_bytes_and_seeded_rounding():
   rng = np.random.default_rng(1)
   n = 4096
-  m, v = rng.standard_normal(n), rng.random(n)
+  m, v = rng.standard_normal(n).astype(np.float32), rng.random(n).astype(np.float32)
   a = hostopt.CompressedMoments.encode(m, v, "8bit", seed=3)
   b = hostopt.CompressedMoments.encode(m, v, "8bit", seed=3)
   c = hostopt.CompressedMoments.encode(m, v, "8bit", seed=4)
@@ -58,7 +59,7 @@ def test_bytes_and_seeded_rounding():
 def test_bad_moments_are_refused_and_nothing_changes(change, error, words):
   n = 100
   p = np.ones(n, np.float32)
-  mo = hostopt.CompressedMoments.encode(np.full(n, 0.5), np.full(n, 0.25), "8bit")
+  mo = hostopt.CompressedMoments.encode(np.full(n, 0.5, np.float32), np.full(n, 0.25, np.float32), "8bit")
   change(mo)
   before = [mo.exp_avg.tobytes(), mo.exp_avg_sq.tobytes(), mo.scales.tobytes()]
   with pytest.raises(error, match=words):
@@ -75,7 +76,7 @@ def test_big_endian_codes_are_refused_not_misread():
 
 
 def test_decode_reads_read_only_codes():
-  mo = hostopt.CompressedMoments.encode(np.full(64, 0.5), np.full(64, 0.25), "8bit")
+  mo = hostopt.CompressedMoments.encode(np.full(64, 0.5, np.float32), np.full(64, 0.25, np.float32), "8bit")
   for a in (mo.exp_avg, mo.exp_avg_sq, mo.scales):
     a.setflags(write=False)
   m, v = mo.decode()
@@ -84,9 +85,25 @@ def test_decode_reads_read_only_codes():
 
 def test_encode_and_step_arguments_are_checked():
   with pytest.raises(ValueError, match="never negative"):
-    hostopt.CompressedMoments.encode(np.ones(8), -np.ones(8), "8bit")
+    hostopt.CompressedMoments.encode(np.ones(8, np.float32), -np.ones(8, np.float32), "8bit")
   with pytest.raises(ValueError, match="shapes differ"):
-    hostopt.CompressedMoments.encode(np.ones((3, 40)), np.ones((40, 3)), "8bit")
+    hostopt.CompressedMoments.encode(np.ones((3, 40), np.float32), np.ones((40, 3), np.float32), "8bit")
+  # Seeds are integers in [0, 2**64) and inputs float32: named errors, never a silent cast.
+  ones = np.ones(8, np.float32)
+  for seed in (-1, 2**64, 1.9, True):
+    with pytest.raises(ValueError, match=r"seed = .*: expected an integer in \[0, 2\*\*64\)"):
+      hostopt.CompressedMoments.encode(ones, ones, "8bit", seed=seed)
+  a = hostopt.CompressedMoments.encode(ones, ones, "8bit", seed=np.uint64(2**64 - 1))
+  assert a.exp_avg.tobytes() == hostopt.CompressedMoments.encode(ones, ones, "8bit", seed=2**64 - 1).exp_avg.tobytes()
+  with pytest.raises(TypeError, match="exp_avg has dtype float64, expected float32"):
+    hostopt.CompressedMoments.encode(np.ones(8), ones, "8bit")
+  with pytest.raises(TypeError, match="exp_avg_sq has dtype float16, expected float32"):
+    hostopt.CompressedMoments.encode(ones, np.ones(8, np.float16), "bf16")
+  with pytest.raises(TypeError, match="step = 1.5: expected an integer"):
+    hostopt.adam_step_compressed(np.ones(8, np.float32), hostopt.CompressedMoments(8, "bf16"), ones, step=1.5)
+  with pytest.raises(ValueError, match=r"first_index = 0.5: expected an integer"):
+    hostopt.adam_step_compressed(np.ones(8, np.float32), hostopt.CompressedMoments(8, "bf16"), ones, step=1,
+                                 first_index=0.5)
   with pytest.raises(TypeError):
     hostopt.CompressedMoments(2.7)
   mo = hostopt.CompressedMoments(8, "bf16")

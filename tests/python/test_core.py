@@ -282,3 +282,90 @@ def test_sharded_optimizer_from_python(tmp_path, rng):
   one = hostopt._core.ShardedOptimizer(groups, 1, 0, threads=1)
   one.load(str(tmp_path))
   assert one.step_count == 1
+
+
+@pytest.mark.parametrize("known", [float("inf"), float("nan")])
+def test_a_nonfinite_known_norm_with_clipping_skips_the_step_never_unclipped(rng, known):
+  # A norm that overflowed where it was computed (a GPU reduction), with finite gradients:
+  # there is no clip factor, so the step is skipped and counted, with or without the check.
+  opt = hostopt.Optimizer([{"params": {"w": (100,)}, "lr": 0.1}])
+  g = (1000 * rng.standard_normal(100)).astype(np.float32)
+  opt.step({"w": g})
+  before = (opt.params().copy(), opt.exp_avg().copy(), opt.exp_avg_sq().copy())
+  for skipped, check in enumerate((False, True), start=1):
+    r = opt.step({"w": g}, max_grad_norm=1.0, skip_nonfinite=check, known_grad_norm=known)
+    assert not r.applied and r.step == 1 and r.skipped_steps == skipped and opt.skipped_steps == skipped
+    for a, b in zip(before, (opt.params(), opt.exp_avg(), opt.exp_avg_sq())):
+      assert a.tobytes() == b.tobytes()
+  r = opt.step({"w": g}, max_grad_norm=1.0, known_grad_norm=8000.0)  # a finite norm clips as always
+  assert r.applied and r.applied_scale == np.float32(1 / 8000)
+
+
+def test_integer_arguments_are_never_truncated_and_errors_name_them(rng):
+  def group(**extra):
+    return [{"params": {"w": (2, 3)}, "moments": "bf16", **extra}]
+  for seed in (-1, 2**64, 1.9, True, "3"):
+    with pytest.raises(ValueError, match=r"groups\[0\]\['rounding_seed'\] = .*: expected an integer in \[0, 2\*\*64\)"):
+      hostopt.Optimizer(group(rounding_seed=seed))
+    with pytest.raises(ValueError, match=r"groups\[0\]\['rounding_seed'\] = .*: expected an integer in \[0, 2\*\*64\)"):
+      hostopt._core.Optimizer([{"config": {}, "tensors": [("w", [2, 3])], "moments": "bf16", "rounding_seed": seed}])
+  for seed in (np.uint64(2**64 - 1), np.int64(7), 2**64 - 1):  # numpy integers are integers
+    assert hostopt.Optimizer(group(rounding_seed=seed)).group_rounding_seed(0) == int(seed)
+  with pytest.raises(TypeError, match=r"tensor 'w'.*\(2\.5,\).*expected an integer"):
+    hostopt.Optimizer([{"params": {"w": (2.5,)}}])
+  with pytest.raises(TypeError, match=r"tensor 'w'.*expected an integer"):
+    hostopt._core.Optimizer([{"config": {}, "tensors": [("w", [2.5])]}])
+  assert hostopt.Optimizer([{"params": {"w": (np.int64(2), np.uint8(3))}}]).segment("w")[1] == [2, 3]
+
+  opt = hostopt.Optimizer([{"params": {"w": (2, 3), "b": (3,)}}])
+  for bad in (1.7, 2.0, True, "2"):
+    with pytest.raises(TypeError, match=f"step_count = {bad!r}: expected an integer"):
+      opt.step_count = bad
+  assert opt.step_count == 0
+  opt.step_count = np.int64(3)
+  assert opt.step_count == 3
+  p, m, v = np.ones(4, np.float32), np.zeros(4, np.float32), np.zeros(4, np.float32)
+  with pytest.raises(TypeError, match="step = 1.5: expected an integer"):
+    hostopt.adam_step(p, m, v, np.ones(4, np.float32), step=1.5)
+  assert np.all(p == 1)
+
+  # A gradient (or copy-out) of the tensor's size but another shape is refused, not reinterpreted.
+  opt.step_count = 0
+  before = opt.params().copy()
+  gw, gb = np.ones((3, 2), np.float32), np.ones(3, np.float32)
+  with pytest.raises(ValueError, match=r"grads\['w'\] has shape \(3, 2\): expected \(2, 3\)"):
+    opt.step({"w": gw, "b": gb})
+  with pytest.raises(ValueError, match=r"grads\['w'\] has shape \(3, 2\): expected \(2, 3\)"):
+    opt.step([gw, gb])
+  with pytest.raises(ValueError, match=r"grads\['b'\] has shape \(1, 3\): expected \(3,\)"):
+    opt.step({"w": gw.reshape(2, 3), "b": gb.reshape(1, 3)})
+  with pytest.raises(ValueError, match=r"out\['w'\] has shape \(6,\): expected \(2, 3\)"):
+    opt.step({"w": gw.reshape(2, 3), "b": gb}, out={"w": np.zeros(6, np.float32), "b": np.zeros(3, np.float32)})
+  # known_grad_norm: >= 0, or NaN/inf; a negative one is not "none given".
+  for bad in (-2, -0.5, float("-inf")):
+    with pytest.raises(ValueError, match=f"known_grad_norm = {bad!r}: a norm is >= 0"):
+      opt.step({"w": gw.reshape(2, 3), "b": gb}, max_grad_norm=1.0, known_grad_norm=bad)
+  assert opt.step_count == 0 and opt.params().tobytes() == before.tobytes()
+  assert opt.step({"w": gw.reshape(2, 3), "b": gb}, max_grad_norm=1.0, known_grad_norm=np.float32(0.5)).applied
+
+
+@pytest.mark.parametrize("front", ["torch", "jax", "optax"])
+def test_the_fronts_refuse_a_bad_rounding_seed_like_the_core(front):
+  # The same error as hostopt.Optimizer's groups[i]['rounding_seed']: ValueError, the rule.
+  rule = r"rounding_seed = .*: expected an integer in \[0, 2\*\*64\)"
+  if front == "torch":
+    torch = pytest.importorskip("torch")
+    import hostopt.torch
+    make = lambda s: hostopt.torch.AdamW([torch.nn.Parameter(torch.ones(4))], moments="bf16", rounding_seed=s)
+  else:
+    jnp = pytest.importorskip("jax.numpy")
+    if front == "jax":
+      import hostopt.jax
+      make = lambda s: hostopt.jax.adamw({"w": jnp.ones(4)}, 1e-3, moments="bf16", rounding_seed=s)
+    else:
+      import hostopt.optax
+      make = lambda s: hostopt.optax.adamw(1e-3, moments="bf16", rounding_seed=s).init({"w": jnp.ones(4)})
+  for seed in (-1, 2**64, 1.9):
+    with pytest.raises(ValueError, match=rule):
+      make(seed)
+  make(np.uint64(2**64 - 1))

@@ -37,6 +37,18 @@ def kernels() -> List[Tuple[str, bool]]:
 _CONFIG_KEYS = tuple(_core.AdamConfig().as_dict())  # the C++ field list: lr, beta1, ..., nesterov
 
 
+def _integer(value, what: str) -> int:
+  """An integer argument: a Python or numpy integer (anything with __index__), never a
+  float or bool truncated silently. TypeError naming `what` otherwise."""
+  if isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{what} = {value!r}: expected an integer, not a bool")
+  try:
+    return operator.index(value)
+  except TypeError:
+    raise TypeError(f"{what} = {value!r}: expected an integer (a {type(value).__name__} is never truncated "
+                    "silently)") from None
+
+
 def _config(d: Mapping) -> dict:
   unknown = set(d) - set(_CONFIG_KEYS) - {"params", "betas"}
   if unknown:
@@ -81,7 +93,7 @@ def adam_step(params: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray, g
   o, ot = (None, "f32") if out is None else as_buffer(out, "out", writable=True)
   cfg = _config(dict(lr=lr, betas=betas, eps=eps, eps_root=eps_root, weight_decay=weight_decay, mode=mode,
                      bias_correction=bias_correction, nesterov=nesterov))
-  _core.adam_step(p, m, v, g, gt, o, ot, cfg, int(step), float(grad_scale), int(threads), kernel)
+  _core.adam_step(p, m, v, g, gt, o, ot, cfg, _integer(step, "step"), float(grad_scale), int(threads), kernel)
 
 
 class CompressedMoments:
@@ -116,13 +128,20 @@ class CompressedMoments:
   @classmethod
   def encode(cls, exp_avg: np.ndarray, exp_avg_sq: np.ndarray, format: str = "8bit",
              seed: int = 0) -> "CompressedMoments":
-    """Compressed copies of float32 moments (lossy: stochastic rounding keyed on ``seed``)."""
-    if np.shape(exp_avg) != np.shape(exp_avg_sq):
-      raise ValueError(f"exp_avg and exp_avg_sq shapes differ: {np.shape(exp_avg)} vs {np.shape(exp_avg_sq)}")
-    m32 = np.ascontiguousarray(exp_avg, np.float32).ravel()
+    """Compressed copies of float32 moments (lossy: stochastic rounding keyed on ``seed``,
+    an integer in [0, 2**64)). Other dtypes are refused (TypeError), never cast silently."""
+    seed = check_seed(seed, "seed")
+    m, v = np.asarray(exp_avg), np.asarray(exp_avg_sq)
+    for what, x in (("exp_avg", m), ("exp_avg_sq", v)):
+      if x.dtype != np.float32:
+        raise TypeError(f"encode: {what} has dtype {x.dtype}, expected float32 (never cast silently: pass "
+                        f"{what}.astype(np.float32) if that is what you want)")
+    if m.shape != v.shape:
+      raise ValueError(f"exp_avg and exp_avg_sq shapes differ: {m.shape} vs {v.shape}")
+    m32 = np.ascontiguousarray(m).ravel()
     out = cls(m32.size, format)
-    _core.encode_moments(m32, np.ascontiguousarray(exp_avg_sq, np.float32).ravel(), out.exp_avg, out.exp_avg_sq,
-                         out.scales, out.format, int(seed))
+    _core.encode_moments(m32, np.ascontiguousarray(v).ravel(), out.exp_avg, out.exp_avg_sq, out.scales, out.format,
+                         seed)
     return out
 
   def decode(self) -> Tuple[np.ndarray, np.ndarray]:
@@ -142,17 +161,16 @@ def adam_step_compressed(params: np.ndarray, moments: CompressedMoments, grad, *
   """:func:`adam_step` with the moments in a :class:`CompressedMoments`: decoded, updated and
   re-encoded (stochastic rounding from (seed, step, first_index + i)) in the same pass.
   ``params`` is the float32 master (updated in place)."""
-  for name, value in (("seed", seed), ("first_index", first_index), ("state_size", state_size)):
-    if not 0 <= operator.index(value) < 2**64:
-      raise ValueError(f"{name} = {value}: expected an integer in [0, 2**64)")
+  seed, first_index, state_size = (check_seed(value, name) for name, value in
+                                   (("seed", seed), ("first_index", first_index), ("state_size", state_size)))
+  step = _integer(step, "step")
   p, _ = as_buffer(params, "params", writable=True)
   g, gt = as_buffer(grad, "grad")
   o, ot = (None, "f32") if out is None else as_buffer(out, "out", writable=True)
   cfg = _config(dict(lr=lr, betas=betas, eps=eps, eps_root=eps_root, weight_decay=weight_decay, mode=mode,
                      bias_correction=bias_correction, nesterov=nesterov))
   _core.adam_step_compressed(p, moments.exp_avg, moments.exp_avg_sq, moments.scales, moments.format, g, gt, o, ot,
-                             cfg, int(step), float(grad_scale), int(seed), int(first_index), int(state_size),
-                             int(threads), kernel)
+                             cfg, step, float(grad_scale), seed, first_index, state_size, int(threads), kernel)
 
 
 class Optimizer:
@@ -183,11 +201,12 @@ class Optimizer:
       tensors = g["params"].items() if isinstance(g["params"], Mapping) else g["params"]
       own = ("params", "moments", "rounding_seed")
       entry = {"config": _config({k: v for k, v in g.items() if k not in own}),
-               "tensors": [(str(n), [int(d) for d in shape]) for n, shape in tensors]}
+               "tensors": [(str(n), [_integer(d, f"groups[{i}]: tensor {str(n)!r}'s shape {tuple(shape)!r}: extent")
+                                     for d in shape]) for n, shape in tensors]}
       if "moments" in g:
         entry["moments"] = str(g["moments"])
       if "rounding_seed" in g:
-        entry["rounding_seed"] = int(g["rounding_seed"])
+        entry["rounding_seed"] = check_seed(g["rounding_seed"], f"groups[{i}]['rounding_seed']")
       spec.append(entry)
     self._core = _core.Optimizer(spec, int(threads), kernel)
     self._has_8bit = any(self._core.group_moments(g) == "8bit" for g in range(len(spec)))
@@ -285,7 +304,7 @@ class Optimizer:
 
   @step_count.setter
   def step_count(self, value: int) -> None:
-    self._core.step_count = int(value)
+    self._core.step_count = _integer(value, "step_count")
 
   def group_config(self, group: int) -> dict:
     return self._core.group_config(int(group))
@@ -306,7 +325,8 @@ class Optimizer:
 
   @property
   def skipped_steps(self) -> int:
-    """Steps skipped because of non-finite gradients (``skip_nonfinite``)."""
+    """Steps skipped because of non-finite gradients (``skip_nonfinite``), or of a non-finite
+    norm with clipping (``max_grad_norm``)."""
     return self._core.skipped_steps
 
   # failures
@@ -344,12 +364,23 @@ class Optimizer:
         group has 8-bit moments (a NaN there would poison its whole 32-element block, for
         good), else off, like torch.optim: the check costs one read of the gradients.
       known_grad_norm: the gradients' norm computed by the caller (e.g. on the GPU),
-        used instead of reading them for the check and the clip.
+        used instead of reading them for the check and the clip: >= 0, or NaN/inf for a
+        non-finite one (None: not known; a negative norm is refused).
+
+    A non-finite norm (NaN or inf, given or computed) with ``max_grad_norm`` skips the step
+    like ``skip_nonfinite`` does (``applied`` False, counted in ``skipped_steps``): there is
+    no clip factor, and the step is never applied unclipped.
     """
+    if known_grad_norm is None:
+      known = -1.0
+    else:
+      known = float(known_grad_norm)
+      if known < 0:
+        raise ValueError(f"known_grad_norm = {known_grad_norm!r}: a norm is >= 0 (NaN or inf for non-finite "
+                         "gradients; None when not known)")
     if skip_nonfinite is None:
       skip_nonfinite = self._has_8bit
-    opts = (float(grad_scale), float(max_grad_norm), bool(skip_nonfinite),
-            -1.0 if known_grad_norm is None else float(known_grad_norm))
+    opts = (float(grad_scale), float(max_grad_norm), bool(skip_nonfinite), known)
     if isinstance(grads, Mapping) or isinstance(grads, (list, tuple)):
       if isinstance(grads, Mapping):
         unknown = set(grads) - set(self._index)
@@ -360,10 +391,16 @@ class Optimizer:
       else:
         glist, olist = list(grads), list(out) if out is not None else []
       bufs = [None if g is None else as_buffer(g, f"grads[{i}]") for i, g in enumerate(glist)]
+      obufs = [as_buffer(o, f"out[{i}]", writable=True) for i, o in enumerate(olist)]
+      for what, arrays in (("grads", bufs), ("out", obufs)):  # the tensor's own shape, not only its size
+        for i, b in enumerate(arrays[:len(self._segments)]):
+          name, shape = self._segments[i][:2]
+          if b is not None and b[0].shape != tuple(shape):
+            raise ValueError(f"{what}[{name!r}] has shape {b[0].shape}: expected {tuple(shape)}, the tensor's shape "
+                             "(an array of the same size but another shape is refused, not reinterpreted)")
       types = {b[1] for b in bufs if b is not None}
       if len(types) > 1:
         raise TypeError(f"grads: mixed dtypes {sorted(types)}; one gradient dtype per step")
-      obufs = [as_buffer(o, f"out[{i}]", writable=True) for i, o in enumerate(olist)]
       otypes = {b[1] for b in obufs}
       if len(otypes) > 1:
         raise TypeError(f"out: mixed dtypes {sorted(otypes)}; one copy-out dtype per step")
