@@ -132,3 +132,79 @@ def test_hostopt_jax_checks_8bit_groups_by_default_and_warns_once(offload):
   f32 = hj.adamw(jax_params(), learning_rate=1e-2, offload=offload)
   f32.step(jax_grads(np.nan))
   assert f32.last_step.applied
+
+
+# --- hostopt.torch -------------------------------------------------------------------------
+def torch_model(offload=None, **kw):
+  torch = pytest.importorskip("torch")
+  import hostopt.torch as ht
+  w = torch.nn.Parameter(torch.zeros(N))
+  f = torch.nn.Parameter(torch.zeros(32))
+  opt = ht.AdamW([{"params": [w], "moments": "8bit"}, {"params": [f]}], lr=1e-2, threads=1, offload=offload, **kw)
+  return opt, w, f
+
+
+def set_grads(w, f, bad=None, where=5):
+  torch = pytest.importorskip("torch")
+  g = grads(bad, where)
+  w.grad, f.grad = torch.from_numpy(g["w"]), torch.from_numpy(g["f"])
+
+
+def test_hostopt_torch_checks_8bit_groups_by_default_counts_and_warns_once():
+  opt, w, f = torch_model()
+  assert opt.last_step is None
+  set_grads(w, f)
+  opt.step()
+  assert opt.last_step.applied and opt.last_step.step == 1
+  before = (w.detach().clone(), f.detach().clone(), opt.state[w]["exp_avg_codes"].clone())
+  set_grads(w, f, np.nan)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", hostopt.CompressedMomentsWarning)
+    opt.step()
+  # Skipped for every parameter, the f32 one too: one decision over all gradients.
+  assert not opt.last_step.applied and opt.last_step.skipped_steps == 1
+  assert opt.state[w]["step"] == 1 and opt.state[f]["step"] == 1
+  assert all(a.numpy().tobytes() == b.numpy().tobytes()
+             for a, b in zip(before, (w.detach(), f.detach(), opt.state[w]["exp_avg_codes"])))
+  set_grads(w, f, 1e19, where=40)
+  with pytest.warns(hostopt.CompressedMomentsWarning, match="hostopt.torch: .*saturated") as record:
+    opt.step()
+  assert len(blocks_warnings(record)) == 1
+  assert (opt.last_step.poisoned_blocks, opt.last_step.saturated_blocks) == (0, 1)
+  set_grads(w, f)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", hostopt.CompressedMomentsWarning)
+    opt.step()
+  assert opt.last_step.saturated_blocks == 1
+
+
+@pytest.mark.parametrize("offload", [None, "host"])
+def test_hostopt_torch_unchecked_8bit_poisoning_is_counted_and_warned_once(offload):
+  # Unchecked: asked for (skip_nonfinite=False), or the offloaded path's default (a check
+  # there needs a host sync).
+  opt, w, f = torch_model(offload, **({} if offload else {"skip_nonfinite": False}))
+  set_grads(w, f, np.nan)
+  with pytest.warns(hostopt.CompressedMomentsWarning, match="poisoned") as record:
+    opt.step()
+  assert len(blocks_warnings(record)) == 1
+  assert opt.last_step.applied and (opt.last_step.poisoned_blocks, opt.last_step.saturated_blocks) == (1, 0)
+  set_grads(w, f)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", hostopt.CompressedMomentsWarning)
+    opt.step()
+  assert opt.last_step.poisoned_blocks == 1
+  assert bool(w.detach()[:32].isnan().all()) and not bool(w.detach()[32:].isnan().any())
+
+
+def test_hostopt_torch_offloaded_check_when_asked_and_f32_default_unchecked():
+  opt, w, f = torch_model("host", skip_nonfinite=True)
+  set_grads(w, f, np.nan)
+  opt.step()
+  assert not opt.last_step.applied and opt.last_step.skipped_steps == 1
+  torch = pytest.importorskip("torch")
+  import hostopt.torch as ht
+  p = torch.nn.Parameter(torch.zeros(32))
+  plain = ht.AdamW([p], lr=1e-2, threads=1)
+  p.grad = torch.full((32,), float("nan"))
+  plain.step()  # f32 moments: unchecked, as torch.optim
+  assert plain.last_step.applied and bool(p.detach().isnan().all())

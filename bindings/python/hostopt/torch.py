@@ -54,12 +54,25 @@ the format is the param group's ``moments``, and ``state_dict`` carries all of i
 format is fixed; ``load_state_dict`` refuses moments of another format, with nothing changed,
 unless ``convert_moments=True`` (converted then: lossy into bf16 or 8-bit).
 
+Non-finite gradients: ``skip_nonfinite=True`` checks every gradient first (one norm over all
+of them, taken with torch); a non-finite one (or a norm above sqrt(FLT_MAX), which the float
+kernel would square to inf) skips the step for every parameter, changing nothing, as
+``opt.last_step`` reports. None (the default) checks when a param group has 8-bit moments and
+the parameters are stepped in place (a NaN there would poison its whole 32-element block, for
+good), and leaves other optimizers unchecked, like torch.optim; on the offloaded path the check
+takes a host sync, so only ``True`` asks for it. ``opt.last_step`` (``StepStats``: applied,
+step, skipped_steps, grad_norm, poisoned_blocks, saturated_blocks; None before the first
+step; an offloaded step's once it is waited for) counts the 8-bit blocks a step left NaN
+(poisoned) or whose range an outlier exceeded (saturated); the first step that has some warns
+once per kind (``hostopt.CompressedMomentsWarning``).
+
 ``foreach`` and ``fused`` are accepted for compatibility and change nothing: hostopt's step is
 always one fused pass. ``amsgrad``, ``capturable`` and ``differentiable`` are refused.
 Threads: all physical cores of the process's CPU set unless ``threads=`` says otherwise
 (``default_threads()``).
 """
 
+import collections
 import functools
 import math
 import os
@@ -73,8 +86,19 @@ import torch
 
 from . import _core
 from ._arrays import as_buffer, check_q8_scales, check_seed as _check_seed
+from ._block_checks import report as _report_blocks
 
-__all__ = ["Adam", "AdamW", "default_threads"]
+__all__ = ["Adam", "AdamW", "StepStats", "default_threads"]
+
+# What the last step did, over every parameter dtype's core (each steps its own dtype).
+StepStats = collections.namedtuple("StepStats", "applied step skipped_steps grad_norm poisoned_blocks saturated_blocks")
+
+
+def _merged(results) -> StepStats:
+  return StepStats(applied=all(r.applied for r in results), step=max(r.step for r in results),
+                   skipped_steps=max(r.skipped_steps for r in results), grad_norm=results[0].grad_norm,
+                   poisoned_blocks=sum(r.poisoned_blocks for r in results),
+                   saturated_blocks=sum(r.saturated_blocks for r in results))
 
 _TAGS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -416,7 +440,8 @@ class _HostAdam(torch.optim.Optimizer):
                capturable: bool = False, differentiable: bool = False, fused: Optional[bool] = None,
                decoupled_weight_decay: Optional[bool] = None, threads: Optional[int] = None,
                offload: Optional[str] = None, offload_chunk: int = 1 << 22, overlap: bool = False,
-               overlap_backward: bool = False, moments: str = "f32", rounding_seed: int = 0):
+               overlap_backward: bool = False, moments: str = "f32", rounding_seed: int = 0,
+               skip_nonfinite: Optional[bool] = None):
     # torch's own checks and messages.
     if not 0.0 <= lr:
       raise ValueError(f"Invalid learning rate: {lr}")
@@ -457,6 +482,8 @@ class _HostAdam(torch.optim.Optimizer):
     self._hook_handles, self._last_chunk_events = [], 0
     weakref.finalize(self, _remove_handles, self._hook_handles)  # a dropped optimizer's hooks go too
     self._lock = threading.RLock()  # step, state_dict, load_state_dict, ... one at a time
+    self._skip_nonfinite = None if skip_nonfinite is None else bool(skip_nonfinite)
+    self.last_step: Optional[StepStats] = None
     super().__init__(params, defaults)
     if self._overlap_backward and offload != "host" and all(
         p.device.type == "cpu" for g in self.param_groups for p in g["params"]):
@@ -466,7 +493,8 @@ class _HostAdam(torch.optim.Optimizer):
   def __getstate__(self) -> dict:
     state = super().__getstate__()
     state.update(_threads=self._threads, _offload=self._offload, _offload_chunk=self._offload_chunk,
-                 _overlap=self._overlap, _overlap_backward=self._overlap_backward)
+                 _overlap=self._overlap, _overlap_backward=self._overlap_backward,
+                 _skip_nonfinite=self._skip_nonfinite)
     return state
 
   def __setstate__(self, state: dict) -> None:  # copy.deepcopy, pickle (and torch's load_state_dict)
@@ -475,7 +503,7 @@ class _HostAdam(torch.optim.Optimizer):
     super().__setstate__(state)
     self.__dict__.setdefault("_threads", default_threads())
     for key, value in (("_offload", None), ("_offload_chunk", 1 << 22), ("_overlap", False),
-                       ("_overlap_backward", False)):
+                       ("_overlap_backward", False), ("_skip_nonfinite", None), ("last_step", None)):
       self.__dict__.setdefault(key, value)
     self._engine, self._engine_stream, self._pending = None, 0, []
     self._layout = None
@@ -811,7 +839,7 @@ class _HostAdam(torch.optim.Optimizer):
   def _engine_device(self):
     return next(p.device for g in self.param_groups for p in g["params"])
 
-  def _offloaded_step(self, tag: str, tracked: list, dev: dict) -> None:
+  def _offloaded_step(self, tag: str, tracked: list, dev: dict, skip: bool, norm: Optional[float]) -> None:
     """Gradients gathered into the flat device buffer, then one pipeline step ordered after
     the current stream; the stream waits (on the device) for the gradients to be consumed
     and the parameters to be ready, so the next forward and backward need no host wait."""
@@ -834,7 +862,8 @@ class _HostAdam(torch.optim.Optimizer):
     # copied as soon as the device is past them; the rest wait for the whole stream.
     events = chunks.ready_events(dev["grads"]) if chunks is not None else []
     h = dev["pipe"].step_async(dev["grads"].data_ptr(), tag, dev["params"].data_ptr(), tag, dev["n"],
-                               grads_stream=stream, chunk_grads_events=events, tensors_without_grad=without)
+                               grads_stream=stream, chunk_grads_events=events, tensors_without_grad=without,
+                               skip_nonfinite=skip, known_grad_norm=-1.0 if norm is None else norm)
     self._last_chunk_events += sum(1 for e in events if e)
     self._engine.stream_wait_event(stream, h.grads_consumed)
     self._engine.stream_wait_event(stream, h.params_ready)
@@ -846,14 +875,18 @@ class _HostAdam(torch.optim.Optimizer):
     """Waits for offloaded steps in flight (their errors surface here) and updates the
     per-parameter step counts."""
     pending, self._pending = self._pending, []
+    results = []
     for h, tag in pending:
-      h.wait()
+      results.append(h.wait())
       core, tracked, steps, seg_of, _, _ = self._layout[tag]
       counts = core.tensor_steps
       steps[:] = [counts[si] for si in seg_of]
       self._layout[tag][4] = steps.tolist()
       # No remember(): the pipeline's copies do not touch the parameters' version or storage,
       # so whatever the user did since the call is still seen by _adopt_user_changes.
+    if results:
+      self.last_step = _merged(results)
+      _report_blocks(self, self.last_step, "hostopt.torch", stacklevel=5)
 
   def zero_grad(self, *args, **kwargs):
     self._views = {}  # the cached views must not keep freed gradients alive
@@ -887,6 +920,13 @@ class _HostAdam(torch.optim.Optimizer):
         self._build()
     configs = [self._config(g) for g in self.param_groups]  # lr schedulers and edits take effect here
     self._check_grads()  # every dtype's, before any is stepped
+    # One decision for every dtype's core: the norm of all gradients, when checked.
+    skip = self._skip_nonfinite
+    if skip is None:
+      skip = (any(self._group_format(g) == "8bit" for g in self.param_groups)
+              and all(entry[5] is None for entry in self._layout.values()))
+    norm = self._grad_norm() if skip else None
+    results = []
     self._last_chunk_events = 0
     for tag, (core, _, _, _, _, _) in self._layout.items():
       for gi, cfg in enumerate(configs):
@@ -895,7 +935,7 @@ class _HostAdam(torch.optim.Optimizer):
           self._applied[(tag, gi)] = cfg
     for tag, (core, tracked, steps, seg_of, _, dev) in self._layout.items():
       if dev is not None:
-        self._offloaded_step(tag, tracked, dev)
+        self._offloaded_step(tag, tracked, dev, skip, norm)
         self._add_grad_hooks(tag, tracked, dev)  # parameters unfrozen since
         continue
       grads: List = [None] * len(seg_of)
@@ -924,13 +964,30 @@ class _HostAdam(torch.optim.Optimizer):
           outs[seg_of[i]] = as_buffer(_flat(p.data), "param", writable=True)[0]
       if not any_grad:
         continue
-      core.step_tensors(grads, tag, outs if tag != "f32" else [], tag, 1.0)
+      results.append(core.step_tensors(grads, tag, outs if tag != "f32" else [], tag, 1.0, 0.0, skip,
+                                       -1.0 if norm is None else norm))
       counts = core.tensor_steps
       steps[:] = [counts[si] for si in seg_of]
       self._layout[tag][4] = steps.tolist()
       if tag != "f32":
         for t in tracked:
           t.remember()  # hostopt's own write (through numpy) is not the user's
+    if results:
+      self.last_step = _merged(results)
+      _report_blocks(self, self.last_step, "hostopt.torch", stacklevel=5)
+
+  def _grad_norm(self) -> float:
+    """The global norm of every gradient (float32 per tensor, as the kernel squares them:
+    inf past sqrt(FLT_MAX); NaN with a NaN), one device sync per device."""
+    by_device: Dict = {}
+    for group in self.param_groups:
+      for p in group["params"]:
+        if p.grad is not None:
+          by_device.setdefault(p.grad.device, []).append(torch.linalg.vector_norm(p.grad, dtype=torch.float32))
+    total = 0.0
+    for norms in by_device.values():
+      total += float(torch.linalg.vector_norm(torch.stack(norms).double())) ** 2
+    return math.sqrt(total)
 
   def _params_changed(self) -> bool:
     """Whether param_groups holds other parameters than the layout was built for (torch.optim
