@@ -208,3 +208,33 @@ def test_hostopt_torch_offloaded_check_when_asked_and_f32_default_unchecked():
   p.grad = torch.full((32,), float("nan"))
   plain.step()  # f32 moments: unchecked, as torch.optim
   assert plain.last_step.applied and bool(p.detach().isnan().all())
+
+
+# --- hostopt.optax -------------------------------------------------------------------------
+@pytest.mark.parametrize("route", ["numpy", "eager", "jit"])
+def test_hostopt_optax_poisoned_blocks_counted_in_the_state_and_warned_once_outside_jit(route):
+  jax = pytest.importorskip("jax")
+  jnp = pytest.importorskip("jax.numpy")
+  pytest.importorskip("optax")
+  import hostopt.optax as ho
+  tx = ho.adamw_8bit(learning_rate=1e-2)
+  as_input = (lambda x: x) if route == "numpy" else jnp.asarray
+  params = {"w": as_input(np.zeros(N, np.float32))}
+  state = tx.init(params)
+  update = jax.jit(tx.update) if route == "jit" else tx.update
+  bad = {"w": as_input(grads(np.nan)["w"])}
+  ctx = warnings.catch_warnings() if route == "jit" else pytest.warns(hostopt.CompressedMomentsWarning,
+                                                                      match="hostopt.optax: .*poisoned")
+  with ctx as record:
+    if route == "jit":
+      warnings.simplefilter("error", hostopt.CompressedMomentsWarning)  # nothing can warn under jit
+    _, state = update(bad, state, params)
+  if route != "jit":
+    assert len(blocks_warnings(record)) == 1
+  assert ho.poisoned_blocks(state) == 1
+  assert int(jax.jit(ho.poisoned_blocks)(state)) == 1
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", hostopt.CompressedMomentsWarning)  # once
+    _, state = update({"w": as_input(grads()["w"])}, state, params)
+  assert ho.poisoned_blocks(state) == 1
+  assert ho.poisoned_blocks(tx.init(params)) == 0

@@ -61,6 +61,15 @@ typed, so optax's own update fails loudly on it instead of reading codes as mome
   ``ceil(size / 32)`` blocks (one array, not a tree like the params, so
   ``optax.tree_utils.tree_map_params`` maps the codes only).
 
+A NaN or infinite gradient poisons its whole 32-element 8-bit block (NaN for good), and a
+transformation returns only updates and state: there are no step statistics, and under jit
+nothing can warn. Eagerly (numpy or jax arrays outside jit) the first update that leaves
+poisoned blocks warns once per transformation (``hostopt.CompressedMomentsWarning``);
+``poisoned_blocks(state)`` counts them in any state, under jit too. Saturated blocks (an
+outlier exceeding a block's range) are counted by the kernels of the other fronts only. As
+optax, non-finite gradients are not skipped by default: wrap the transformation in
+``optax.apply_if_finite`` (recommended for 8-bit moments) to skip them.
+
 Exponent bytes the 8-bit encoder never writes (a corrupt or foreign state) are refused
 naming the leaf and block: eagerly for a known state, by the FFI handler for a traced one.
 The update is the f32 kernel's for the decoded moments, in the gradient's dtype (the
@@ -109,10 +118,11 @@ from jax.experimental.compute_on import compute_on
 
 from . import _core, _xla
 from ._arrays import check_q8_scales, check_seed
+from ._block_checks import report as _report_blocks
 from ._masks import mask_flags
 from ._xla import is_static_number
 
-__all__ = ["adam", "adamw", "nadam", "nadamw", "adamw_8bit", "ScaleByAdam8bitState"]
+__all__ = ["adam", "adamw", "nadam", "nadamw", "adamw_8bit", "ScaleByAdam8bitState", "poisoned_blocks"]
 
 _HOSTOPT_OPTIONS = {"threads": 0, "reuse_state": False, "state_memory": None, "moments": "f32", "rounding_seed": 0}
 _KNOWN = ("learning_rate", "b1", "b2", "eps", "eps_root", "mu_dtype", "weight_decay", "mask", "nesterov")
@@ -131,6 +141,17 @@ class ScaleByAdam8bitState(NamedTuple):
   mu_codes: Any
   nu_codes: Any
   scales: Any
+
+
+def poisoned_blocks(state):
+  """How many 8-bit blocks of the ScaleByAdam8bitStates in `state` (any optax state tree)
+  are poisoned: an exponent byte 255, their 32 moments NaN (for good). An int for a known
+  state, a traced int32 under jit."""
+  found = [x for x in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, ScaleByAdam8bitState))
+           if isinstance(x, ScaleByAdam8bitState)]
+  if any(_is_traced(x.scales) for x in found):
+    return sum((jnp.any(jnp.asarray(x.scales) == 255, axis=1).sum(dtype=jnp.int32) for x in found), jnp.int32(0))
+  return int(sum(np.count_nonzero(np.any(np.asarray(x.scales) == 255, axis=1)) for x in found))
 
 
 def _is_traced(x) -> bool:
@@ -612,6 +633,7 @@ def _compressed_transformation(reference, moments, seed, decoupled, learning_rat
                                state_memory) -> optax.GradientTransformationExtraArgs:
   """The transformation with compressed moments (see the module docstring)."""
   q8 = moments == "8bit"
+  told = type("_Told", (), {})()  # the warn-once record of this transformation
 
   def init_fn(params):
     leaves, treedef = jax.tree_util.tree_flatten(params)
@@ -747,6 +769,9 @@ def _compressed_transformation(reference, moments, seed, decoupled, learning_rat
     if q8:
       new_adam = ScaleByAdam8bitState(count=new_count, mu_codes=treedef.unflatten(new_mu),
                                       nu_codes=treedef.unflatten(new_nu), scales=new_sc)
+      if not _is_traced(new_sc) and not _is_traced(new_count):  # eager: 2 bytes per 32 parameters read back
+        _report_blocks(told, type("_Counts", (), {"step": int(new_count), "poisoned_blocks": poisoned_blocks(new_adam),
+                                                   "saturated_blocks": 0})(), "hostopt.optax")
     else:
       new_adam = adam_state._replace(count=new_count, mu=treedef.unflatten(new_mu), nu=treedef.unflatten(new_nu))
     rest = jax.tree_util.tree_map(lambda c: keep_numpy(_increment(c)), tuple(state[1:]))
