@@ -19,8 +19,9 @@ _WHAT = {
                         "gradients out)"),
     "saturated_blocks": ("saturated", "an element with a gradient had its second moment raised to its block's "
                          "smallest code, more than 2^33 below the block's largest (an outlier gradient beside it, "
-                         "or an overflowing one): its steps shrink, frozen until the outlier's moment decays; "
-                         "consider clipping (max_grad_norm) or f32 moments for this tensor"),
+                         "or an overflowing one): its steps shrink, frozen until the outlier's moment decays "
+                         "(clipping scales both alike and does not help: find the outlier, or give this tensor f32 "
+                         "moments)"),
 }
 
 
