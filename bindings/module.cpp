@@ -55,7 +55,7 @@ bool holds(const py::dtype& d, dtype t) {
 
 buffer check_array(const py::handle& obj, const std::string& what, const std::string& dtype_name_, bool writable) {
   if (!py::isinstance<py::array>(obj))
-    throw py::type_error(what + ": expected a numpy array, got " + std::string(py::str(obj.get_type().attr("__name__"))));
+    throw py::type_error(what + ": expected a numpy array, got " + std::string(py::str(py::type::handle_of(obj).attr("__name__"))));
   auto arr = py::reinterpret_borrow<py::array>(obj);
   const dtype t = dtype_from(what, dtype_name_);
   if (!holds(arr.dtype(), t))
@@ -589,7 +589,9 @@ PYBIND11_MODULE(_core, m) {
         o.write_moments(name, {static_cast<const float*>(a.data), a.size}, {static_cast<const float*>(b.data), b.size});
       }, py::arg("name"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
          "Sets one tensor's moments from float32 arrays (encoded, lossy, for a compressed group).")
-      .def("moment_codes", [](py::object self, const std::string& name) {
+      .def("moment_codes", [](py::object self, const std::string& name) -> py::tuple {
+        // -> py::tuple: pybind11 3's make_tuple returns typing::Tuple<element types...>, so the
+        // two branches' returns would otherwise deduce different types.
         optimizer& o = self.cast<optimizer&>();
         const compressed_moments c = o.moment_codes(name);
         const auto n = py::ssize_t(o.tensor(name).size);
