@@ -1,7 +1,18 @@
 # Third-party dependencies, all from Debian packages (never vendored).
-find_package(xsimd 8 REQUIRED CONFIG)
+
+# find_package(<name> <args>...), or a configure (and so `pip install .`) that stops with one
+# line naming what to install, not find_package's page about <name>Config.cmake.
+macro(hostopt_require name what install)
+  find_package(${name} ${ARGN} QUIET)
+  if(NOT ${name}_FOUND)
+    message(FATAL_ERROR "hostopt needs ${what}: ${install}")
+  endif()
+endmacro()
+
+hostopt_require(xsimd "xsimd 8 or newer (SIMD headers)" "apt-get install libxsimd-dev" 8 CONFIG)
 find_package(Threads REQUIRED)
-find_package(nlohmann_json 3 REQUIRED CONFIG) # checkpoint headers (header-only, used privately)
+# Checkpoint headers (header-only, used privately).
+hostopt_require(nlohmann_json "nlohmann/json 3 (JSON headers)" "apt-get install nlohmann-json3-dev" 3 CONFIG)
 
 # Cross builds use the host's header-only packages. Their targets point at the host's
 # /usr/include, which would put the host's C library headers before the target's: give
@@ -27,10 +38,12 @@ hostopt_isolate_headers(xsimd xsimd)
 hostopt_isolate_headers(nlohmann_json::nlohmann_json nlohmann)
 
 if(HOSTOPT_THREADING STREQUAL "openmp")
-  find_package(OpenMP REQUIRED COMPONENTS CXX)
+  hostopt_require(OpenMP "OpenMP (HOSTOPT_THREADING=openmp)"
+                  "g++ has it (libgomp); clang needs apt-get install libomp-dev; or configure with -DHOSTOPT_THREADING=threads"
+                  COMPONENTS CXX)
   set(HOSTOPT_THREADING_TARGET OpenMP::OpenMP_CXX)
 elseif(HOSTOPT_THREADING STREQUAL "tbb")
-  find_package(TBB REQUIRED CONFIG)
+  hostopt_require(TBB "oneTBB (HOSTOPT_THREADING=tbb)" "apt-get install libtbb-dev" CONFIG)
   set(HOSTOPT_THREADING_TARGET TBB::tbb)
 elseif(HOSTOPT_THREADING STREQUAL "threads")
   # std::thread per parallel region: for ThreadSanitizer builds (the tsan preset).
