@@ -853,3 +853,290 @@ def test_state_dict_while_another_thread_steps_is_one_steps_state():
       for i, (sd, c) in enumerate(zip(snaps, counts)):
         if c == [k]:
           assert _same_state(sd, want), f"copy {i} is not the state after step {k}"
+
+
+def _twins(dtypes=(torch.float32,), n=6, lr=0.05, steps=3, **kw):
+  """Two identical optimizers over one parameter per dtype, stepped alike with ones."""
+  out = []
+  for _ in range(2):
+    g = torch.Generator().manual_seed(4)
+    ps = [torch.nn.Parameter(torch.randn(n, generator=g).to(dt)) for dt in dtypes]
+    opt = htorch.AdamW(ps, lr=lr, **kw)
+    for k in range(steps):
+      for p in ps:
+        p.grad = torch.full((n,), 0.5 + k).to(p.dtype)
+      opt.step()
+    out.append((ps, opt))
+  return out
+
+
+def _step_both(pairs, grad=1.5):
+  for ps, opt in pairs:
+    for p in ps:
+      p.grad = torch.full(p.shape, grad).to(p.dtype)
+    opt.step()
+
+
+def _same_as_twin(pairs):
+  (a, oa), (b, ob) = pairs
+  assert all(torch.equal(x.detach(), y.detach()) for x, y in zip(a, b))
+  assert _same_state(oa.state_dict(), ob.state_dict())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rebuild_refused_part_way_leaves_every_parameter_as_it_was(dtype):
+  # A parameter appended with a state that does not fit it makes the rebuild refuse: the
+  # parameters built before it keep their layout and step counts (they used to point at the
+  # abandoned layout, at step 0: bias correction restarted silently).
+  pairs = _twins((dtype, dtype))
+  (ps, opt), _ = pairs
+  before = copy.deepcopy(opt.state_dict())
+  q = torch.nn.Parameter(torch.zeros(3).to(dtype))
+  opt.state[q] = {"exp_avg": torch.zeros(5)}
+  opt.param_groups[0]["params"].append(q)
+  for p in ps:
+    p.grad = torch.full(p.shape, 1.5).to(dtype)
+  q.grad = torch.ones(3).to(dtype)
+  with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[2\]: exp_avg has 5 elements"):
+    opt.step()
+  assert [float(opt.state[p]["step"]) for p in ps] == [3.0, 3.0]
+  opt.param_groups[0]["params"].pop()
+  del opt.state[q]
+  assert _same_state(opt.state_dict(), before)
+  for _ in range(3):
+    _step_both(pairs)
+  _same_as_twin(pairs)
+
+
+def test_a_sparse_moment_is_refused_at_load():
+  pairs, grads = _stepped_pair(torch.float32)
+  bad = copy.deepcopy(pairs[0][1].state_dict())
+  bad["state"][0]["exp_avg"] = bad["state"][0]["exp_avg"].to_sparse()
+  _refused_load_changes_nothing(pairs, grads, bad, "exp_avg is a torch.sparse_coo tensor: moments are dense")
+
+
+def test_a_parameter_removed_from_param_groups_is_left_alone():
+  # torch.optim no longer looks at a parameter taken out of param_groups: hostopt used to
+  # check it at every step (another shape then refused every step).
+  for cls in (torch.optim.AdamW, htorch.AdamW):
+    p, q = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(3))
+    opt = cls([p], lr=0.1)
+    p.grad = torch.ones(4)
+    opt.step()
+    opt.param_groups[0]["params"][0] = q
+    p.data = torch.zeros(10)
+    q.grad = torch.ones(3)
+    opt.step()
+    assert float(opt.state[q]["step"]) == 1.0, cls
+
+
+def test_a_step_at_the_largest_count_is_refused_before_any_dtype_moves():
+  # A step count of 2**53 loads (the largest count); the next step cannot be taken: refused
+  # before any dtype is stepped (the f32 parameter used to move before the core refused).
+  (ps, opt), _ = _twins((torch.float32, torch.bfloat16), steps=1)
+  sd = opt.state_dict()
+  sd["state"][1]["step"] = 2**53
+  opt.load_state_dict(sd)
+  for p in ps:
+    p.grad = torch.ones(p.shape).to(p.dtype)
+  before = [p.detach().clone() for p in ps]
+  for _ in range(2):
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] is at step 9007199254740992, the "
+                                         r"largest step count"):
+      opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(ps, before))
+    assert [float(opt.state[p]["step"]) for p in ps] == [1.0, 2.0**53]
+
+
+@pytest.mark.parametrize("value", [2.5, -1.0, float("nan"), 1e20, None])
+def test_a_step_written_into_opt_state_is_checked_as_a_loaded_one(value):
+  # The step handed out is a view of hostopt's step counts: written in place (fill_) or
+  # replaced, it is checked at the next step with load's rule, before anything moves (2.5
+  # was truncated, -1 reached the core as '0.0', None became 0).
+  pairs = _twins((torch.float32, torch.bfloat16), steps=2)
+  (ps, opt), _ = pairs
+  if value is None:
+    opt.state[ps[1]]["step"] = None
+  else:
+    opt.state[ps[1]]["step"].fill_(value)
+  before = [p.detach().clone() for p in ps]
+  for p in ps:
+    p.grad = torch.ones(p.shape).to(p.dtype)
+  with pytest.raises(ValueError, match=r"opt.state\[p\]\['step'\] of param_groups\[0\]\['params'\]\[1\] = .*: a "
+                                       r"step count is an integer in \[0, 2\*\*53\]"):
+    opt.step()
+  assert all(torch.equal(p.detach(), b) for p, b in zip(ps, before))
+  assert float(opt.state[ps[0]]["step"]) == 2.0
+  if value is None:
+    opt.state[ps[1]]["step"] = torch.tensor(2.0)
+  else:
+    opt.state[ps[1]]["step"].fill_(2)
+  for _ in range(2):
+    _step_both(pairs)
+  _same_as_twin(pairs)
+
+
+def test_a_gradient_of_another_shape_is_refused_before_any_dtype_moves():
+  a = torch.nn.Parameter(torch.randn(2, 3))
+  b = torch.nn.Parameter(torch.randn(4).to(torch.bfloat16))
+  opt = htorch.AdamW([a, b], lr=0.1)
+  a.grad, b.grad = torch.ones(2, 3), torch.ones(4).to(torch.bfloat16)
+  opt.step()
+  b.grad.data = torch.ones(2, 2).to(torch.bfloat16)  # the same gradient tensor, another shape
+  before = (a.detach().clone(), b.detach().clone())
+  with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] has a gradient of shape \(2, 2\) on "
+                                       r"cpu: expected the parameter's, \(4,\)"):
+    opt.step()
+  assert torch.equal(a.detach(), before[0]) and torch.equal(b.detach(), before[1])
+  assert [float(opt.state[p]["step"]) for p in (a, b)] == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("key,value", [("lr", -1.0), ("lr", float("nan")), ("lr", "abc"), ("betas", (1.0, 0.999)),
+                                       ("betas", (0.9, 1.5)), ("betas", 0.9), ("eps", -1e-8),
+                                       ("weight_decay", float("inf"))])
+def test_saved_hyper_parameters_no_step_can_use_are_refused_at_load(key, value):
+  pairs, grads = _stepped_pair(torch.float32)
+  bad = copy.deepcopy(pairs[0][1].state_dict())
+  bad["param_groups"][0][key] = value
+  _refused_load_changes_nothing(pairs, grads, bad, rf"state_dict\['param_groups'\]\[0\]\['{key}'\] = ")
+
+
+def test_a_bad_hyper_parameter_is_named_by_torchs_group_index():
+  a, b = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4))
+  opt = htorch.AdamW([{"params": [a]}, {"params": [b]}], lr=0.1)
+  a.grad = b.grad = torch.ones(4)
+  opt.step()
+  opt.param_groups[0]["lr"] = -0.1  # (the core's groups are in reverse order: it said groups[1])
+  with pytest.raises(ValueError, match=r"^param_groups\[0\]\['lr'\] = -0.1: expected a finite value >= 0"):
+    opt.step()
+  opt.param_groups[1]["betas"] = (0.9, 1.0)
+  opt.param_groups[0]["lr"] = 0.1
+  with pytest.raises(ValueError, match=r"^param_groups\[1\]\['betas'\] = \(0.9, 1.0\): expected two values"):
+    opt.step()
+
+
+def test_a_state_entry_of_no_parameter_is_refused_at_load():
+  pairs, grads = _stepped_pair(torch.float32)
+  bad = copy.deepcopy(pairs[0][1].state_dict())
+  bad["state"][7] = {"step": "abc", "exp_avg": torch.full((4,), -1.0)}
+  _refused_load_changes_nothing(pairs, grads, bad, r"state_dict\['state'\]\[7\] belongs to no parameter")
+
+
+def test_a_deepcopy_while_another_thread_steps_is_one_steps_state():
+  # copy.deepcopy (and pickle) copy under the step's lock: never parameters at two steps.
+  import threading
+  g = torch.Generator().manual_seed(8)
+  ps = [torch.nn.Parameter(torch.randn(20000, generator=g)) for _ in range(6)]
+  ps += [torch.nn.Parameter(torch.randn(20000, generator=g).to(torch.bfloat16)) for _ in range(2)]
+  for p in ps:
+    p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+  opt = htorch.AdamW(ps, lr=1e-3, threads=1)
+  done, errors, cond = [0, False], [], threading.Condition()
+
+  def stepper():
+    try:
+      while done[0] < 2000 and not done[1]:
+        opt.step()
+        with cond:
+          done[0] += 1
+          cond.notify_all()
+    except Exception as e:  # reported below
+      errors.append(e)
+    with cond:
+      done[1] = True
+      cond.notify_all()
+
+  thread = threading.Thread(target=stepper)
+  thread.start()
+  counts = []
+  try:
+    for _ in range(30):
+      with cond:
+        seen = done[0]
+        cond.wait_for(lambda: done[0] > seen or done[1])
+      copied = copy.deepcopy(opt)
+      counts.append(sorted({float(st["step"]) for st in copied.state.values()}))
+  finally:
+    with cond:
+      done[1] = True
+    thread.join()
+  assert not errors
+  assert all(len(c) == 1 for c in counts), f"copies mixing steps: {counts}"
+
+
+_LOAD_HOOKS = hasattr(torch.optim.Optimizer, "register_load_state_dict_pre_hook")
+
+
+@pytest.mark.skipif(not _LOAD_HOOKS, reason="load_state_dict hooks need torch >= 2")
+def test_load_state_dict_pre_and_post_hooks_are_honoured_as_torch_does():
+  # A pre-hook's returned dict is what is checked and loaded; post-hooks run once hostopt's
+  # state is in place, and their edits are the state.
+  for dtype in (torch.float32, torch.bfloat16):
+    results = {}
+    for cls in (torch.optim.AdamW, htorch.AdamW):
+      p = torch.nn.Parameter(torch.linspace(-1, 1, 4).to(dtype))
+      opt = cls([p], lr=0.1)
+      for _ in range(3):
+        p.grad = torch.ones(4).to(dtype)
+        opt.step()
+
+      def pre(o, sd):
+        sd = copy.deepcopy(sd)
+        sd["state"][0]["step"] = torch.tensor(1.0)
+        sd["state"][0]["exp_avg"] = torch.zeros(4)
+        return sd
+
+      def post(o):
+        o.state[p]["exp_avg_sq"] = torch.zeros_like(o.state[p]["exp_avg_sq"])
+
+      handles = [opt.register_load_state_dict_pre_hook(pre), opt.register_load_state_dict_post_hook(post)]
+      opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+      st = opt.state[p]
+      results[cls] = (float(st["step"]), st["exp_avg"].float().tolist(), st["exp_avg_sq"].float().tolist())
+      for h in handles:
+        h.remove()
+
+      def bad(o, sd):
+        sd = copy.deepcopy(sd)
+        sd["state"][0]["exp_avg_sq"][0] = -1.0
+        return sd
+
+      if cls is htorch.AdamW:
+        opt.register_load_state_dict_pre_hook(bad)
+        with pytest.raises(ValueError, match="a second moment is never negative"):
+          opt.load_state_dict(opt.state_dict())
+    assert results[htorch.AdamW] == results[torch.optim.AdamW] == (1.0, [0.0] * 4, [0.0] * 4), results
+
+
+@pytest.mark.skipif(not _HOOKS, reason="post-accumulate-grad hooks need torch >= 2.1")
+def test_backward_hooks_do_not_pile_up_with_each_load():
+  m = torch.nn.Linear(8, 8)
+  x = torch.randn(4, 8)
+  calls = []
+  opt = htorch.AdamW(m.parameters(), lr=1e-2, offload="host", overlap_backward=True)
+  for _ in range(3):
+    opt.zero_grad()
+    m(x).pow(2).mean().backward()
+    opt.step()
+    calls.append(len(m.weight._post_accumulate_grad_hooks))
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+  assert calls == [1, 1, 1]
+
+
+@pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.compile needs torch >= 2")
+def test_a_compiled_step_builds_the_layout_eagerly_and_steps_as_eager():
+  pytest.importorskip("torch._dynamo")
+  x = torch.randn(16, 8)
+  models = []
+  for compiled in (True, False):
+    torch.manual_seed(0)
+    m = torch.nn.Linear(8, 8)
+    opt = htorch.AdamW(m.parameters(), lr=1e-2)
+    for k in range(3):
+      opt.zero_grad()
+      m(x).pow(2).mean().backward()
+      (torch.compile(opt.step) if compiled and k == 0 else opt.step)()
+    models.append((m, opt))
+  (a, oa), (b, ob) = models
+  assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+  assert _same_state(oa.state_dict(), ob.state_dict())

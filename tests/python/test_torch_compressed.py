@@ -424,3 +424,114 @@ def test_groups_removed_from_param_groups_keep_the_others_formats():
   opt.param_groups[0]["moments"] = "bf16"
   with pytest.raises(ValueError, match=r"param_groups\[0\]\['moments'\] changed from '8bit' to 'bf16'"):
     opt.step()
+
+
+def _format_twins(fmt="8bit"):
+  out = []
+  for _ in range(2):
+    g = torch.Generator().manual_seed(4)
+    ps = [torch.nn.Parameter(torch.randn(64, generator=g)) for _ in range(3)]
+    out.append((ps, ht.AdamW([{"params": ps[:2]}, {"params": [ps[2]], "moments": fmt}], lr=0.05)))
+  return out
+
+
+def _step_twins(pairs, seed):
+  g = torch.Generator().manual_seed(seed)
+  grads = [torch.randn(64, generator=g) for _ in range(3)]
+  for ps, opt in pairs:
+    for p, gr in zip(ps, grads):
+      p.grad = gr.clone()
+    opt.step()
+
+
+def _same_twins(pairs):
+  (a, oa), (b, ob) = pairs
+  assert all(torch.equal(x.detach(), y.detach()) for x, y in zip(a, b))
+  assert [float(oa.state[p]["step"]) for p in a] == [float(ob.state[p]["step"]) for p in b]
+
+
+@pytest.mark.parametrize("change", ["dict replaced", "moments changed then add_param_group",
+                                    "parameter moved to another format's group"])
+def test_a_parameters_format_is_fixed_however_its_group_changes(change):
+  # The check used to know groups by identity only: a group dict replaced by a copy with
+  # another 'moments' dodged it, add_param_group skipped it, and a parameter moved into a
+  # group of another format was refused part-way through the rebuild (the parameters built
+  # before it then restarted from step 0). Refused before anything changes; undone, the
+  # optimizer steps as its twin.
+  pairs = _format_twins()
+  for seed in range(2):
+    _step_twins(pairs, seed)
+  (ps, opt), _ = pairs
+  c = torch.nn.Parameter(torch.zeros(5))
+  if change == "dict replaced":
+    original = opt.param_groups[1]
+    opt.param_groups[1] = {**original, "moments": "bf16"}
+    words = r"param_groups\[1\]\['params'\]\[0\] has 8bit moments, but param_groups\[1\] stores 'bf16'"
+  elif change == "moments changed then add_param_group":
+    opt.param_groups[1]["moments"] = "f32"
+    opt.add_param_group({"params": [c], "moments": "8bit"})
+    words = r"param_groups\[1\]\['moments'\] changed from '8bit' to 'f32'"
+  else:
+    opt.param_groups[1]["params"].pop()
+    opt.param_groups[0]["params"].append(ps[2])
+    words = r"param_groups\[0\]\['params'\]\[2\] has 8bit moments, but param_groups\[0\] stores 'f32'"
+  before = [p.detach().clone() for p in ps]
+  g = torch.Generator().manual_seed(2)
+  for p in ps:
+    p.grad = torch.randn(64, generator=g)
+  c.grad = torch.ones(5)
+  with pytest.raises(ValueError, match=words):
+    opt.step()
+  assert all(torch.equal(p.detach(), b) for p, b in zip(ps, before))
+  assert [float(opt.state[p]["step"]) for p in ps] == [2.0, 2.0, 2.0]
+  if change == "dict replaced":
+    opt.param_groups[1] = original
+  elif change == "moments changed then add_param_group":
+    opt.param_groups[1]["moments"] = "8bit"
+    del opt.param_groups[2]
+  else:
+    opt.param_groups[0]["params"].pop()
+    opt.param_groups[1]["params"].append(ps[2])
+  for seed in range(2, 5):
+    _step_twins(pairs, seed)
+  _same_twins(pairs)
+
+
+def test_a_first_build_refused_after_a_load_leaves_the_loaded_state():
+  # An 8-bit optimizer loads a checkpoint, then the model goes channels_last before the first
+  # step: refused (the codes' blocks are of another memory order), and the parameters built
+  # before the refused one keep their loaded steps (they used to restart from 0).
+  def make():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Conv2d(4, 4, 3))
+
+  x = torch.randn(2, 4, 5, 5)
+
+  def step(m, o):
+    o.zero_grad()
+    (m[1](x).pow(2).mean() + m[0](x.mean((2, 3))).pow(2).mean()).backward()
+    o.step()
+
+  src = make()
+  so = ht.AdamW(src.parameters(), lr=1e-2, moments="8bit")
+  for _ in range(3):
+    step(src, so)
+  ck, msd = copy.deepcopy(so.state_dict()), copy.deepcopy(src.state_dict())
+  twins = []
+  for _ in range(2):
+    m = make()
+    m.load_state_dict(msd)
+    o = ht.AdamW(m.parameters(), lr=1e-2, moments="8bit")
+    o.load_state_dict(copy.deepcopy(ck))
+    twins.append((m, o))
+  (a, oa), (b, ob) = twins
+  a.to(memory_format=torch.channels_last)
+  with pytest.raises(ValueError, match="laid out in another memory order"):
+    step(a, oa)
+  assert [float(oa.state[p]["step"]) for p in a.parameters()] == [3.0] * 4
+  a.to(memory_format=torch.contiguous_format)
+  for _ in range(2):
+    step(a, oa)
+    step(b, ob)
+  assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+  assert [float(oa.state[p]["step"]) for p in a.parameters()] == [5.0] * 4

@@ -73,6 +73,7 @@ Threads: all physical cores of the process's CPU set unless ``threads=`` says ot
 """
 
 import collections
+import copy
 import functools
 import math
 import os
@@ -143,6 +144,8 @@ def _check_moment_state(st: dict, fmt: str, like: torch.Tensor, where: str) -> b
     if not torch.is_tensor(value) or value.numel() != numel:
       raise ValueError(f"{where}: {key} has {value.numel() if torch.is_tensor(value) else 'no'} elements, the "
                        f"parameter {numel}")
+    if value.layout != torch.strided:
+      raise ValueError(f"{where}: {key} is a {value.layout} tensor: moments are dense (strided) tensors")
     if fmt == "8bit" and value.dtype != torch.uint8:
       raise ValueError(f"{where}: {key} has dtype {value.dtype}: 8bit moments are torch.uint8 codes")
     if fmt != "8bit" and not value.is_floating_point():
@@ -157,7 +160,8 @@ def _check_moment_state(st: dict, fmt: str, like: torch.Tensor, where: str) -> b
   if codes:
     scales = st.get(_SCALES)
     blocks = -(-numel // 32)
-    if not torch.is_tensor(scales) or scales.dtype != torch.uint8 or scales.numel() != 2 * blocks:
+    if not torch.is_tensor(scales) or scales.layout != torch.strided or scales.dtype != torch.uint8 or (
+        scales.numel() != 2 * blocks):
       raise ValueError(f"{where}: 8-bit moments need {_SCALES!r}, uint8 with {2 * blocks} elements (2 per block "
                        f"of 32), got " + (f"{scales.dtype} with {scales.numel()}" if torch.is_tensor(scales)
                                           else "none"))
@@ -186,9 +190,10 @@ def _check_step(value, where: str) -> int:
 def _check_master(value, like: torch.Tensor, where: str) -> None:
   """A parameter's saved f32 master weights: float32 (or the parameter's own dtype, as
   torch.optim casts them) with the parameter's shape. Refused otherwise, never ignored."""
-  if not torch.is_tensor(value) or value.dtype not in (torch.float32, like.dtype) or (
+  if not torch.is_tensor(value) or value.layout != torch.strided or value.dtype not in (torch.float32, like.dtype) or (
       tuple(value.shape) != tuple(like.shape)):
-    got = f"{value.dtype} {tuple(value.shape)}" if torch.is_tensor(value) else type(value).__name__
+    got = (f"{value.dtype} {tuple(value.shape)}" + ("" if value.layout == torch.strided else f" {value.layout}")
+           if torch.is_tensor(value) else type(value).__name__)
     raise ValueError(f"{where}: {_MASTER} is {got}: expected the master weights, float32 with the parameter's shape "
                      f"{tuple(like.shape)}")
 
@@ -230,6 +235,30 @@ def _encoded(m32: torch.Tensor, v32: torch.Tensor, fmt: str, like: torch.Tensor,
   out = {key: _arena_view(c, like) for key, c in zip(_CODES, (cm, cv))}
   out[_SCALES] = torch.from_numpy(scales).view(-1, 2)
   return out
+
+
+def _check_hparams(group: dict, where: str) -> None:
+  """A param group's hyper-parameters as a step uses them: lr, eps and weight_decay finite
+  and >= 0, betas two values in [0, 1). Refused by key otherwise (no step could use them)."""
+  def number(key, value):
+    try:
+      return float(value)
+    except (TypeError, ValueError):
+      raise ValueError(f"{where}['{key}'] = {value!r}: expected a number") from None
+
+  for key in ("lr", "eps", "weight_decay"):
+    if key not in group:
+      raise ValueError(f"{where} has no {key!r}")
+    x = number(key, group[key])
+    if not (math.isfinite(x) and x >= 0):
+      raise ValueError(f"{where}['{key}'] = {group[key]!r}: expected a finite value >= 0")
+  betas = group.get("betas")
+  try:
+    b = [number("betas", x) for x in betas]
+  except TypeError:
+    b = []
+  if len(b) != 2 or not all(0.0 <= x < 1.0 for x in b):
+    raise ValueError(f"{where}['betas'] = {betas!r}: expected two values in [0, 1)")
 
 
 def default_threads() -> int:
@@ -432,6 +461,11 @@ def _serialized(method):
   return run
 
 
+# Under torch.compile, what builds the layout (numpy views, the core) runs eagerly: Dynamo
+# traces torch ops only, and a layout traced with fake tensors would be no layout.
+_eager = getattr(torch, "_disable_dynamo", None) or (lambda fn: fn)
+
+
 class _HostAdam(torch.optim.Optimizer):
   _mode = "adamw"
 
@@ -490,16 +524,36 @@ class _HostAdam(torch.optim.Optimizer):
       raise ValueError("overlap_backward=True applies to offloaded parameters (CUDA ones, or offload='host'): "
                        "CPU parameters are stepped in place")
 
-  def __getstate__(self) -> dict:
+  def __getstate__(self) -> dict:  # pickle (torch.save(opt)): one step's state, taken under the lock
+    with self._lock:
+      state = self._plain_state()
+      state["state"] = collections.defaultdict(dict, {
+          p: {key: (v.clone() if torch.is_tensor(v) else v) for key, v in st.items()}
+          for p, st in state["state"].items()})
+      return state
+
+  def _plain_state(self) -> dict:
     state = super().__getstate__()
     state.update(_threads=self._threads, _offload=self._offload, _offload_chunk=self._offload_chunk,
                  _overlap=self._overlap, _overlap_backward=self._overlap_backward,
                  _skip_nonfinite=self._skip_nonfinite)
     return state
 
+  def __deepcopy__(self, memo: dict):
+    """copy.deepcopy: copied under the lock (parameters and state of one step, never torn by
+    another thread's step), with the caller's memo (a model copied alongside shares them)."""
+    with self._lock:
+      self._drain()
+      new = type(self).__new__(type(self))
+      memo[id(self)] = new
+      new.__setstate__(copy.deepcopy(self._plain_state(), memo))
+      return new
+
   def __setstate__(self, state: dict) -> None:  # copy.deepcopy, pickle (and torch's load_state_dict)
-    if "_lock" not in self.__dict__:  # a load holds its lock: keep it
-      self._lock = threading.RLock()
+    if "_lock" in self.__dict__:  # torch's load_state_dict, on this live optimizer: its lock, hooks, engine stay
+      super().__setstate__(state)
+      return
+    self._lock = threading.RLock()
     super().__setstate__(state)
     self.__dict__.setdefault("_threads", default_threads())
     for key, value in (("_offload", None), ("_offload_chunk", 1 << 22), ("_overlap", False),
@@ -526,24 +580,54 @@ class _HostAdam(torch.optim.Optimizer):
     if "rounding_seed" in param_group:
       param_group["rounding_seed"] = _check_seed(param_group["rounding_seed"], "param group rounding_seed")
     super().add_param_group(param_group)
-    self._layout = None  # rebuilt, with the state kept, on the next step
+    # Rebuilt, with the state kept, at the next step (_params_changed), after the check that
+    # every built parameter's group still stores its format (_check_formats).
 
   def _group_format(self, group: dict) -> str:
     return group.get("moments", "f32")
 
-  def _config(self, group: dict) -> dict:
+  def _config(self, group: dict, where: str) -> dict:
+    """The core's config of a param group, its hyper-parameters checked (named by torch's index)."""
+    _check_hparams(group, where)
     # torch 2's Adam(decoupled_weight_decay=True) is AdamW; a group says which it is.
     decoupled = bool(group.get("decoupled_weight_decay", self._mode == "adamw"))
     return {"lr": float(group["lr"]), "beta1": float(group["betas"][0]), "beta2": float(group["betas"][1]),
             "eps": float(group["eps"]), "weight_decay": float(group["weight_decay"]),
             "mode": "adamw" if decoupled else "adam", "maximize": bool(group.get("maximize", False))}
 
-  def _build(self) -> None:
-    """One hostopt optimizer per parameter dtype (stepped together), holding the master
-    weights, moments and each parameter's own step count."""
-    by_dtype: Dict[str, list] = {}
-    seen, where_of = set(), {}
+  def _check_formats(self) -> None:
+    """A parameter's moment format is fixed: its group (the same dict or a replaced one, or
+    another group it was moved to) must still store the format it was built with."""
+    built = {id(g): fmt for g, fmt in self._built_groups}
+    had = {id(t.param): t.format for layout in self._layout.values() for t in layout[1]}
     for gi, group in enumerate(self.param_groups):
+      fmt = self._group_format(group)
+      if built.get(id(group), fmt) != fmt:
+        raise ValueError(f"param_groups[{gi}]['moments'] changed from {built[id(group)]!r} to {fmt!r}: a group's "
+                         "moment format is fixed (convert through state_dict and load_state_dict(..., "
+                         "convert_moments=True) into a new optimizer)")
+      for pi, p in enumerate(group["params"]):
+        if had.get(id(p), fmt) != fmt:
+          raise ValueError(f"param_groups[{gi}]['params'][{pi}] has {had[id(p)]} moments, but param_groups[{gi}] "
+                           f"stores {fmt!r}: a parameter's moment format is fixed (a replaced group dict or a "
+                           "parameter moved between groups keeps it; convert through state_dict and "
+                           "load_state_dict(..., convert_moments=True) into a new optimizer)")
+
+  @_eager
+  def _build(self, overrides: Optional[dict] = None) -> None:
+    """One hostopt optimizer per parameter dtype (stepped together), holding the master
+    weights, moments and each parameter's own step count.
+
+    Built aside, then swapped in: every check (and every core, arena and copy) comes first,
+    and only then are opt.state, the parameters and the hooks pointed at the new layout, so a
+    refused build leaves the optimizer as it was (the earlier layout, its step counts).
+    `overrides`: id(p) -> state entries read instead of opt.state[p]'s (8-bit codes
+    re-encoded for a new memory order, written to opt.state only when the build stands)."""
+    overrides = overrides or {}
+    by_dtype: Dict[str, list] = {}
+    seen, where_of, source = set(), {}, {}
+    for gi, group in enumerate(self.param_groups):
+      fmt = self._group_format(group)
       for pi, p in enumerate(group["params"]):
         where = f"param_groups[{gi}]['params'][{pi}]"
         if id(p) in seen:
@@ -556,12 +640,19 @@ class _HostAdam(torch.optim.Optimizer):
         if not _dense_order(p):
           raise ValueError(f"{where} is a strided view with gaps or overlaps (strides {tuple(p.stride())}): "
                            "hostopt keeps each parameter in one dense slice")
-        st = self.state.get(p) or {}  # (written by the user, or loaded): checked before anything moves
-        if st.get("step") is not None:
+        # (written by the user, or loaded): checked before anything moves; read, not changed
+        st = dict(self.state[p]) if p in self.state else {}
+        st.update(overrides.get(id(p), {}))
+        source[id(p)] = st
+        if "step" in st:  # (None is refused: it is no count)
           _check_step(st["step"], f"opt.state[p]['step'] of {where}")
         if st.get(_MASTER) is not None:
           _check_master(st[_MASTER], p, f"opt.state[p] of {where}")
+        if _check_moment_state(st, fmt, p, f"the state of {where}"):
+          raise ValueError(f"the state of {where}: its 8-bit codes are laid out in another memory order than the "
+                           "parameter (load the state_dict with convert_moments=True to re-encode them)")
         by_dtype.setdefault(_TAGS[p.dtype], []).append((gi, p))
+    configs = [self._config(g, f"param_groups[{gi}]") for gi, g in enumerate(self.param_groups)]
     devices = {p.device for entries in by_dtype.values() for _, p in entries}
     offload = self._offload
     if any(d.type != "cpu" for d in devices):
@@ -571,15 +662,18 @@ class _HostAdam(torch.optim.Optimizer):
       offload = "cuda"
     elif offload == "cuda":
       raise ValueError("offload='cuda' but the parameters are on the CPU")
+    if offload:
+      for entries in by_dtype.values():
+        for gi, p in entries:
+          if not p.is_contiguous():
+            raise ValueError(f"{where_of[id(p)]} is not contiguous: the offloaded path keeps parameters in the flat "
+                             "device buffer's layout")
     device = next(iter(devices)) if devices else torch.device("cpu")
-    if self._layout and any(layout[5] is not None for layout in self._layout.values()) and device.type == "cuda":
-      torch.cuda.synchronize(device)  # old flat buffers go back to the allocator: no stream may still use them
     if offload and self._engine is None:
       self._engine = (_core.CopyEngine.cuda(device.index or 0) if offload == "cuda" else _core.CopyEngine.host())
       if offload == "host":
         self._engine_stream = self._engine.create_stream()  # stands in for torch's (synchronous) CPU stream
-    self._remove_grad_hooks()
-    layout, self._group_of = {}, {}
+    built, group_of_all = {}, {}
     for tag, entries in by_dtype.items():
       # The backward produces the last parameters' gradients first, so they lead the arena
       # and an offloaded step's first chunks are complete first (see _grad_hook). CPU
@@ -587,8 +681,7 @@ class _HostAdam(torch.optim.Optimizer):
       # both paths give the same bits (and resume from each other's state_dict).
       order = list(range(len(self.param_groups)))[::-1]
       group_of = {gi: j for j, gi in enumerate(order)}  # torch's group -> the core's
-      groups = [{"config": self._config(self.param_groups[gi]), "tensors": [],
-                 "moments": self._group_format(self.param_groups[gi]),
+      groups = [{"config": configs[gi], "tensors": [], "moments": self._group_format(self.param_groups[gi]),
                  "rounding_seed": int(self.param_groups[gi].get("rounding_seed", 0))} for gi in order]
       for k, (gi, p) in reversed(list(enumerate(entries))):
         groups[group_of[gi]]["tensors"].append((f"{gi}.{k}", [p.numel()]))
@@ -608,33 +701,48 @@ class _HostAdam(torch.optim.Optimizer):
                          else None}
       steps = np.zeros(len(entries), dtype=np.float32)  # torch's per-parameter "step", one view each
       seg_steps = [0] * len(segs)
-      tracked, seg_of = [], []
+      parts, seg_of = [], []
       for k, (gi, p) in enumerate(entries):
         si, (_, _, off, size, _) = segs[f"{gi}.{k}"]
-        st = self.state[p]
+        st = source[id(p)]
         mp = flat_p[off:off + size]
-        if dev is not None and not p.is_contiguous():
-          raise ValueError(f"param_groups[{gi}] parameter {k} is not contiguous: the offloaded path keeps parameters "
-                           "in the flat device buffer's layout")
         master = _arena_view(mp, p) if dev is None else torch.from_numpy(mp).view(p.shape)
         saved = st.get(_MASTER)
         if p.dtype != torch.float32 and torch.is_tensor(saved) and _rounds_to(saved.to(p.device), p):
           master.copy_(saved)  # exact f32 masters (a checkpoint, an earlier layout) that still fit p
         else:
           master.copy_(p.detach())
-        fmt, name, where = self._group_format(self.param_groups[gi]), f"{gi}.{k}", where_of[id(p)]
+        fmt, name = self._group_format(self.param_groups[gi]), f"{gi}.{k}"
         m, v, scales = self._moment_views(core, name, fmt, p, flat_m, flat_v, off, size)
-        if _check_moment_state(st, fmt, p, f"the state of {where}"):
-          raise ValueError(f"the state of {where}: its 8-bit codes are laid out in another memory order than the "
-                           "parameter (load the state_dict with convert_moments=True to re-encode them)")
-        self._move_moments(fmt, m, v, scales, st, f"the state of {where}")
-        seg_steps[si] = int(st["step"]) if st.get("step") is not None else 0
-        step = torch.from_numpy(steps[k:k + 1]).reshape(())
-        st["step"] = step
+        self._fill_moments(fmt, m, v, scales, st)
+        seg_steps[si] = int(_check_step(st["step"], "")) if "step" in st else 0
         device_view = grad_view = None
         if dev is not None:
           device_view, grad_view = dev["params"][off:off + size], dev["grads"][off:off + size]
           device_view.copy_(p.detach().reshape(-1))
+        parts.append((p, mp, master, m, v, scales, fmt, name, device_view, grad_view, k))
+        seg_of.append(si)
+      core.tensor_steps = seg_steps
+      steps[:] = [seg_steps[si] for si in seg_of]
+      group_of_all[tag] = group_of
+      built[tag] = (core, parts, steps, seg_of, dev)
+    # Everything stands: the swap (nothing below refuses).
+    if self._layout and any(layout[5] is not None for layout in self._layout.values()) and device.type == "cuda":
+      torch.cuda.synchronize(device)  # old flat buffers go back to the allocator: no stream may still use them
+    self._remove_grad_hooks()
+    layout = {}
+    for tag, (core, parts, steps, seg_of, dev) in built.items():
+      tracked = []
+      for p, mp, master, m, v, scales, fmt, name, device_view, grad_view, k in parts:
+        st = self.state[p]
+        for key in _MOMENTS + _CODES + (_SCALES,):
+          st.pop(key, None)
+        st.update(zip(_moment_keys(fmt), (m, v)))
+        if scales is not None:
+          st[_SCALES] = scales
+        step = torch.from_numpy(steps[k:k + 1]).reshape(())
+        st["step"] = step
+        if dev is not None:
           p.data = device_view.view(p.shape)
           if p.dtype == torch.float32:
             st.pop(_MASTER, None)  # the device parameter holds the master's values
@@ -646,19 +754,15 @@ class _HostAdam(torch.optim.Optimizer):
         else:
           st[_MASTER] = master
         tracked.append(_Tracked(p, mp, master, m, v, step, device_view, grad_view, scales, fmt))
-        tracked[-1].where, tracked[-1].name = where, name
-        seg_of.append(si)
-      core.tensor_steps = seg_steps
-      steps[:] = [seg_steps[si] for si in seg_of]
-      self._group_of[tag] = group_of
+        tracked[-1].where, tracked[-1].name = where_of[id(p)], name
       if dev is not None:
         if dev["chunks"] is not None:
           dev["chunks"].cover([(off, size) for _, _, off, size, _ in core.segments()], seg_of)
         self._add_grad_hooks(tag, tracked, dev)
       layout[tag] = [core, tracked, steps, seg_of, steps.tolist(), dev]
     self._layout = layout
-    # Each group's format is fixed while this layout stands (groups known by identity: the
-    # user may append, replace or remove them and their parameters, see _params_changed).
+    self._group_of = group_of_all
+    # Each parameter's format is fixed while this layout stands (_check_formats).
     self._built_groups = [(g, self._group_format(g)) for g in self.param_groups]
     self._built_params = [list(g["params"]) for g in self.param_groups]
     self._applied = {}  # (dtype, group) -> config last given to the core
@@ -680,10 +784,9 @@ class _HostAdam(torch.optim.Optimizer):
     return _arena_view(m_codes, p), _arena_view(v_codes, p), torch.from_numpy(scales)
 
   @staticmethod
-  def _move_moments(fmt: str, m, v, scales, st: dict, where: str) -> None:
-    """Puts the moments of `st` (checked: `fmt` moments in the parameter's memory order)
-    into the views m, v (and scales), zeros where one is missing, and points the state at
-    the views."""
+  def _fill_moments(fmt: str, m, v, scales, st: dict) -> None:
+    """Writes the moments of `st` (checked: `fmt` moments in the parameter's memory order)
+    into the views m, v (and scales), zeros where one is missing; `st` is not changed."""
     for key, view in zip(_moment_keys(fmt), (m, v)):
       value = st.get(key)
       if value is None:
@@ -697,6 +800,11 @@ class _HostAdam(torch.optim.Optimizer):
         scales.zero_()
       else:
         scales.copy_(st[_SCALES].reshape(scales.shape))
+
+  @classmethod
+  def _move_moments(cls, fmt: str, m, v, scales, st: dict) -> None:
+    """Puts the moments of `st` into the views (_fill_moments) and points the state at them."""
+    cls._fill_moments(fmt, m, v, scales, st)
     for key in _MOMENTS + _CODES + (_SCALES,):
       st.pop(key, None)
     st.update(zip(_moment_keys(fmt), (m, v)))
@@ -734,21 +842,40 @@ class _HostAdam(torch.optim.Optimizer):
         t.master.copy_(t.param.detach())
         t.remember()
 
-  def _adopt_user_changes(self) -> None:
-    """Parameters and state the user replaced or wrote since the last step take effect."""
-    rebuild = False
+  def _adopt_user_changes(self, present: set):
+    """Parameters and state the user replaced or wrote since the last step take effect (for
+    the parameters still in param_groups, `present`: ids). Everything is checked before
+    anything is taken, so a refusal changes nothing. Returns whether the layout must be
+    rebuilt, and the state entries the rebuild reads instead of opt.state's (_build)."""
+    for layout in self._layout.values():
+      core, tracked, steps, seg_of, known, dev = layout
+      written = steps.tolist() != known
+      for k, t in enumerate(tracked):
+        p = t.param
+        if id(p) not in present:
+          continue  # no longer the optimizer's (torch.optim keeps its state, and leaves it alone)
+        if tuple(p.shape) != t.shape:
+          raise ValueError(f"a parameter changed shape from {t.shape} to {tuple(p.shape)} after it was given to "
+                           "the optimizer: its moments no longer fit (make a new optimizer, or load a state)")
+        if p.dtype == t.dtype and t.device_view is not None and (
+            p.device != t.device_view.device or not p.is_contiguous()):
+          raise ValueError(f"{t.where} moved to {p.device} (or to a non-contiguous layout) after it was offloaded "
+                           f"on {t.device_view.device}: make a new optimizer for the moved model")
+        if p.dtype == t.dtype and t.device_view is None and tuple(p.stride()) != t.stride:
+          continue  # rebuilt around the new memory order: _build checks the state
+        st = self.state[p]
+        self._check_taken(t, st)
+        if written and st.get("step") is t.step and not float(steps[k]) == known[k]:
+          _check_step(t.step, f"opt.state[p]['step'] of {t.where}")  # written in place
+    rebuild, overrides = False, {}
     for layout in self._layout.values():
       core, tracked, steps, seg_of, known, dev = layout
       for k, t in enumerate(tracked):
         p = t.param
-        if p.dtype != t.dtype or tuple(p.shape) != t.shape:
-          if tuple(p.shape) != t.shape:
-            raise ValueError(f"a parameter changed shape from {t.shape} to {tuple(p.shape)} after it was given to "
-                             "the optimizer: its moments no longer fit (make a new optimizer, or load a state)")
+        if id(p) not in present:
+          continue
+        if p.dtype != t.dtype:
           rebuild = True  # another dtype: _build keeps the masters only if they still fit
-        elif t.device_view is not None and (p.device != t.device_view.device or not p.is_contiguous()):
-          raise ValueError(f"{t.where} moved to {p.device} (or to a non-contiguous layout) after it was offloaded "
-                           f"on {t.device_view.device}: make a new optimizer for the moved model")
         elif t.device_view is not None and (p.data_ptr() != t.ptr or p._version != t.version):
           # Offloaded: the host master is the truth, so any write the user made to the device
           # parameter (replaced or in place, any dtype) is adopted unless the master fits it.
@@ -758,24 +885,21 @@ class _HostAdam(torch.optim.Optimizer):
             t.device_view.copy_(p.detach().reshape(-1))
             p.data = t.device_view.view(p.shape)
           t.remember()
-        elif tuple(p.stride()) != t.stride:
+        elif t.device_view is None and tuple(p.stride()) != t.stride:
           # Another memory layout (model.to(memory_format=...)): the arena follows the
           # parameter's memory order, so the layout is rebuilt around it, the moments moved
           # by logical element (8-bit codes re-encoded in the new order: their blocks change).
           st = self.state[p]
           if t.format == "8bit" and st.get(_CODES[0]) is t.m and st.get(_CODES[1]) is t.v:
             seed = int(self.param_groups[int(t.name.split(".")[0])].get("rounding_seed", 0))
-            m32, v32 = _moments_as_f32(st, "8bit", p)
-            for key in _CODES + (_SCALES,):
-              st.pop(key, None)
-            st.update(_encoded(m32, v32, "8bit", p, seed))
+            overrides[id(p)] = _encoded(*_moments_as_f32(st, "8bit", p), "8bit", p, seed)
           rebuild = True
           continue  # the rebuild takes the state as it is
         elif p.data_ptr() != t.ptr:
           if p.dtype == torch.float32:
             if p.is_shared():
               warnings.warn("hostopt.torch: a parameter was moved to shared memory; its values are adopted back "
-                            "into hostopt's arena, so it is no longer shared", stacklevel=3)
+                            "into hostopt's arena, so it is no longer shared", stacklevel=4)
             fresh = _arena_view(t.flat, p)  # back into the arena, with the values the user gave it
             fresh.copy_(p.detach())
             p.data = fresh
@@ -793,22 +917,20 @@ class _HostAdam(torch.optim.Optimizer):
             p.dtype != torch.float32 and st.get(_MASTER) is not t.master) or (
             t.scales is not None and st.get(_SCALES) is not t.scales) or any(
             key in st for key in _MOMENTS + _CODES if key not in keys):
-          self._take_state(layout, t, st, steps, k)
+          self._take_state(t, st, steps, k)
       if steps.tolist() != known:  # a step count written in place or replaced
         counts = core.tensor_steps
         for k, si in enumerate(seg_of):
           counts[si] = int(steps[k])
         core.tensor_steps = counts
         layout[4] = steps.tolist()
-    if rebuild:
-      self._build()
+    return rebuild, overrides
 
-  def _take_state(self, layout, t: _Tracked, st: dict, steps: np.ndarray, k: int) -> None:
-    """The user replaced or deleted entries of opt.state[p]: as torch, they are the state
-    (moments in the group's format; deleted ones are zeros)."""
+  def _check_taken(self, t: _Tracked, st: dict) -> None:
+    """Checks the entries of opt.state[p] the user replaced (_take_state takes them)."""
     keys = _moment_keys(t.format)
-    if st.get("step") is not t.step and st.get("step") is not None:
-      _check_step(st["step"], f"opt.state[p]['step'] of {t.where}")
+    if "step" in st and st["step"] is not t.step:
+      _check_step(st["step"], f"opt.state[p]['step'] of {t.where}")  # (None is no count: refused)
     if t.param.dtype != torch.float32 and st.get(_MASTER) is not t.master and st.get(_MASTER) is not None:
       _check_master(st[_MASTER], t.param, f"opt.state[p] of {t.where}")
     if any(st.get(key) is not view for key, view in zip(keys + (_SCALES,), (t.m, t.v, t.scales))
@@ -817,14 +939,20 @@ class _HostAdam(torch.optim.Optimizer):
       if _check_moment_state(st, t.format, t.param, where):
         raise ValueError(f"{where}: 8-bit codes laid out in another memory order than the parameter (their "
                          "blocks are not its blocks)")
-      self._move_moments(t.format, t.m, t.v, t.scales, st, where)
+
+  def _take_state(self, t: _Tracked, st: dict, steps: np.ndarray, k: int) -> None:
+    """The user replaced or deleted entries of opt.state[p] (checked: _check_taken): as
+    torch, they are the state (moments in the group's format; deleted ones are zeros)."""
+    keys = _moment_keys(t.format)
+    if any(st.get(key) is not view for key, view in zip(keys + (_SCALES,), (t.m, t.v, t.scales))
+           if view is not None) or any(key in st for key in _MOMENTS + _CODES if key not in keys):
+      self._move_moments(t.format, t.m, t.v, t.scales, st)
     if st.get("step") is not t.step:
-      value = st.get("step")
-      steps[k] = 0 if value is None else float(value)
+      steps[k] = _check_step(st["step"], "") if "step" in st else 0  # a deleted step restarts
       st["step"] = t.step
     if t.param.dtype != torch.float32 and st.get(_MASTER) is not t.master:
       value = st.get(_MASTER)
-      if value is not None:  # (checked above; a deleted master keeps the arena's)
+      if value is not None:  # (checked; a deleted master keeps the arena's)
         t.master.copy_(value)
       st[_MASTER] = t.master
 
@@ -888,6 +1016,7 @@ class _HostAdam(torch.optim.Optimizer):
       self.last_step = _merged(results)
       _report_blocks(self, self.last_step, "hostopt.torch", stacklevel=5)
 
+  @_serialized
   def zero_grad(self, *args, **kwargs):
     self._views = {}  # the cached views must not keep freed gradients alive
     return super().zero_grad(*args, **kwargs)
@@ -909,16 +1038,13 @@ class _HostAdam(torch.optim.Optimizer):
     if self._layout is None:
       self._build()
     else:
-      built = {id(g): fmt for g, fmt in self._built_groups}
-      for gi, group in enumerate(self.param_groups):
-        if built.get(id(group), self._group_format(group)) != self._group_format(group):
-          raise ValueError(f"param_groups[{gi}]['moments'] changed from {built[id(group)]!r} to "
-                           f"{self._group_format(group)!r}: a group's moment format is fixed (convert through "
-                           "state_dict and load_state_dict(..., convert_moments=True) into a new optimizer)")
-      self._adopt_user_changes()
-      if self._params_changed():  # appended to or replaced in param_groups[i]["params"]: as add_param_group
-        self._build()
-    configs = [self._config(g) for g in self.param_groups]  # lr schedulers and edits take effect here
+      self._check_formats()
+      present = {id(p) for g in self.param_groups for p in g["params"]}
+      rebuild, overrides = self._adopt_user_changes(present)
+      if rebuild or self._params_changed():  # appended to or replaced in param_groups[i]["params"]: as add_param_group
+        self._build(overrides)
+    configs = [self._config(g, f"param_groups[{gi}]")  # lr schedulers and edits take effect here
+               for gi, g in enumerate(self.param_groups)]
     self._check_grads()  # every dtype's, before any is stepped
     # One decision for every dtype's core: the norm of all gradients, when checked.
     skip = self._skip_nonfinite
@@ -1001,17 +1127,20 @@ class _HostAdam(torch.optim.Optimizer):
     """Refuses gradients no step can take, for every parameter of every dtype before any is
     stepped (a refused step changes nothing, as in torch.optim)."""
     for tag, layout in self._layout.items():
+      steps = layout[2]
       for i, t in enumerate(layout[1]):
         g = t.param.grad
-        cached = self._views.get((tag, i))
-        if g is None or (cached is not None and cached[0] is g and cached[1] == g.data_ptr()):
-          continue  # (a gradient seen last step: checked then)
+        if g is None:
+          continue
         if g.layout != torch.strided:
           raise RuntimeError(f"{t.where} has a sparse gradient ({g.layout}): hostopt.torch does not support sparse "
                              "gradients; nothing was stepped")
         if tuple(g.shape) != tuple(t.param.shape) or (t.device_view is None and g.device != t.param.device):
           raise ValueError(f"{t.where} has a gradient of shape {tuple(g.shape)} on {g.device}: expected the "
                            f"parameter's, {tuple(t.param.shape)} on {t.param.device}; nothing was stepped")
+        if not float(steps[i]) < _MAX_STEP:
+          raise ValueError(f"{t.where} is at step {int(steps[i])}, the largest step count (2**53, the core's "
+                           "max_step_count): no further step can be taken; nothing was stepped")
 
   # --- state_dict -----------------------------------------------------------------------
   @_serialized
@@ -1043,9 +1172,24 @@ class _HostAdam(torch.optim.Optimizer):
     unless ``convert_moments=True``: they are then converted here (decoded exactly, then
     encoded: lossy into bf16 or 8-bit)."""
     self._drain()
+    # torch 2's load pre-hooks, as torch.optim runs them: on a shallow copy, and what they
+    # return is what is checked and loaded (torch's own load below runs without them).
+    pre_hooks = self.__dict__.get("_optimizer_load_state_dict_pre_hooks")
+    post_hooks = self.__dict__.get("_optimizer_load_state_dict_post_hooks")
+    state_dict = state_dict.copy()
+    for hook in list((pre_hooks or {}).values()):
+      result = hook(self, state_dict)
+      if result is not None:
+        state_dict = result
     saved_groups = state_dict["param_groups"]
     for gi, group in enumerate(saved_groups):
       self._refuse_unsupported(group, f"state_dict['param_groups'][{gi}]")
+      _check_hparams(group, f"state_dict['param_groups'][{gi}]")
+    indices = {index for group in saved_groups for index in group["params"]}
+    for index in state_dict["state"]:
+      if index not in indices:
+        raise ValueError(f"state_dict['state'][{index!r}] belongs to no parameter: no saved param group lists index "
+                         f"{index!r}; nothing was loaded")
     formats = [self._group_format(g) for g in self.param_groups]
     seeds = [g.get("rounding_seed", 0) for g in self.param_groups]
     # Every saved state is checked before anything changes: its moments' format against its
@@ -1084,7 +1228,13 @@ class _HostAdam(torch.optim.Optimizer):
     exact = {k: {key: v for key, v in st.items()
                  if key in _MOMENTS + _CODES + (_MASTER, _SCALES) and torch.is_tensor(v)}
              for k, st in state_dict["state"].items()}
-    super().load_state_dict(state_dict)
+    hooks = {key: self.__dict__[key] for key in ("_optimizer_load_state_dict_pre_hooks",
+                                                 "_optimizer_load_state_dict_post_hooks") if key in self.__dict__}
+    try:
+      self.__dict__.update({key: collections.OrderedDict() for key in hooks})  # run here, not in torch's load
+      super().load_state_dict(state_dict)
+    finally:
+      self.__dict__.update(hooks)
     for gi, group in enumerate(self.param_groups):  # the formats stay; the seeds are the saved ones
       group["moments"] = formats[gi]
       group.setdefault("rounding_seed", seeds[gi])
@@ -1110,6 +1260,8 @@ class _HostAdam(torch.optim.Optimizer):
     # Built at the next step, when the parameters hold what the caller loaded into the model
     # (before or after this call): the f32 masters are kept exactly when they still fit.
     self._layout = None
+    for hook in list((post_hooks or {}).values()):  # torch 2's: they see (and may edit) the loaded state
+      hook(self)
 
 
 class Adam(_HostAdam):
