@@ -21,7 +21,11 @@
 //
 // Call "hostopt_adam_update_compressed": the same over compressed moments
 // (hostopt::compressed_update_leaf), one leaf, or one shard of it, per operand group:
-//   operands: count, hp, then per leaf: g, mu, nu (bf16 values, or u8 8-bit codes), p f32
+//   operands: count, hp, check (s32[3]: row -2, the call checks the exponent bytes it
+//             holds; else, for a call run per shard, row, column and value of the first
+//             byte of the whole scales array that the 8-bit encoder never writes, or row
+//             -1, computed by XLA, so that every shard refuses it alike),
+//             then per leaf: g, mu, nu (bf16 values, or u8 8-bit codes), p f32
 //             if the leaf decays, piece (u32[1]: which of its leaf's equal pieces along
 //             dim 0 this buffer is; 0 for the whole leaf), and for 8-bit the exponent
 //             bytes of its 32-element blocks (u8 [ceil(n / 32), 2])
@@ -310,9 +314,18 @@ std::uint64_t buffer_first(const XLA_FFI_Buffer* piece, std::uint64_t leaf_first
   return leaf_first + offset;
 }
 
-// An 8-bit buffer's exponent bytes (m's, v's per block; its first block is the leaf's block
-// `first_block`) against those the encoder writes: any other byte is a corrupt or foreign
-// state (it would decode as NaN forever after), refused naming the leaf and the block.
+// The message refusing an exponent byte the 8-bit encoder never writes (a corrupt or foreign
+// state, which would decode as NaN forever after): leaf, its block, which moment, the byte.
+std::string bad_exponent(std::size_t leaf, std::uint64_t block, bool v, int byte) {
+  using namespace hostopt::detail;
+  return "leaf " + std::to_string(leaf) + ": block " + std::to_string(block) + "'s " + (v ? "exp_avg_sq" : "exp_avg") +
+         " exponent byte is " + std::to_string(byte) + ": the 8-bit encoder writes at most " +
+         std::to_string(v ? q8_v_max_base : q8_m_max_base) + " (or " + std::to_string(q8_poisoned_base) +
+         " for a non-finite block): the state is corrupt or not hostopt's";
+}
+
+// A buffer's exponent bytes (m's, v's per block; its first block is the leaf's block
+// `first_block`), when the call holds whole leaves.
 void check_exponents(const std::uint8_t* pairs, std::size_t blocks, std::uint64_t first_block, std::size_t leaf) {
   using namespace hostopt::detail;
   bool bad = false; // a branch-free pass first (every step reads them): the message only when needed
@@ -321,15 +334,30 @@ void check_exponents(const std::uint8_t* pairs, std::size_t blocks, std::uint64_
            (pairs[2 * b + 1] > q8_v_max_base && pairs[2 * b + 1] != q8_poisoned_base);
   if (!bad) return;
   for (std::size_t b = 0; b < blocks; ++b)
-    for (int k = 0; k < 2; ++k) {
-      const std::uint8_t base = pairs[2 * b + std::size_t(k)];
-      if (q8_base_is_written(base, k == 1)) continue;
-      throw std::invalid_argument(
-          "leaf " + std::to_string(leaf) + ": block " + std::to_string(first_block + b) + "'s " +
-          (k == 1 ? "exp_avg_sq" : "exp_avg") + " exponent byte is " + std::to_string(base) +
-          ": the 8-bit encoder writes at most " + std::to_string(k == 1 ? q8_v_max_base : q8_m_max_base) + " (or " +
-          std::to_string(q8_poisoned_base) + " for a non-finite block): the state is corrupt or not hostopt's");
-    }
+    for (int k = 0; k < 2; ++k)
+      if (!q8_base_is_written(pairs[2 * b + std::size_t(k)], k == 1))
+        throw std::invalid_argument(bad_exponent(leaf, first_block + b, k == 1, pairs[2 * b + std::size_t(k)]));
+}
+
+// The `check` operand (s32[3]): row -2, the call checks the exponent bytes it holds (whole
+// leaves); else the answer XLA found over the whole scales array for a call run per shard,
+// handed to every shard so that all refuse together (one shard refusing alone would leave
+// the others waiting in the next collective): row -1, none; else (row, column, byte) of
+// the first bad byte, refused naming the leaf (the last whose first block is at or before
+// the row) and its block. Returns whether the call checks its own bytes.
+bool read_exponent_check(const XLA_FFI_Buffer* check, const std::vector<std::uint64_t>& firsts) {
+  if (check->dtype != XLA_FFI_DataType_S32 || element_count(check) != 3)
+    throw std::invalid_argument("check must be int32 [3] (row, column, byte of a bad exponent byte, or row -1 or -2)");
+  std::int32_t c[3];
+  std::memcpy(c, check->data, sizeof c);
+  if (c[0] == -2) return true;
+  if (c[0] < 0) return false;
+  if (firsts.empty()) throw std::invalid_argument("check names exponent row " + std::to_string(c[0]) + " of no leaf");
+  const std::uint64_t row = std::uint64_t(c[0]);
+  std::size_t leaf = 0;
+  for (std::size_t i = 0; i < firsts.size(); ++i)
+    if (firsts[i] / hostopt::q8_block <= row) leaf = i;
+  throw std::invalid_argument(bad_exponent(leaf, row - firsts[leaf] / hostopt::q8_block, c[1] == 1, c[2]));
 }
 
 // The call over compressed moments: validated completely (the kernel's own checks too),
@@ -346,11 +374,12 @@ void adam_update_compressed_call(const XLA_FFI_CallFrame* frame) {
   const std::uint64_t seed = std::uint64_t(at.seed_lo) | std::uint64_t(at.seed_hi) << 32;
   const std::size_t leaves = at.decays.size();
   const std::vector<std::uint64_t> firsts = parse_firsts(at.firsts, leaves);
+  const bool check_here = read_exponent_check(arg(frame, 2), firsts);
   const std::size_t per_leaf = q8 ? 4 : 3;
   std::vector<hostopt::compressed_update_leaf> by_dtype[3];
   struct copy_in { const XLA_FFI_Buffer *from, *to; std::size_t bytes; };
   std::vector<copy_in> copies; // operands to their results where XLA did not alias them
-  int64_t next = 2;
+  int64_t next = 3; // after count, hp and check
   for (std::size_t i = 0; i < leaves; ++i) {
     const bool decays = at.decays[i] == '1';
     const auto [g, mu, nu, p, u, mu_out, nu_out, gt, n] = leaf_at(frame, next, i, decays, per_leaf);
@@ -371,7 +400,8 @@ void adam_update_compressed_call(const XLA_FFI_CallFrame* frame) {
         if (b->dtype != XLA_FFI_DataType_U8 || element_count(b) != bytes)
           throw std::invalid_argument("leaf " + std::to_string(i) + ": its exponent bytes must be uint8 [" +
                                       std::to_string(bytes / 2) + ", 2] (one pair per 32-element block)");
-      check_exponents(static_cast<const std::uint8_t*>(in->data), bytes / 2, (first - firsts[i]) / hostopt::q8_block, i);
+      if (check_here)
+        check_exponents(static_cast<const std::uint8_t*>(in->data), bytes / 2, (first - firsts[i]) / hostopt::q8_block, i);
       copies.push_back({in, out, bytes});
       scales = static_cast<std::uint8_t*>(out->data);
     }

@@ -503,6 +503,32 @@ TEST_CASE("the optax form takes a negative learning rate as optax does (adam_ste
   }
 }
 
+TEST_CASE("the optax form takes eps or eps_root = +inf as optax does: the update is the decay term alone",
+          "[adam][per_arch]") {
+  std::mt19937 rng(37);
+  const std::size_t n = 1000;
+  for (const auto& kernel : supported_kernels()) {
+    for (const bool root : {false, true}) {
+      ref::state s = ref::random_state(n, rng), finite = s;
+      const ref::grad_buffer g = ref::random_grad(dtype::f32, n, rng);
+      out_buffer u(int(dtype::f32), n), u_finite(int(dtype::f32), n);
+      adam_config c;
+      c.lr = 3e-3;
+      c.weight_decay = 0.1;
+      adam_update(finite.p.data(), finite.m.data(), finite.v.data(), n, g.view(), u_finite.view(), c, 4, 1.0f,
+                  {2, kernel});
+      (root ? c.eps_root : c.eps) = std::numeric_limits<double>::infinity();
+      adam_update(s.p.data(), s.m.data(), s.v.data(), n, g.view(), u.view(), c, 4, 1.0f, {2, kernel});
+      INFO("kernel " << kernel << (root ? ", eps_root" : ", eps"));
+      CHECK(s == finite); // the moments step as with a finite eps (optax's arithmetic too)
+      const float lr_wd = float(c.lr * c.weight_decay);
+      for (std::size_t i = 0; i < n; ++i) REQUIRE(ref::bits(u.f32[i]) == ref::bits(0.0f - lr_wd * s.p[i]));
+      CHECK_THROWS_WITH(adam_step(s.p.data(), s.m.data(), s.v.data(), n, g.view(), {}, c, 5, 1.0f, {1, kernel}),
+                        Catch::Contains(root ? "eps_root" : "eps"));
+    }
+  }
+}
+
 TEST_CASE("leaves that share memory are refused: one region runs them all at once", "[adam][errors]") {
   std::vector<float> p(64, 1.0f), m(64), v(64), g(64, 0.5f), u(64), u2(64);
   const std::vector<adam_config> cs{adam_config{}};

@@ -528,7 +528,7 @@ def test_out_of_range_hyperparameters_are_refused_naming_them_on_every_route(mom
       # its runtime error, a RuntimeError or a ValueError by jax version and call path).
       with pytest.raises((RuntimeError, ValueError) if route == "jit" else ValueError,
                          match=rf"\b{name} = {re.escape(str(float(value)))}: expected"):
-        update(gg, state, p)
+        jax.block_until_ready(update(gg, state, p))  # the error of a jitted call may come when it is read
       assert all(np.array_equal(x, y, equal_nan=True) for x, y in zip(jax.tree_util.tree_leaves(before),
                                                                        jax.tree_util.tree_leaves(state))), route
   # Given as numbers, they are refused when the transformation is made.

@@ -243,7 +243,7 @@ def test_8bit_exponent_bytes_the_encoder_never_writes_are_refused_naming_the_lea
       # Under jit the state is traced: the XLA FFI handler refuses it when the call runs (jax raises
       # its runtime error, a RuntimeError or a ValueError by jax version and call path).
       with pytest.raises((RuntimeError, ValueError) if route == "jit" else ValueError, match=where):
-        update(gg, st, p)
+        jax.block_until_ready(update(gg, st, p))  # the error of a jitted call may come when it is read
       assert same(before, st), route
   # 255 is written (a block whose moment was not finite): taken as it is.
   scales = np.array(state[0].scales)
@@ -485,6 +485,49 @@ def test_sharded_leaves_run_per_shard_keep_their_shardings_and_bits():
   # rounding indices and exponent bytes of the shard's own rows), with the bits of one call
   # on the whole arrays; any other leaf is gathered around the call.
   run = run_on_four_cpu_devices(SHARDED_SCRIPT)
+  assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
+REFUSED_PER_SHARD_SCRIPT = r"""
+import jax, jax.numpy as jnp, numpy as np, optax
+import hostopt.optax as hoptax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+CASE = "%s"
+line = Mesh(np.array(jax.devices()), ("x",))
+rng = np.random.default_rng(0)
+host = {"b": rng.standard_normal(40).astype(np.float32), "w": rng.standard_normal((64, 40)).astype(np.float32),
+        "w2": rng.standard_normal((32, 8)).astype(np.float32)}
+params = {k: jax.device_put(v, NamedSharding(line, P("x") if k != "b" else P())) for k, v in host.items()}
+if CASE == "exponent":
+  # In the last shard of a leaf run per shard: every shard refuses it, naming the leaf's
+  # block (not the shard's own).
+  opt = hoptax.adamw_8bit(1e-2)
+  state = opt.init(params)
+  scales = np.array(state[0].scales)
+  scales[2 + 65, 1] = 230  # w (leaf 1, after b's 2 blocks): 80 blocks, 20 per shard; 65 is in the last
+  state = (state[0]._replace(scales=jnp.asarray(scales)),) + state[1:]
+  want = "leaf 1: block 65's exp_avg_sq exponent byte is 230"
+else:
+  opt = optax.inject_hyperparams(hoptax.adamw)(learning_rate=1e-2, moments=CASE)
+  state = opt.init(params)
+  state.hyperparams["b1"] = jnp.asarray(1.5, jnp.float32)
+  want = "b1 = 1.5: expected a value in [0, 1)"
+try:
+  jax.block_until_ready(jax.jit(opt.update)(params, state, params))
+  raise AssertionError("taken")
+except (RuntimeError, ValueError) as e:
+  assert want in str(e), str(e)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("case", ["exponent", "f32", "bf16", "8bit"])
+def test_calls_run_per_shard_refuse_together(case):
+  # A refusal by the FFI handler of one shard alone (the one holding a bad exponent byte)
+  # left the others waiting in the next collective until XLA aborted the process; every
+  # shard now refuses alike. One process per case: after a failed computation on several
+  # devices, jaxlib 0.4.30's CPU client fails every later one on them.
+  run = run_on_four_cpu_devices(REFUSED_PER_SHARD_SCRIPT % case)
   assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
 
 

@@ -16,8 +16,11 @@ batched; per batch element (lax.map) when the count or a hyper-parameter is.
 ``adam_update_compressed`` binds the same over compressed moments (bf16 values or 8-bit
 codes, with one array of every leaf's blocks' exponent bytes), lowered to
 ``hostopt_adam_update_compressed`` with the codes and each leaf's slice of the exponents
-aliased to their outputs. Under vmap it runs per batch element (8-bit blocks belong to one
-leaf: a batch flattened into one leaf would mix them). Under jit with several devices it is
+aliased to their outputs. Exponent bytes the encoder never writes (a corrupt or foreign
+state) are refused by the call, which checks the bytes it holds; a call run per shard is
+handed where XLA found one in the whole array, so that every shard refuses alike. Under
+vmap it runs per batch element (8-bit blocks belong to one leaf: a batch flattened into one
+leaf would mix them). Under jit with several devices it is
 a custom_partitioning op like the f32 call's: a leaf cut along dim 0 alone (8-bit: into
 whole blocks) runs per shard, its rounding indices from the shard's index among the leaf's
 equal pieces (one uint32, from the mesh axes' indices), so the bits are those of the whole
@@ -38,6 +41,8 @@ from jax import core
 from jax._src import dispatch
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import ad, batching, mlir
+
+from ._arrays import _Q8_MAX_BASE, _Q8_POISONED  # the exponent bytes the 8-bit encoder writes
 
 try:
   from jax.extend.core import Primitive
@@ -329,18 +334,18 @@ def _leaf_groups(decays: str, q8: bool, operands):
   return groups
 
 
-def _compressed_abstract_eval(count, hp, *operands, decays, moments, **_):
+def _compressed_abstract_eval(count, hp, check, *operands, decays, moments, **_):
   outs = []
   for g, mu, nu, _p, _piece, scales in _leaf_groups(decays, moments == "8bit", operands):
     outs += [g, mu, nu] + ([scales] if scales is not None else [])
   return outs
 
 
-def _compressed_lowering(ctx, count, hp, *operands, decays, over_grad, traced, nesterov, threads, static, moments,
-                         seed, firsts):
+def _compressed_lowering(ctx, count, hp, check, *operands, decays, over_grad, traced, nesterov, threads, static,
+                         moments, seed, firsts):
   q8 = moments == "8bit"
   per_leaf = 4 if q8 else 3
-  aliases, i = {}, 2
+  aliases, i = {}, 3
   for k, d in enumerate(decays):
     out = per_leaf * k
     if over_grad[k] == "1":  # the update over a gradient computed here (as _lowering)
@@ -353,9 +358,27 @@ def _compressed_lowering(ctx, count, hp, *operands, decays, over_grad, traced, n
       i += 1
   attrs = dict(zip(HP_NAMES, (float(v) for v in static)))
   rule = _ffi.ffi_lowering(COMPRESSED_TARGET, operand_output_aliases=aliases)
-  return rule(ctx, count, hp, *operands, traced=int(traced), nesterov=int(nesterov), threads=int(threads),
+  return rule(ctx, count, hp, check, *operands, traced=int(traced), nesterov=int(nesterov), threads=int(threads),
               decays=decays, moments=moments, seed_lo=int(seed & 0xFFFFFFFF), seed_hi=int(seed >> 32),
               firsts=",".join(str(f) for f in firsts), **attrs)
+
+
+_NO_BAD_EXPONENT = np.array([-1, 0, 0], np.int32)
+_CHECK_HERE = np.array([-2, 0, 0], np.int32)  # the call checks the exponent bytes it holds
+
+
+def _exponent_check(scales):
+  """int32 (row, column, byte) of the first exponent byte of `scales` ([blocks, 2] uint8)
+  that the 8-bit encoder never writes, or (-1, 0, 0). For a call run per shard: computed by
+  XLA over the whole array and handed to every shard's call as one replicated operand, so
+  that every shard refuses together (a refusal by the shard holding the byte alone would
+  leave the others waiting in the next collective, and XLA then aborts the process)."""
+  if scales.size == 0:
+    return jnp.asarray(_NO_BAD_EXPONENT)
+  bad = ((scales > jnp.asarray(_Q8_MAX_BASE, jnp.uint8)) & (scales != jnp.uint8(_Q8_POISONED))).reshape(-1)
+  k = jnp.argmax(bad).astype(jnp.int32)
+  return jnp.where(bad[k], jnp.stack([k // 2, k % 2, scales.reshape(-1)[k].astype(jnp.int32)]),
+                   jnp.asarray(_NO_BAD_EXPONENT))
 
 
 def _compressed_batch(args, dims, **params):
@@ -414,12 +437,14 @@ def adam_update_compressed(count, hp_values: Sequence, leaves: List[Tuple], scal
     block += b
   params = dict(decays=decays, over_grad=over_grad, traced=traced, nesterov=bool(nesterov), threads=int(threads),
                 static=static, moments=moments, seed=int(seed), firsts=tuple(firsts))
-  args = [jnp.asarray(count, jnp.int32), hp, *operands]
-  if per_shard and _runs_per_shard(args):
+  count = jnp.asarray(count, jnp.int32)
+  if per_shard and _runs_per_shard([count, hp, *operands]):
+    # Each shard's call holds a piece of the exponent bytes: XLA checks the whole array.
+    check = _exponent_check(scales) if q8 else jnp.asarray(_NO_BAD_EXPONENT)
     outs = _compressed_per_shard(params, [len(jnp.shape(g)) for g, _, _, _ in leaves],
-                                 [tuple(jnp.shape(g)) for g, _, _, _ in leaves])(*args)
-  else:
-    outs = _cprim.bind(*args, **params)
+                                 [tuple(jnp.shape(g)) for g, _, _, _ in leaves])(count, hp, check, *operands)
+  else:  # one call holds whole leaves: it checks their exponent bytes itself
+    outs = _cprim.bind(count, hp, jnp.asarray(_CHECK_HERE), *operands, **params)
   per_leaf = 4 if q8 else 3
   results = [tuple(outs[per_leaf * i:per_leaf * i + 3]) for i in range(len(leaves))]
   new_scales = jnp.concatenate([outs[per_leaf * i + 3] for i in range(len(leaves))]) if q8 else None
@@ -459,18 +484,18 @@ def _compressed_per_shard(params, ranks, shapes):
   (replicated) around the call."""
   q8 = params["moments"] == "8bit"
   decays = params["decays"]
-  spans, i = [], 2
+  spans, i = [], 3
   for d in decays:
     k = (4 if d == "1" else 3) + 1 + q8  # g, mu, nu, [p], piece, [scales]
     spans.append((i, k))
     i += k
 
-  def call(count, hp, *operands):
-    return tuple(_cprim.bind(count, hp, *operands, **params))
+  def call(count, hp, check, *operands):
+    return tuple(_cprim.bind(count, hp, check, *operands, **params))
 
   def partition(mesh, arg_shapes, result_shape):
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    arg_shardings, result_shardings, pieces = [replicated, replicated], [], []
+    arg_shardings, result_shardings, pieces = [replicated] * 3, [], []
     for (i, k), shape in zip(spans, shapes):
       axes = _dim0_axes(mesh, arg_shapes[i].sharding, shape, q8)
       if axes is None:
@@ -490,7 +515,7 @@ def _compressed_per_shard(params, ranks, shapes):
       return call(*args)
     return mesh, per_shard_call, tuple(result_shardings), tuple(arg_shardings)
 
-  operands, results, replicated_factors = ["", "h"], [], ["h"]
+  operands, results, replicated_factors = ["", "h", "c"], [], ["h", "c"]
   for leaf, ((_, k), rank) in enumerate(zip(spans, ranks)):
     dims = " ".join(f"l{leaf}d{j}" for j in range(rank))
     operands += [dims] * (k - 1 - q8) + [f"l{leaf}r"]
@@ -500,7 +525,7 @@ def _compressed_per_shard(params, ranks, shapes):
       operands.append(f"l{leaf}b l{leaf}s")
       results.append(f"l{leaf}b l{leaf}s")
       replicated_factors.append(f"l{leaf}s")
-  partition._hostopt_batch = (functools.partial(_compressed_batch, **params), 2 + sum(k for _, k in spans))
+  partition._hostopt_batch = (functools.partial(_compressed_batch, **params), 3 + sum(k for _, k in spans))
   op = custom_partitioning(call)
   op.def_partition(partition=partition, sharding_rule=", ".join(operands) + " -> " + ", ".join(results),
                    need_replication_factors=tuple(replicated_factors))
