@@ -155,6 +155,28 @@ def test_nonfinite_gradients_skip_the_step_and_clipping_follows_optax():
     np.testing.assert_allclose(x, y, rtol=1e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize("offload", [None, "host"])
+def test_a_nonfinite_norm_with_clipping_skips_the_step_given_or_computed(offload):
+  # max_grad_norm without skip_nonfinite: a NaN or inf norm has no clip factor, so the step
+  # is skipped and counted, whether the norm was computed (a NaN gradient) or given.
+  params = {"w": jnp.ones((4, 3), jnp.float32)}
+  kw = {} if offload is None else {"offload": offload}
+  opt = hj.adamw(params, 1e-2, max_grad_norm=1.0, skip_nonfinite=False, **kw)
+  before = leaves(opt.params())
+  big = {"w": jnp.full((4, 3), 1000.0, jnp.float32)}
+  steps = [(big["w"].at[0, 0].set(jnp.nan), None), (big["w"], float("inf")), (big["w"], float("nan")),
+           (big["w"], np.float32("inf"))]
+  for k, (g, norm) in enumerate(steps, 1):
+    p = opt.step({"w": g}, grad_norm=norm)
+    assert not opt.last_step.applied and opt.last_step.skipped_steps == k and opt.step_count == 0
+    for x, y in zip(leaves(p), before):
+      np.testing.assert_array_equal(x, y)
+    for x, y in zip(leaves(opt.params()), before):
+      np.testing.assert_array_equal(x, y)
+  opt.step(big, grad_norm=float(np.sqrt(12) * 1000.0))
+  assert opt.last_step.applied and opt.step_count == 1
+
+
 def test_state_dict_and_checkpoint_resume_bit_exact(tmp_path):
   params, _, grad = mlp()
   opt = hj.adamw(params, SCHEDULE, weight_decay=0.1)

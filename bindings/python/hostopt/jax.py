@@ -268,9 +268,8 @@ class HostAdam:
         grad_norm = float(grad_norm)
         if grad_norm < 0:
           raise ValueError(f"grad_norm = {grad_norm}: a norm is >= 0")
-        if not np.isfinite(grad_norm) and not self._skip_nonfinite:
-          raise ValueError(f"grad_norm = {grad_norm}: expected a finite value >= 0 (or make the optimizer with "
-                           "skip_nonfinite=True to skip such steps)")
+        # NaN or inf: the core's one rule decides, as for a norm it computes (skipped and
+        # counted when checked or clipped; with neither, the norm is not used).
       if self._device_step is not None:
         return self._offloaded_step(grads, grad_norm)
       if grads is None and self._acc is None:
