@@ -29,9 +29,11 @@ refused (torch warns and applies them twice). Parameters appended to or replaced
 ``param_groups[i]["params"]`` after a step are trained from the next one, as torch.optim does
 (the layout is rebuilt as after ``add_param_group``, the state kept). ``load_state_dict``
 checks the whole state (moments, steps, masters) before anything changes, and ``step`` every
-gradient before any dtype is stepped: a refused call changes nothing. ``step``,
-``state_dict`` and ``load_state_dict`` hold one lock, so a state_dict taken while another
-thread steps is one step's state.
+gradient before any dtype is stepped: a refused call changes nothing (a rebuilt layout is
+built aside and swapped in whole). ``step``, ``state_dict``, ``load_state_dict``,
+``zero_grad`` and ``copy.deepcopy``/pickle hold one lock, so a state_dict or copy taken
+while another thread steps is one step's state. A parameter's moment format is fixed,
+however its group changes (a replaced group dict, a parameter moved between groups).
 
 CUDA parameters (or ``offload="host"``) go through the offload pipeline: parameters become
 views of one flat device buffer, laid out in reverse order (the order the backward produces
@@ -599,7 +601,7 @@ class _HostAdam(torch.optim.Optimizer):
     """A parameter's moment format is fixed: its group (the same dict or a replaced one, or
     another group it was moved to) must still store the format it was built with."""
     built = {id(g): fmt for g, fmt in self._built_groups}
-    had = {id(t.param): t.format for layout in self._layout.values() for t in layout[1]}
+    had = self._built_formats
     for gi, group in enumerate(self.param_groups):
       fmt = self._group_format(group)
       if built.get(id(group), fmt) != fmt:
@@ -765,6 +767,7 @@ class _HostAdam(torch.optim.Optimizer):
     # Each parameter's format is fixed while this layout stands (_check_formats).
     self._built_groups = [(g, self._group_format(g)) for g in self.param_groups]
     self._built_params = [list(g["params"]) for g in self.param_groups]
+    self._built_formats = {id(t.param): t.format for entry in layout.values() for t in entry[1]}
     self._applied = {}  # (dtype, group) -> config last given to the core
     self._views = {}  # (dtype, index) -> (grad tensor, data_ptr, numpy view), reused while unchanged
 
@@ -842,9 +845,9 @@ class _HostAdam(torch.optim.Optimizer):
         t.master.copy_(t.param.detach())
         t.remember()
 
-  def _adopt_user_changes(self, present: set):
+  def _adopt_user_changes(self, present: Optional[set]):
     """Parameters and state the user replaced or wrote since the last step take effect (for
-    the parameters still in param_groups, `present`: ids). Everything is checked before
+    the parameters still in param_groups, `present`: their ids, None when all are). Everything is checked before
     anything is taken, so a refusal changes nothing. Returns whether the layout must be
     rebuilt, and the state entries the rebuild reads instead of opt.state's (_build)."""
     for layout in self._layout.values():
@@ -852,7 +855,7 @@ class _HostAdam(torch.optim.Optimizer):
       written = steps.tolist() != known
       for k, t in enumerate(tracked):
         p = t.param
-        if id(p) not in present:
+        if present is not None and id(p) not in present:
           continue  # no longer the optimizer's (torch.optim keeps its state, and leaves it alone)
         if tuple(p.shape) != t.shape:
           raise ValueError(f"a parameter changed shape from {t.shape} to {tuple(p.shape)} after it was given to "
@@ -872,7 +875,7 @@ class _HostAdam(torch.optim.Optimizer):
       core, tracked, steps, seg_of, known, dev = layout
       for k, t in enumerate(tracked):
         p = t.param
-        if id(p) not in present:
+        if present is not None and id(p) not in present:
           continue
         if p.dtype != t.dtype:
           rebuild = True  # another dtype: _build keeps the masters only if they still fit
@@ -1039,9 +1042,10 @@ class _HostAdam(torch.optim.Optimizer):
       self._build()
     else:
       self._check_formats()
-      present = {id(p) for g in self.param_groups for p in g["params"]}
+      changed = self._params_changed()  # appended to or replaced in param_groups[i]["params"]: as add_param_group
+      present = {id(p) for g in self.param_groups for p in g["params"]} if changed else None
       rebuild, overrides = self._adopt_user_changes(present)
-      if rebuild or self._params_changed():  # appended to or replaced in param_groups[i]["params"]: as add_param_group
+      if rebuild or changed:
         self._build(overrides)
     configs = [self._config(g, f"param_groups[{gi}]")  # lr schedulers and edits take effect here
                for gi, g in enumerate(self.param_groups)]
