@@ -59,6 +59,7 @@ json parse_unique(const std::string& path, const std::string& what, const std::s
   };
   std::vector<level> open; // the objects being parsed, outermost first
   std::string twice, where; // the first repeated key, and the object it is in
+  bool repeated = false;    // a key seen twice ("" is a key too: twice.empty() says nothing)
   json j;
   try {
     j = json::parse(text, [&](int, json::parse_event_t event, json& parsed) {
@@ -69,7 +70,8 @@ json parse_unique(const std::string& path, const std::string& what, const std::s
       } else if (event == json::parse_event_t::key && !open.empty()) {
         level& l = open.back();
         l.last_key = parsed.get<std::string>();
-        if (!l.keys.insert(l.last_key).second && twice.empty()) {
+        if (!l.keys.insert(l.last_key).second && !repeated) {
+          repeated = true;
           twice = l.last_key;
           where = l.name.empty() ? std::string() : " in '" + l.name + "'";
         }
@@ -79,7 +81,7 @@ json parse_unique(const std::string& path, const std::string& what, const std::s
   } catch (const std::exception& e) {
     fail(path, what + " is not valid JSON: " + e.what());
   }
-  if (!twice.empty())
+  if (repeated)
     fail(path, what + " holds the key '" + twice + "' twice" + where + " (a JSON reader keeps only one of them): refused");
   return j;
 }
@@ -344,9 +346,56 @@ void replace_atomically(const std::string& path, const std::string& what, Fill&&
   fsync_directory(path);
 }
 
+// Whether the bits of an f32 or bf16 exp_avg_sq value are negative: below -0.0, up to
+// -inf (NaN excluded). No step produces one — v starts at +0 and only ever adds g*g >= +0
+// to beta2 * v, so a negative v comes from a crafted file or a buggy writer, and would turn
+// its parameter NaN a step later (sqrt of it). Accepted: +inf (a finite gradient whose
+// square overflows, with skip_nonfinite off), NaN (a NaN gradient with skip_nonfinite off:
+// what a step writes, and what the jax/torch fronts load) and -0.0, which no step writes
+// either but which equals zero in every use (sqrt(-0) + eps = eps) and which the views
+// and write_moments take as zero (refusing it would refuse files hostopt itself wrote).
+constexpr bool negative_bits(std::uint32_t x) { return x > 0x80000000u && x <= 0xFF800000u; }
+constexpr bool negative_bits(std::uint16_t x) { return x > 0x8000u && x <= 0xFF80u; }
+
+// An element of an exp_avg_sq entry, as the number it is.
+float value_of_bits(std::uint32_t x, unsigned width) {
+  if (width == 2) x <<= 16;
+  float f;
+  std::memcpy(&f, &x, 4);
+  return f;
+}
+
+// The index of the first of `count` width-byte values at p whose bits are negative, or count.
+template <class Bits>
+std::size_t first_negative(const unsigned char* p, std::size_t count) {
+  for (std::size_t j = 0; j < count; ++j) {
+    Bits x;
+    std::memcpy(&x, p + j * sizeof(Bits), sizeof(Bits));
+    if (negative_bits(x)) return j;
+  }
+  return count;
+}
+
+// The first negative value among `count` f32 (width 4) or bf16 (width 2) exp_avg_sq values
+// at p, as "tensor 'w' exp_avg_sq[3] = -1" (element `first` of the tensor at p), or "".
+std::string negative_second_moment(const unsigned char* p, std::size_t count, unsigned width, const std::string& tensor,
+                                   std::size_t first) {
+  const std::size_t j = width == 4 ? first_negative<std::uint32_t>(p, count) : first_negative<std::uint16_t>(p, count);
+  if (j == count) return {};
+  std::uint32_t bits = 0;
+  std::memcpy(&bits, p + j * width, width);
+  char value[32];
+  std::snprintf(value, sizeof value, "%.9g", double(value_of_bits(bits, width)));
+  return "tensor '" + tensor + "' exp_avg_sq[" + std::to_string(first + j) + "] = " + value;
+}
+
 } // namespace
 
 namespace detail {
+
+nlohmann::json parse_json_unique(const std::string& path, const std::string& what, const std::string& text) {
+  return parse_unique(path, what, text);
+}
 
 void check_path(const std::string& path, const std::string& what) {
   if (path.empty()) throw std::invalid_argument(what + ": the path is empty");
@@ -414,6 +463,9 @@ void save_checkpoint(const optimizer& opt, const std::string& path, const checkp
   struct chunk {
     const char* src;
     std::uint64_t bytes;
+    const segment* tensor = nullptr; // an f32/bf16 exp_avg_sq: checked for negative values
+    std::size_t first = 0;           // its first element in the tensor
+    unsigned width = 0;              // bytes per value (4 or 2)
   };
   std::vector<chunk> chunks; // data in file order
   const std::vector<moment_format> formats = st.formats();
@@ -431,7 +483,11 @@ void save_checkpoint(const optimizer& opt, const std::string& path, const checkp
       header[s.name + "." + kinds[k]] = {
           {"dtype", entry_dtype(k, f)}, {"shape", entry_shape(k, shape, n)}, {"data_offsets", {offset, offset + bytes}}};
       offset += bytes;
-      if (n) chunks.push_back({st.data_at(k, s.group, s.offset + p.a - held.begin), bytes});
+      if (n) {
+        chunks.push_back({st.data_at(k, s.group, s.offset + p.a - held.begin), bytes});
+        if (k == kind_exp_avg_sq && f != moment_format::q8)
+          chunks.back() = {chunks.back().src, bytes, &s, p.a, f == moment_format::f32 ? 4u : 2u};
+      }
     }
   }
   json meta = {{"format", format_name},
@@ -470,6 +526,20 @@ void save_checkpoint(const optimizer& opt, const std::string& path, const checkp
     throw std::logic_error("checkpoint header: the checksum slot is not unique");
   const std::uint64_t checksum_pos = 8 + at + 12; // file offset of the 16 hex digits
 
+  // A negative second moment (written through a view: no step or write_moments makes one)
+  // would be refused by load: refused here, before anything is written, and again in the
+  // bytes written (a view written meanwhile).
+  const auto refuse_negative = [&](const unsigned char* p, std::uint64_t bytes, const chunk& c, std::uint64_t done) {
+    if (!c.width) return;
+    const std::string bad = negative_second_moment(p, std::size_t(bytes / c.width), c.width, c.tensor->name,
+                                                   c.first + std::size_t(done / c.width));
+    if (!bad.empty())
+      throw std::invalid_argument("save_checkpoint '" + path + "': " + bad +
+                                  ": a second moment is never negative (one written through a view; no step writes "
+                                  "one, and load refuses it): nothing saved");
+  };
+  for (const auto& c : chunks) refuse_negative(reinterpret_cast<const unsigned char*>(c.src), c.bytes, c, 0);
+
   replace_atomically(path, "checkpoint", [&](int fd, const std::string& tmp) {
     checksum64 sum;
     unsigned char len[8];
@@ -485,6 +555,7 @@ void save_checkpoint(const optimizer& opt, const std::string& path, const checkp
       for (std::uint64_t done = 0; done < c.bytes;) {
         const std::size_t len_now = std::size_t(std::min<std::uint64_t>(block.size(), c.bytes - done));
         std::memcpy(block.data(), c.src + done, len_now);
+        refuse_negative(block.data(), len_now, c, done);
         sum.add(block.data(), len_now);
         write_all(fd, block.data(), len_now, tmp);
         done += len_now;
@@ -790,36 +861,6 @@ source_file open_source(const std::string& path, std::span<const segment> segs, 
   src.head.add(len, 8);
   src.head.add(text.data(), text.size());
   return src;
-}
-
-// Whether the bits of an f32 or bf16 exp_avg_sq value are negative: below -0.0, up to
-// -inf (NaN excluded). No step produces one — v starts at +0 and only ever adds g*g >= +0
-// to beta2 * v, so a negative v comes from a crafted file or a buggy writer, and would turn
-// its parameter NaN a step later (sqrt of it). Accepted: +inf (a finite gradient whose
-// square overflows, with skip_nonfinite off), NaN (a NaN gradient with skip_nonfinite off:
-// what a step writes, and what the jax/torch fronts load) and -0.0, which no step writes
-// either but which equals zero in every use (sqrt(-0) + eps = eps) and which the views
-// and write_moments take as zero (refusing it would refuse files hostopt itself wrote).
-constexpr bool negative_bits(std::uint32_t x) { return x > 0x80000000u && x <= 0xFF800000u; }
-constexpr bool negative_bits(std::uint16_t x) { return x > 0x8000u && x <= 0xFF80u; }
-
-// An element of an exp_avg_sq entry, as the number it is.
-float value_of_bits(std::uint32_t x, unsigned width) {
-  if (width == 2) x <<= 16;
-  float f;
-  std::memcpy(&f, &x, 4);
-  return f;
-}
-
-// The index of the first of `count` width-byte values at p whose bits are negative, or count.
-template <class Bits>
-std::size_t first_negative(const unsigned char* p, std::size_t count) {
-  for (std::size_t j = 0; j < count; ++j) {
-    Bits x;
-    std::memcpy(&x, p + j * sizeof(Bits), sizeof(Bits));
-    if (negative_bits(x)) return j;
-  }
-  return count;
 }
 
 // Pass 1: the whole file against its checksum, streamed through `block`, every 8-bit

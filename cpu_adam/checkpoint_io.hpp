@@ -6,6 +6,8 @@
 #include <span>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 #include "hostopt/optimizer.hpp"
 
 namespace hostopt::detail {
@@ -43,6 +45,10 @@ void write_file_atomically(const std::string& path, const std::string& text, con
 /// The contents of a small regular file (at most `limit` bytes): a fifo or device is
 /// refused without blocking. std::runtime_error naming `what` and the path otherwise.
 std::string read_small_file(const std::string& path, const std::string& what, std::size_t limit = std::size_t(16) << 20);
+
+/// JSON `text` read from `path`, refused (std::runtime_error naming `what`) unless valid and
+/// with every object's keys unique: a JSON reader keeps only one of two equal keys.
+nlohmann::json parse_json_unique(const std::string& path, const std::string& what, const std::string& text);
 
 /// Throws std::invalid_argument when a path is empty or holds a NUL byte.
 void check_path(const std::string& path, const std::string& what);

@@ -719,6 +719,12 @@ void optimizer::write_moments(std::string_view name, std::span<const float> exp_
   if (!seg.size) return;
   const std::size_t flat = seg.offset - s.held.begin;
   if (s.stores[seg.group].format == moment_format::f32) {
+    // Refused as the compressed formats' encoder refuses it (and as load refuses it): a
+    // negative v makes the parameter NaN a step later, and a save of it would not load.
+    for (std::size_t i = 0; i < seg.size; ++i)
+      if (exp_avg_sq[i] < 0.0f)
+        throw std::invalid_argument("write_moments('" + seg.name + "'): exp_avg_sq[" + std::to_string(i) +
+                                    "] = " + std::to_string(exp_avg_sq[i]) + ": a second moment is never negative");
     std::memmove(s.moment_at(1, seg.group, flat), exp_avg.data(), seg.size * sizeof(float));
     std::memmove(s.moment_at(2, seg.group, flat), exp_avg_sq.data(), seg.size * sizeof(float));
     return;

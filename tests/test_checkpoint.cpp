@@ -444,6 +444,26 @@ std::string replaced(std::string text, const std::string& from, const std::strin
   return text.replace(at, from.size(), to);
 }
 
+// Rewrites checkpoint `path` with element `index` of entry `entry` (values of `width`
+// bytes) set to `bits`, checksum restamped: the crafted file a buggy writer would make
+// (save_checkpoint itself refuses a negative second moment).
+void write_value(const std::string& path, const std::string& entry, std::size_t index, std::uint32_t bits,
+                 unsigned width) {
+  const std::string file = read_file(path);
+  const std::string text = header_text(file);
+  std::string data = file.substr(8 + text.size());
+  const auto header = nlohmann::json::parse(text);
+  const std::uint64_t at = header[entry]["data_offsets"][0].get<std::uint64_t>() + index * width;
+  REQUIRE(at + width <= header[entry]["data_offsets"][1].get<std::uint64_t>());
+  std::memcpy(data.data() + at, &bits, width);
+  write_file(path, stamped(text, data));
+}
+std::uint32_t bits_of(float x) {
+  std::uint32_t b;
+  std::memcpy(&b, &x, 4);
+  return b;
+}
+
 } // namespace
 
 TEST_CASE("a file with a valid checksum and a negative exp_avg_sq is refused, naming tensor and index; "
@@ -457,16 +477,13 @@ TEST_CASE("a file with a valid checksum and a negative exp_avg_sq is refused, na
   optimizer target(model());
   train(target, 1, rng);
   const snapshot before(target);
-  auto v_of = [&](const char* name) { return source.exp_avg_sq(name); };
   for (const float bad : {-1.0f, -1e-30f, -std::numeric_limits<float>::infinity(),
                           -std::numeric_limits<float>::denorm_min()}) {
     INFO("exp_avg_sq = " << bad);
     for (const auto& [name, at] : {std::pair<const char*, std::size_t>{"embed", 7}, {"embed", 399}, {"scalar", 0},
                                    {"bias", 5}}) {
-      const float was = v_of(name)[at];
-      v_of(name)[at] = bad;
-      save_checkpoint(source, path); // a valid checksum: only the value check can refuse it
-      v_of(name)[at] = was;
+      save_checkpoint(source, path);
+      write_value(path, std::string(name) + ".exp_avg_sq", at, bits_of(bad), 4); // only the value check can refuse it
       try {
         load_checkpoint(target, path);
         FAIL("accepted a negative exp_avg_sq");
@@ -524,10 +541,8 @@ TEST_CASE("a negative bf16 exp_avg_sq code is refused too, and a value cut by th
   for (const std::uint16_t bits : {std::uint16_t(0xBF80) /* -1 */, std::uint16_t(0x8001) /* -tiny */,
                                    std::uint16_t(0xFF80) /* -inf */}) {
     INFO("bf16 bits " << bits);
-    const std::uint16_t was = h[999];
-    h[999] = bits;
     save_checkpoint(source, path);
-    h[999] = was;
+    write_value(path, "h.exp_avg_sq", 999, bits, 2);
     refused("tensor 'h' exp_avg_sq[999]");
   }
   // NaN bits (of either sign: x86 writes 0xFFC0) and -0.0 are loaded.
@@ -551,11 +566,65 @@ TEST_CASE("a negative bf16 exp_avg_sq code is refused too, and a value cut by th
   REQUIRE(cut < 800000);
   for (const std::size_t at : {cut, cut - 1, cut + 1, std::size_t(799999)}) {
     INFO("f element " << at);
-    const float was = source.exp_avg_sq("f")[at];
-    source.exp_avg_sq("f")[at] = -2.0f;
     save_checkpoint(source, path);
-    source.exp_avg_sq("f")[at] = was;
+    write_value(path, "f.exp_avg_sq", at, bits_of(-2.0f), 4);
     refused("tensor 'f' exp_avg_sq[" + std::to_string(at) + "] = -2");
+  }
+  fs::remove_all(dir);
+}
+
+TEST_CASE("hostopt never writes a file it would refuse: a negative exp_avg_sq from a view is refused by save "
+          "(naming tensor and index, nothing written), and by write_moments for f32 as for bf16",
+          "[checkpoint][errors]") {
+  const fs::path dir = scratch_dir();
+  const fs::path path = dir / "own.safetensors";
+  adam_config c;
+  std::vector<param_group> groups{{c, {{"w", {4, 3}}}}, {c, {{"b", {40}}}, moment_format::bf16, 2}};
+  optimizer opt(groups, {1, ""});
+  std::mt19937 rng(21);
+  train(opt, 2, rng);
+  save_checkpoint(opt, path.string());
+  const std::string saved = read_file(path);
+  auto refused = [&](const std::string& words) {
+    try {
+      save_checkpoint(opt, path.string());
+      FAIL("saved a negative exp_avg_sq");
+    } catch (const std::invalid_argument& e) {
+      CHECK_THAT(e.what(), Catch::Contains(words) && Catch::Contains("never negative") &&
+                               Catch::Contains("nothing saved") && Catch::Contains("own.safetensors"));
+    }
+    CHECK(read_file(path) == saved); // the earlier save stays, untouched
+    std::size_t files = 0;
+    for (const auto& e : fs::directory_iterator(dir)) files += e.is_regular_file();
+    CHECK(files == 1); // no temporary file left
+  };
+  // Through the f32 view.
+  const float was = opt.exp_avg_sq("w")[7];
+  opt.exp_avg_sq("w")[7] = -1.0f;
+  refused("tensor 'w' exp_avg_sq[7] = -1");
+  opt.exp_avg_sq("w")[7] = was;
+  // Through the bf16 codes.
+  auto* h = static_cast<std::uint16_t*>(opt.moment_codes("b").exp_avg_sq);
+  const std::uint16_t code = h[39];
+  h[39] = 0xBF80; // -1
+  refused("tensor 'b' exp_avg_sq[39] = -1");
+  h[39] = code;
+  save_checkpoint(opt, path.string());
+  optimizer back(groups, {1, ""});
+  load_checkpoint(back, path.string());
+  // write_moments: f32 refuses a negative v as the bf16 encoder does, changing nothing.
+  for (const char* name : {"w", "b"}) {
+    INFO(name);
+    const std::size_t n = opt.tensor(name).size;
+    std::vector<float> m0(n), v0(n), m1(n), v1(n);
+    opt.read_moments(name, m0, v0);
+    std::vector<float> m(n, 0.25f), v(n, 1.0f);
+    v[n - 1] = -1.0f;
+    CHECK_THROWS_WITH(opt.write_moments(name, m, v), Catch::Contains("exp_avg_sq[" + std::to_string(n - 1) + "]") &&
+                                                         Catch::Contains("never negative"));
+    opt.read_moments(name, m1, v1);
+    CHECK(m1 == m0);
+    CHECK(v1 == v0);
   }
   fs::remove_all(dir);
 }
@@ -591,6 +660,8 @@ TEST_CASE("a key twice in a header object (last wins in a JSON reader) is refuse
          return std::string(text).insert(at, "\"dtype\":\"F16\",");
        }()},
       {"__metadata__ 'groups' holds the key 'lr' twice", groups_with("\"lr\":", "\"lr\":0.5,\"lr\":")},
+      {"the key '' twice in '__metadata__'", replaced(text, "\"step\":\"4\"", "\"\":\"1\",\"\":\"2\",\"step\":\"4\"")},
+      {"the key '' twice", replaced(text, "\"bias.param\":", "\"\":{},\"\":{},\"bias.param\":")},
   };
   for (const auto& [words, header] : cases) {
     INFO("expecting: " << words);
