@@ -47,6 +47,14 @@ void check_shard_views(const_view grad, mut_view params, shard_range shard) {
   if (params.data != nullptr || params.size != 0) check("shard_params", params.size);
 }
 
+// Whether a step agrees and reduces the norm: no norm given, and checked or clipped. Decided
+// from the options as given, valid or not (max_grad_norm NaN or -1 counts as clipping): a
+// rank whose options are refused must still join the agreement the others make, never
+// refuse alone while they wait in the reduction.
+bool reduces(const step_options& o) {
+  return o.known_grad_norm < 0 && (o.skip_nonfinite || o.max_grad_norm != 0);
+}
+
 } // namespace
 
 shard_range shard_of(std::size_t arena_size, int world_size, int rank, std::size_t unit) {
@@ -156,7 +164,7 @@ void sharded_optimizer::refuse_step(const std::string& reason, const step_option
                                     const sum_across_ranks& reduce) const {
   if (reduce) agree(reduce, &reason);
   const sum_across_ranks own = norm_reduction();
-  if (own && needs_unknown_norm(options)) agree(own, &reason);
+  if (own && reduces(options)) agree(own, &reason);
 }
 
 step_result sharded_optimizer::step(const_view shard_grad, mut_view shard_params, const step_options& options) {
@@ -165,7 +173,7 @@ step_result sharded_optimizer::step(const_view shard_grad, mut_view shard_params
   // the step reduces depends on the options alone (the same on every rank), never on a
   // check that could fail on one rank only: a refusing rank still joins the agreement.
   const sum_across_ranks reduce = norm_reduction();
-  if (!reduce || !needs_unknown_norm(options)) {
+  if (!reduce || !reduces(options)) {
     check_shard_views(shard_grad, shard_params, shard_);
     return local_.step(shard_grad, shard_params, options);
   }
@@ -179,14 +187,19 @@ void sharded_optimizer::save(const std::string& dir, const std::string& save_id)
   detail::check_path(dir, "sharded checkpoint directory");
   check_save_id(save_id);
   // Overwriting the committed save's files would break the one save a crash falls back to.
+  std::string text;
   try {
-    const auto index = nlohmann::json::parse(detail::read_small_file(dir + "/index.json", "sharded checkpoint index"));
-    if (index.is_object() && index.value("save_id", "") == save_id)
+    text = detail::read_small_file(dir + "/index.json", "sharded checkpoint index");
+    if (!nlohmann::json::accept(text)) text.clear();
+  } catch (const std::exception&) { // no index yet (or unreadable): nothing committed to protect
+    text.clear();
+  }
+  if (!text.empty()) {
+    // An index naming save_id twice (one of them perhaps this save) is refused, as load does.
+    const auto index = detail::parse_json_unique(dir + "/index.json", "index.json", text);
+    if (index.is_object() && index.contains("save_id") && index["save_id"] == save_id)
       throw std::invalid_argument("save_id '" + save_id + "' is the committed save in '" + dir +
                                   "': give every save a new id (a counter), so a crash mid-save keeps it");
-  } catch (const std::invalid_argument&) {
-    throw;
-  } catch (const std::exception&) { // no index yet (or unreadable): nothing committed to protect
   }
   detail::save_checkpoint(local_, shard_file(dir, rank_, world_, save_id),
                           {{"save_id", save_id},
@@ -230,12 +243,9 @@ void sharded_optimizer::commit_save(const std::string& dir, const std::string& s
 void sharded_optimizer::load(const std::string& dir) {
   detail::check_path(dir, "sharded checkpoint directory");
   const std::string where = "sharded checkpoint '" + dir + "': ";
-  nlohmann::json index;
-  try {
-    index = nlohmann::json::parse(detail::read_small_file(dir + "/index.json", "sharded checkpoint index"));
-  } catch (const nlohmann::json::exception& e) {
-    throw std::runtime_error(where + "index.json is not valid JSON: " + e.what());
-  }
+  // Every key once: a reader keeps only one of two (a save_id or step given twice).
+  const nlohmann::json index = detail::parse_json_unique(
+      dir + "/index.json", "index.json", detail::read_small_file(dir + "/index.json", "sharded checkpoint index"));
   if (!index.is_object() || index.value("format", "") != "hostopt-sharded" || index.value("version", "") != "2")
     throw std::runtime_error(where + "unknown format or version in index.json (expected hostopt-sharded version 2)");
   const auto& w = index["world_size"];

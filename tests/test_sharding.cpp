@@ -6,8 +6,10 @@
 #include <condition_variable>
 #include <exception>
 #include <filesystem>
+#include <fstream>
 #include <mutex>
 #include <thread>
+#include <tuple>
 
 #include "reference.hpp"
 
@@ -232,6 +234,53 @@ TEST_CASE("save with 2 ranks, load with 3 and with 1: training continues bit-ide
   fs::remove_all(dir);
 }
 
+TEST_CASE("an index.json with a key twice (a JSON reader keeps one) is refused by load and save",
+          "[sharding][checkpoint]") {
+  const fs::path dir = fs::temp_directory_path() / ("hostopt_shard_dup_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  std::mt19937 rng(10);
+  auto two = make_world(2);
+  const std::size_t n = two.front().arena_size();
+  step_world(two, ref::random_grad(dtype::f32, n, rng).f32, 1.0);
+  for (auto& r : two) r.save(dir.string(), "s1");
+  two.front().commit_save(dir.string(), "s1");
+  step_world(two, ref::random_grad(dtype::f32, n, rng).f32, 1.0);
+  for (auto& r : two) r.save(dir.string(), "s2");
+  const fs::path index = dir / "index.json";
+  std::string text;
+  {
+    std::ifstream f(index);
+    text.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+  }
+  auto with = [&](const std::string& from, const std::string& to) {
+    const std::size_t at = text.find(from);
+    REQUIRE(at != std::string::npos);
+    std::string t = text;
+    t.replace(at, from.size(), to);
+    std::ofstream(index, std::ios::trunc) << t;
+  };
+  for (const auto& [from, to, key] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"\"save_id\": \"s1\"", "\"save_id\": \"s2\", \"save_id\": \"s1\"", "save_id"},
+           {"\"save_id\": \"s1\"", "\"save_id\": \"s1\", \"save_id\": \"s2\"", "save_id"},
+           {"\"step\": \"1\"", "\"step\": \"2\", \"step\": \"1\"", "step"}}) {
+    INFO(to);
+    with(from, to);
+    auto world = make_world(2);
+    CHECK_THROWS_WITH(world.front().load(dir.string()),
+                      Catch::Contains("index.json holds the key '" + key + "' twice") && Catch::Contains("refused"));
+    CHECK(world.front().local().step_count() == 0);
+    // A save next to an index that may name it (the committed save: it must not be written over).
+    CHECK_THROWS_WITH(two.front().save(dir.string(), "s3"), Catch::Contains("holds the key '" + key + "' twice"));
+    CHECK_FALSE(fs::exists(dir / "shard-0-of-2.s3.safetensors"));
+  }
+  std::ofstream(index, std::ios::trunc) << text;
+  auto world = make_world(2);
+  for (auto& r : world) r.load(dir.string());
+  CHECK(world.front().local().step_count() == 1);
+  fs::remove_all(dir);
+}
+
 TEST_CASE("shard files of different saves are never loaded together", "[sharding][checkpoint]") {
   const fs::path base = fs::temp_directory_path() / ("hostopt_shard_mix_" + std::to_string(::getpid()));
   const fs::path dir = base / "ckpt";
@@ -382,8 +431,11 @@ TEST_CASE("a step refused on one rank is refused on every rank before any rank w
   struct fault {
     const char* name;
     const char* reason;
+    bool unchecked = false; // every rank steps with skip_nonfinite = false (clipping alone)
   };
   const fault faults[] = {{"a gradient one element short", "shard_grad.size"},
+                          {"a negative max_grad_norm, unchecked", "max_grad_norm", true},
+                          {"a NaN max_grad_norm, unchecked", "max_grad_norm", true},
                           {"a copy-out of the wrong size", "shard_params.size"},
                           {"a copy-out that is its gradient", "overlap"},
                           {"a negative max_grad_norm", "max_grad_norm"},
@@ -409,13 +461,16 @@ TEST_CASE("a step refused on one rank is refused on every rank before any rank w
           sharded_optimizer& r = world[std::size_t(k)];
           shard_buffers& b = bufs[std::size_t(k)];
           step_options o = reducing_clip();
+          if (f.unchecked) o.skip_nonfinite = false;
           const_view grad{b.grad.data(), b.grad.size(), dtype::f32};
           mut_view out{b.out.data(), b.out.size(), dtype::f32};
           if (k == bad) {
             if (fault_name == "a gradient one element short") grad.size -= 1;
             if (fault_name == "a copy-out of the wrong size") out.size += 16;
             if (fault_name == "a copy-out that is its gradient") out.data = b.grad.data();
-            if (fault_name == "a negative max_grad_norm") o.max_grad_norm = -1;
+            if (fault_name == "a negative max_grad_norm" || fault_name == "a negative max_grad_norm, unchecked")
+              o.max_grad_norm = -1;
+            if (fault_name == "a NaN max_grad_norm, unchecked") o.max_grad_norm = std::nan("");
             if (fault_name == "no step call: its buffers failed to convert") {
               r.refuse_step("could not convert its buffers", o);
               throw std::logic_error("refuse_step returned although the other ranks wait");
