@@ -71,6 +71,14 @@ def check_seed(seed: Any, where: str) -> int:
   return int(seed)
 
 
+def check_optional_bool(value: Any, where: str) -> Any:
+  """None, or a bool (True/False, numpy.bool_): never a string, int or float taken for one
+  (bool("no") is True). TypeError naming `where` otherwise."""
+  if value is None or isinstance(value, (bool, np.bool_)):
+    return None if value is None else bool(value)
+  raise TypeError(f"{where} = {value!r}: expected None, True or False")
+
+
 # The 8-bit format's block exponent bytes as its encoder writes them: m's at most 239, v's
 # at most 223 (the top code's exponent stays below f32's 255), or 255 for a block whose
 # moment was not finite (it decodes as NaN).

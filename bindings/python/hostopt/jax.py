@@ -29,9 +29,14 @@ label (``group_options={"norms": {"moments": "f32"}}``); README: "Compressed mom
 ``mu``/``nu`` and 8-bit ones as ``mu_codes``/``nu_codes`` (uint8) with ``moment_scales``
 (uint8 [blocks, 2]), so a resume is exact; ``load_state_dict`` refuses moments of another
 format, with nothing changed, unless ``convert_moments=True`` (lossy into bf16 or 8-bit).
-``opt.last_step`` counts the step's ``poisoned_blocks`` (8-bit blocks whose moments are NaN)
-and ``saturated_blocks`` (blocks whose range an outlier exceeded); the first step that has
-some warns once per kind (``hostopt.CompressedMomentsWarning``).
+``opt.last_step`` (a ``StepStats``: applied, step, grad_norm (None when the step was neither
+checked nor clipped), applied_scale, skipped_steps, poisoned_blocks, saturated_blocks) counts
+the step's ``poisoned_blocks`` (8-bit blocks whose moments are NaN) and ``saturated_blocks``
+(blocks whose range an outlier exceeded). ``hostopt.CompressedMomentsWarning`` is issued once
+per kind, pointing at the ``step()`` call: at the first step that counts poisoned blocks, and
+at the second applied step in a row that counts saturated ones (a block can be saturated for
+a step at the start of training, before v is averaged; the warning waits for saturation that
+lasts). ``skip_nonfinite`` is None, True or False (anything else is a TypeError).
 
 The update is the fused step of hostopt.Optimizer (DESIGN.md's update rule: AdamW decays
 the master by ``1 - lr*wd`` before the Adam step), bit for bit; against optax.adamw it
@@ -54,6 +59,7 @@ in the pipeline's host accumulator) they need ``grad_norm=``. ``offload="host"``
 path with CPU arrays standing in for device arrays (how it is tested without a GPU).
 """
 
+import collections
 import sys
 import threading
 from typing import List, Optional
@@ -64,11 +70,21 @@ import numpy as np
 
 from . import Optimizer as _Optimizer
 from . import _core
-from ._arrays import as_buffer, check_q8_scales, check_seed
+from ._arrays import as_buffer, check_optional_bool, check_q8_scales, check_seed
 from ._block_checks import report as _report_blocks
 from ._masks import mask_flags, per_leaf
 
-__all__ = ["adam", "adamw", "HostAdam"]
+__all__ = ["adam", "adamw", "HostAdam", "StepStats"]
+
+# What the last step did: hostopt.StepResult's fields, with grad_norm None when the step did
+# not need the norm (neither checked nor clipped; the core's StepResult says -1).
+StepStats = collections.namedtuple(
+    "StepStats", "applied step grad_norm applied_scale skipped_steps poisoned_blocks saturated_blocks")
+
+
+def _stats(r) -> StepStats:
+  return StepStats(r.applied, r.step, None if r.grad_norm < 0 else r.grad_norm, r.applied_scale, r.skipped_steps,
+                   r.poisoned_blocks, r.saturated_blocks)
 
 _OUT_DTYPES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(jnp.bfloat16): "bf16"}
 
@@ -100,6 +116,7 @@ class HostAdam:
                param_dtype=None, max_grad_norm: Optional[float] = None, skip_nonfinite: Optional[bool] = None,
                threads: int = 0, offload: Optional[str] = None, offload_chunk: int = 1 << 22, groups=None,
                group_options: Optional[dict] = None, moments: str = "f32", rounding_seed: int = 0):
+    skip_nonfinite = check_optional_bool(skip_nonfinite, "skip_nonfinite")
     if offload not in (None, "host", "cuda"):
       raise ValueError(f"offload={offload!r}: expected None (parameters on a GPU go through the pipeline, CPU ones "
                        "are stepped in place), 'cuda', or 'host' (CPU arrays stand in for device arrays)")
@@ -164,7 +181,7 @@ class HostAdam:
     self._max_grad_norm = float(max_grad_norm or 0.0)
     # None: checked when a group has 8-bit moments (a NaN would poison its whole block).
     self._skip_auto = skip_nonfinite is None
-    self._skip_nonfinite = "8bit" in self._formats if skip_nonfinite is None else bool(skip_nonfinite)
+    self._skip_nonfinite = "8bit" in self._formats if skip_nonfinite is None else skip_nonfinite
     # One copy-out dtype per step (the core's rule): float32 when the leaves' dtypes differ.
     kinds = {d for d in self._out_dtypes}
     self._copy_out = kinds.pop() if len(kinds) == 1 else np.dtype(np.float32)
@@ -173,7 +190,7 @@ class HostAdam:
     self._micro_batches = 0
     self._lock = threading.RLock()
     self._executor = None
-    self.last_step = None  # the StepResult of the last step (applied, grad_norm, skipped_steps, ...)
+    self.last_step = None  # the StepStats of the last step (applied, grad_norm, skipped_steps, ...)
     self._device_step = self._device_path(leaves, offload, offload_chunk)
 
   def _labels(self, groups, params, leaves) -> List[str]:
@@ -285,9 +302,9 @@ class HostAdam:
         scale = 1.0
       out = self._buffers()
       present = {n: g for n, g in zip(self._names, glist) if g is not None}
-      self.last_step = self._core.step(present, out=dict(zip(self._names, out)), grad_scale=scale,
-                                       max_grad_norm=self._max_grad_norm, skip_nonfinite=self._skip_nonfinite,
-                                       known_grad_norm=grad_norm)
+      self.last_step = _stats(self._core.step(present, out=dict(zip(self._names, out)), grad_scale=scale,
+                                              max_grad_norm=self._max_grad_norm,
+                                              skip_nonfinite=self._skip_nonfinite, known_grad_norm=grad_norm))
       self._acc, self._micro_batches = None, 0  # a skipped step drops the micro-batches it was given too
       tag = _OUT_DTYPES[self._copy_out]
       for name, buf in zip(self._names, out):  # skipped, or a leaf without a gradient: copy it out here
@@ -331,9 +348,10 @@ class HostAdam:
       if needs_norm:
         grad_norm = norm
     without = [] if leaves is None else [i for i, g in enumerate(leaves) if g is None]
-    self.last_step, out = ds.step(flat, without=without, max_grad_norm=self._max_grad_norm,
-                                  skip_nonfinite=skip, known_grad_norm=grad_norm)
-    _report_blocks(self._core, self.last_step, "hostopt.jax")
+    result, out = ds.step(flat, without=without, max_grad_norm=self._max_grad_norm,
+                          skip_nonfinite=skip, known_grad_norm=grad_norm)
+    self.last_step = _stats(result)
+    _report_blocks(self._core, result, "hostopt.jax")
     out = [a if np.dtype(a.dtype) == d else a.astype(d) for a, d in zip(out, self._out_dtypes)]
     return self._treedef.unflatten(out)
 

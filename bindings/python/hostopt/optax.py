@@ -64,7 +64,8 @@ typed, so optax's own update fails loudly on it instead of reading codes as mome
 A NaN or infinite gradient poisons its whole 32-element 8-bit block (NaN for good), and a
 transformation returns only updates and state: there are no step statistics, and under jit
 nothing can warn. Eagerly (numpy or jax arrays outside jit) the first update that leaves
-poisoned blocks warns once per transformation (``hostopt.CompressedMomentsWarning``);
+poisoned blocks warns, once per process (``hostopt.CompressedMomentsWarning``: wrappers such as
+``optax.inject_hyperparams`` build the transformation again at every update);
 ``poisoned_blocks(state)`` counts them in any state, under jit too. Saturated blocks (an
 outlier exceeding a block's range) are counted by the kernels of the other fronts only. As
 optax, non-finite gradients are not skipped by default: wrap the transformation in
@@ -141,6 +142,12 @@ class ScaleByAdam8bitState(NamedTuple):
   mu_codes: Any
   nu_codes: Any
   scales: Any
+
+
+# The warn-once record of every transformation of this process (CompressedMomentsWarning):
+# optax.inject_hyperparams and friends build the transformation again at every update, so a
+# record per transformation would warn at every update.
+_BLOCKS_TOLD = type("_Told", (), {})()
 
 
 def poisoned_blocks(state):
@@ -633,7 +640,6 @@ def _compressed_transformation(reference, moments, seed, decoupled, learning_rat
                                state_memory) -> optax.GradientTransformationExtraArgs:
   """The transformation with compressed moments (see the module docstring)."""
   q8 = moments == "8bit"
-  told = type("_Told", (), {})()  # the warn-once record of this transformation
 
   def init_fn(params):
     leaves, treedef = jax.tree_util.tree_flatten(params)
@@ -770,7 +776,7 @@ def _compressed_transformation(reference, moments, seed, decoupled, learning_rat
       new_adam = ScaleByAdam8bitState(count=new_count, mu_codes=treedef.unflatten(new_mu),
                                       nu_codes=treedef.unflatten(new_nu), scales=new_sc)
       if not _is_traced(new_sc) and not _is_traced(new_count):  # eager: 2 bytes per 32 parameters read back
-        _report_blocks(told, type("_Counts", (), {"step": int(new_count), "poisoned_blocks": poisoned_blocks(new_adam),
+        _report_blocks(_BLOCKS_TOLD, type("_Counts", (), {"step": int(new_count), "poisoned_blocks": poisoned_blocks(new_adam),
                                                    "saturated_blocks": 0})(), "hostopt.optax")
     else:
       new_adam = adam_state._replace(count=new_count, mu=treedef.unflatten(new_mu), nu=treedef.unflatten(new_nu))

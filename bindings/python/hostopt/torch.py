@@ -62,11 +62,15 @@ kernel would square to inf) skips the step for every parameter, changing nothing
 ``opt.last_step`` reports. None (the default) checks when a param group has 8-bit moments and
 the parameters are stepped in place (a NaN there would poison its whole 32-element block, for
 good), and leaves other optimizers unchecked, like torch.optim; on the offloaded path the check
-takes a host sync, so only ``True`` asks for it. ``opt.last_step`` (``StepStats``: applied,
-step, skipped_steps, grad_norm, poisoned_blocks, saturated_blocks; None before the first
-step; an offloaded step's once it is waited for) counts the 8-bit blocks a step left NaN
-(poisoned) or whose range an outlier exceeded (saturated); the first step that has some warns
-once per kind (``hostopt.CompressedMomentsWarning``).
+takes a host sync, so only ``True`` asks for it (``skip_nonfinite`` is None, True or False:
+anything else is a TypeError). ``opt.last_step`` (``StepStats``: applied, step,
+skipped_steps, grad_norm, poisoned_blocks, saturated_blocks; None before the first step; an
+offloaded step's once it is waited for; ``grad_norm`` is None when the step was not checked)
+counts the 8-bit blocks a step left NaN (poisoned) or whose range an outlier exceeded
+(saturated). ``hostopt.CompressedMomentsWarning`` is issued once per kind, pointing at the
+``step()`` call: at the first step that counts poisoned blocks, and at the second applied step
+in a row that counts saturated ones (a block can be saturated for a step at the start of
+training, before v is averaged; the warning waits for saturation that lasts).
 
 ``foreach`` and ``fused`` are accepted for compatibility and change nothing: hostopt's step is
 always one fused pass. ``amsgrad``, ``capturable`` and ``differentiable`` are refused.
@@ -88,7 +92,7 @@ import numpy as np
 import torch
 
 from . import _core
-from ._arrays import as_buffer, check_q8_scales, check_seed as _check_seed
+from ._arrays import as_buffer, check_optional_bool, check_q8_scales, check_seed as _check_seed
 from ._block_checks import report as _report_blocks
 
 __all__ = ["Adam", "AdamW", "StepStats", "default_threads"]
@@ -99,7 +103,8 @@ StepStats = collections.namedtuple("StepStats", "applied step skipped_steps grad
 
 def _merged(results) -> StepStats:
   return StepStats(applied=all(r.applied for r in results), step=max(r.step for r in results),
-                   skipped_steps=max(r.skipped_steps for r in results), grad_norm=results[0].grad_norm,
+                   skipped_steps=max(r.skipped_steps for r in results),
+                   grad_norm=None if results[0].grad_norm < 0 else results[0].grad_norm,  # -1: not computed
                    poisoned_blocks=sum(r.poisoned_blocks for r in results),
                    saturated_blocks=sum(r.saturated_blocks for r in results))
 
@@ -518,7 +523,7 @@ class _HostAdam(torch.optim.Optimizer):
     self._hook_handles, self._last_chunk_events = [], 0
     weakref.finalize(self, _remove_handles, self._hook_handles)  # a dropped optimizer's hooks go too
     self._lock = threading.RLock()  # step, state_dict, load_state_dict, ... one at a time
-    self._skip_nonfinite = None if skip_nonfinite is None else bool(skip_nonfinite)
+    self._skip_nonfinite = check_optional_bool(skip_nonfinite, "skip_nonfinite")
     self.last_step: Optional[StepStats] = None
     super().__init__(params, defaults)
     if self._overlap_backward and offload != "host" and all(
@@ -1017,7 +1022,7 @@ class _HostAdam(torch.optim.Optimizer):
       # so whatever the user did since the call is still seen by _adopt_user_changes.
     if results:
       self.last_step = _merged(results)
-      _report_blocks(self, self.last_step, "hostopt.torch", stacklevel=5)
+      _report_blocks(self, self.last_step, "hostopt.torch")
 
   @_serialized
   def zero_grad(self, *args, **kwargs):
@@ -1104,7 +1109,7 @@ class _HostAdam(torch.optim.Optimizer):
           t.remember()  # hostopt's own write (through numpy) is not the user's
     if results:
       self.last_step = _merged(results)
-      _report_blocks(self, self.last_step, "hostopt.torch", stacklevel=5)
+      _report_blocks(self, self.last_step, "hostopt.torch")
 
   def _grad_norm(self) -> float:
     """The global norm of every gradient (float32 per tensor, as the kernel squares them:
