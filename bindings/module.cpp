@@ -74,6 +74,75 @@ buffer check_array(const py::handle& obj, const std::string& what, const std::st
   return b;
 }
 
+// Whether `obj` is a numpy.bool_ (by its type, without importing numpy).
+bool is_numpy_bool(py::handle obj) {
+  const py::handle t = py::type::handle_of(obj);
+  return std::string(py::str(t.attr("__name__"))).rfind("bool", 0) == 0 &&
+         std::string(py::str(t.attr("__module__"))) == "numpy";
+}
+
+// An integer argument: an int or anything with __index__ (numpy integers), never a float
+// or bool truncated; pybind11's own cast refuses a float or a negative seed with an error
+// that names neither the argument nor the rule. A non-integer is a TypeError, or with
+// `value_error` a ValueError (as the package's check_seed raises for seeds).
+template <class T>
+T integer_of(py::handle obj, const std::string& what, const std::string& rule, bool value_error = false) {
+  if (py::isinstance<py::bool_>(obj) || is_numpy_bool(obj) || !PyIndex_Check(obj.ptr())) {
+    const std::string message = what + " = " + std::string(py::repr(obj)) + ": expected an integer" + rule;
+    if (value_error) throw py::value_error(message);
+    throw py::type_error(message);
+  }
+  const auto index = py::reinterpret_steal<py::object>(PyNumber_Index(obj.ptr()));
+  if (!index) { // __index__ refused it (a float array): named, not numpy's message alone
+    py::error_already_set e;
+    const std::string message = what + " = " + std::string(py::repr(obj)) + ": expected an integer" + rule;
+    if (value_error) throw py::value_error(message);
+    throw py::type_error(message);
+  }
+  try {
+    return index.cast<T>();
+  } catch (const py::cast_error&) {
+    throw py::value_error(what + " = " + std::string(py::repr(obj)) + ": expected an integer" + rule);
+  }
+}
+
+// A real-number argument: a Python int or float, or a numpy scalar (anything with __float__
+// or __index__ that is neither a bool nor a string); TypeError naming `what` otherwise, and
+// ValueError for an int too large for a double. Converted here rather than by pybind11, whose
+// errors name neither the argument nor the rule (and which takes True as 1.0).
+double real_of(py::handle obj, const std::string& what) {
+  const bool number = !py::isinstance<py::bool_>(obj) && !py::isinstance<py::str>(obj) &&
+                      !py::isinstance<py::bytes>(obj) && !is_numpy_bool(obj) &&
+                      (PyFloat_Check(obj.ptr()) || PyIndex_Check(obj.ptr()) ||
+                       (Py_TYPE(obj.ptr())->tp_as_number && Py_TYPE(obj.ptr())->tp_as_number->nb_float));
+  if (!number)
+    throw py::type_error(what + " = " + std::string(py::repr(obj)) + ": expected a real number (int or float)");
+  const double v = PyFloat_AsDouble(obj.ptr());
+  if (v == -1.0 && PyErr_Occurred()) {
+    const bool overflow = PyErr_ExceptionMatches(PyExc_OverflowError);
+    py::error_already_set e; // fetches (and clears) the Python error
+    const std::string given = what + " = " + std::string(py::repr(obj)).substr(0, 60);
+    if (overflow) throw py::value_error(given + ": expected a real number a double holds");
+    throw py::type_error(given + ": expected a real number (int or float): " + e.what());
+  }
+  return v;
+}
+
+// A bool argument: True/False or numpy.bool_, never an int, float or string taken for one
+// (pybind11 takes numpy.bool_ only, with "Unable to cast Python instance" for the rest).
+bool bool_of(py::handle obj, const std::string& what) {
+  if (py::isinstance<py::bool_>(obj)) return obj.ptr() == Py_True;
+  if (is_numpy_bool(obj)) return PyObject_IsTrue(obj.ptr()) == 1;
+  throw py::type_error(what + " = " + std::string(py::repr(obj)) + ": expected a bool (True or False)");
+}
+
+// A string argument (a dtype name), named when it is not one.
+std::string string_of(py::handle obj, const std::string& what) {
+  if (!py::isinstance<py::str>(obj))
+    throw py::type_error(what + " = " + std::string(py::repr(obj)) + ": expected a string (a dtype name)");
+  return obj.cast<std::string>();
+}
+
 // Keys of a config dict: the C++ field names (adam_config's one field list). Only the
 // keys given change `base`.
 adam_config config_from(py::dict d, adam_config base = {}) {
@@ -90,8 +159,10 @@ adam_config config_from(py::dict d, adam_config base = {}) {
         } catch (const std::invalid_argument& e) {
           throw py::value_error(std::string("config: ") + e.what());
         }
+      } else if constexpr (std::is_same_v<T, bool>) {
+        v = bool_of(item.second, "config['" + k + "']");
       } else {
-        v = item.second.cast<T>();
+        v = T(real_of(item.second, "config['" + k + "']"));
       }
     });
     if (!known)
@@ -108,26 +179,6 @@ py::dict config_to(const adam_config& c) {
     else d[name] = v;
   });
   return d;
-}
-
-// An integer argument: an int or anything with __index__ (numpy integers), never a float
-// or bool truncated; pybind11's own cast refuses a float or a negative seed with an error
-// that names neither the argument nor the rule. A non-integer is a TypeError, or with
-// `value_error` a ValueError (as the package's check_seed raises for seeds).
-template <class T>
-T integer_of(py::handle obj, const std::string& what, const std::string& rule, bool value_error = false) {
-  if (py::isinstance<py::bool_>(obj) || !PyIndex_Check(obj.ptr())) {
-    const std::string message = what + " = " + std::string(py::repr(obj)) + ": expected an integer" + rule;
-    if (value_error) throw py::value_error(message);
-    throw py::type_error(message);
-  }
-  const auto index = py::reinterpret_steal<py::object>(PyNumber_Index(obj.ptr()));
-  if (!index) throw py::error_already_set();
-  try {
-    return index.cast<T>();
-  } catch (const py::cast_error&) {
-    throw py::value_error(what + " = " + std::string(py::repr(obj)) + ": expected an integer" + rule);
-  }
 }
 
 // [{"config": {...}, "tensors": [(name, shape), ...]}, ...] -> parameter groups.
@@ -194,29 +245,47 @@ sum_across_ranks python_sum(py::function f) {
   };
 }
 
-// A sharded step's arguments, converted. A conversion refused on one rank still joins the
+// A sharded step's arguments, converted here (not by pybind11 before the call: a conversion
+// error there would skip the agreement). A conversion refused on one rank still joins the
 // agreement the other ranks make (sharded_optimizer::refuse_step), so that every rank
 // raises ShardedStepRefused instead of the others waiting in the reduction for good.
+struct sharded_handles {
+  py::handle grad, gdt, out, odt, grad_scale, known_grad_norm, max_grad_norm, skip_nonfinite;
+};
 struct sharded_call {
   buffer grad, out;
   step_options options;
 };
-sharded_call sharded_args(const sharded_optimizer& o, py::handle grad, const std::string& gdt, py::handle out,
-                          const std::string& odt, float grad_scale, double known_grad_norm, double max_grad_norm,
-                          bool skip_nonfinite, const sum_across_ranks& agreement) {
-  step_options raw; // what decides whether the ranks agree: the fields as given
-  raw.grad_scale = grad_scale;
-  raw.max_grad_norm = max_grad_norm;
-  raw.skip_nonfinite = skip_nonfinite;
-  raw.known_grad_norm = known_grad_norm;
+step_options sharded_options(const sharded_handles& h) {
+  step_options so;
+  so.grad_scale = float(real_of(h.grad_scale, "grad_scale"));
+  so.known_grad_norm = real_of(h.known_grad_norm, "known_grad_norm");
+  so.max_grad_norm = real_of(h.max_grad_norm, "max_grad_norm");
+  so.skip_nonfinite = bool_of(h.skip_nonfinite, "skip_nonfinite");
+  return so;
+}
+sharded_call sharded_args(const sharded_optimizer& o, const sharded_handles& h, const sum_across_ranks& agreement) {
   try {
     sharded_call c;
-    c.grad = check_array(grad, "shard_grad", gdt, false);
-    if (!out.is_none()) c.out = check_array(out, "shard_params", odt, true);
-    c.options = options_of(grad_scale, max_grad_norm, skip_nonfinite, known_grad_norm);
+    c.grad = check_array(h.grad, "shard_grad", string_of(h.gdt, "grad_dtype"), false);
+    if (!h.out.is_none()) c.out = check_array(h.out, "shard_params", string_of(h.odt, "params_dtype"), true);
+    c.options = sharded_options(h);
     return c;
   } catch (const std::exception& e) {
     const std::string reason = e.what();
+    // What decides whether the other ranks agree: each option as given, its default where
+    // it does not convert (the default step checks, so it agrees).
+    step_options raw;
+    const auto as_given = [](auto convert) {
+      try {
+        convert();
+      } catch (const std::exception&) {
+      }
+    };
+    as_given([&] { raw.grad_scale = float(real_of(h.grad_scale, "grad_scale")); });
+    as_given([&] { raw.known_grad_norm = real_of(h.known_grad_norm, "known_grad_norm"); });
+    as_given([&] { raw.max_grad_norm = real_of(h.max_grad_norm, "max_grad_norm"); });
+    as_given([&] { raw.skip_nonfinite = bool_of(h.skip_nonfinite, "skip_nonfinite"); });
     {
       py::gil_scoped_release release; // waits as the step does: the reduction takes the GIL itself
       o.refuse_step(reason, raw, agreement); // throws when other ranks wait for this one
@@ -427,8 +496,11 @@ PYBIND11_MODULE(_core, m) {
   py::register_exception<sharded_step_refused>(m, "ShardedStepRefused", PyExc_RuntimeError);
   py::class_<sharded_optimizer>(m, "ShardedOptimizer",
                                 "One rank's shard of the optimizer state (see hostopt.ShardedOptimizer).")
-      .def(py::init([](py::list groups, int world, int rank, int threads) {
-             return std::make_unique<sharded_optimizer>(groups_from(groups), world, rank, execution_options{threads, ""});
+      .def(py::init([](py::list groups, py::handle world, py::handle rank, py::handle threads) {
+             const std::string int32 = " in [-2**31, 2**31)";
+             return std::make_unique<sharded_optimizer>(
+                 groups_from(groups), integer_of<int>(world, "world_size", int32), integer_of<int>(rank, "rank", int32),
+                 execution_options{integer_of<int>(threads, "threads", int32), ""});
            }),
            py::arg("groups"), py::arg("world_size"), py::arg("rank"), py::arg("threads") = 0)
       .def_property_readonly("arena_size", &sharded_optimizer::arena_size)
@@ -449,11 +521,11 @@ PYBIND11_MODULE(_core, m) {
         py::gil_scoped_release release;
         return o.shard_stats({b.data, b.size, b.type}).sum_squares;
       }, py::arg("shard_grad"), py::arg("grad_dtype") = "f32")
-      .def("step", [](sharded_optimizer& o, py::handle grad, const std::string& gdt, py::handle out,
-                      const std::string& odt, float grad_scale, double known_grad_norm, double max_grad_norm,
-                      bool skip_nonfinite) {
+      .def("step", [](sharded_optimizer& o, py::handle grad, py::handle gdt, py::handle out, py::handle odt,
+                      py::handle grad_scale, py::handle known_grad_norm, py::handle max_grad_norm,
+                      py::handle skip_nonfinite) {
         const sharded_call c =
-            sharded_args(o, grad, gdt, out, odt, grad_scale, known_grad_norm, max_grad_norm, skip_nonfinite, {});
+            sharded_args(o, {grad, gdt, out, odt, grad_scale, known_grad_norm, max_grad_norm, skip_nonfinite}, {});
         step_result r;
         {
           py::gil_scoped_release release;
@@ -465,25 +537,26 @@ PYBIND11_MODULE(_core, m) {
          py::arg("max_grad_norm") = 0.0, py::arg("skip_nonfinite") = true,
          "Steps the shard (sharded_optimizer::step). With a norm reduction and a checked or clipping step, the "
          "ranks agree first: a step refused on any rank raises ShardedStepRefused on every rank, nothing applied.")
-      .def("check_step", [](const sharded_optimizer& o, py::handle grad, const std::string& gdt, py::handle out,
-                            const std::string& odt, float grad_scale, double known_grad_norm, double max_grad_norm,
-                            bool skip_nonfinite) {
-        const buffer g = check_array(grad, "shard_grad", gdt, false);
+      .def("check_step", [](const sharded_optimizer& o, py::handle grad, py::handle gdt, py::handle out,
+                            py::handle odt, py::handle grad_scale, py::handle known_grad_norm,
+                            py::handle max_grad_norm, py::handle skip_nonfinite) {
+        const buffer g = check_array(grad, "shard_grad", string_of(gdt, "grad_dtype"), false);
         buffer b;
-        if (!out.is_none()) b = check_array(out, "shard_params", odt, true);
-        const step_options so = options_of(grad_scale, max_grad_norm, skip_nonfinite, known_grad_norm);
+        if (!out.is_none()) b = check_array(out, "shard_params", string_of(odt, "params_dtype"), true);
+        const step_options so =
+            sharded_options({grad, gdt, out, odt, grad_scale, known_grad_norm, max_grad_norm, skip_nonfinite});
         o.check_step({g.data, g.size, g.type}, {b.data, b.size, b.type}, so);
       }, py::arg("shard_grad"), py::arg("grad_dtype") = "f32", py::arg("shard_params") = py::none(),
          py::arg("params_dtype") = "f32", py::arg("grad_scale") = 1.0f, py::arg("known_grad_norm") = -1.0,
          py::arg("max_grad_norm") = 0.0, py::arg("skip_nonfinite") = true,
          "Raises what step would refuse on this rank, given the global norm (known_grad_norm may still be -1), "
          "changing nothing and calling no reduction: fold its verdict into the norm's all-reduce.")
-      .def("agree_step", [](const sharded_optimizer& o, py::handle grad, const std::string& gdt, py::handle out,
-                            const std::string& odt, float grad_scale, double known_grad_norm, double max_grad_norm,
-                            bool skip_nonfinite, py::function reduce) {
+      .def("agree_step", [](const sharded_optimizer& o, py::handle grad, py::handle gdt, py::handle out,
+                            py::handle odt, py::handle grad_scale, py::handle known_grad_norm,
+                            py::handle max_grad_norm, py::handle skip_nonfinite, py::function reduce) {
         const sum_across_ranks sum = python_sum(std::move(reduce));
         const sharded_call c =
-            sharded_args(o, grad, gdt, out, odt, grad_scale, known_grad_norm, max_grad_norm, skip_nonfinite, sum);
+            sharded_args(o, {grad, gdt, out, odt, grad_scale, known_grad_norm, max_grad_norm, skip_nonfinite}, sum);
         py::gil_scoped_release release;
         o.agree_step({c.grad.data, c.grad.size, c.grad.type}, {c.out.data, c.out.size, c.out.type}, c.options, sum);
       }, py::arg("shard_grad"), py::arg("grad_dtype") = "f32", py::arg("shard_params") = py::none(),
@@ -527,8 +600,9 @@ PYBIND11_MODULE(_core, m) {
       });
 
   py::class_<optimizer>(m, "Optimizer", "Flat-arena Adam/AdamW state (see hostopt.Optimizer).")
-      .def(py::init([](py::list groups, int threads, const std::string& kernel) {
-             return std::make_unique<optimizer>(groups_from(groups), execution_options{threads, kernel});
+      .def(py::init([](py::list groups, py::handle threads, const std::string& kernel) {
+             return std::make_unique<optimizer>(
+                 groups_from(groups), execution_options{integer_of<int>(threads, "threads", " in [-2**31, 2**31)"), kernel});
            }),
            py::arg("groups"), py::arg("threads") = 0, py::arg("kernel") = "")
       .def_property_readonly("arena_size", &optimizer::arena_size)

@@ -349,6 +349,102 @@ def test_integer_arguments_are_never_truncated_and_errors_name_them(rng):
   assert opt.step({"w": gw.reshape(2, 3), "b": gb}, max_grad_norm=1.0, known_grad_norm=np.float32(0.5)).applied
 
 
+def test_group_indexes_threads_ranks_bools_and_numbers_are_checked_by_name():
+  opt = hostopt.Optimizer([{"params": {"w": (2, 3)}, "lr": 0.5}, {"params": {"b": (3,)}, "lr": 0.25}])
+  calls = {"group_config": lambda g: opt.group_config(g), "group_moments": lambda g: opt.group_moments(g),
+           "set_group_config": lambda g: opt.set_group_config(g, lr=0.125),
+           "group_rounding_seed": lambda g: opt.group_rounding_seed(g),
+           "set_group_rounding_seed": lambda g: opt.set_group_rounding_seed(g, 1)}
+  for name, call in calls.items():
+    for bad in (1.9, True, np.bool_(True), "0", None, np.float32(1.0)):
+      with pytest.raises(TypeError, match=r"group = .*: expected an integer"):
+        call(bad)
+    for bad in (-1, 2, 2**64, np.int64(-1)):
+      with pytest.raises(ValueError, match=r"group = .*: expected an index in \[0, 2\)"):
+        call(bad)
+  assert opt.group_config(0)["lr"] == 0.5 and opt.group_config(1)["lr"] == 0.25  # nothing changed
+  opt.set_group_config(np.int64(1), lr=0.125)  # numpy integers are integers
+  assert opt.group_config(np.uint8(1))["lr"] == 0.125
+
+  for bad in (2.9, "3", True, np.bool_(True), None):
+    with pytest.raises(TypeError, match=r"threads = .*: expected an integer"):
+      hostopt.Optimizer([{"params": {"w": (2, 3)}}], threads=bad)
+    with pytest.raises(TypeError, match=r"threads = .*: expected an integer"):
+      hostopt._core.Optimizer([{"config": {}, "tensors": [("w", [2, 3])]}], bad)
+    with pytest.raises(TypeError, match=r"threads = .*: expected an integer"):
+      hostopt._core.ShardedOptimizer([{"config": {}, "tensors": [("w", [100])]}], 1, 0, threads=bad)
+  with pytest.raises(ValueError, match=r"threads = 18446744073709551616: expected an integer in \[-2\*\*31, 2\*\*31\)"):
+    hostopt.Optimizer([{"params": {"w": (2, 3)}}], threads=2**64)
+  assert hostopt.Optimizer([{"params": {"w": (2, 3)}}], threads=np.int32(1)).num_params == 6
+  assert hostopt._core.Optimizer([{"config": {}, "tensors": [("w", [2, 3])]}], np.int32(1)).threads == 1
+
+  groups = [{"config": {}, "tensors": [("w", [100])]}]
+  for world, rank in ((np.float32(2.7), 0), (2, np.float32(1.9)), (True, 0), (2, False), ("2", 0), (2, None)):
+    with pytest.raises(TypeError, match=r"(world_size|rank) = .*: expected an integer"):
+      hostopt._core.ShardedOptimizer(groups, world, rank)
+  with pytest.raises(ValueError, match=r"world_size = 18446744073709551616: expected an integer in"):
+    hostopt._core.ShardedOptimizer(groups, 2**64, 0)
+  assert hostopt._core.ShardedOptimizer(groups, np.int64(2), np.uint8(1)).shard == hostopt._core.ShardedOptimizer(groups, 2, 1).shard
+
+  with pytest.raises(ValueError, match=r"step_count = 18446744073709551616: expected an integer in"):
+    opt.step_count = 2**64
+  p, m, v = np.ones(4, np.float32), np.zeros(4, np.float32), np.zeros(4, np.float32)
+  with pytest.raises(ValueError, match=r"step = 18446744073709551616: expected an integer in"):
+    hostopt.adam_step(p, m, v, np.ones(4, np.float32), step=2**64)
+
+  # bools: True/False or numpy.bool_, never an int, float or string taken for one.
+  for key in ("nesterov", "bias_correction", "maximize"):
+    for bad in ("no", -1, 1.9, 0, None):
+      with pytest.raises(TypeError, match=f"{key} = {bad!r}: expected a bool"):
+        hostopt.Optimizer([{"params": {"w": (2, 3)}, key: bad}])
+      with pytest.raises(TypeError, match=f"config\\['{key}'\\] = {bad!r}: expected a bool"):
+        hostopt._core.Optimizer([{"config": {key: bad}, "tensors": [("w", [2, 3])]}])
+    assert hostopt.Optimizer([{"params": {"w": (2, 3)}, key: np.bool_(True)}]).group_config(0)[key] is True
+  with pytest.raises(TypeError, match="nesterov = 'no': expected a bool"):
+    hostopt.adam_step(p, m, v, np.ones(4, np.float32), step=1, nesterov="no")
+  # numbers: never a bool or a string parsed; an int beyond a double named.
+  g = {"w": np.ones((2, 3), np.float32), "b": np.ones(3, np.float32)}
+  for arg in ("grad_scale", "max_grad_norm", "known_grad_norm"):
+    for bad in ("3", True, np.bool_(False), None if arg != "known_grad_norm" else "x"):
+      with pytest.raises(TypeError, match=f"{arg} = .*: expected a real number"):
+        opt.step(g, **{arg: bad})
+    with pytest.raises(ValueError, match=f"{arg} = 1.*: expected a real number a double holds"):
+      opt.step(g, **{arg: 2**2000})
+  for bad in ("0.1", True):
+    with pytest.raises(TypeError, match="lr = .*: expected a real number"):
+      hostopt.Optimizer([{"params": {"w": (2, 3)}, "lr": bad}])
+    with pytest.raises(TypeError, match=r"config\['lr'\] = .*: expected a real number"):
+      hostopt._core.Optimizer([{"config": {"lr": bad}, "tensors": [("w", [2, 3])]}])
+  with pytest.raises(TypeError, match="skip_nonfinite = 1: expected a bool"):
+    opt.step(g, skip_nonfinite=1)
+  assert opt.step_count == 0
+  assert opt.step(g, grad_scale=np.float32(0.5), max_grad_norm=np.float64(1.0), skip_nonfinite=np.bool_(True),
+                  known_grad_norm=np.array(2.0)).applied
+
+
+def test_flat_steps_are_1d_and_adam_step_arrays_share_the_params_shape():
+  opt = hostopt.Optimizer([{"params": {"w": (2, 3), "b": (3,)}}])
+  n = opt.arena_size
+  before = opt.params().copy()
+  with pytest.raises(ValueError, match=rf"grads has shape \(1, {n}\): a flat grads is 1-D"):
+    opt.step(np.ones((1, n), np.float32))
+  with pytest.raises(ValueError, match=rf"out has shape \(1, {n}\): a flat out is 1-D"):
+    opt.step(np.ones(n, np.float32), out=np.zeros((1, n), np.float32))
+  assert opt.step_count == 0 and opt.params().tobytes() == before.tobytes()
+  assert opt.step(np.ones(n, np.float32)).applied
+  p, m, v = np.ones(4, np.float32), np.zeros(4, np.float32), np.zeros(4, np.float32)
+  for kw in ({"grad": np.ones((2, 2), np.float32)}, {"exp_avg": np.zeros((2, 2), np.float32)},
+             {"out": np.zeros((1, 4), np.float32)}):
+    args = {**dict(params=p, exp_avg=m, exp_avg_sq=v, grad=np.ones(4, np.float32)), **kw}
+    with pytest.raises(ValueError, match=r"has shape \(.*\): expected \(4,\), the params' shape"):
+      hostopt.adam_step(args.pop("params"), args.pop("exp_avg"), args.pop("exp_avg_sq"), args.pop("grad"), step=1,
+                        **args)
+  assert np.all(p == 1) and np.all(m == 0)
+  cm = hostopt.CompressedMoments(4, "bf16")
+  with pytest.raises(ValueError, match=r"grad has shape \(2, 2\): expected \(4,\)"):
+    hostopt.adam_step_compressed(p, cm, np.ones((2, 2), np.float32), step=1)
+
+
 @pytest.mark.parametrize("front", ["torch", "jax", "optax"])
 def test_the_fronts_refuse_a_bad_rounding_seed_like_the_core(front):
   # The same error as hostopt.Optimizer's groups[i]['rounding_seed']: ValueError, the rule.

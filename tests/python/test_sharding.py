@@ -45,6 +45,16 @@ if rank == bad and fault.endswith("size"):
   mine = grad[:-1].copy()
 if rank == bad and fault.endswith("dtype"):
   mine = grad.astype(np.float64)
+# Arguments that fail to convert (before the binding's code, once) and invalid options.
+gdt, kw = "f32", dict(max_grad_norm=5.0)
+if fault == "unchecked_nan_max_norm":
+  kw["skip_nonfinite"] = False
+if rank == bad:
+  if fault == "dtype_name_none": gdt = None
+  if fault == "known_norm_none": kw["known_grad_norm"] = None
+  if fault == "grad_scale_str": kw["grad_scale"] = "1.0"
+  if fault == "skip_nonfinite_none": kw["skip_nonfinite"] = None
+  if fault == "unchecked_nan_max_norm": kw["max_grad_norm"] = float("nan")
 result = {"rank": rank}
 try:
   if fault.startswith("agree_step"):  # a step given the norm: the caller agrees first
@@ -52,7 +62,7 @@ try:
     opt.step(mine, "f32", out, "f32", known_grad_norm=2.0, max_grad_norm=5.0)
   else:
     opt.set_norm_reduction(all_sum)
-    opt.step(mine, "f32", out, "f32", max_grad_norm=5.0)
+    opt.step(mine, gdt, out, "f32", **kw)
   result["refused"] = None
 except Exception as ex:
   result["refused"] = [type(ex).__name__, str(ex), isinstance(ex, _core.ShardedStepRefused),
@@ -101,6 +111,12 @@ def run_world(tmp_path, world, bad, fault):
     (3, 2, "size", "shard_grad.size = "),
     (3, 0, "agree_step size", "shard_grad.size = "),
     (3, 2, "agree_step dtype", "shard_grad: numpy dtype float64 does not hold f32"),
+    (3, 2, "dtype_name_none", "grad_dtype = None: expected a string"),
+    (2, 0, "dtype_name_none", "grad_dtype = None: expected a string"),
+    (2, 1, "known_norm_none", "known_grad_norm = None: expected a real number"),
+    (2, 1, "grad_scale_str", "grad_scale = '1.0': expected a real number"),
+    (2, 0, "skip_nonfinite_none", "skip_nonfinite = None: expected a bool"),
+    (2, 1, "unchecked_nan_max_norm", "max_grad_norm = nan: expected a finite value"),
 ])
 def test_a_step_refused_on_one_rank_is_refused_on_every_rank(tmp_path, world, bad, fault, reason):
   results = run_world(tmp_path, world, bad, fault)
