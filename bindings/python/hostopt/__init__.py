@@ -37,16 +37,53 @@ def kernels() -> List[Tuple[str, bool]]:
 _CONFIG_KEYS = tuple(_core.AdamConfig().as_dict())  # the C++ field list: lr, beta1, ..., nesterov
 
 
-def _integer(value, what: str) -> int:
+_INT64 = (-(1 << 63), 1 << 63)
+_INT32 = (-(1 << 31), 1 << 31)
+
+
+def _integer(value, what: str, bounds: Tuple[int, int] = _INT64, rule: str = "") -> int:
   """An integer argument: a Python or numpy integer (anything with __index__), never a
-  float or bool truncated silently. TypeError naming `what` otherwise."""
+  float, bool or string truncated or parsed silently. TypeError naming `what` otherwise;
+  ValueError outside [bounds[0], bounds[1]) (`rule` says the range, default the bounds)."""
   if isinstance(value, (bool, np.bool_)):
     raise TypeError(f"{what} = {value!r}: expected an integer, not a bool")
   try:
-    return operator.index(value)
+    v = operator.index(value)
   except TypeError:
     raise TypeError(f"{what} = {value!r}: expected an integer (a {type(value).__name__} is never truncated "
                     "silently)") from None
+  if not bounds[0] <= v < bounds[1]:
+    rng = rule or f"an integer in [{_power(bounds[0])}, {_power(bounds[1])})"
+    raise ValueError(f"{what} = {v}: expected {rng}")
+  return v
+
+
+def _power(x: int) -> str:
+  """-2**63, 2**31, 0, 5 as written."""
+  if x and abs(x) & (abs(x) - 1) == 0 and abs(x) > 1024:
+    return ("-" if x < 0 else "") + f"2**{abs(x).bit_length() - 1}"
+  return str(x)
+
+
+def _bool(value, what: str) -> bool:
+  """A bool argument: True/False or numpy.bool_, never an int, float or string taken for one."""
+  if isinstance(value, (bool, np.bool_)):
+    return bool(value)
+  raise TypeError(f"{what} = {value!r}: expected a bool (True or False)")
+
+
+def _real(value, what: str) -> float:
+  """A real-number argument: a Python or numpy int or float, or a one-element array of one
+  (a 0-d numpy, torch or jax scalar), never a bool or a string parsed silently. TypeError
+  naming `what` otherwise; ValueError for an integer beyond a double's range."""
+  if isinstance(value, (bool, np.bool_, str, bytes)) or getattr(getattr(value, "dtype", None), "kind", "") == "b":
+    raise TypeError(f"{what} = {value!r}: expected a real number (int or float)")
+  try:
+    return float(value)
+  except OverflowError:
+    raise ValueError(f"{what} = {str(value)[:40]}...: expected a real number a double holds") from None
+  except (TypeError, ValueError):
+    raise TypeError(f"{what} = {value!r}: expected a real number (int or float)") from None
 
 
 def _config(d: Mapping) -> dict:
@@ -55,11 +92,22 @@ def _config(d: Mapping) -> dict:
     raise ValueError(f"unknown hyper-parameter(s) {sorted(unknown)}; expected some of {_CONFIG_KEYS} (or betas)")
   c = {k: d[k] for k in _CONFIG_KEYS if k in d}
   if "betas" in d:
-    c["beta1"], c["beta2"] = (float(b) for b in d["betas"])
+    c["beta1"], c["beta2"] = (_real(b, f"betas[{i}]") for i, b in enumerate(d["betas"]))
   for k in ("lr", "beta1", "beta2", "eps", "eps_root", "weight_decay"):
     if k in c:
-      c[k] = float(c[k])
+      c[k] = _real(c[k], k)
+  for k in ("bias_correction", "nesterov", "maximize"):
+    if k in c:
+      c[k] = _bool(c[k], k)
   return c
+
+
+def _same_shape(params: np.ndarray, others) -> None:
+  """Arrays stepped together have the params' shape: one of the same size but another shape
+  is refused, not reinterpreted."""
+  for what, a in others:
+    if a is not None and a.size == params.size and a.shape != params.shape:  # sizes: the core names them
+      raise ValueError(f"{what} has shape {a.shape}: expected {params.shape}, the params' shape")
 
 
 def adam_step(params: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray, grad, *, step: int,
@@ -91,9 +139,11 @@ def adam_step(params: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray, g
   v, _ = as_buffer(exp_avg_sq, "exp_avg_sq", writable=True)
   g, gt = as_buffer(grad, "grad")
   o, ot = (None, "f32") if out is None else as_buffer(out, "out", writable=True)
+  _same_shape(p, (("exp_avg", m), ("exp_avg_sq", v), ("grad", g), ("out", o)))
   cfg = _config(dict(lr=lr, betas=betas, eps=eps, eps_root=eps_root, weight_decay=weight_decay, mode=mode,
                      bias_correction=bias_correction, nesterov=nesterov))
-  _core.adam_step(p, m, v, g, gt, o, ot, cfg, _integer(step, "step"), float(grad_scale), int(threads), kernel)
+  _core.adam_step(p, m, v, g, gt, o, ot, cfg, _integer(step, "step"), _real(grad_scale, "grad_scale"),
+                  _integer(threads, "threads", _INT32), kernel)
 
 
 class CompressedMoments:
@@ -107,9 +157,7 @@ class CompressedMoments:
   """
 
   def __init__(self, n: int, format: str = "8bit"):
-    n = operator.index(n)
-    if n < 0:
-      raise ValueError(f"n = {n}: expected >= 0")
+    n = _integer(n, "n", (0, 1 << 63))
     if format not in ("bf16", "bfloat16", "8bit", "q8"):
       raise ValueError(f"format {format!r}: expected 'bf16' or '8bit'")
     self.format = "bf16" if format in ("bf16", "bfloat16") else "8bit"
@@ -167,10 +215,12 @@ def adam_step_compressed(params: np.ndarray, moments: CompressedMoments, grad, *
   p, _ = as_buffer(params, "params", writable=True)
   g, gt = as_buffer(grad, "grad")
   o, ot = (None, "f32") if out is None else as_buffer(out, "out", writable=True)
+  _same_shape(p, (("grad", g), ("out", o)))
   cfg = _config(dict(lr=lr, betas=betas, eps=eps, eps_root=eps_root, weight_decay=weight_decay, mode=mode,
                      bias_correction=bias_correction, nesterov=nesterov))
   _core.adam_step_compressed(p, moments.exp_avg, moments.exp_avg_sq, moments.scales, moments.format, g, gt, o, ot,
-                             cfg, step, float(grad_scale), seed, first_index, state_size, int(threads), kernel)
+                             cfg, step, _real(grad_scale, "grad_scale"), seed, first_index, state_size,
+                             _integer(threads, "threads", _INT32), kernel)
 
 
 class Optimizer:
@@ -208,7 +258,7 @@ class Optimizer:
       if "rounding_seed" in g:
         entry["rounding_seed"] = check_seed(g["rounding_seed"], f"groups[{i}]['rounding_seed']")
       spec.append(entry)
-    self._core = _core.Optimizer(spec, int(threads), kernel)
+    self._core = _core.Optimizer(spec, _integer(threads, "threads", _INT32), kernel)
     self._has_8bit = any(self._core.group_moments(g) == "8bit" for g in range(len(spec)))
     self._segments = [tuple(s) for s in self._core.segments()]
     self._index = {s[0]: i for i, s in enumerate(self._segments)}
@@ -260,17 +310,22 @@ class Optimizer:
       return self._core.exp_avg_sq()
     return self._core.moment_views(name)[1].reshape(self.segment(name)[1])
 
+  def _group(self, group) -> int:
+    """A group index: an integer in [0, num_groups) (never a float, bool or string)."""
+    n = self._core.num_groups
+    return _integer(group, "group", (0, n), f"an index in [0, {n})")
+
   def group_moments(self, group: int) -> str:
     """How a group stores its moments: "f32", "bf16" or "8bit"."""
-    return self._core.group_moments(int(group))
+    return self._core.group_moments(self._group(group))
 
   def group_rounding_seed(self, group: int) -> int:
     """The seed of a group's stochastic rounding (compressed moments)."""
-    return self._core.group_rounding_seed(int(group))
+    return self._core.group_rounding_seed(self._group(group))
 
   def set_group_rounding_seed(self, group: int, seed: int) -> None:
     """Sets it: a resumed state continues the same rounding stream with the same seed."""
-    self._core.set_group_rounding_seed(int(group), check_seed(seed, "seed"))
+    self._core.set_group_rounding_seed(self._group(group), check_seed(seed, "seed"))
 
   def read_moments(self, name: str) -> Tuple[np.ndarray, np.ndarray]:
     """(exp_avg, exp_avg_sq) of one tensor as new float32 arrays, whatever its format (exact)."""
@@ -307,11 +362,11 @@ class Optimizer:
     self._core.step_count = _integer(value, "step_count")
 
   def group_config(self, group: int) -> dict:
-    return self._core.group_config(int(group))
+    return self._core.group_config(self._group(group))
 
   def set_group_config(self, group: int, **hyper) -> None:
     """Changes some hyper-parameters of a group (validated; nothing changes on error)."""
-    self._core.set_group_config(int(group), _config(hyper))
+    self._core.set_group_config(self._group(group), _config(hyper))
 
   # checkpoints
   def save(self, path: str) -> None:
@@ -377,13 +432,14 @@ class Optimizer:
     if known_grad_norm is None:
       known = -1.0
     else:
-      known = float(known_grad_norm)
+      known = _real(known_grad_norm, "known_grad_norm")
       if known < 0:
         raise ValueError(f"known_grad_norm = {known_grad_norm!r}: a norm is >= 0 (NaN or inf for non-finite "
                          "gradients; None when not known)")
     if skip_nonfinite is None:
       skip_nonfinite = self._has_8bit
-    opts = (float(grad_scale), float(max_grad_norm), bool(skip_nonfinite), known)
+    opts = (_real(grad_scale, "grad_scale"), _real(max_grad_norm, "max_grad_norm"),
+            _bool(skip_nonfinite, "skip_nonfinite"), known)
     if isinstance(grads, Mapping) or isinstance(grads, (list, tuple)):
       if isinstance(grads, Mapping):
         unknown = set(grads) - set(self._index)
@@ -412,6 +468,10 @@ class Optimizer:
     else:
       g, gt = as_buffer(grads, "grads")
       o, ot = (None, "f32") if out is None else as_buffer(out, "out", writable=True)
+      for what, a in (("grads", g), ("out", o)):  # flat means 1-D: another shape is not reinterpreted
+        if a is not None and a.ndim != 1:
+          raise ValueError(f"{what} has shape {a.shape}: a flat {what} is 1-D, arena_size = {self.arena_size} "
+                           "elements (a mapping or a list gives each tensor its own shape)")
       result = self._core.step_flat(g, gt, o, ot, *opts)
     _report_blocks(self, result, "hostopt.Optimizer")
     return result
