@@ -798,21 +798,22 @@ def test_parameters_appended_to_or_replaced_in_param_groups_are_trained_like_tor
   assert float(oo.state[ours[2]]["step"]) == float(ot.state[theirs[2]]["step"]) == 2
 
 
-def test_state_dict_while_another_thread_steps_is_one_steps_state():
-  # A step is several core calls (one per parameter dtype, then the step counts): a
-  # state_dict taken meanwhile must be the state after some step k, never a mix of two.
-  # Every step takes the same gradients, so replaying k steps from scratch gives state k.
+def _mixed_dtype_optimizer():
+  """Six f32 and two bf16 parameters with fixed gradients: every step is alike, so replaying
+  k steps from scratch gives the state after step k."""
+  g = torch.Generator().manual_seed(8)
+  ps = [torch.nn.Parameter(torch.randn(20000, generator=g)) for _ in range(6)]
+  ps += [torch.nn.Parameter(torch.randn(20000, generator=g).to(torch.bfloat16)) for _ in range(2)]
+  for p in ps:
+    p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+  return ps, htorch.AdamW(ps, lr=1e-3, threads=1)
+
+
+def _copies_while_stepping(opt, take, copies=30):
+  """`take()` results while another thread steps `opt` in a loop, each taken after at least
+  one more step than the one before (or after the stepper ended): ordered by the steps'
+  own signals, never by time."""
   import threading
-
-  def make():
-    g = torch.Generator().manual_seed(8)
-    ps = [torch.nn.Parameter(torch.randn(20000, generator=g)) for _ in range(6)]
-    ps += [torch.nn.Parameter(torch.randn(20000, generator=g).to(torch.bfloat16)) for _ in range(2)]
-    for p in ps:
-      p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
-    return ps, htorch.AdamW(ps, lr=1e-3, threads=1)
-
-  ps, opt = make()
   done, errors, cond = [0, False], [], threading.Condition()
 
   def stepper():
@@ -830,21 +831,29 @@ def test_state_dict_while_another_thread_steps_is_one_steps_state():
 
   thread = threading.Thread(target=stepper)
   thread.start()
-  snaps = []
+  out = []
   try:
-    for _ in range(30):
-      with cond:  # one more step since the last copy (or the stepper ended)
+    for _ in range(copies):
+      with cond:
         seen = done[0]
         cond.wait_for(lambda: done[0] > seen or done[1])
-      snaps.append(opt.state_dict())
+      out.append(take())
   finally:
     with cond:
       done[1] = True
     thread.join()
   assert not errors
+  return out
+
+
+def test_state_dict_while_another_thread_steps_is_one_steps_state():
+  # A step is several core calls (one per parameter dtype, then the step counts): a
+  # state_dict taken meanwhile must be the state after some step k, never a mix of two.
+  _, opt = _mixed_dtype_optimizer()
+  snaps = _copies_while_stepping(opt, opt.state_dict)
   counts = [sorted({int(st["step"]) for st in sd["state"].values()}) for sd in snaps]
   assert all(len(c) == 1 for c in counts), f"copies mixing steps: {counts}"
-  _, replay = make()
+  _, replay = _mixed_dtype_optimizer()
   for k in range(max(c[0] for c in counts) + 1):
     if k:
       replay.step()
@@ -1024,43 +1033,9 @@ def test_a_state_entry_of_no_parameter_is_refused_at_load():
 
 def test_a_deepcopy_while_another_thread_steps_is_one_steps_state():
   # copy.deepcopy (and pickle) copy under the step's lock: never parameters at two steps.
-  import threading
-  g = torch.Generator().manual_seed(8)
-  ps = [torch.nn.Parameter(torch.randn(20000, generator=g)) for _ in range(6)]
-  ps += [torch.nn.Parameter(torch.randn(20000, generator=g).to(torch.bfloat16)) for _ in range(2)]
-  for p in ps:
-    p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
-  opt = htorch.AdamW(ps, lr=1e-3, threads=1)
-  done, errors, cond = [0, False], [], threading.Condition()
-
-  def stepper():
-    try:
-      while done[0] < 2000 and not done[1]:
-        opt.step()
-        with cond:
-          done[0] += 1
-          cond.notify_all()
-    except Exception as e:  # reported below
-      errors.append(e)
-    with cond:
-      done[1] = True
-      cond.notify_all()
-
-  thread = threading.Thread(target=stepper)
-  thread.start()
-  counts = []
-  try:
-    for _ in range(30):
-      with cond:
-        seen = done[0]
-        cond.wait_for(lambda: done[0] > seen or done[1])
-      copied = copy.deepcopy(opt)
-      counts.append(sorted({float(st["step"]) for st in copied.state.values()}))
-  finally:
-    with cond:
-      done[1] = True
-    thread.join()
-  assert not errors
+  _, opt = _mixed_dtype_optimizer()
+  copies = _copies_while_stepping(opt, lambda: copy.deepcopy(opt))
+  counts = [sorted({float(st["step"]) for st in c.state.values()}) for c in copies]
   assert all(len(c) == 1 for c in counts), f"copies mixing steps: {counts}"
 
 
