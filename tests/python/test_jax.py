@@ -111,7 +111,7 @@ def test_a_loop_that_drops_old_params_reuses_two_buffer_sets():
   assert len(set(seen)) == 2 and seen[0::2] == [seen[0]] * 3, seen  # two sets, in turn
   # Params still held keep their buffers: a step never writes an array it handed out.
   kept = opt.step(g)
-  before = leaves(kept)
+  before = [np.array(x, copy=True) for x in jax.tree_util.tree_leaves(kept)]  # copies, not views
   opt.step(g)
   opt.step(g)
   for x, y in zip(before, leaves(kept)):

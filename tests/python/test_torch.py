@@ -818,7 +818,7 @@ def _copies_while_stepping(opt, take, copies=30):
 
   def stepper():
     try:
-      while done[0] < 2000 and not done[1]:
+      while not done[1]:  # until the last copy is taken: each is taken while stepping goes on
         opt.step()
         with cond:
           done[0] += 1
