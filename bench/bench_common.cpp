@@ -16,25 +16,27 @@
 
 namespace bench {
 
-std::size_t parse_size(const std::string& text) {
+std::size_t parse_size(const std::string& text, const std::string& flag) {
   const std::string expected = "expected a count like 1000, 64M or 1G (K, M, G = 2^10, 2^20, 2^30)";
-  if (text.empty()) throw std::invalid_argument("size '': " + expected);
+  if (text.empty()) throw std::invalid_argument(flag + " '': " + expected);
   std::size_t pos = 0;
   double value = 0;
   try {
     value = std::stod(text, &pos);
   } catch (const std::exception&) {
-    throw std::invalid_argument("size '" + text + "': " + expected);
+    throw std::invalid_argument(flag + " '" + text + "': " + expected);
   }
   double mult = 1;
   const std::string suffix = text.substr(pos);
   if (suffix == "K" || suffix == "k") mult = 1024.0;
   else if (suffix == "M" || suffix == "m") mult = 1024.0 * 1024;
   else if (suffix == "G" || suffix == "g") mult = 1024.0 * 1024 * 1024;
-  else if (!suffix.empty()) throw std::invalid_argument("size '" + text + "': unknown suffix '" + suffix + "', " + expected);
+  else if (!suffix.empty())
+    throw std::invalid_argument(flag + " '" + text + "': unknown suffix '" + suffix + "', " + expected);
   const double n = value * mult;
   if (!(n >= 0) || n > 1e15 || n != std::floor(n))
-    throw std::invalid_argument("size '" + text + "': " + expected + " (a whole, non-negative number of elements)");
+    throw std::invalid_argument(flag + " '" + text + "': " + expected + " (a whole, non-negative number of elements)");
+  if (n == 0) throw std::invalid_argument(flag + " '" + text + "': expected at least 1 (a size of 0 has nothing to time)");
   return std::size_t(n);
 }
 
@@ -65,7 +67,7 @@ void check_memory(std::size_t bytes, const std::string& what) {
   std::ostringstream os;
   os.precision(3);
   os << what << " needs " << double(bytes) / (1 << 30) << " GiB but only " << double(avail) / (1 << 30)
-     << " GiB of memory is available: use a smaller --size (or --max-params), or fewer threads";
+     << " GiB of memory is available: use a smaller --size (or a smaller model), or fewer threads";
   throw std::runtime_error(os.str());
 }
 

@@ -12,9 +12,10 @@
 
 namespace bench {
 
-/// Parses "1000", "64M", "1G", "2.5K" (K/M/G = 2^10/2^20/2^30) into a count; throws
-/// std::invalid_argument with the text and the accepted forms otherwise.
-std::size_t parse_size(const std::string& text);
+/// Parses "1000", "64M", "1G", "2.5K" (K/M/G = 2^10/2^20/2^30) into a count >= 1; throws
+/// std::invalid_argument naming `flag`, the text and the accepted forms otherwise (0 too:
+/// a size of 0 has nothing to time).
+std::size_t parse_size(const std::string& text, const std::string& flag);
 /// "64M", "1.5G", "1000".
 std::string format_size(std::size_t n);
 

@@ -113,7 +113,7 @@ struct compressed_buffers {
 
 report run_kernel_bench(const kernel_options& o, const common_options& c) {
   std::vector<std::size_t> sizes;
-  for (const auto& s : o.sizes) sizes.push_back(parse_size(s));
+  for (const auto& s : o.sizes) sizes.push_back(parse_size(s, "--size"));
   std::vector<dtype_mix> mixes;
   for (const auto& m : o.mixes) mixes.push_back(parse_mix(m));
   std::vector<moment_format> states;

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,15 @@
 #include "subcommands.hpp"
 
 namespace {
+
+// Exit status, the same for every subcommand (README "hostopt-bench" and the --help footer).
+constexpr int exit_ok = 0;
+constexpr int exit_failure = 1; // a run-time failure: not enough memory, results or a trace that cannot be written
+constexpr int exit_usage = 2;   // the command line is wrong: nothing was run
+constexpr const char* exit_footer =
+    "Exit status: 0 success; 1 a run-time failure (not enough memory, results or --trace that cannot be "
+    "written); 2 a usage error, nothing run (unknown subcommand or flag, a bad value, a size of 0, a preset "
+    "over --max-params).";
 
 // Results that never reach their reader are a failure (a full disk, a closed stdout), not
 // a silent success.
@@ -24,7 +34,7 @@ int finish_output(int status) {
   if (lost && status == 0) {
     std::cerr << "error: cannot write the results to standard output"
               << (errno ? std::string(": ") + std::strerror(errno) : std::string()) << "\n";
-    return 1;
+    return exit_failure;
   }
   return status;
 }
@@ -35,6 +45,7 @@ int main(int argc, char** argv) {
   CLI::App app{"hostopt-bench: how fast the host-side Adam/AdamW step runs on this machine, and how close to its "
                "memory-bandwidth limit"};
   app.require_subcommand(1);
+  app.footer(exit_footer);
   bench::common_options common;
   bool json = false, csv = false, quiet = false;
   app.add_flag("--json", json, "Print results as JSON");
@@ -49,8 +60,10 @@ int main(int argc, char** argv) {
   bench::add_roofline_command(app, roofline_opts);
   bench::add_pipeline_command(app, pipeline_opts);
   auto* list = app.add_subcommand("kernels", "List the kernels compiled in and whether this CPU runs them");
-  for (auto* sub : app.get_subcommands({}))
+  for (auto* sub : app.get_subcommands({})) {
     sub->fallthrough(); // global flags may come after the subcommand
+    sub->footer(exit_footer);
+  }
   // The subcommand is the first word that is not a flag (the global flags take no value).
   std::string names;
   std::vector<std::string> known;
@@ -66,21 +79,22 @@ int main(int argc, char** argv) {
     found = true;
     if (std::find(known.begin(), known.end(), a) == known.end()) {
       std::cerr << "error: unknown subcommand '" << a << "': expected one of " << names << " (see --help)\n";
-      return 2;
+      return exit_usage;
     }
   }
   if (!found && !help) {
     std::cerr << "error: a subcommand is required: one of " << names << " (see --help)\n";
-    return 2;
+    return exit_usage;
   }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return finish_output(app.exit(e));
+    // --help prints and exits 0; every parse error (CLI11's own codes 105, 109, ...) is a usage error.
+    return finish_output(app.exit(e) == 0 ? exit_ok : exit_usage);
   }
   if (json && csv) {
     std::cerr << "error: --json and --csv exclude each other: pick one\n";
-    return 2;
+    return exit_usage;
   }
   common.format = json ? bench::output_format::json : csv ? bench::output_format::csv : bench::output_format::table;
   common.progress = !quiet;
@@ -90,7 +104,7 @@ int main(int argc, char** argv) {
         std::cout << k.name << (k.supported ? "" : " (not supported here)")
                   << (k.supported && k.name == hostopt::active_kernel() ? "  <- active" : "") << "\n    "
                   << k.description << "; needs " << k.required << "\n";
-      return finish_output(0);
+      return finish_output(exit_ok);
     }
     bench::report r("");
     if (app.got_subcommand("kernel")) r = bench::run_kernel_bench(kernel_opts, common);
@@ -98,9 +112,13 @@ int main(int argc, char** argv) {
     else if (app.got_subcommand("pipeline")) r = bench::run_pipeline_bench(pipeline_opts, common);
     else r = bench::run_roofline_bench(roofline_opts, common);
     r.print(std::cout, common.format);
+  } catch (const std::invalid_argument& e) {
+    // Values are checked before anything is allocated or timed: a bad one is a usage error.
+    std::cerr << "error: " << e.what() << "\n";
+    return finish_output(exit_usage);
   } catch (const std::exception& e) {
     std::cerr << "error: " << e.what() << "\n";
-    return finish_output(1);
+    return finish_output(exit_failure);
   }
-  return finish_output(0);
+  return finish_output(exit_ok);
 }

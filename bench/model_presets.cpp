@@ -19,11 +19,10 @@ std::size_t numel(const tensor_spec& t) {
 
 // GPT-2 as Hugging Face names it: token/position embeddings, per layer two LayerNorms,
 // fused QKV, attention projection and the MLP, then the final LayerNorm.
-std::vector<tensor_spec> gpt2(int layers, std::int64_t d, std::size_t max_params) {
+std::vector<tensor_spec> gpt2(int layers, std::int64_t d) {
   const std::int64_t vocab = 50257, ctx = 1024;
   std::vector<tensor_spec> t{{"wte", {vocab, d}}, {"wpe", {ctx, d}}};
   std::vector<tensor_spec> tail{{"ln_f.weight", {d}}, {"ln_f.bias", {d}}};
-  std::size_t total = numel(t[0]) + numel(t[1]) + 2 * std::size_t(d);
   for (int l = 0; l < layers; ++l) {
     const std::string p = "h." + std::to_string(l) + ".";
     std::vector<tensor_spec> layer{{p + "ln_1.weight", {d}},          {p + "ln_1.bias", {d}},
@@ -32,10 +31,6 @@ std::vector<tensor_spec> gpt2(int layers, std::int64_t d, std::size_t max_params
                                    {p + "ln_2.weight", {d}},          {p + "ln_2.bias", {d}},
                                    {p + "mlp.c_fc.weight", {d, 4 * d}},    {p + "mlp.c_fc.bias", {4 * d}},
                                    {p + "mlp.c_proj.weight", {4 * d, d}},  {p + "mlp.c_proj.bias", {d}}};
-    std::size_t n = 0;
-    for (const auto& x : layer) n += numel(x);
-    if (l > 0 && total + n > max_params) break;
-    total += n;
     t.insert(t.end(), layer.begin(), layer.end());
   }
   t.insert(t.end(), tail.begin(), tail.end());
@@ -43,11 +38,10 @@ std::vector<tensor_spec> gpt2(int layers, std::int64_t d, std::size_t max_params
 }
 
 // Llama-7B: 32000 x 4096 embeddings and LM head, per layer q/k/v/o (4096^2), gate/up/down
-// (4096 x 11008) and two RMSNorms; 32 layers in full (6.7B), truncated to the budget.
-std::vector<tensor_spec> llama7b(std::size_t max_params) {
+// (4096 x 11008) and two RMSNorms; 32 layers (6.7B parameters).
+std::vector<tensor_spec> llama7b() {
   const std::int64_t d = 4096, ff = 11008, vocab = 32000;
   std::vector<tensor_spec> t{{"model.embed_tokens.weight", {vocab, d}}};
-  std::size_t total = std::size_t(vocab * d) * 2 + std::size_t(d);
   for (int l = 0; l < 32; ++l) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
     std::vector<tensor_spec> layer{{p + "self_attn.q_proj.weight", {d, d}}, {p + "self_attn.k_proj.weight", {d, d}},
@@ -55,10 +49,6 @@ std::vector<tensor_spec> llama7b(std::size_t max_params) {
                                    {p + "mlp.gate_proj.weight", {ff, d}},   {p + "mlp.up_proj.weight", {ff, d}},
                                    {p + "mlp.down_proj.weight", {d, ff}},   {p + "input_layernorm.weight", {d}},
                                    {p + "post_attention_layernorm.weight", {d}}};
-    std::size_t n = 0;
-    for (const auto& x : layer) n += numel(x);
-    if (l > 0 && total + n > max_params) break;
-    total += n;
     t.insert(t.end(), layer.begin(), layer.end());
   }
   t.push_back({"model.norm.weight", {d}});
@@ -70,10 +60,10 @@ std::vector<tensor_spec> llama7b(std::size_t max_params) {
 
 std::vector<std::string> preset_names() { return {"gpt2-small", "gpt2-medium", "llama-7b"}; }
 
-std::vector<tensor_spec> preset_tensors(const std::string& name, std::size_t max_params) {
-  if (name == "gpt2-small") return gpt2(12, 768, max_params);
-  if (name == "gpt2-medium") return gpt2(24, 1024, max_params);
-  if (name == "llama-7b") return llama7b(max_params);
+std::vector<tensor_spec> preset_tensors(const std::string& name) {
+  if (name == "gpt2-small") return gpt2(12, 768);
+  if (name == "gpt2-medium") return gpt2(24, 1024);
+  if (name == "llama-7b") return llama7b();
   throw std::invalid_argument("preset '" + name + "': unknown, expected gpt2-small, gpt2-medium or llama-7b");
 }
 
@@ -94,13 +84,13 @@ std::vector<tensor_spec> read_shapes_file(const std::string& path) {
       char* end = nullptr;
       const long long d = std::strtoll(tok.c_str(), &end, 10);
       if (*end != '\0' || d < 0)
-        throw std::runtime_error("shapes file '" + path + "' line " + std::to_string(number) + ": extent '" + tok +
+        throw std::invalid_argument("shapes file '" + path + "' line " + std::to_string(number) + ": extent '" + tok +
                                  "' of '" + t.name + "': expected 'name d0 d1 ...' with extents >= 0");
       t.shape.push_back(d);
     }
     out.push_back(std::move(t));
   }
-  if (out.empty()) throw std::runtime_error("shapes file '" + path + "': no tensors (expected lines 'name d0 d1 ...')");
+  if (out.empty()) throw std::invalid_argument("shapes file '" + path + "': no tensors (expected lines 'name d0 d1 ...')");
   return out;
 }
 

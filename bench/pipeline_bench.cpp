@@ -30,11 +30,10 @@ void add_pipeline_command(CLI::App& app, pipeline_options_cli& o) {
 }
 
 report run_pipeline_bench(const pipeline_options_cli& o, const common_options& c) {
-  const std::size_t n = parse_size(o.size);
-  const std::size_t chunk = parse_size(o.chunk);
+  const std::size_t n = parse_size(o.size, "--size");
+  const std::size_t chunk = parse_size(o.chunk, "--chunk");
   const dtype_mix mix = parse_mix(o.mix);
   if (mix.out < 0) throw std::invalid_argument("dtype mix '" + o.mix + "': the pipeline copies parameters out, so OUT cannot be none");
-  if (chunk == 0) throw std::invalid_argument("chunk '" + o.chunk + "': expected at least 1 element");
   const std::vector<int> threads = parse_threads(o.threads);
   const bool cuda = o.engine == "cuda" || (o.engine == "auto" && hostopt::cuda_device_available());
   const auto gt = hostopt::dtype(mix.grad), pt = hostopt::dtype(mix.out);

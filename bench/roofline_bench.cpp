@@ -18,7 +18,7 @@ void add_roofline_command(CLI::App& app, roofline_options& o) {
 }
 
 report run_roofline_bench(const roofline_options& o, const common_options& c) {
-  const std::size_t n = parse_size(o.size);
+  const std::size_t n = parse_size(o.size, "--size");
   const std::vector<int> threads = parse_threads(o.threads);
   check_memory(4 * n * sizeof(float), "roofline benchmark of " + format_size(n) + " elements per array");
   const auto& ks = hostopt::detail::active_kernel_set();

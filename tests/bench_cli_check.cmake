@@ -1,11 +1,16 @@
-# Runs hostopt-bench with ARGS (a ;-list) and checks its exit status (EXPECT_FAIL: non-zero),
-# that stdout+stderr match EXPECT_REGEX, and, with JSON_FIELDS, that stdout is JSON whose
-# results[0] has each field.
+# Runs hostopt-bench (or the command BENCH names) with ARGS (a ;-list) and checks its exit
+# status (EXPECT_EXIT: exactly that; else EXPECT_FAIL: non-zero), that stdout+stderr match
+# EXPECT_REGEX and do not match REJECT_REGEX, and, with JSON_FIELDS, that stdout is JSON
+# whose results[0] has each field.
 string(REPLACE "|" ";" ARGS "${ARGS}")
 string(REPLACE "|" ";" JSON_FIELDS "${JSON_FIELDS}")
 execute_process(COMMAND ${BENCH} ${ARGS} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 set(all "${out}${err}")
-if(EXPECT_FAIL)
+if(DEFINED EXPECT_EXIT)
+  if(NOT rc STREQUAL EXPECT_EXIT)
+    message(FATAL_ERROR "expected exit ${EXPECT_EXIT}, got ${rc} for: ${ARGS}\n${all}")
+  endif()
+elseif(EXPECT_FAIL)
   if(rc EQUAL 0)
     message(FATAL_ERROR "expected a non-zero exit for: ${ARGS}\n${all}")
   endif()
@@ -14,6 +19,9 @@ elseif(NOT rc EQUAL 0)
 endif()
 if(DEFINED EXPECT_REGEX AND NOT all MATCHES "${EXPECT_REGEX}")
   message(FATAL_ERROR "output does not match '${EXPECT_REGEX}' for: ${ARGS}\n${all}")
+endif()
+if(DEFINED REJECT_REGEX AND all MATCHES "${REJECT_REGEX}")
+  message(FATAL_ERROR "output matches '${REJECT_REGEX}' for: ${ARGS}\n${all}")
 endif()
 if(JSON_FIELDS)
   string(JSON n ERROR_VARIABLE json_error LENGTH "${out}" results)
