@@ -2,14 +2,13 @@
 # Makes .venv-jax: Debian's python3 (the interpreter the release build's extensions are for)
 # with the current jax, jaxlib, optax and numpy 2 from PyPI and nothing from Debian — the
 # lane that runs the JAX/optax suites (and optax's own tests) as today's JAX users would.
-# It also holds the current pybind11 3.x, which this lane's build uses (the release build uses
-# Debian's 2.x), so CI compiles the bindings with both. Sets HOSTOPT_JAX_PYTHON.
+# hostopt comes in as the wheel (.ci/wheel), installed after jax. Sets HOSTOPT_JAX_PYTHON.
 set -euo pipefail
 HOSTOPT_JAX_PYTHON="$PWD/.venv-jax/bin/python"
-if ! "$HOSTOPT_JAX_PYTHON" -c "import jax, optax, numpy, pytest, ml_dtypes, pybind11
-assert int(numpy.__version__.split('.')[0]) >= 2 and int(pybind11.__version__.split('.')[0]) >= 3" 2>/dev/null; then
+if ! "$HOSTOPT_JAX_PYTHON" -c "import jax, optax, numpy, pytest, ml_dtypes
+assert int(numpy.__version__.split('.')[0]) >= 2" 2>/dev/null; then
   echo "hostopt: making .venv-jax (current jax, optax and numpy from PyPI)" >&2
   /usr/bin/python3 -m venv .venv-jax
-  "$HOSTOPT_JAX_PYTHON" -m pip install -q --disable-pip-version-check jax jaxlib optax numpy ml_dtypes pytest "pybind11>=3"
+  "$HOSTOPT_JAX_PYTHON" -m pip install -q --disable-pip-version-check jax jaxlib optax numpy ml_dtypes pytest
 fi
 export HOSTOPT_JAX_PYTHON

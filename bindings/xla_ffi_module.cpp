@@ -3,11 +3,19 @@
 // hostopt::adam_update with the buffers it owns, and mu/nu are updated in place (the
 // caller aliases them to the outputs).
 //
-// Written against XLA FFI's C API (xla/ffi/api/c_api.h from the jaxlib present at build
-// time) rather than its C++ wrapper, whose spelling changes between jaxlib releases. The C
-// structs do change layout between releases too (XLA_FFI_Api grew a field), so the module
-// records the jaxlib version it was built against and hostopt.optax refuses a different
-// one with a message instead of calling through a mismatched table.
+// Written against XLA FFI's versioned C API (xla/ffi/api/c_api.h, from any jaxlib >= 0.4.34
+// at build time; pip's isolated build takes it from the jaxlib build requirement) rather than
+// its C++ wrapper, whose spelling changes between releases. One build serves every jaxlib
+// whose FFI is API 0.1 or newer, whichever jaxlib it was built with:
+//   - the handlers read only what API 0.1 fixed and later versions kept in place: the call
+//     frame (args, rets, attrs, stage), buffers, and XLA_FFI_Api's first function,
+//     XLA_FFI_Error_Create (later versions inserted functions further down the table);
+//   - XLA asks each handler which API version it speaks (the metadata extension) when it is
+//     registered and refuses one outside its range, so the handler answers the newest version
+//     that both its headers and the asking XLA know: the XLA's own, where it says (current
+//     XLA passes its API table), else 0.1 (older XLA passes none; 0.1 is their oldest).
+// API 0.0 (jaxlib < 0.4.34) laid out XLA_FFI_Api and the stages differently: hostopt.optax
+// never registers the handlers there (hostopt/_xla.py).
 //
 // Call "hostopt_adam_update" (see hostopt/optax.py, which builds it):
 //   operands: count s32[]  (optax's count; bias correction uses t = count + 1, saturating)
@@ -42,6 +50,7 @@
 #include <charconv>
 #include <cmath>
 #include <limits>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -50,6 +59,10 @@
 #include <vector>
 
 #include "xla/ffi/api/c_api.h"
+
+#if XLA_FFI_API_MAJOR != 0 || XLA_FFI_API_MINOR < 1
+#error "hostopt's XLA FFI handlers need the FFI headers of jaxlib 0.4.34 or newer (XLA FFI API 0.1+)"
+#endif
 
 #include "hostopt/adam_config.hpp"
 #include "hostopt/kernels.hpp"
@@ -420,18 +433,24 @@ void adam_update_compressed_call(const XLA_FFI_CallFrame* frame) {
 }
 
 // One FFI handler around `call`: the metadata query of newer XLA, errors as XLA errors.
+// The FFI version a handler answers XLA's metadata query with (see the top of this file).
+XLA_FFI_Api_Version answered_api_version(const XLA_FFI_Api* asking) {
+  constexpr int oldest_with_this_layout = 1;
+  int minor = oldest_with_this_layout;
+  const std::size_t version_end = offsetof(XLA_FFI_Api, api_version) + sizeof(XLA_FFI_Api_Version);
+  if (asking != nullptr && asking->struct_size >= version_end && asking->api_version.major_version == 0)
+    minor = std::clamp(asking->api_version.minor_version, oldest_with_this_layout, XLA_FFI_API_MINOR);
+  return XLA_FFI_Api_Version{XLA_FFI_Api_Version_STRUCT_SIZE, nullptr, XLA_FFI_API_MAJOR, minor};
+}
+
 template <void (*Call)(const XLA_FFI_CallFrame*)>
 XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, const char* name) {
-#if XLA_FFI_API_MINOR >= 1
-  // Newer XLA asks each handler, once, which FFI version it was built for.
   if (frame->extension_start != nullptr && frame->extension_start->type == XLA_FFI_Extension_Metadata) {
     auto* extension = reinterpret_cast<XLA_FFI_Metadata_Extension*>(frame->extension_start);
-    extension->metadata->api_version =
-        XLA_FFI_Api_Version{XLA_FFI_Api_Version_STRUCT_SIZE, nullptr, XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR};
+    extension->metadata->api_version = answered_api_version(frame->api);
     extension->metadata->traits = 0;
     return nullptr;
   }
-#endif
   if (frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return nullptr; // nothing to instantiate or prepare
   try {
     Call(frame);
@@ -454,8 +473,9 @@ extern "C" XLA_FFI_Error* hostopt_adam_update_compressed(XLA_FFI_CallFrame* fram
 } // namespace
 
 PYBIND11_MODULE(_xla_ffi, m) {
-  m.doc() = "XLA FFI handlers of hostopt.optax (built against the jaxlib named by JAXLIB_VERSION).";
-  m.attr("JAXLIB_VERSION") = HOSTOPT_JAXLIB_VERSION;
+  m.doc() = "XLA FFI handlers of hostopt.optax (for every jaxlib whose XLA FFI is API 0.1 or newer).";
+  m.attr("BUILT_WITH_JAXLIB") = HOSTOPT_JAXLIB_VERSION; // the headers' jaxlib: a diagnostic, never a requirement
+  m.attr("FFI_API_VERSION") = py::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
   m.def("targets", [] {
     py::dict d;
     d["hostopt_adam_update"] = py::capsule(reinterpret_cast<void*>(&hostopt_adam_update));

@@ -32,6 +32,7 @@ optax.adamw is the tool for meta-gradients through an optimizer.
 
 import functools
 import inspect
+import itertools
 from typing import List, Optional, Sequence, Tuple
 
 import jax
@@ -57,24 +58,36 @@ except ImportError:  # jax < 0.4.35
 TARGET = "hostopt_adam_update"
 HP_NAMES = ("lr", "b1", "b2", "eps", "eps_root", "wd")
 
+# XLA FFI API 0.1 came with jaxlib 0.4.34; the handlers speak 0.1 and later (one build, any
+# of those jaxlibs: see bindings/xla_ffi_module.cpp). An API 0.0 XLA would call them through
+# another table layout, so they are never registered there.
+OLDEST_JAXLIB = (0, 4, 34)
+
+
+def _release(version: str) -> Tuple[int, ...]:
+  """(0, 4, 34) from '0.4.34' or '0.4.34.dev20240901'."""
+  out = []
+  for part in version.split(".")[:3]:
+    digits = "".join(itertools.takewhile(str.isdigit, part))
+    out.append(int(digits or 0))
+  return tuple(out)
+
+
 _unavailable: Optional[str] = None
 try:
   from . import _xla_ffi
 except ImportError as e:
-  _unavailable = (f"hostopt was built without its XLA FFI handlers ({e}); they are built when the Python that "
-                  "builds hostopt has jaxlib installed (pip install jaxlib, then reinstall hostopt)")
+  _unavailable = (f"hostopt was built without its XLA FFI handlers ({e}); a build makes them when it finds XLA FFI "
+                  "headers (jaxlib >= 0.4.34 at build time: pip's build requirement brings it), so reinstall hostopt "
+                  "with pip, or pass -DHOSTOPT_XLA_FFI_INCLUDE_DIR=<jaxlib>/include to CMake")
 else:
-  import jaxlib
-  if _xla_ffi.JAXLIB_VERSION != jaxlib.__version__:
-    _unavailable = (f"hostopt's XLA FFI handlers were built against jaxlib {_xla_ffi.JAXLIB_VERSION} but jaxlib "
-                    f"{jaxlib.__version__} is installed (XLA FFI's C structs differ between releases): reinstall "
-                    "hostopt with this jaxlib")
+  import jaxlib.version
+  if _release(jaxlib.version.__version__) < OLDEST_JAXLIB:
+    _unavailable = (f"hostopt.optax's XLA FFI handlers need jaxlib >= 0.4.34 (XLA FFI API 0.1 or newer); jaxlib "
+                    f"{jaxlib.version.__version__} is installed: pip install -U jax jaxlib")
   else:
     for _name, _capsule in _xla_ffi.targets().items():
-      if hasattr(_ffi, "register_ffi_target"):
-        _ffi.register_ffi_target(_name, _capsule, platform="cpu")
-      else:  # jax 0.4.30: through xla_client, api_version=1 is the typed FFI
-        jax.lib.xla_client.register_custom_call_target(_name, _capsule, platform="cpu", api_version=1)
+      _ffi.register_ffi_target(_name, _capsule, platform="cpu")
 
 
 def available() -> Optional[str]:
