@@ -486,6 +486,16 @@ def test_offload_options_are_checked():
     htorch.AdamW(a.parameters(), offload="host", overlap=True)
 
 
+def test_offload_cuda_on_cpu_parameters_is_refused_at_construction():
+  # It was accepted here and refused only at the first step(), after the training loop began.
+  a, _ = _twin_models(torch.float32)
+  with pytest.raises(ValueError, match=r"offload='cuda' but the parameters are on the CPU \(param_groups\[0\]"
+                                       r"\['params'\]\[0\] is on cpu\)"):
+    htorch.AdamW(a.parameters(), offload="cuda")
+  with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[0\] is on cpu"):
+    htorch.Adam([{"params": []}, {"params": list(a.parameters())}], offload="cuda")
+
+
 _HOOKS = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
 
 

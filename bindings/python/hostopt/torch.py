@@ -526,6 +526,17 @@ class _HostAdam(torch.optim.Optimizer):
     self._skip_nonfinite = check_optional_bool(skip_nonfinite, "skip_nonfinite")
     self.last_step: Optional[StepStats] = None
     super().__init__(params, defaults)
+    if offload == "cuda":  # refused now, not at the first step: nothing could ever run it
+      off_gpu = [(gi, k, p.device) for gi, g in enumerate(self.param_groups) for k, p in enumerate(g["params"])
+                 if p.device.type != "cuda"]
+      if off_gpu:
+        gi, k, device = off_gpu[0]
+        raise ValueError(f"offload='cuda' but the parameters are on the CPU (param_groups[{gi}]['params'][{k}] is on "
+                         f"{device}): move the model to its GPU before making the optimizer, or leave offload=None "
+                         "(CPU parameters are stepped in place)")
+      if not _core.CopyEngine.cuda_available():
+        raise RuntimeError("offload='cuda' needs a hostopt built with CUDA (the CUDA toolkit at build time) and a "
+                           "visible CUDA device; this one has none")
     if self._overlap_backward and offload != "host" and all(
         p.device.type == "cpu" for g in self.param_groups for p in g["params"]):
       raise ValueError("overlap_backward=True applies to offloaded parameters (CUDA ones, or offload='host'): "
