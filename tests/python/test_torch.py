@@ -1125,3 +1125,68 @@ def test_a_compiled_step_builds_the_layout_eagerly_and_steps_as_eager():
   (a, oa), (b, ob) = models
   assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
   assert _same_state(oa.state_dict(), ob.state_dict())
+
+
+_OPTIONS = ("params", "lr", "betas", "eps", "weight_decay", "amsgrad", "foreach", "maximize", "capturable",
+            "differentiable", "fused", "decoupled_weight_decay", "threads", "offload", "offload_chunk", "overlap",
+            "overlap_backward", "moments", "rounding_seed", "skip_nonfinite")
+
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW"])
+def test_the_signature_and_the_docstring_show_every_option(name):
+  import doctest
+  import inspect
+  import pydoc
+  cls = getattr(htorch, name)
+  sig = inspect.signature(cls)
+  assert tuple(sig.parameters) == _OPTIONS
+  assert not any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values())
+  assert sig.parameters["weight_decay"].default == (1e-2 if name == "AdamW" else 0.0)
+  # AdamW's own signature stays Adam's but for weight_decay's default.
+  other = inspect.signature(htorch.Adam if name == "AdamW" else htorch.AdamW)
+  assert [(p.name, p.kind, p.default) for p in sig.parameters.values() if p.name != "weight_decay"] == [
+      (p.name, p.kind, p.default) for p in other.parameters.values() if p.name != "weight_decay"]
+  text = pydoc.render_doc(cls, renderer=pydoc.plaintext)
+  assert ".. math::" in text and "Example:" in text
+  args = text.split("Args:")[1].split("Attributes:")[0]
+  assert [o for o in _OPTIONS if f"  {o} (" not in args] == []
+  tests = doctest.DocTestFinder().find(cls, name, globs={})
+  runner = doctest.DocTestRunner()
+  for t in tests:
+    runner.run(t)
+  assert runner.tries > 0 and runner.failures == 0
+  p = torch.nn.Parameter(torch.ones(3))
+  with pytest.raises(TypeError, match="bogus"):
+    cls([p], bogus=1)
+
+
+def test_adamw_takes_every_option_by_name_and_keeps_them_through_copies():
+  import pickle
+  opts = dict(lr=0.1, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.5, amsgrad=False, foreach=False, maximize=True,
+              capturable=False, differentiable=False, fused=False, decoupled_weight_decay=False, threads=1,
+              offload="host", offload_chunk=64, overlap=False, overlap_backward=False, moments="bf16",
+              rounding_seed=5, skip_nonfinite=True)
+  p = torch.nn.Parameter(torch.linspace(-1, 1, 40))
+  opt = htorch.AdamW([p], **opts)
+  own = dict(_threads=1, _offload="host", _offload_chunk=64, _overlap=False, _overlap_backward=False,
+             _skip_nonfinite=True)
+  assert {k: getattr(opt, k) for k in own} == own
+  assert opt.defaults["decoupled_weight_decay"] is False and opt.defaults["maximize"] is True
+  assert (opt.defaults["moments"], opt.defaults["rounding_seed"]) == ("bf16", 5)
+  # Rebuilt from its defaults (as ZeroRedundancyOptimizer does, with the optimizer-wide options
+  # beside them: they are no param group's), pickled, deep-copied: the same optimizer, stepping alike.
+  p.grad = torch.linspace(1, -1, 40)
+  opt.step()
+  wide = {k: opts[k] for k in ("threads", "offload", "offload_chunk", "overlap", "overlap_backward", "skip_nonfinite")}
+  again = htorch.AdamW([torch.nn.Parameter(p.detach().clone())], **opt.defaults, **wide)
+  again.load_state_dict(opt.state_dict())
+  pickled = pickle.loads(pickle.dumps(opt))
+  copied = copy.deepcopy(opt)
+  for o in (again, pickled, copied):
+    assert o.defaults == opt.defaults
+    assert {k: getattr(o, k) for k in own} == own
+  for o in (opt, again, pickled, copied):
+    q = o.param_groups[0]["params"][0]
+    q.grad = torch.linspace(1, -1, 40)
+    o.step()
+  assert all(torch.equal(o.param_groups[0]["params"][0].detach(), p.detach()) for o in (again, pickled, copied))

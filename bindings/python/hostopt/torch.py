@@ -1284,15 +1284,177 @@ class _HostAdam(torch.optim.Optimizer):
       hook(self)
 
 
+# The update rules, as the kernel computes them (README: "What the step does"); t is the
+# parameter's own step count, which starts at its first gradient.
+_RULES = {
+    "adam": r"""
+  .. math::
+
+    \begin{aligned}
+      g_t &\leftarrow \pm\nabla_\theta f_t(\theta_{t-1}) + \lambda\,\theta_{t-1}
+          && \text{(minus with maximize; coupled L2 decay)} \\
+      m_t &\leftarrow \beta_1 m_{t-1} + (1 - \beta_1)\, g_t \\
+      v_t &\leftarrow \beta_2 v_{t-1} + (1 - \beta_2)\, g_t^2 \\
+      \theta_t &\leftarrow \theta_{t-1}
+          - \eta\,\frac{m_t / (1 - \beta_1^t)}{\sqrt{v_t / (1 - \beta_2^t)} + \epsilon}
+    \end{aligned}
+""",
+    "adamw": r"""
+  .. math::
+
+    \begin{aligned}
+      g_t &\leftarrow \pm\nabla_\theta f_t(\theta_{t-1}) && \text{(minus with maximize)} \\
+      m_t &\leftarrow \beta_1 m_{t-1} + (1 - \beta_1)\, g_t \\
+      v_t &\leftarrow \beta_2 v_{t-1} + (1 - \beta_2)\, g_t^2 \\
+      \theta_t &\leftarrow \theta_{t-1}\,(1 - \eta\lambda)
+          - \eta\,\frac{m_t / (1 - \beta_1^t)}{\sqrt{v_t / (1 - \beta_2^t)} + \epsilon}
+          && \text{(decoupled decay)}
+    \end{aligned}
+""",
+}
+
+_DECAY = {
+    "adam": """weight_decay (float, default 0.0): :math:`\\lambda`, L2 decay added to the gradient
+      (``g += weight_decay * p``, before the moments), as torch.optim.Adam; decoupled instead
+      with ``decoupled_weight_decay=True``. ``>= 0``, else ValueError.""",
+    "adamw": """weight_decay (float, default 1e-2): :math:`\\lambda`, decoupled decay: each step
+      scales the parameter by ``1 - lr * weight_decay`` before Adam's update (the moments
+      never see it), as torch.optim.AdamW. ``>= 0``, else ValueError.""",
+}
+
+
+def _doc(mode: str) -> str:
+  """The class docstring of Adam or AdamW: one argument list, each one's own rule."""
+  name, torch_name = ("Adam", "torch.optim.Adam") if mode == "adam" else ("AdamW", "torch.optim.AdamW")
+  summary = ("Adam with coupled L2 weight decay, as torch.optim.Adam, its state in host RAM." if mode == "adam" else
+             "AdamW (decoupled weight decay), as torch.optim.AdamW, its state in host RAM.")
+  decoupled = "False" if mode == "adam" else "True"
+  return f"""{summary}
+
+  A drop-in for {torch_name} (the module's docstring says what it keeps of torch's
+  semantics): the master weights and moments live in one flat arena of host memory, updated
+  by hostopt's SIMD kernel in one fused pass per parameter dtype. Per parameter, with
+  :math:`t` its own step count (it starts at the parameter's first gradient):
+{_RULES[mode]}
+  float32 parameters are the master weights (views into the arena from the first step on);
+  bfloat16/float16 ones keep float32 masters (``state[p]["master_param"]``) and receive the
+  rounded :math:`\\theta_t`. ``opt.state[p]`` holds ``step``, ``exp_avg`` and ``exp_avg_sq``
+  (8-bit moments: ``exp_avg_codes``, ``exp_avg_sq_codes`` and ``moment_scales``), as views
+  into the arena, for the parameters that have been stepped; ``state_dict`` is torch's format.
+
+  Args:
+    params (iterable): tensors, or dicts defining param groups (``params`` and any of lr,
+      betas, eps, weight_decay, maximize, decoupled_weight_decay, moments, rounding_seed),
+      as torch.optim takes them. float32, bfloat16 or float16, dense in any dimension order
+      (``channels_last``), all on the CPU or all on one CUDA device. An empty list is
+      refused (ValueError, as torch); another dtype (TypeError), a strided view with gaps
+      and a parameter listed twice (ValueError) are refused at the first step.
+    lr (float, default 1e-3): the learning rate :math:`\\eta`. ``>= 0``, else ValueError;
+      a group's lr is read at every step (lr schedulers), where it must also be finite.
+    betas (tuple[float, float], default (0.9, 0.999)): :math:`(\\beta_1, \\beta_2)`, the
+      decay rates of the first and second moment, each in ``[0, 1)``, else ValueError.
+    eps (float, default 1e-8): :math:`\\epsilon`, added to the bias-corrected
+      :math:`\\sqrt{{v}}` in the denominator. ``>= 0`` (finite at the step), else ValueError.
+    {_DECAY[mode]}
+    amsgrad (bool, default False): refused when True (ValueError): its running max of
+      :math:`v` does not fit the single pass.
+    foreach (bool or None, default None): accepted for compatibility; changes nothing (the
+      step is always one fused pass).
+    maximize (bool, default False): ascend instead of descend (the gradient's sign flipped),
+      as torch; per group.
+    capturable (bool, default False): refused when True (ValueError): a CUDA-graph feature
+      hostopt does not offer.
+    differentiable (bool, default False): refused when True (ValueError): autograd through
+      the step is not offered.
+    fused (bool or None, default None): accepted for compatibility; changes nothing.
+    decoupled_weight_decay (bool or None, default None): None means {decoupled} here.
+      True decays as AdamW (``p *= 1 - lr * weight_decay``), False as Adam (L2 added to
+      the gradient), as torch 2's ``Adam(decoupled_weight_decay=...)``; per group.
+    threads (int or None, default None): CPU threads of the step. None: every physical
+      core of the process's CPU set (``hostopt.torch.default_threads()``); 0: the threading
+      runtime's default. More than 4 times the hardware threads (or 1024), or a negative
+      count, is refused (ValueError) at the first step.
+    offload (str or None, default None): where the parameters live. None: CUDA parameters
+      go through the offload pipeline (they become views of one flat device buffer; the
+      gradients are copied to host memory and the new parameters back, chunk by chunk,
+      while the CPU updates), CPU parameters are stepped in place. ``"cuda"``: the
+      pipeline, required: refused at construction if a parameter is on the CPU
+      (ValueError) or hostopt was built without CUDA or sees no device (RuntimeError).
+      ``"host"``: the pipeline with CPU tensors standing in for device ones (how it is
+      tested without a GPU). Anything else: ValueError. Offloaded parameters must be
+      contiguous (refused at the first step otherwise).
+    offload_chunk (int, default 1 << 22): elements per pipeline chunk (the unit copied and
+      updated while the next one is in flight; cut on whole 32-element blocks with 8-bit
+      moments). ``> 0``, else ValueError.
+    overlap (bool, default False): offloaded: ``step()`` returns without waiting for the
+      CPU update; the device stream waits for the new parameters on its own, and an error
+      surfaces at the next ``step``/``state_dict``. Refused with ``offload="host"``
+      (ValueError): torch's CPU ops are not ordered on a stream.
+    overlap_backward (bool, default False): offloaded, torch >= 2.1: post-accumulate-grad
+      hooks move each gradient into the flat gradient buffer as the backward completes it
+      (``p.grad`` becomes a view of it) so that the pipeline starts on early chunks during
+      the backward. Between the backward and ``step()``, write gradients only through torch
+      ops on ``p.grad`` (writes through ``.data``, numpy or collectives are not seen).
+      Refused (ValueError) on torch < 2.1 and when every parameter is on the CPU without
+      ``offload="host"``.
+    moments (str, default "f32"): the moments' format, for every group that does not set
+      its own: ``"f32"`` (12 bytes per parameter with the f32 master), ``"bf16"``
+      (stochastically rounded bfloat16, 8 bytes) or ``"8bit"`` (block floating point over
+      32 elements, 6.06 bytes). A group's format is fixed once built (convert through
+      ``load_state_dict(..., convert_moments=True)`` into a new optimizer). Another name:
+      ValueError.
+    rounding_seed (int, default 0): the seed of the compressed moments' stochastic
+      rounding (the same seed gives the same bits); per group. An integer in
+      ``[0, 2**64)``, else ValueError (bools included).
+    skip_nonfinite (bool or None, default None): True: every gradient is checked first
+      (one norm over all of them); a non-finite one, or a norm above sqrt(FLT_MAX), skips
+      the step for every parameter, changing nothing. None: checked when a group has 8-bit
+      moments and the parameters are stepped in place (a NaN would poison its block for
+      good). False: never. ``opt.last_step`` tells what a step did. Anything but None,
+      True or False: TypeError.
+
+  Attributes:
+    last_step (StepStats or None): what the last step did (applied, step, skipped_steps,
+      grad_norm, poisoned_blocks, saturated_blocks); None before the first step.
+
+  Example:
+    >>> import torch, hostopt.torch
+    >>> model = torch.nn.Linear(4, 2)
+    >>> opt = hostopt.torch.{name}(model.parameters(), lr=1e-3)
+    >>> model(torch.ones(8, 4)).pow(2).mean().backward()
+    >>> opt.step()
+    >>> float(opt.state[model.weight]["step"])
+    1.0
+    >>> sorted(opt.state_dict()["state"][0])
+    ['exp_avg', 'exp_avg_sq', 'step']
+
+    8-bit moments for the matrix, f32 for the bias:
+
+    >>> opt = hostopt.torch.{name}([{{"params": [model.weight], "moments": "8bit"}},
+    ...                            {{"params": [model.bias]}}], lr=1e-3)
+  """
+
+
 class Adam(_HostAdam):
-  r"""Adam with coupled L2 weight decay (as torch.optim.Adam): ``g += weight_decay * p``."""
+  __doc__ = _doc("adam")
   _mode = "adam"
 
 
 class AdamW(_HostAdam):
-  r"""AdamW with decoupled weight decay (as torch.optim.AdamW): ``p *= 1 - lr * weight_decay``."""
+  __doc__ = _doc("adamw")
   _mode = "adamw"
 
+  # The whole signature (help() and inspect.signature show every option; an unknown
+  # keyword is Python's own TypeError); only weight_decay's default differs from Adam's.
   def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-               amsgrad: bool = False, **kwargs):
-    super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+               amsgrad: bool = False, *, foreach: Optional[bool] = None, maximize: bool = False,
+               capturable: bool = False, differentiable: bool = False, fused: Optional[bool] = None,
+               decoupled_weight_decay: Optional[bool] = None, threads: Optional[int] = None,
+               offload: Optional[str] = None, offload_chunk: int = 1 << 22, overlap: bool = False,
+               overlap_backward: bool = False, moments: str = "f32", rounding_seed: int = 0,
+               skip_nonfinite: Optional[bool] = None):
+    super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
+                     capturable=capturable, differentiable=differentiable, fused=fused,
+                     decoupled_weight_decay=decoupled_weight_decay, threads=threads, offload=offload,
+                     offload_chunk=offload_chunk, overlap=overlap, overlap_backward=overlap_backward,
+                     moments=moments, rounding_seed=rounding_seed, skip_nonfinite=skip_nonfinite)
