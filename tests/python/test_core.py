@@ -472,3 +472,12 @@ def test_the_fronts_refuse_a_bad_rounding_seed_like_the_core(front):
     with pytest.raises(ValueError, match=rule):
       make(seed)
   make(np.uint64(2**64 - 1))
+
+
+@pytest.mark.parametrize("name", ["adam_step", "Optimizer"])
+def test_the_docstring_examples_run(name):
+  import doctest
+  runner = doctest.DocTestRunner()
+  for t in doctest.DocTestFinder().find(getattr(hostopt, name), name, globs={}):
+    runner.run(t)
+  assert runner.tries > 0 and runner.failures == 0

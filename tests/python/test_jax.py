@@ -458,3 +458,20 @@ def test_offloaded_norm_is_taken_without_overflow_and_step_none_uses_the_accumul
   for x, y in zip(leaves(p), leaves(q)):
     assert np.array_equal(x, y)
   assert not hasattr(a._device_step, "_zeros")  # no device buffer kept for it
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_each_factory_documents_every_argument_and_its_example_runs(name):
+  import doctest
+  import inspect
+  import pydoc
+  import re
+  factory = getattr(hj, name)
+  text = pydoc.render_doc(factory, renderer=pydoc.plaintext)
+  assert ".. math::" in text and "Example:" in text
+  args = text.split("Args:")[1].split("Returns:")[0]
+  assert [p for p in inspect.signature(factory).parameters if not re.search(rf"^\s+{p}( \(|:)", args, re.M)] == []
+  runner = doctest.DocTestRunner()
+  for t in doctest.DocTestFinder().find(factory, name, globs={}):
+    runner.run(t)
+  assert runner.tries > 0 and runner.failures == 0

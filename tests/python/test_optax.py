@@ -577,3 +577,34 @@ def test_update_runs_under_disable_jit():
     u, _ = opt.update(g, state, params)
   v, _ = jax.jit(opt.update)(g, state, params)
   assert _leaves_equal(u, v)
+
+
+def _run_doctests(obj, name: str) -> int:
+  """Runs obj's docstring examples; returns how many ran (each must pass)."""
+  import doctest
+  runner = doctest.DocTestRunner()
+  for t in doctest.DocTestFinder().find(obj, name, globs={}):
+    runner.run(t)
+  assert runner.failures == 0
+  return runner.tries
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw", "nadam", "nadamw", "adamw_8bit"])
+def test_each_factory_shows_optax_signature_and_documents_every_argument_and_option(name):
+  import inspect
+  import pydoc
+  factory = getattr(hoptax, name)
+  ours = inspect.signature(factory)
+  theirs = inspect.signature(getattr(optax, "adamw" if name == "adamw_8bit" else name))
+  # optax's parameters, as the installed optax has them, then hostopt's options apart.
+  assert [(p.name, p.kind, p.default) for p in list(ours.parameters.values())[:-1]] == [
+      (p.name, p.kind, p.default) for p in theirs.parameters.values() if p.kind is not p.VAR_KEYWORD]
+  last = list(ours.parameters.values())[-1]
+  assert last.kind is last.VAR_KEYWORD and last.name == "hostopt_options"
+  text = pydoc.render_doc(factory, renderer=pydoc.plaintext)
+  assert ".. math::" in text and "Example:" in text
+  args = text.split("Args:")[1].split("Returns:")[0]
+  documented = [p for p in list(ours.parameters)[:-1] + list(hoptax.HostoptOptions.__annotations__)
+                if not re.search(rf"^\s+{p}( \(|:)", args, re.M)]
+  assert documented == []
+  assert _run_doctests(factory, name) > 0

@@ -7,7 +7,7 @@ tensors, jax CPU arrays; bf16 through ml_dtypes, torch or a uint16 view): an arr
 cannot be used in place is an error, never a silent copy. Steps release the GIL.
 """
 
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import operator
 
@@ -131,8 +131,11 @@ def adam_step(params: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray, g
     out: optional array (float32/bfloat16/float16) that receives the new parameters.
 
   Example:
+    >>> import numpy as np, hostopt
     >>> p = np.ones(4, np.float32); m = np.zeros(4, np.float32); v = np.zeros(4, np.float32)
     >>> hostopt.adam_step(p, m, v, np.full(4, 0.5, np.float32), step=1, lr=0.1)
+    >>> p  # the first step moves every element by lr (bias-corrected m / sqrt(v) is 1)
+    array([0.9, 0.9, 0.9, 0.9], dtype=float32)
   """
   p, _ = as_buffer(params, "params", writable=True)
   m, _ = as_buffer(exp_avg, "exp_avg", writable=True)
@@ -223,25 +226,65 @@ def adam_step_compressed(params: np.ndarray, moments: CompressedMoments, grad, *
                              _integer(threads, "threads", _INT32), kernel)
 
 
+# One tensor of an arena, as Optimizer.segment gives it: (name, shape, offset, size, group).
+_Segment = Tuple[str, List[int], int, int, int]
+
+
 class Optimizer:
-  """Adam/AdamW state of many tensors in one flat, 64-byte aligned arena (12 bytes/param).
+  r"""Adam/AdamW state of many tensors in one flat, 64-byte aligned arena of host memory.
+
+  The float32 master parameters and both moments of every tensor live in one arena (12
+  bytes per parameter; 8 or 6.06 with compressed moments); :meth:`step` updates all of it
+  in one fused pass over the SIMD kernel :func:`active_kernel` names, the GIL released.
+  For step :math:`t`, per group (hyper-parameters :math:`\eta` = lr, :math:`\lambda` =
+  weight_decay) and gradient scale :math:`s`:
+
+  .. math::
+    g = s\,\nabla \;(+\,\lambda p \text{ with mode "adam"}), \qquad
+    m \leftarrow \beta_1 m + (1-\beta_1)\,g, \qquad v \leftarrow \beta_2 v + (1-\beta_2)\,g^2,
+
+    p \leftarrow (1 - \eta\lambda)\,p \text{ (mode "adamw")}, \qquad
+    p \leftarrow p - \frac{\eta}{1-\beta_1^t}\,\frac{m}{\sqrt{v/(1-\beta_2^t) + \epsilon_{root}} + \epsilon}
+
+  (``bias_correction=False`` drops both :math:`1-\beta^t`; ``nesterov`` is optax's NAdam;
+  ``maximize`` flips the gradient's sign). The result is the same bits on every kernel and
+  thread count.
 
   Args:
-    groups: a list of parameter groups, each a dict with "params" — a mapping name -> shape
-      (or a list of (name, shape)) — and hyper-parameters (lr, betas or beta1/beta2, eps,
-      eps_root, weight_decay, mode "adam"/"adamw", bias_correction, nesterov), and how the
-      group stores its moments: "moments" = "f32" (default), "bf16" or "8bit" (stochastically
-      rounded, keyed on "rounding_seed"; 8 or 6.06 bytes per parameter with the f32 master).
-      With a compressed group the flat moment views do not exist: use read_moments /
-      write_moments (f32 copies, the explicit conversions) or moment_codes.
-    threads: worker threads (0 = the threading runtime's default).
-    kernel: force a kernel by name ("" = the active one).
+    groups (list): parameter groups, each a dict with ``"params"`` — a mapping name ->
+      shape, or a list of (name, shape) — and any of the hyper-parameters ``lr``,
+      ``betas`` (or ``beta1``/``beta2``), ``eps``, ``eps_root``, ``weight_decay``, ``mode``
+      (``"adam"`` or ``"adamw"``), ``bias_correction``, ``nesterov``, ``maximize``; and how
+      the group stores its moments: ``"moments"`` = ``"f32"`` (the default), ``"bf16"`` or
+      ``"8bit"`` (stochastically rounded, keyed on ``"rounding_seed"``, an integer in
+      ``[0, 2**64)``). With a compressed group the flat moment views do not exist: use
+      :meth:`read_moments` / :meth:`write_moments` (float32 copies, the explicit
+      conversions) or :meth:`moment_codes`.
+    threads (int, default 0): worker threads of each step (0: the threading runtime's
+      default).
+    kernel (str, default ""): force a kernel by name (:func:`kernels` lists them; "": the
+      active one).
+
+  Raises:
+    ValueError: a group without ``"params"``, an unknown hyper-parameter or moment format,
+      a hyper-parameter outside its range, a negative extent or a tensor name given twice.
+    TypeError: a hyper-parameter, extent or count of the wrong type (a float for an
+      integer, a string or int for a bool: never converted silently).
 
   Example:
+    >>> import numpy as np, hostopt
     >>> opt = hostopt.Optimizer([{"params": {"w": (4, 3), "b": (3,)}, "lr": 1e-2, "weight_decay": 0.1}])
-    >>> opt.params("w")[:] = init_w            # numpy views into the arena
-    >>> opt.step({"w": grad_w, "b": grad_b})   # one fused step over every tensor
+    >>> opt.params("w")[:] = 1.0               # numpy views into the arena
+    >>> grads = {"w": np.full((4, 3), 0.5, np.float32), "b": np.ones(3, np.float32)}
+    >>> opt.step(grads).applied                # one fused step over every tensor
+    True
+    >>> round(float(opt.params("w")[0, 0]), 6)  # (1 - 1e-2 * 0.1) * 1 - 1e-2
+    0.989
+    >>> opt.step_count, opt.num_params
+    (1, 15)
   """
+
+  _hostopt_front: str  # set by a front (hostopt.jax) to name itself in CompressedMomentsWarning
 
   def __init__(self, groups: Sequence[Mapping], threads: int = 0, kernel: str = ""):
     spec = []
@@ -250,7 +293,7 @@ class Optimizer:
         raise ValueError(f"groups[{i}] has no 'params' (a mapping name -> shape)")
       tensors = g["params"].items() if isinstance(g["params"], Mapping) else g["params"]
       own = ("params", "moments", "rounding_seed")
-      entry = {"config": _config({k: v for k, v in g.items() if k not in own}),
+      entry: Dict[str, Any] = {"config": _config({k: v for k, v in g.items() if k not in own}),
                "tensors": [(str(n), [_integer(d, f"groups[{i}]: tensor {str(n)!r}'s shape {tuple(shape)!r}: extent")
                                      for d in shape]) for n, shape in tensors]}
       if "moments" in g:
@@ -260,24 +303,29 @@ class Optimizer:
       spec.append(entry)
     self._core = _core.Optimizer(spec, _integer(threads, "threads", _INT32), kernel)
     self._has_8bit = any(self._core.group_moments(g) == "8bit" for g in range(len(spec)))
-    self._segments = [tuple(s) for s in self._core.segments()]
+    self._segments: List[_Segment] = list(self._core.segments())  # (name, shape, offset, size, group) tuples
     self._index = {s[0]: i for i, s in enumerate(self._segments)}
 
   # layout
   @property
   def arena_size(self) -> int:
+    """Elements of the flat arena: the tensors' sizes, each padded to the chunk unit."""
     return self._core.arena_size
 
   @property
   def num_params(self) -> int:
+    """Parameters of all the tensors (without padding)."""
     return self._core.num_params
 
   @property
   def state_bytes(self) -> int:
+    """Bytes of host state: master parameters and moments (12 per arena element with f32
+    moments, 8 with bf16, 6.0625 with 8-bit), alignment included."""
     return self._core.state_bytes
 
   @property
   def names(self) -> List[str]:
+    """The tensors' names, in arena order (the order of a list of gradients)."""
     return [s[0] for s in self._segments]
 
   def segment(self, name: str) -> Tuple[str, List[int], int, int, int]:
@@ -347,7 +395,7 @@ class Optimizer:
       flat.append(np.ascontiguousarray(a).reshape(-1))
     self._core.write_moments(name, *flat)
 
-  def moment_codes(self, name: str):
+  def moment_codes(self, name: str) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
     """Views of a compressed tensor's storage: (exp_avg, exp_avg_sq, scales) — uint16 bf16
     bits, or uint8 8-bit codes with (blocks, 2) exponent bytes (None for bf16)."""
     return self._core.moment_codes(name)
@@ -355,13 +403,17 @@ class Optimizer:
   # hyper-parameters
   @property
   def step_count(self) -> int:
+    """Applied steps so far (t of the next step is step_count + 1); settable (an integer,
+    e.g. to resume), skipped steps do not count."""
     return self._core.step_count
 
   @step_count.setter
   def step_count(self, value: int) -> None:
     self._core.step_count = _integer(value, "step_count")
 
-  def group_config(self, group: int) -> dict:
+  def group_config(self, group: int) -> Dict[str, Any]:
+    """A group's hyper-parameters as a dict (lr, beta1, beta2, eps, eps_root, weight_decay,
+    mode, bias_correction, nesterov, maximize)."""
     return self._core.group_config(self._group(group))
 
   def set_group_config(self, group: int, **hyper) -> None:
@@ -393,6 +445,7 @@ class Optimizer:
 
   @property
   def failure_reason(self) -> str:
+    """Why the state became unusable ("" while it is usable)."""
     return self._core.failure_reason
 
   def reset_failure(self) -> None:

@@ -4,14 +4,14 @@ optax's contract hands the whole state back to JAX every step; this front does n
 float32 master parameters and Adam moments live in a hostopt arena (12 bytes per parameter
 of state; 8 with ``moments="bf16"``, 6.06 with ``moments="8bit"``), gradients come in zero-copy from JAX CPU arrays, one fused pass updates
 everything, and the new parameters come out in ``param_dtype`` straight into buffers handed
-to JAX without a copy:
+to JAX without a copy (a sketch: adamw's docstring has a complete example)::
 
-  >>> import hostopt.jax as hj
-  >>> opt = hj.adamw(params, learning_rate=schedule, weight_decay=0.1, mask=decay_mask,
-  ...                param_dtype=jnp.bfloat16)
-  >>> grads_fn = jax.jit(jax.grad(loss))
-  >>> for batch in data:
-  ...   params = opt.step(grads_fn(params, batch))      # same tree, new jax arrays
+  import hostopt.jax as hj
+  opt = hj.adamw(params, learning_rate=schedule, weight_decay=0.1, mask=decay_mask,
+                 param_dtype=jnp.bfloat16)
+  grads_fn = jax.jit(jax.grad(loss))
+  for batch in data:
+    params = opt.step(grads_fn(params, batch))      # same tree, new jax arrays
 
 Also ``opt.accumulate(grads)`` (micro-batches summed in a host f32 accumulator; the next
 ``step`` averages them like optax.MultiSteps), ``step(grads, grad_norm=...)`` (a norm
@@ -62,7 +62,10 @@ path with CPU arrays standing in for device arrays (how it is tested without a G
 import collections
 import sys
 import threading
-from typing import List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, cast
+
+if TYPE_CHECKING:
+  import concurrent.futures
 
 import jax
 import jax.numpy as jnp
@@ -109,7 +112,19 @@ def _to_jax(buf: np.ndarray) -> jax.Array:
 
 
 class HostAdam:
-  """Adam/AdamW whose state lives in a hostopt arena; see the module docstring."""
+  """Adam/AdamW whose state lives in a hostopt arena, made by :func:`adamw` or :func:`adam`.
+
+  The constructor takes :func:`adamw`'s arguments by keyword, and ``decoupled`` (True:
+  AdamW, False: Adam, without weight decay); the module docstring says how
+  the state and the arrays are kept.
+
+  Attributes:
+    last_step (StepStats or None): what the last step did (applied, step, grad_norm,
+      applied_scale, skipped_steps, poisoned_blocks, saturated_blocks); None before the
+      first step.
+  """
+
+  last_step: Optional[StepStats]
 
   def __init__(self, params, *, learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                eps_root: float = 0.0, weight_decay=0.0, mask=None, decoupled: bool = True, nesterov: bool = False,
@@ -189,7 +204,7 @@ class HostAdam:
     self._acc: Optional[List[np.ndarray]] = None
     self._micro_batches = 0
     self._lock = threading.RLock()
-    self._executor = None
+    self._executor: Optional["concurrent.futures.ThreadPoolExecutor"] = None
     self.last_step = None  # the StepStats of the last step (applied, grad_norm, skipped_steps, ...)
     self._device_step = self._device_path(leaves, offload, offload_chunk)
 
@@ -236,7 +251,7 @@ class HostAdam:
     """The gradient leaves as numpy arrays (zero-copy for JAX CPU arrays); None: no gradient
     (that leaf is left as it is)."""
     leaves = self._treedef.flatten_up_to(grads)
-    out = []
+    out: List[Optional[np.ndarray]] = []
     for name, shape, g in zip(self._names, self._shapes, leaves):
       if g is None:
         out.append(None)
@@ -276,10 +291,28 @@ class HostAdam:
         self._core.set_group_config(g, **hyper)
 
   def step(self, grads=None, *, grad_norm: Optional[float] = None):
-    """Applies one step with `grads` (a tree like the params; None after accumulate() to
-    step on the accumulated micro-batches alone) and returns the new params (jax arrays,
-    param_dtype). `grad_norm`: the gradients' global norm if already computed (e.g. on the
-    device with optax.global_norm), used for clipping and the non-finite check."""
+    """Applies one step and returns the new params.
+
+    Args:
+      grads: a tree like the params of float32, bfloat16 or float16 gradients (one dtype,
+        or they are widened to float32 exactly); a leaf None has no gradient and is left
+        as it is. None after :meth:`accumulate`: step on the accumulated micro-batches
+        alone (averaged, as optax.MultiSteps); given after accumulate, it is the last
+        micro-batch.
+      grad_norm (float or None, default None): the gradients' global norm if already
+        computed (e.g. on the device with optax.global_norm), used for clipping and the
+        non-finite check instead of reading them; NaN or inf for non-finite gradients.
+
+    Returns:
+      The new parameters, a tree like the params of new jax arrays in param_dtype (the
+      old ones are still valid). A skipped step (``last_step.applied`` False) returns the
+      unchanged parameters.
+
+    Raises:
+      ValueError: a gradient of another shape, a negative grad_norm, or None with nothing
+        accumulated.
+      TypeError: a gradient dtype other than float32, bfloat16 or float16.
+    """
     with self._lock:
       if grad_norm is not None:
         grad_norm = float(grad_norm)
@@ -291,13 +324,13 @@ class HostAdam:
         return self._offloaded_step(grads, grad_norm)
       if grads is None and self._acc is None:
         raise ValueError("step(None): nothing accumulated (call accumulate(grads) first, or pass grads)")
-      glist = self._grads(grads) if grads is not None else None
+      glist: Optional[Sequence[Optional[np.ndarray]]] = self._grads(grads) if grads is not None else None
       self._set_schedules()  # everything that can fail before the accumulator changes
       if glist is not None and self._acc is not None:
         self._add_to_accumulator(glist)
         glist = None
       if glist is None:
-        glist, scale = self._acc, 1.0 / self._micro_batches
+        glist, scale = cast(List[np.ndarray], self._acc), 1.0 / self._micro_batches  # not None: checked above
       else:
         scale = 1.0
       out = self._buffers()
@@ -472,7 +505,7 @@ class HostAdam:
     and nu), and 'rounding_seed' (their stochastic rounding's). Every copy is exact: loading
     it resumes bit for bit."""
     with self._lock:
-      sd = {"step": self._core.step_count, "params": {}, "mu": {}, "nu": {}}
+      sd: Dict[str, Any] = {"step": self._core.step_count, "params": {}, "mu": {}, "nu": {}}
       if any(fmt != "f32" for fmt in self._formats):
         sd["rounding_seed"] = self._core.group_rounding_seed(0)
       for name, fmt, shape in zip(self._names, self._formats, self._shapes):
@@ -603,19 +636,108 @@ class HostAdam:
                                       for n, d in zip(self._names, self._out_dtypes)])
 
 
+_RULES = {
+    True: r"""
+  .. math::
+    g_t = \text{clip}(\nabla_t), \qquad m_t = \beta_1 m_{t-1} + (1-\beta_1)\,g_t, \qquad
+    v_t = \beta_2 v_{t-1} + (1-\beta_2)\,g_t^2,
+
+    \theta_t = (1 - \eta_t\lambda)\,\theta_{t-1} - \frac{\eta_t}{1-\beta_1^t}\,
+    \frac{m_t}{\sqrt{v_t/(1-\beta_2^t) + \epsilon_{root}} + \epsilon}
+""",
+    False: r"""
+  .. math::
+    g_t = \text{clip}(\nabla_t), \qquad m_t = \beta_1 m_{t-1} + (1-\beta_1)\,g_t, \qquad
+    v_t = \beta_2 v_{t-1} + (1-\beta_2)\,g_t^2,
+
+    \theta_t = \theta_{t-1} - \frac{\eta_t}{1-\beta_1^t}\,
+    \frac{m_t}{\sqrt{v_t/(1-\beta_2^t) + \epsilon_{root}} + \epsilon}
+""",
+}
+
+_DECAY_ARGS = """    weight_decay (float, default 1e-4): :math:`\\lambda`, optax.adamw's decoupled weight decay
+      (the master decays by ``1 - lr * weight_decay`` before the Adam step), or a schedule
+      of the step count.
+    mask: which leaves decay, as optax's: a tree of bools like the params, a prefix of
+      one, or a callable of the params giving one (None: every leaf).
+"""
+
+
+def _doc(decoupled: bool) -> str:
+  """The docstring of adamw or adam: one argument list, each one's own rule."""
+  name = "adamw" if decoupled else "adam"
+  summary = ("AdamW (decoupled weight decay) with its state in host memory: a :class:`HostAdam`." if decoupled
+             else "Adam with its state in host memory: a :class:`HostAdam`.")
+  return f"""{summary}
+
+  optax.{name}'s hyper-parameters and defaults; the float32 masters and moments live in a
+  hostopt arena and one fused pass updates every leaf (the module docstring says how the
+  arrays come and go). Each step, with :math:`t` the step count from 1 and
+  :math:`\\text{{clip}}` the optional clipping by global norm (``max_grad_norm``):
+{_RULES[decoupled]}
+  bit for bit hostopt.Optimizer's step (``nesterov``: optax's NAdam estimate of
+  :math:`m_t`). Against optax.{name} it agrees to float rounding.
+
+  Args:
+    params: the parameters, a pytree of float32, bfloat16 or float16 arrays (jax arrays on
+      the CPU or on one accelerator, or numpy arrays). Copied into the float32 masters.
+    learning_rate: :math:`\\eta_t`: a number, or a schedule called with the step count as
+      optax calls it.
+    b1 (float, default 0.9): :math:`\\beta_1`, in ``[0, 1)``.
+    b2 (float, default 0.999): :math:`\\beta_2`, in ``[0, 1)``.
+    eps (float, default 1e-8): :math:`\\epsilon`, added outside the square root.
+    eps_root (float, default 0.0): :math:`\\epsilon_{{root}}`, added inside it.
+{_DECAY_ARGS if decoupled else ""}    nesterov (bool, default False): optax's NAdam (nadam{"w" if decoupled else ""}).
+    param_dtype (numpy.dtype or None, default None): the dtype of the params ``step`` returns
+      (float32, bfloat16 or float16; None: each leaf's own). The masters stay float32.
+    max_grad_norm (float or None, default None): > 0 clips the gradients by global norm
+      (optax.clip_by_global_norm's rule), folded into the step.
+    skip_nonfinite (bool or None, default None): True checks the gradients first: a
+      non-finite one skips the step, changing nothing (``last_step.applied`` False). None:
+      checked when a group has 8-bit moments (on the offloaded path, not over
+      host-accumulated micro-batches without ``grad_norm=``); False: never. Anything else:
+      TypeError.
+    threads (int, default 0): worker threads of the step (0: the threading runtime's
+      default).
+    offload (str or None, default None): None: params on an accelerator go through the
+      offload pipeline, CPU ones are stepped in place. ``"cuda"``: the pipeline, required;
+      ``"host"``: the pipeline with CPU arrays standing in for device arrays. Anything
+      else: ValueError.
+    offload_chunk (int, default 1 << 22): elements per pipeline chunk.
+    groups: each leaf's group label, a tree of strings like the params (or a prefix of
+      one, or a callable of the params giving one): optax.multi_transform's labels.
+    group_options (dict or None, default None): ``{{label: {{...}}}}`` overriding, for that
+      group's leaves, any of learning_rate (or a schedule), b1, b2, eps, eps_root,
+      {"weight_decay, " if decoupled else ""}moments.
+    moments (str, default "f32"): how the moments are stored: ``"f32"`` (12 bytes of state
+      per parameter), ``"bf16"`` (8) or ``"8bit"`` (6.06), stochastically rounded.
+    rounding_seed (int, default 0): the key of that rounding, in ``[0, 2**64)``: the same
+      seed gives the same bits.
+
+  Returns:
+    A :class:`HostAdam`: ``step(grads)`` applies one step and returns the new params.
+
+  Raises:
+    ValueError: an empty tree, an unknown offload, moments or group label, params on more
+      than one device, or a hyper-parameter outside its range.
+    TypeError: a leaf or param_dtype that is not float32, bfloat16 or float16.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, hostopt.jax
+    >>> params = {{"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}}
+    >>> opt = hostopt.jax.{name}(params, learning_rate=1e-2{", weight_decay=0.1" if decoupled else ""})
+    >>> grads = jax.tree_util.tree_map(jnp.ones_like, params)
+    >>> params = opt.step(grads)      # the same tree, new jax arrays
+    >>> opt.step_count, opt.last_step.applied
+    (1, True)
+  """
+
+
 def adamw(params, learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
           weight_decay=1e-4, mask=None, *, nesterov: bool = False, param_dtype=None,
           max_grad_norm: Optional[float] = None, skip_nonfinite: Optional[bool] = None, threads: int = 0,
           offload: Optional[str] = None, offload_chunk: int = 1 << 22, groups=None,
           group_options: Optional[dict] = None, moments: str = "f32", rounding_seed: int = 0) -> HostAdam:
-  """AdamW (optax.adamw's hyper-parameters and defaults; `mask` as optax's: a tree of bools,
-  a prefix of one, or a callable of the params) with its state in host memory. `groups`: a
-  tree of string labels (optax.multi_transform's form), and `group_options` {label: {any of
-  learning_rate (or a schedule), b1, b2, eps, eps_root, weight_decay, moments}} overriding
-  the arguments for that group's leaves. `moments`: "f32", "bf16" or "8bit" (the module
-  docstring); `rounding_seed` keys their stochastic rounding. `skip_nonfinite`: None checks
-  the gradients when a group has 8-bit moments (on the offloaded path, not over host-
-  accumulated micro-batches without ``grad_norm=``); True or False decides."""
   return HostAdam(params, learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
                   weight_decay=weight_decay, mask=mask, decoupled=True, nesterov=nesterov, param_dtype=param_dtype,
                   max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, threads=threads, offload=offload,
@@ -628,9 +750,11 @@ def adam(params, learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float =
          skip_nonfinite: Optional[bool] = None, threads: int = 0, offload: Optional[str] = None,
          offload_chunk: int = 1 << 22, groups=None, group_options: Optional[dict] = None, moments: str = "f32",
          rounding_seed: int = 0) -> HostAdam:
-  """Adam (optax.adam's hyper-parameters) with its state in host memory; `groups` and
-  `group_options`, `moments` and `rounding_seed` as adamw's."""
   return HostAdam(params, learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root, weight_decay=0.0,
                   decoupled=False, nesterov=nesterov, param_dtype=param_dtype, max_grad_norm=max_grad_norm,
                   skip_nonfinite=skip_nonfinite, threads=threads, offload=offload, offload_chunk=offload_chunk,
                   groups=groups, group_options=group_options, moments=moments, rounding_seed=rounding_seed)
+
+
+adamw.__doc__ = _doc(decoupled=True)
+adam.__doc__ = _doc(decoupled=False)

@@ -94,21 +94,23 @@ for weight decay) there, runs the kernel on the host (``compute_on("device_host"
 returns the updates in device memory; needs a jax with memory spaces). Inputs may be numpy or
 jax pytrees; outputs are of the same kind.
 
-Example:
-  >>> import optax, hostopt.optax
-  >>> opt = optax.chain(optax.clip_by_global_norm(1.0), hostopt.optax.adamw(1e-3, weight_decay=0.1))
-  >>> state = opt.init(params)
-  >>> @functools.partial(jax.jit, donate_argnums=(0, 1))
-  ... def train_step(params, state, batch):
-  ...   updates, state = opt.update(jax.grad(loss)(params, batch), state, params)
-  ...   return optax.apply_updates(params, updates), state
+A sketch of a training step (each factory's docstring has a complete example)::
+
+  import optax, hostopt.optax
+  opt = optax.chain(optax.clip_by_global_norm(1.0), hostopt.optax.adamw(1e-3, weight_decay=0.1))
+  state = opt.init(params)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def train_step(params, state, batch):
+    updates, state = opt.update(jax.grad(loss)(params, batch), state, params)
+    return optax.apply_updates(params, updates), state
 """
 
 import dataclasses
 import functools
 import inspect
 import warnings
-from typing import Any, Callable, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -123,7 +125,7 @@ from ._block_checks import report as _report_blocks
 from ._masks import mask_flags
 from ._xla import is_static_number
 
-__all__ = ["adam", "adamw", "nadam", "nadamw", "adamw_8bit", "ScaleByAdam8bitState", "poisoned_blocks"]
+__all__ = ["adam", "adamw", "nadam", "nadamw", "adamw_8bit", "HostoptOptions", "ScaleByAdam8bitState", "poisoned_blocks"]
 
 _HOSTOPT_OPTIONS = {"threads": 0, "reuse_state": False, "state_memory": None, "moments": "f32", "rounding_seed": 0}
 _KNOWN = ("learning_rate", "b1", "b2", "eps", "eps_root", "mu_dtype", "weight_decay", "mask", "nesterov")
@@ -362,13 +364,16 @@ def _numpy_update(s: _Static, hp, gs, mus, nus, ps, count, reuse: bool, dynamic,
   reuse_state), the others through optax's arithmetic, converted back to numpy."""
   t = int(count) + 1 if int(count) < np.iinfo(np.int32).max else int(count)
   n = len(gs)
-  u, new_mu, new_nu = [None] * n, [None] * n, [None] * n
+  u: List[Any] = [None] * n
+  new_mu: List[Any] = [None] * n
+  new_nu: List[Any] = [None] * n
   k_idx = [i for i in range(n) if s.kernel[i]]
   if k_idx:
     lr, b1, b2, eps, eps_root, wd = (float(np.asarray(v)) for v in hp)
-    common = dict(lr=lr, beta1=b1, beta2=b2, eps=eps, eps_root=eps_root, mode="adamw", nesterov=s.nesterov)
+    common: Dict[str, Any] = dict(lr=lr, beta1=b1, beta2=b2, eps=eps, eps_root=eps_root, mode="adamw",
+                                  nesterov=s.nesterov)
     configs = [_core.AdamConfig(**common, weight_decay=0.0), _core.AdamConfig(**common, weight_decay=wd)]
-    cols = ([], [], [], [], [], [])
+    cols: Tuple[List[Any], List[Any], List[Any], List[Any], List[Any], List[Any]] = ([], [], [], [], [], [])
     def work(x):  # the moments, updated in place: the caller's arrays with reuse_state
       x = np.asarray(x)
       if reuse and x.flags.c_contiguous and x.flags.writeable:
@@ -786,12 +791,199 @@ def _compressed_transformation(reference, moments, seed, decoupled, learning_rat
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+class HostoptOptions(TypedDict, total=False):
+  """hostopt's own options of hostopt.optax's factories, every one optional.
+
+  They are keyword arguments collected apart from optax's, in ``**hostopt_options`` (whose
+  annotation is ``Unpack[HostoptOptions]``), so that ``optax.inject_hyperparams`` never
+  takes them for hyper-parameters: an explicit ``threads: int = 0`` parameter would be
+  injected as a traced array, and the state's ``hyperparams`` would no longer be optax's.
+
+  Attributes:
+    threads (int): worker threads of the kernel; 0 (the default) is the threading runtime's
+      default, at most ``hostopt._core.max_threads()``.
+    reuse_state (bool): numpy states only: mu and nu are updated in place, in the caller's
+      arrays, saving two copies per step (default False).
+    state_memory (str or None): None (the default: the state in the params' memory, as
+      optax) or ``"pinned_host"`` (the kernel leaves' moments in the devices' pinned host
+      memory, updated on the host).
+    moments (str): ``"f32"`` (the default; ``"8bit"`` in adamw_8bit), ``"bf16"`` or
+      ``"8bit"``: how Adam's moments are stored.
+    rounding_seed (int): the key of the compressed moments' stochastic rounding, in
+      ``[0, 2**64)`` (default 0).
+  """
+  threads: int
+  reuse_state: bool
+  state_memory: Optional[str]
+  moments: str
+  rounding_seed: int
+
+
+# What each of optax's arguments means here, and its type where it is a plain one (the
+# docstrings' "name (type, default value)" form, as hostopt.torch's; the signature carries
+# optax's own annotations). An argument of a newer optax gets _OTHER_ARG.
+_OPTAX_ARGS = {
+    "learning_rate": (None, r"the learning rate :math:`\eta_t`: a number, a scalar array or a schedule (a "
+                            "callable of the step count, evaluated by XLA inside the update). Finite, of either "
+                            "sign (as optax), else ValueError."),
+    "b1": ("float", r":math:`\beta_1`, the decay rate of the first moment, in ``[0, 1)``, else ValueError."),
+    "b2": ("float", r":math:`\beta_2`, the decay rate of the second moment, in ``[0, 1)``, else ValueError."),
+    "eps": ("float", r":math:`\epsilon`, added to the denominator outside the square root. ``>= 0`` (``+inf`` "
+                     "included: Adam's term is then 0, as in optax), else ValueError."),
+    "eps_root": ("float", r":math:`\epsilon_{root}`, added to :math:`\hat v_t` inside the square root. ``>= 0`` "
+                          "(``+inf`` included), else ValueError."),
+    "mu_dtype": (None, "the dtype of mu, as optax's: a leaf whose mu is not float32 runs on optax's own "
+                       "arithmetic, not the kernel. Refused with compressed moments (ValueError)."),
+    "weight_decay": (None, r":math:`\lambda`, the decoupled weight decay rate: a number, or a schedule where the "
+                           "installed optax takes one. Finite, of either sign, else ValueError."),
+    "mask": (None, "which leaves are decayed, as optax's: a tree of bools like the params (or a prefix of one), "
+                   "or a callable of the params that returns one; None decays every leaf."),
+    "nesterov": ("bool", r"Nesterov momentum: NAdam's :math:`\hat m_t` (as optax.nadam)."),
+}
+_OTHER_ARG = (None, "an argument of optax {version} that hostopt.optax does not implement: only its default is "
+                    "taken (any other value raises NotImplementedError).")
+
+# hostopt's options as the factories' docstrings list them: (name, type, description).
+_HOSTOPT_ARGS = (
+    ("threads", "int",
+     "worker threads of the kernel: 0 is the threading runtime's default. An int in ``[0, "
+     "hostopt._core.max_threads()]``, else ValueError."),
+    ("reuse_state", "bool",
+     "numpy states only: mu and nu are updated in place, in the caller's arrays (the state passed in is "
+     "consumed), saving two copies per step. Refused with compressed moments (ValueError)."),
+    ("state_memory", "str or None",
+     "None keeps the state in the params' memory, as optax. ``\"pinned_host\"``: on an accelerator, ``init`` "
+     "puts the kernel leaves' float32 mu and nu (or the compressed codes and scales) in the devices' pinned host "
+     "memory, where they take no HBM, and ``update`` sends the gradients (and the params, for weight decay) "
+     "there, runs the kernel on the host (``compute_on(\"device_host\")``) and returns the updates in device "
+     "memory: call ``init`` outside jit, or give ``jit(init)`` out_shardings in that memory. Needs a jax with "
+     "memory spaces. Anything else: ValueError."),
+    ("moments", "str",
+     "how Adam's moments are stored: ``\"f32\"`` (optax's ``ScaleByAdamState``, 8 bytes per parameter), "
+     "``\"bf16\"`` (bfloat16 mu and nu, 4 bytes) or ``\"8bit\"`` (``ScaleByAdam8bitState``: uint8 codes and one "
+     "uint8 ``[blocks, 2]`` scales array, 2.06 bytes), stochastically rounded. With compressed moments every "
+     "leaf runs on the kernel: float32, bfloat16 or float16 gradients and params, on the CPU or with "
+     "``state_memory=\"pinned_host\"``. Another name: ValueError."),
+    ("rounding_seed", "int",
+     "the key of the compressed moments' stochastic rounding: with the step and the element's index it decides "
+     "every rounding, so a run is reproducible. An integer in ``[0, 2**64)``, else ValueError."),
+)
+
+_RULE = r"""
+  .. math::
+    m_t = \beta_1 m_{t-1} + (1-\beta_1)\,g_t, \qquad v_t = \beta_2 v_{t-1} + (1-\beta_2)\,g_t^2,
+
+    <MHAT}, \qquad \hat v_t = \frac{v_t}{1-\beta_2^t},
+
+    u_t = -\eta_t\left(\frac{\hat m_t}{\sqrt{\hat v_t + \epsilon_{root}} + \epsilon}<DECAY}\right)
+"""
+_MHAT = r"\hat m_t = \frac{m_t}{1-\beta_1^t}"
+_MHAT_NESTEROV = r"\hat m_t = \frac{\beta_1 m_t}{1-\beta_1^{t+1}} + \frac{(1-\beta_1)\,g_t}{1-\beta_1^t}"
+_TITLES = {"adam": "Adam", "adamw": "AdamW (decoupled weight decay)", "nadam": "NAdam (Adam with Nesterov momentum)",
+           "nadamw": "NAdamW (NAdam with decoupled weight decay)"}
+
+
+def _wrap(text: str, indent: str, hang: str = "  ", width: int = 96) -> str:
+  """`text` in lines of at most `width` characters, indented by `indent` (and `hang` after the first)."""
+  import textwrap
+  return "\n".join(textwrap.wrap(text, width=width, initial_indent=indent, subsequent_indent=indent + hang,
+                                 break_on_hyphens=False, break_long_words=False))
+
+
+def _factory_doc(name: str, public_name: str, decoupled: bool, preset: Optional[Dict[str, Any]],
+                 sig: inspect.Signature) -> str:
+  """The Google-style docstring of one of hostopt.optax's factories, for the installed optax's
+  signature `sig` (its arguments and defaults, read at import)."""
+  nesterov = sig.parameters.get("nesterov")
+  nesterov_default = bool(nesterov.default) if nesterov is not None else False
+  title = _TITLES[name] + (" with " + ", ".join(f"{k}={v!r}" for k, v in preset.items()) if preset else "")
+  lines = [f"{title} as optax.{name}, on hostopt's fused CPU kernels.", "",
+           _wrap(f"The arguments, defaults, " + ("mask semantics " if decoupled else "") + "and state are the "
+                 f"installed optax's (optax "
+                 f"{optax.__version__}: the signature is optax.{name}'s, read at import); hostopt's own options "
+                 "are keyword arguments collected apart, in ``**hostopt_options`` (:class:`HostoptOptions`), so "
+                 "that ``optax.inject_hyperparams`` never takes them for hyper-parameters. With the count "
+                 ":math:`t` starting at 1:", "  ", ""),
+           _RULE.replace("<MHAT}", _MHAT_NESTEROV if nesterov_default else _MHAT)
+           .replace("<DECAY}", r" + \lambda\,p_{t-1}" if decoupled else "").rstrip("\n"), ""]
+  where = r"with :math:`\eta_t` the learning rate" + (r" and :math:`\lambda` the weight decay (masked)"
+                                                       if decoupled else "") + "."
+  if nesterov is not None:
+    where += (r" With nesterov=False, :math:`\hat m_t = m_t/(1-\beta_1^t)`." if nesterov_default else
+              r" With nesterov=True, :math:`\hat m_t` is NAdam's (as hostopt.optax.nadam).")
+  where += (" The module docstring says which leaves run on the kernel (the others run optax's own "
+            "arithmetic) and what the compressed states hold.")
+  lines += [_wrap(where, "  ", ""), "", "  Args:"]
+  for p in sig.parameters.values():
+    if p.kind is inspect.Parameter.VAR_KEYWORD:
+      continue
+    kind, text = _OPTAX_ARGS.get(p.name, (_OTHER_ARG[0], _OTHER_ARG[1].format(version=optax.__version__)))
+    if p.default is inspect.Parameter.empty:
+      head = p.name
+    elif kind is not None:
+      head = f"{p.name} ({kind}, default {p.default!r})"
+    else:
+      head, text = p.name, f"{text} Default: {p.default!r}."
+    lines.append(_wrap(f"{head}: {text}", "    "))
+  for key, kind, text in _HOSTOPT_ARGS:
+    if preset and key in preset:
+      head = f"{key} ({kind}, default {preset[key]!r})"
+      text = (f"preset: {preset[key]!r} here (another value is a TypeError: use {name}({key}=...)); "
+              + text)
+    else:
+      head = f"{key} ({kind}, default {_HOSTOPT_OPTIONS[key]!r})"
+    lines.append(_wrap(f"{head}: hostopt's option, by keyword only; {text}", "    "))
+  lines += ["", "  Returns:", _wrap(
+      f"An ``optax.GradientTransformationExtraArgs`` (init, update). ``init(params)`` builds the state "
+      f"optax.{name} builds for the same call (with compressed moments, the state the module docstring "
+      "describes); ``update(updates, state, params=None)`` returns ``(updates, state)``. numpy pytrees in give "
+      "numpy out, jax pytrees jax; under ``jax.jit`` the kernel is an XLA FFI custom call.", "    ", "")]
+  lines += ["", "  Raises:",
+            _wrap("TypeError: a keyword that is neither optax's nor one of hostopt's options" +
+                  (", or the preset option given another value" if preset else "") + ".", "    "),
+            _wrap("ValueError: a known hyper-parameter outside hostopt's range (b1, b2 in [0, 1); eps, eps_root "
+                  ">= 0; learning_rate" + (", weight_decay" if decoupled else "") + " finite), or an option that "
+                  "is not one of those above. A traced hyper-parameter is checked by the FFI handler when the "
+                  "update runs (jax's runtime error).", "    "),
+            _wrap("NotImplementedError: a value other than its default for an argument of a newer optax that "
+                  "this front does not implement.", "    ")]
+  call = f"{public_name}(1e-3" + (", weight_decay=0.1" if decoupled else "") + ", threads=2)"
+  lines += ["", "  Example:",
+            "    >>> import jax, jax.numpy as jnp, optax",
+            "    >>> import hostopt.optax",
+            "    >>> params = {'w': jnp.ones((4, 3)), 'b': jnp.zeros(3)}",
+            f"    >>> opt = optax.chain(optax.clip_by_global_norm(1.0),",
+            f"    ...                   hostopt.optax.{call})",
+            "    >>> state = opt.init(params)",
+            "    >>> grads = jax.tree_util.tree_map(jnp.ones_like, params)",
+            "    >>> updates, state = jax.jit(opt.update)(grads, state, params)",
+            "    >>> params = optax.apply_updates(params, updates)",
+            "",
+            "    hostopt's options pass through ``optax.inject_hyperparams`` untouched:",
+            "",
+            f"    >>> ours = optax.inject_hyperparams(hostopt.optax.{public_name})(learning_rate=1e-3, threads=2)",
+            f"    >>> theirs = optax.inject_hyperparams(optax.{name})(learning_rate=1e-3)",
+            "    >>> sorted(ours.init(params).hyperparams) == sorted(theirs.init(params).hyperparams)",
+            "    True",
+            ""]
+  return "\n".join(lines)
+
+
 def _mirror(name: str, decoupled: bool, nesterov_default: Optional[bool] = None, preset: Optional[dict] = None,
-            public_name: Optional[str] = None) -> Callable:
-  """hostopt's `name` with the installed optax's signature, plus **hostopt_options."""
+            public_name: Optional[str] = None) -> Callable[..., optax.GradientTransformationExtraArgs]:
+  """hostopt's `name` with the installed optax's signature, plus **hostopt_options.
+
+  The signature (``__signature__``, which help(), inspect.signature() and
+  optax.inject_hyperparams read) is optax's parameters followed by
+  ``**hostopt_options: Unpack[HostoptOptions]``: hostopt's options cannot be explicit
+  keyword parameters there, since inject_hyperparams would inject the numeric ones (threads,
+  rounding_seed) as traced arrays. The docstring lists each of them (_factory_doc)."""
   ref = inspect.signature(getattr(optax, name))
   params = [p for p in ref.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-  params.append(inspect.Parameter("hostopt_options", inspect.Parameter.VAR_KEYWORD))
+  # A string annotation (PEP 692's form): typing.Unpack is Python 3.11's, and its repr there
+  # hides the TypedDict's name.
+  params.append(inspect.Parameter("hostopt_options", inspect.Parameter.VAR_KEYWORD,
+                                  annotation="typing.Unpack[HostoptOptions]"))
   sig = ref.replace(parameters=params, return_annotation=optax.GradientTransformationExtraArgs)
 
   def factory(*args, **kwargs):
@@ -809,14 +1001,9 @@ def _mirror(name: str, decoupled: bool, nesterov_default: Optional[bool] = None,
     arguments["hostopt_options"] = {**(preset or {}), **given}
     return _make(arguments, decoupled)
 
-  factory.__signature__ = sig
+  factory.__signature__ = sig  # type: ignore[attr-defined]
   factory.__name__ = factory.__qualname__ = public_name or name
-  factory.__doc__ = (f"optax.{name} on hostopt's kernels: optax {optax.__version__}'s arguments, defaults, mask "
-                     "semantics and state. hostopt's own keyword options: threads (int, 0 = default), "
-                     "reuse_state (numpy states: update mu/nu in place), state_memory ('pinned_host': mu/nu in "
-                     "the devices' pinned host memory; init places them, so call init outside jit or give "
-                     "jit(init) out_shardings in that memory), moments ('f32', 'bf16' or '8bit') and rounding_seed. "
-                     + (f"Preset: {preset}. " if preset else "") + "See hostopt.optax.")
+  factory.__doc__ = _factory_doc(name, public_name or name, decoupled, preset, sig)
   return factory
 
 
