@@ -1190,3 +1190,93 @@ def test_adamw_takes_every_option_by_name_and_keeps_them_through_copies():
     q.grad = torch.linspace(1, -1, 40)
     o.step()
   assert all(torch.equal(o.param_groups[0]["params"][0].detach(), p.detach()) for o in (again, pickled, copied))
+
+
+def _entries(opt, params) -> tuple:
+  """What opt.state and state_dict show of each parameter: len(opt.state), membership, the
+  state_dict's indices, and each member's step."""
+  return (len(opt.state), [p in opt.state for p in params], sorted(opt.state_dict()["state"]),
+          [float(opt.state[p]["step"]) if "step" in opt.state[p] else None for p in params if p in opt.state])
+
+
+_ENTRY_CASES = {"f32": {}, "offload": {"offload": "host"}, "8bit": {"moments": "8bit"}, "bf16": {"moments": "bf16"},
+                "bf16 params": {"dtype": torch.bfloat16}, "bf16 params offload": {"dtype": torch.bfloat16,
+                                                                                  "offload": "host"}}
+
+
+@pytest.mark.parametrize("case", list(_ENTRY_CASES))
+def test_opt_state_has_entries_only_for_stepped_parameters_like_torch(case):
+  # torch.optim creates a parameter's state at its first step with a gradient: a frozen
+  # parameter (grad None) has no entry in opt.state, nor in state_dict, until it is stepped.
+  kw = dict(_ENTRY_CASES[case])
+  dtype = kw.pop("dtype", torch.float32)
+  shapes = [(5, 8), (8,), (6,)]
+  ours = [torch.nn.Parameter(torch.linspace(-1, 1, int(np.prod(s))).reshape(s).to(dtype)) for s in shapes]
+  theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+  oo, ot = htorch.AdamW(ours, lr=0.1, **kw), torch.optim.AdamW(theirs, lr=0.1)
+  assert _entries(oo, ours) == _entries(ot, theirs) == (0, [False] * 3, [], [])
+  g = torch.Generator().manual_seed(4)
+  for have in ((), (0,), (0,), (0, 2), (), (0, 1, 2), (1,)):  # which parameters have a gradient
+    grads = [torch.randn(s, generator=g).to(dtype) for s in shapes]
+    for params in (ours, theirs):
+      for i, p in enumerate(params):
+        p.grad = grads[i].clone() if i in have else None
+    oo.step()
+    ot.step()
+    assert _entries(oo, ours) == _entries(ot, theirs), have
+    if kw.get("moments") is None and dtype == torch.float32:  # (torch steps bf16 values, hostopt f32 masters)
+      for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+  assert _entries(oo, ours)[3] == [4.0, 2.0, 2.0]
+
+
+def test_a_frozen_parameters_entry_appears_at_its_first_step_through_copies_and_loads():
+  def make(cls, **kw):
+    params = [torch.nn.Parameter(torch.linspace(-1, 1, 12)), torch.nn.Parameter(torch.linspace(0, 1, 4))]
+    return params, cls(params, lr=0.1, **kw)
+
+  ours, oo = make(htorch.AdamW)
+  theirs, ot = make(torch.optim.AdamW)
+  for params, o in ((ours, oo), (theirs, ot)):
+    params[0].grad = torch.ones(12)
+    o.step()
+  assert _entries(oo, ours) == _entries(ot, theirs) == (1, [True, False], [0], [1.0])
+  # Reading opt.state[p] of a frozen parameter makes an empty entry, as in torch's defaultdict:
+  # an untouched one, kept as torch keeps it.
+  assert dict(oo.state[ours[1]]) == dict(ot.state[theirs[1]]) == {}
+  for params, o in ((ours, oo), (theirs, ot)):
+    o.step()
+  assert _entries(oo, ours)[:3] == _entries(ot, theirs)[:3] == (2, [True, True], [0, 1])
+  assert dict(oo.state[ours[1]]) == {}
+  # deepcopy and pickle copy what is there; the frozen parameter still starts at step 1.
+  import pickle
+  copies = [copy.deepcopy(oo), pickle.loads(pickle.dumps(oo))]
+  for c in copies:
+    assert len(c.state) == 2 and [dict(st) for p, st in c.state.items() if not st] == [{}]
+  # A torch.optim state_dict without the frozen parameter's entry loads as in torch.
+  fresh_ours, fresh = make(htorch.AdamW)
+  del ot.state[theirs[1]]
+  fresh.load_state_dict(ot.state_dict())
+  assert _entries(fresh, fresh_ours) == (1, [True, False], [0], [2.0])
+  fresh_ours[0].grad = torch.ones(12)
+  fresh.step()
+  assert _entries(fresh, fresh_ours) == (1, [True, False], [0], [3.0])
+  for o, params in [(fresh, fresh_ours)] + [(c, c.param_groups[0]["params"]) for c in copies] + [(ot, theirs)]:
+    for p in params:
+      p.grad = torch.ones(p.shape)
+    o.step()
+    steps = [float(o.state[p]["step"]) for p in params]
+    assert steps in ([4.0, 1.0], [3.0, 1.0]), steps
+  # Written by the user, the entry is the state, as in torch (stepped at the next step).
+  ours2, o2 = make(htorch.AdamW)
+  ours2[0].grad = torch.ones(12)
+  o2.step()
+  o2.state[ours2[1]]["exp_avg"] = torch.full((4,), 0.5)
+  assert ours2[1] in o2.state
+  o2.step()
+  assert ours2[1] in o2.state and float(o2.state[ours2[1]]["step"]) == 0.0
+  assert torch.equal(o2.state[ours2[1]]["exp_avg"], torch.full((4,), 0.5))
+  ours2[1].grad = torch.ones(4)
+  o2.step()
+  assert float(o2.state[ours2[1]]["step"]) == 1.0
+  torch.testing.assert_close(o2.state[ours2[1]]["exp_avg"], torch.full((4,), 0.55))

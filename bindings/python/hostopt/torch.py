@@ -5,7 +5,11 @@ torch.optim.AdamW over CPU parameters, with torch's semantics: param groups with
 hyper-parameters (``maximize`` included), lr schedulers, ``zero_grad``, closures, a step
 count per parameter (a parameter whose first gradient arrives late, or one added with
 ``add_param_group``, starts at step 1), and ``state_dict``/``load_state_dict`` in torch's
-format (``step``, ``exp_avg``, ``exp_avg_sq``), so checkpoints move both ways.
+format (``step``, ``exp_avg``, ``exp_avg_sq``), so checkpoints move both ways. As in torch,
+``opt.state`` has an entry for a parameter from its first step on: a parameter never stepped
+(frozen, no gradient yet) has none (its zero moments wait in the arena), ``p in opt.state``
+is False and ``len(opt.state)`` counts the stepped ones (with ``overlap=True``, from when the
+step is waited for); reading ``opt.state[p]`` makes an empty entry, as torch's defaultdict does.
 
 Memory: float32 parameters become views into hostopt's arena (the master weights are the
 parameters: 12 bytes per parameter in all); bfloat16/float16 parameters keep float32
@@ -86,7 +90,7 @@ import os
 import threading
 import warnings
 import weakref
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -165,7 +169,7 @@ def _check_moment_state(st: dict, fmt: str, like: torch.Tensor, where: str) -> b
       raise ValueError(f"{where}: exp_avg_sq has negative entries: a second moment is never negative")
   codes = [st[key] for key in _CODES if fmt == "8bit" and st.get(key) is not None]
   if codes:
-    scales = st.get(_SCALES)
+    scales: Any = st.get(_SCALES)
     blocks = -(-numel // 32)
     if not torch.is_tensor(scales) or scales.layout != torch.strided or scales.dtype != torch.uint8 or (
         scales.numel() != 2 * blocks):
@@ -205,12 +209,13 @@ def _check_master(value, like: torch.Tensor, where: str) -> None:
                      f"{tuple(like.shape)}")
 
 
-def _moments_as_f32(st: dict, fmt: str, like: torch.Tensor):
+def _moments_as_f32(st: dict, fmt: str, like: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
   """A (checked) state's `fmt` moments as float32 tensors of like's shape (zeros where one
   is missing; 8-bit codes decode in their memory order, the order of their blocks)."""
   if fmt != "8bit":
-    return tuple(st[key].detach().cpu().float().reshape(like.shape) if st.get(key) is not None
-                 else torch.zeros(like.shape) for key in _MOMENTS)
+    m, v = (st[key].detach().cpu().float().reshape(like.shape) if st.get(key) is not None
+            else torch.zeros(like.shape) for key in _MOMENTS)
+    return m, v
   present = [st[key] for key in _CODES if st.get(key) is not None]
   if not present:
     return torch.zeros(like.shape), torch.zeros(like.shape)
@@ -219,8 +224,9 @@ def _moments_as_f32(st: dict, fmt: str, like: torch.Tensor):
            for key in _CODES]
   m32, v32 = np.empty(like.numel(), np.float32), np.empty(like.numel(), np.float32)
   _core.decode_moments(codes[0], codes[1], st[_SCALES].detach().cpu().reshape(-1).numpy(), "8bit", m32, v32)
-  return tuple(torch.from_numpy(x).as_strided(shape_of.shape, shape_of.stride()).reshape(like.shape)
-               for x in (m32, v32))
+  m, v = (torch.from_numpy(x).as_strided(shape_of.shape, shape_of.stride()).reshape(like.shape)
+          for x in (m32, v32))
+  return m, v
 
 
 def _encoded(m32: torch.Tensor, v32: torch.Tensor, fmt: str, like: torch.Tensor, seed: int) -> dict:
@@ -259,7 +265,7 @@ def _check_hparams(group: dict, where: str) -> None:
     x = number(key, group[key])
     if not (math.isfinite(x) and x >= 0):
       raise ValueError(f"{where}['{key}'] = {group[key]!r}: expected a finite value >= 0")
-  betas = group.get("betas")
+  betas: Any = group.get("betas")
   try:
     b = [number("betas", x) for x in betas]
   except TypeError:
@@ -475,6 +481,10 @@ _eager = getattr(torch, "_disable_dynamo", None) or (lambda fn: fn)
 
 class _HostAdam(torch.optim.Optimizer):
   _mode = "adamw"
+  # Made at the first step that needs them: the offloaded path's copy engine, and the layout
+  # per dtype tag, [core, tracked, steps, seg_of, known steps, device buffers] (None: rebuild).
+  _engine: Any
+  _layout: Any
 
   def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                amsgrad: bool = False, *, foreach: Optional[bool] = None, maximize: bool = False,
@@ -518,9 +528,12 @@ class _HostAdam(torch.optim.Optimizer):
                        f"{torch.__version__}")
     self._offload, self._offload_chunk, self._overlap = offload, int(offload_chunk), bool(overlap)
     self._overlap_backward = bool(overlap_backward)
-    self._engine, self._engine_stream, self._pending = None, 0, []
+    self._engine, self._engine_stream = None, 0
+    self._pending: List[Any] = []  # overlapped steps still to wait for
     self._layout = None  # set by _build
-    self._hook_handles, self._last_chunk_events = [], 0
+    self._hidden: Dict[str, Dict[int, _Tracked]] = {}  # set by _build: see _fresh
+    self._hook_handles: List[Any] = []
+    self._last_chunk_events = 0
     weakref.finalize(self, _remove_handles, self._hook_handles)  # a dropped optimizer's hooks go too
     self._lock = threading.RLock()  # step, state_dict, load_state_dict, ... one at a time
     self._skip_nonfinite = check_optional_bool(skip_nonfinite, "skip_nonfinite")
@@ -578,7 +591,7 @@ class _HostAdam(torch.optim.Optimizer):
                        ("_overlap_backward", False), ("_skip_nonfinite", None), ("last_step", None)):
       self.__dict__.setdefault(key, value)
     self._engine, self._engine_stream, self._pending = None, 0, []
-    self._layout = None
+    self._layout, self._hidden = None, {}
     self._hook_handles, self._last_chunk_events = [], 0
     weakref.finalize(self, _remove_handles, self._hook_handles)
 
@@ -699,7 +712,7 @@ class _HostAdam(torch.optim.Optimizer):
       # both paths give the same bits (and resume from each other's state_dict).
       order = list(range(len(self.param_groups)))[::-1]
       group_of = {gi: j for j, gi in enumerate(order)}  # torch's group -> the core's
-      groups = [{"config": configs[gi], "tensors": [], "moments": self._group_format(self.param_groups[gi]),
+      groups: List[Dict[str, Any]] = [{"config": configs[gi], "tensors": [], "moments": self._group_format(self.param_groups[gi]),
                  "rounding_seed": int(self.param_groups[gi].get("rounding_seed", 0))} for gi in order]
       for k, (gi, p) in reversed(list(enumerate(entries))):
         groups[group_of[gi]]["tensors"].append((f"{gi}.{k}", [p.numel()]))
@@ -719,13 +732,14 @@ class _HostAdam(torch.optim.Optimizer):
                          else None}
       steps = np.zeros(len(entries), dtype=np.float32)  # torch's per-parameter "step", one view each
       seg_steps = [0] * len(segs)
-      parts, seg_of = [], []
+      parts: List[Tuple[Any, ...]] = []
+      seg_of = []
       for k, (gi, p) in enumerate(entries):
         si, (_, _, off, size, _) = segs[f"{gi}.{k}"]
         st = source[id(p)]
         mp = flat_p[off:off + size]
         master = _arena_view(mp, p) if dev is None else torch.from_numpy(mp).view(p.shape)
-        saved = st.get(_MASTER)
+        saved: Any = st.get(_MASTER)
         if p.dtype != torch.float32 and torch.is_tensor(saved) and _rounds_to(saved.to(p.device), p):
           master.copy_(saved)  # exact f32 masters (a checkpoint, an earlier layout) that still fit p
         else:
@@ -748,44 +762,80 @@ class _HostAdam(torch.optim.Optimizer):
     if self._layout and any(layout[5] is not None for layout in self._layout.values()) and device.type == "cuda":
       torch.cuda.synchronize(device)  # old flat buffers go back to the allocator: no stream may still use them
     self._remove_grad_hooks()
-    layout = {}
+    layout: Dict[str, List[Any]] = {}
+    hidden: Dict[str, Dict[int, _Tracked]] = {}
     for tag, (core, parts, steps, seg_of, dev) in built.items():
       tracked = []
       for p, mp, master, m, v, scales, fmt, name, device_view, grad_view, k in parts:
-        st = self.state[p]
-        for key in _MOMENTS + _CODES + (_SCALES,):
-          st.pop(key, None)
-        st.update(zip(_moment_keys(fmt), (m, v)))
-        if scales is not None:
-          st[_SCALES] = scales
         step = torch.from_numpy(steps[k:k + 1]).reshape(())
-        st["step"] = step
         if dev is not None:
           p.data = device_view.view(p.shape)
-          if p.dtype == torch.float32:
-            st.pop(_MASTER, None)  # the device parameter holds the master's values
-          else:
-            st[_MASTER] = master
         elif p.dtype == torch.float32:
           p.data = master  # the parameter is the master weight
-          st.pop(_MASTER, None)
+        t = _Tracked(p, mp, master, m, v, step, device_view, grad_view, scales, fmt)
+        t.where, t.name = where_of[id(p)], name
+        tracked.append(t)
+        if self._fresh(t, steps[k], source[id(p)]):
+          hidden.setdefault(tag, {})[k] = t
+          if self.state.get(p):  # (an empty entry, made by reading opt.state[p], stays: torch's)
+            del self.state[p]
         else:
-          st[_MASTER] = master
-        tracked.append(_Tracked(p, mp, master, m, v, step, device_view, grad_view, scales, fmt))
-        tracked[-1].where, tracked[-1].name = where_of[id(p)], name
+          self._show(t)
       if dev is not None:
         if dev["chunks"] is not None:
           dev["chunks"].cover([(off, size) for _, _, off, size, _ in core.segments()], seg_of)
         self._add_grad_hooks(tag, tracked, dev)
       layout[tag] = [core, tracked, steps, seg_of, steps.tolist(), dev]
-    self._layout = layout
+    self._layout, self._hidden = layout, hidden
     self._group_of = group_of_all
     # Each parameter's format is fixed while this layout stands (_check_formats).
     self._built_groups = [(g, self._group_format(g)) for g in self.param_groups]
     self._built_params = [list(g["params"]) for g in self.param_groups]
     self._built_formats = {id(t.param): t.format for entry in layout.values() for t in entry[1]}
-    self._applied = {}  # (dtype, group) -> config last given to the core
-    self._views = {}  # (dtype, index) -> (grad tensor, data_ptr, numpy view), reused while unchanged
+    self._applied: Dict[Any, Any] = {}  # (dtype, group) -> config last given to the core
+    self._views: Dict[Any, Any] = {}  # (dtype, index) -> (grad tensor, data_ptr, numpy view), reused while unchanged
+
+  # A parameter that was never stepped has no entry in opt.state, as in torch.optim (which
+  # makes it at the parameter's first step with a gradient): its arena slices are what a
+  # build from no state gives it (zero moments, step 0, the parameter as master), so
+  # nothing is lost by leaving them out, and an absent (or empty) entry means "untouched".
+  # self._hidden[tag][k] are those parameters; _show_stepped gives them their entry once
+  # they are stepped, and an entry the user writes for one is taken as any written state.
+  @staticmethod
+  def _fresh(t: _Tracked, step, st: dict) -> bool:
+    """Whether t (just built from the state entries `st`) holds what a build from no state
+    gives it: step 0, zero moments (scales), and for a 16-bit parameter its own values as
+    master. Read only where `st` supplied them (a build from nothing is fresh)."""
+    if float(step) != 0:
+      return False
+    views = [x for x, key in zip((t.m, t.v, t.scales), _moment_keys(t.format) + (_SCALES,)) if x is not None]
+    if any(key in st for key in _MOMENTS + _CODES + (_SCALES,)) and any(bool(torch.count_nonzero(x)) for x in views):
+      return False
+    p = t.param
+    return p.dtype == torch.float32 or st.get(_MASTER) is None or torch.equal(
+        t.master, p.detach().to(device="cpu", dtype=torch.float32))
+
+  def _show(self, t: _Tracked) -> None:
+    """Points opt.state[p] at t's arena views (the moments, the step, a 16-bit master)."""
+    st = self.state[t.param]
+    for key in _MOMENTS + _CODES + (_SCALES,):
+      st.pop(key, None)
+    st.update(zip(_moment_keys(t.format), (t.m, t.v)))
+    if t.scales is not None:
+      st[_SCALES] = t.scales
+    st["step"] = t.step
+    if t.param.dtype == torch.float32:
+      st.pop(_MASTER, None)  # the parameter (on the device: its copy) holds the master's values
+    else:
+      st[_MASTER] = t.master
+
+  def _show_stepped(self, tag: str) -> None:
+    """Gives the never-stepped parameters of `tag` that a step just counted their entry."""
+    hidden = self._hidden.get(tag)
+    if hidden:
+      steps = self._layout[tag][2]
+      for k in [k for k in hidden if steps[k] != 0]:
+        self._show(hidden.pop(k))
 
   @staticmethod
   def _moment_views(core, name: str, fmt: str, p, flat_m, flat_v, off: int, size: int):
@@ -866,7 +916,7 @@ class _HostAdam(torch.optim.Optimizer):
     the parameters still in param_groups, `present`: their ids, None when all are). Everything is checked before
     anything is taken, so a refusal changes nothing. Returns whether the layout must be
     rebuilt, and the state entries the rebuild reads instead of opt.state's (_build)."""
-    for layout in self._layout.values():
+    for tag, layout in self._layout.items():
       core, tracked, steps, seg_of, known, dev = layout
       written = steps.tolist() != known
       for k, t in enumerate(tracked):
@@ -882,13 +932,17 @@ class _HostAdam(torch.optim.Optimizer):
                            f"on {t.device_view.device}: make a new optimizer for the moved model")
         if p.dtype == t.dtype and t.device_view is None and tuple(p.stride()) != t.stride:
           continue  # rebuilt around the new memory order: _build checks the state
+        st = self.state.get(p)
+        if not st and k in self._hidden.get(tag, ()):
+          continue  # never stepped, no entry written: untouched
         st = self.state[p]
         self._check_taken(t, st)
         if written and st.get("step") is t.step and not float(steps[k]) == known[k]:
           _check_step(t.step, f"opt.state[p]['step'] of {t.where}")  # written in place
     rebuild, overrides = False, {}
-    for layout in self._layout.values():
+    for tag, layout in self._layout.items():
       core, tracked, steps, seg_of, known, dev = layout
+      hidden = self._hidden.get(tag, {})
       for k, t in enumerate(tracked):
         p = t.param
         if present is not None and id(p) not in present:
@@ -908,7 +962,7 @@ class _HostAdam(torch.optim.Optimizer):
           # Another memory layout (model.to(memory_format=...)): the arena follows the
           # parameter's memory order, so the layout is rebuilt around it, the moments moved
           # by logical element (8-bit codes re-encoded in the new order: their blocks change).
-          st = self.state[p]
+          st = self.state.get(p, {})
           if t.format == "8bit" and st.get(_CODES[0]) is t.m and st.get(_CODES[1]) is t.v:
             seed = int(self.param_groups[int(t.name.split(".")[0])].get("rounding_seed", 0))
             overrides[id(p)] = _encoded(*_moments_as_f32(st, "8bit", p), "8bit", p, seed)
@@ -930,6 +984,10 @@ class _HostAdam(torch.optim.Optimizer):
           if not _rounds_to(t.master, p):  # the same values (a resume) keep the exact master
             t.master.copy_(p.detach())
           t.remember()
+        if k in hidden:
+          if not self.state.get(p):
+            continue  # never stepped and untouched: no entry to take
+          del hidden[k]  # an entry the user wrote: the state, from now on shown
         st = self.state[p]
         keys = _moment_keys(t.format)
         if st.get(keys[0]) is not t.m or st.get(keys[1]) is not t.v or st.get("step") is not t.step or (
@@ -1029,6 +1087,7 @@ class _HostAdam(torch.optim.Optimizer):
       counts = core.tensor_steps
       steps[:] = [counts[si] for si in seg_of]
       self._layout[tag][4] = steps.tolist()
+      self._show_stepped(tag)
       # No remember(): the pipeline's copies do not touch the parameters' version or storage,
       # so whatever the user did since the call is still seen by _adopt_user_changes.
     if results:
@@ -1115,6 +1174,7 @@ class _HostAdam(torch.optim.Optimizer):
       counts = core.tensor_steps
       steps[:] = [counts[si] for si in seg_of]
       self._layout[tag][4] = steps.tolist()
+      self._show_stepped(tag)
       if tag != "f32":
         for t in tracked:
           t.remember()  # hostopt's own write (through numpy) is not the user's
@@ -1248,7 +1308,7 @@ class _HostAdam(torch.optim.Optimizer):
     exact = {k: {key: v for key, v in st.items()
                  if key in _MOMENTS + _CODES + (_MASTER, _SCALES) and torch.is_tensor(v)}
              for k, st in state_dict["state"].items()}
-    hooks = {key: self.__dict__[key] for key in ("_optimizer_load_state_dict_pre_hooks",
+    hooks: Dict[str, Any] = {key: self.__dict__[key] for key in ("_optimizer_load_state_dict_pre_hooks",
                                                  "_optimizer_load_state_dict_post_hooks") if key in self.__dict__}
     try:
       self.__dict__.update({key: collections.OrderedDict() for key in hooks})  # run here, not in torch's load
@@ -1279,7 +1339,7 @@ class _HostAdam(torch.optim.Optimizer):
         st.update(todo[index])
     # Built at the next step, when the parameters hold what the caller loaded into the model
     # (before or after this call): the f32 masters are kept exactly when they still fit.
-    self._layout = None
+    self._layout, self._hidden = None, {}
     for hook in list((post_hooks or {}).values()):  # torch 2's: they see (and may edit) the loaded state
       hook(self)
 
