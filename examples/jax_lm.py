@@ -13,7 +13,7 @@ import argparse
 import math
 import os
 import sys
-from typing import Dict
+from typing import Dict, Optional
 
 import jax
 import jax.numpy as jnp
@@ -84,7 +84,7 @@ def batches(data: np.ndarray, steps: int, batch: int, ctx: int, seed: int = 0):
     yield jnp.asarray(np.stack([data[s:s + ctx + 1] for s in starts]).astype(np.int32))
 
 
-def train(kind: str, steps: int, size: Dict = None, lr: float = 3e-3, clip: float = 1.0, seed: int = 0):
+def train(kind: str, steps: int, size: Optional[Dict] = None, lr: float = 3e-3, clip: float = 1.0, seed: int = 0):
   size = dict(dict(batch=16, ctx=64, d=64, layers=2), **(size or {}))
   data = np.frombuffer(stdlib_text(), np.uint8)
   params = init_params(jax.random.PRNGKey(seed), d=size["d"], layers=size["layers"], ctx=size["ctx"])

@@ -75,8 +75,8 @@ def run(rank, world, port, steps, result_file):
     padded[:end - begin] = torch.from_numpy(shard_params)
     gathered = [torch.zeros(widest) for _ in range(world)]
     dist.all_gather(gathered, padded)
-    for (b, e), g in zip(ranges, gathered):
-      params[b:e] = g.numpy()[:e - b]
+    for (lo, hi), g in zip(ranges, gathered):
+      params[lo:hi] = g.numpy()[:hi - lo]
   if rank == 0:
     single = hostopt.Optimizer([{"params": dict((n_, s) for n_, s in g["tensors"]), **g["config"]} for g in GROUPS],
                                threads=1)

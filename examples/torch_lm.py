@@ -87,7 +87,7 @@ def cosine(warmup: int, total: int):
 
 
 def train(kind: str, steps: int, dtype: torch.dtype = torch.float32, seed: int = 0, resume_at: Optional[int] = None,
-          unfreeze_at: Optional[int] = None, reinit_at: Optional[int] = None, size: Dict = None) -> Dict:
+          unfreeze_at: Optional[int] = None, reinit_at: Optional[int] = None, size: Optional[Dict] = None) -> Dict:
   """Trains with optimizer `kind` ("torch" or "hostopt"); returns losses and the model."""
   size = size or {}
   batch, ctx = size.get("batch", 16), size.get("ctx", 64)

@@ -15,7 +15,7 @@ written again, so the step is synchronous with the device. With offload="host", 
 stand in for device arrays through the host engine: the same code, tested without a GPU.
 """
 
-from typing import List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +58,7 @@ class DeviceStep:
     self.segment_of = [index[n] for n in names]
     self.shapes = list(shapes)
     self.micro_batches = 0
-    self._gathers = {}  # (leaves with a gradient, with norm) -> jitted gather, the latest few
+    self._gathers: Dict[Any, Any] = {}  # (leaves with a gradient, with norm) -> jitted gather, the latest few
     self._split = jax.jit(self._split_fn)
     self._params_flat = None  # the device buffer the pipeline writes, allocated on first use
 
@@ -108,8 +108,10 @@ class DeviceStep:
     global norm (float64 on the host, from per-leaf pieces taken on the device) when asked,
     else None."""
     present = tuple(i for i, g in enumerate(grads) if g is not None)
-    for i in present:
-      g = np.dtype(grads[i].dtype)
+    for leaf in grads:
+      if leaf is None:
+        continue
+      g = np.dtype(leaf.dtype)
       if g != self.grad_dtype and self.grad_dtype != np.float32:  # only widening to f32 is exact
         raise TypeError(f"a gradient of dtype {g} for a pipeline of {self.grad_dtype} gradients (the params' and "
                         "param_dtype's): hostopt never converts gradients inexactly")
