@@ -89,7 +89,8 @@ def main():
     p.grad = torch.randn_like(p) * 0.01
   opt = htorch.AdamW(params, lr=1e-3, threads=threads)
   opt.step()
-  core, tracked, _, seg_of = opt._layout["f32"][:4]
+  layout = opt._layout["f32"]
+  core, tracked, seg_of = layout.core, layout.tracked, layout.seg_of
   grads = [None] * len(seg_of)
   for t, si in zip(tracked, seg_of):
     grads[si] = t.param.grad.numpy()

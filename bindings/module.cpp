@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "hostopt/hostopt.hpp"
+#include "../cpu_adam/q8_exponents.hpp" // the exponent bytes the 8-bit encoder writes
 
 namespace py = pybind11;
 using namespace hostopt;
@@ -301,6 +302,10 @@ void bind_pipeline(py::module_& m); // pipeline_bindings.cpp
 PYBIND11_MODULE(_core, m) {
   m.doc() = "hostopt's C++ core: SIMD Adam/AdamW on host memory";
   m.attr("__version__") = library_version();
+  // The 8-bit format's constants, for the Python fronts: read from here, never copied there.
+  m.attr("Q8_BLOCK") = q8_block;
+  m.attr("Q8_MAX_EXPONENT_BYTES") = py::make_tuple(detail::q8_m_max_base, detail::q8_v_max_base);
+  m.attr("Q8_POISONED_EXPONENT_BYTE") = detail::q8_poisoned_base;
   m.def("active_kernel", &active_kernel, "Name of the kernel used by default (HOSTOPT_FORCE_ARCH overrides).");
   m.def("kernels", [] {
     py::list out;

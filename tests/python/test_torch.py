@@ -536,8 +536,8 @@ def test_overlap_backward_moves_gradients_into_the_pipeline_as_they_complete():
     return oa._last_chunk_events
 
   assert step() == 0  # the first step builds the layout: no hooks ran yet
-  dev = oa._layout["f32"][5]
-  chunks = dev["pipe"].num_chunks
+  dev = oa._layout["f32"].dev
+  chunks = dev.pipe.num_chunks
   assert chunks >= 4
   frozen = step()  # the chunk of the frozen bias never completes
   assert 0 < frozen < chunks
@@ -545,7 +545,7 @@ def test_overlap_backward_moves_gradients_into_the_pipeline_as_they_complete():
     m[2].bias.requires_grad_(True)  # unfrozen: hooked at the next step
   step()
   assert step() == chunks  # every chunk completed by the backward
-  base, end = dev["grads"].data_ptr(), dev["grads"].data_ptr() + dev["grads"].numel() * 4
+  base, end = dev.grads.data_ptr(), dev.grads.data_ptr() + dev.grads.numel() * 4
   assert all(base <= p.grad.data_ptr() < end for p in a.parameters())  # gradients are views of the flat buffer
   assert step(micro=2) == chunks  # accumulation: complete again in the last backward
   assert step(micro=3, set_to_none=False) == chunks
@@ -610,7 +610,7 @@ def test_a_chunk_event_is_recorded_only_once_all_its_parameters_reported():
   # the backward has not written yet (on a GPU): check the rule itself. Chunks of 16
   # elements; tensors at (offset, size): t0 [0, 20) spans chunks 0-1, t1 [32, 8) chunk 2,
   # t2 [48, 40) chunks 3-5, t3 [96, 0) none.
-  from hostopt.torch import _ChunkEvents
+  from hostopt._torch_offload import ChunkEvents as _ChunkEvents
   engine = _RecordingEngine()
   ev = _ChunkEvents(engine, 6, 16)
   ev.cover([(0, 20), (32, 8), (48, 40), (96, 0)], [0, 1, 2, 3])

@@ -209,7 +209,7 @@ def test_bytes_per_parameter_follow_the_format():
     opt = ht.AdamW(m.parameters(), moments=fmt)
     m(torch.randn(2, 1024)).sum().backward()
     opt.step()
-    core = opt._layout["f32"][0]
+    core = opt._layout["f32"].core
     sizes[fmt] = core.state_bytes / core.num_params
   assert sizes == {"f32": 12.0, "bf16": 8.0, "8bit": 6.0625}
 

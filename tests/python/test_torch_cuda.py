@@ -62,7 +62,7 @@ def test_gradients_stream_to_the_host_during_the_backward_and_train_like_torch()
       o.step()
     streamed.append(oo._last_chunk_events)
   torch.cuda.synchronize()
-  chunks = oo._layout["f32"][5]["pipe"].num_chunks
+  chunks = oo._layout["f32"].dev.pipe.num_chunks
   assert chunks > 8
   assert streamed[1] == streamed[2] == chunks  # plain steps: every chunk on its own event
   assert streamed[3] == 0 and 0 < streamed[5] < chunks

@@ -13,7 +13,7 @@ import operator
 
 import numpy as np
 
-from . import _core
+from . import _core, _moments
 from ._arrays import as_buffer, check_seed
 from ._block_checks import CompressedMomentsWarning, report as _report_blocks
 
@@ -189,18 +189,13 @@ class CompressedMoments:
                         f"{what}.astype(np.float32) if that is what you want)")
     if m.shape != v.shape:
       raise ValueError(f"exp_avg and exp_avg_sq shapes differ: {m.shape} vs {v.shape}")
-    m32 = np.ascontiguousarray(m).ravel()
-    out = cls(m32.size, format)
-    _core.encode_moments(m32, np.ascontiguousarray(v).ravel(), out.exp_avg, out.exp_avg_sq, out.scales, out.format,
-                         seed)
+    out = cls(m.size, format)
+    out.exp_avg, out.exp_avg_sq, out.scales = _moments.encode(m, v, out.format, seed)
     return out
 
   def decode(self) -> Tuple[np.ndarray, np.ndarray]:
     """The moments as float32 arrays (every code is a float32 value: exact)."""
-    m = np.empty(len(self), np.float32)
-    v = np.empty(len(self), np.float32)
-    _core.decode_moments(self.exp_avg, self.exp_avg_sq, self.scales, self.format, m, v)
-    return m, v
+    return _moments.decode(self.exp_avg, self.exp_avg_sq, self.scales, self.format)
 
 
 def adam_step_compressed(params: np.ndarray, moments: CompressedMoments, grad, *, step: int, seed: int = 0,

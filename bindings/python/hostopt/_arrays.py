@@ -82,17 +82,3 @@ def check_optional_bool(value: Any, where: str) -> Any:
 # The 8-bit format's block exponent bytes as its encoder writes them: m's at most 239, v's
 # at most 223 (the top code's exponent stays below f32's 255), or 255 for a block whose
 # moment was not finite (it decodes as NaN).
-_Q8_MAX_BASE = (239, 223)
-_Q8_POISONED = 255
-
-
-def check_q8_scales(scales: np.ndarray, where: str) -> None:
-  """Refuses 8-bit exponent bytes ([blocks, 2] uint8: m's, v's) that the encoder never
-  writes (corrupt or foreign input, which would decode as NaN), naming the first bad block."""
-  pairs = np.asarray(scales).reshape(-1, 2)
-  for k, name in enumerate(("exp_avg", "exp_avg_sq")):
-    col = pairs[:, k]
-    bad = np.flatnonzero((col > _Q8_MAX_BASE[k]) & (col != _Q8_POISONED))
-    if bad.size:
-      raise ValueError(f"{where}: block {int(bad[0])}'s {name} exponent byte is {int(col[bad[0]])}: the 8-bit "
-                       f"encoder writes at most {_Q8_MAX_BASE[k]} (or {_Q8_POISONED} for a non-finite block)")

@@ -27,6 +27,11 @@ import numpy
 import numpy.typing
 
 __version__: str
+# The 8-bit moment format: elements per block, the largest exponent byte the encoder writes
+# for (exp_avg, exp_avg_sq), and the byte of a poisoned (NaN) block.
+Q8_BLOCK: int
+Q8_MAX_EXPONENT_BYTES: tuple[int, int]
+Q8_POISONED_EXPONENT_BYTE: int
 
 _F32 = numpy.typing.NDArray[numpy.float32]
 # float32, float16, or bfloat16 as its uint16 bits: the dtype tag beside it ("f32", "f16",

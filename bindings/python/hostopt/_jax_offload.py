@@ -23,7 +23,7 @@ import numpy as np
 
 from . import _core
 
-from .jax import _OUT_DTYPES as _TAGS  # dtype -> the core's name for it
+from ._dtypes import kernel_tag
 
 
 def _pow2(k):
@@ -49,8 +49,8 @@ class DeviceStep:
                    else _core.CopyEngine.host())
     self.stream = self.engine.create_stream()  # the gradients are ready (waited for) before each call
     self.grad_dtype, self.out_dtype = np.dtype(grad_dtype), np.dtype(out_dtype)
-    self.pipe = _core.OffloadPipeline(core, self.engine, int(chunk_elems), 2, _TAGS[self.grad_dtype],
-                                      _TAGS[self.out_dtype])
+    self.pipe = _core.OffloadPipeline(core, self.engine, int(chunk_elems), 2, kernel_tag(self.grad_dtype),
+                                      kernel_tag(self.out_dtype))
     self.n = core.arena_size
     segments = {s[0]: s for s in core.segments()}
     index = {s[0]: i for i, s in enumerate(core.segments())}
@@ -151,7 +151,7 @@ class DeviceStep:
 
   # --- operations ----------------------------------------------------------------------
   def accumulate(self, flat) -> None:
-    h = self.pipe.accumulate_async(flat.unsafe_buffer_pointer(), _TAGS[self.grad_dtype], self.n,
+    h = self.pipe.accumulate_async(flat.unsafe_buffer_pointer(), kernel_tag(self.grad_dtype), self.n,
                                    grads_stream=self.stream)
     self.accumulated_ever = True
     h.wait()
@@ -169,8 +169,8 @@ class DeviceStep:
       scale = 1.0 / (self.micro_batches + 1)
     params = self._params_buffer()
     # Refused options raise here, before anything moves (the micro-batches stay).
-    h = self.pipe.step_async(flat.unsafe_buffer_pointer(), _TAGS[self.grad_dtype], params.unsafe_buffer_pointer(),
-                             _TAGS[self.out_dtype], self.n, grads_stream=self.stream, grad_scale=scale,
+    h = self.pipe.step_async(flat.unsafe_buffer_pointer(), kernel_tag(self.grad_dtype), params.unsafe_buffer_pointer(),
+                             kernel_tag(self.out_dtype), self.n, grads_stream=self.stream, grad_scale=scale,
                              max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite,
                              known_grad_norm=-1.0 if known_grad_norm is None else known_grad_norm,
                              tensors_without_grad=[] if self.micro_batches else [self.segment_of[i] for i in without])

@@ -43,7 +43,7 @@ from jax._src import dispatch
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import ad, batching, mlir
 
-from ._arrays import _Q8_MAX_BASE, _Q8_POISONED  # the exponent bytes the 8-bit encoder writes
+from ._moments import Q8_BLOCK, Q8_MAX_EXPONENT, Q8_POISONED  # the exponent bytes the 8-bit encoder writes
 
 try:
   from jax.extend.core import Primitive
@@ -388,7 +388,7 @@ def _exponent_check(scales):
   leave the others waiting in the next collective, and XLA then aborts the process)."""
   if scales.size == 0:
     return jnp.asarray(_NO_BAD_EXPONENT)
-  bad = ((scales > jnp.asarray(_Q8_MAX_BASE, jnp.uint8)) & (scales != jnp.uint8(_Q8_POISONED))).reshape(-1)
+  bad = ((scales > jnp.asarray(Q8_MAX_EXPONENT, jnp.uint8)) & (scales != jnp.uint8(Q8_POISONED))).reshape(-1)
   k = jnp.argmax(bad).astype(jnp.int32)
   return jnp.where(bad[k], jnp.stack([k // 2, k % 2, scales.reshape(-1)[k].astype(jnp.int32)]),
                    jnp.asarray(_NO_BAD_EXPONENT))
@@ -430,7 +430,7 @@ def adam_update_compressed(count, hp_values: Sequence, leaves: List[Tuple], scal
     raise RuntimeError(_unavailable)
   static, hp, traced = _split_hyperparameters(hp_values)
   q8 = moments == "8bit"
-  blocks = [-(-int(np.size(g)) // 32) for g, _, _, _ in leaves]
+  blocks = [-(-int(np.size(g)) // Q8_BLOCK) for g, _, _, _ in leaves]
   if q8 and tuple(jnp.shape(scales)) != (sum(blocks), 2):
     raise ValueError(f"scales has shape {tuple(jnp.shape(scales))}, expected ({sum(blocks)}, 2): every leaf's "
                      "32-element blocks in leaf order")
@@ -446,7 +446,7 @@ def adam_update_compressed(count, hp_values: Sequence, leaves: List[Tuple], scal
       operands.append(jax.lax.slice_in_dim(scales, block, block + b))
     decays += "1" if p is not None else "0"
     over_grad += "1" if _computed_here(g) else "0"
-    firsts.append(32 * block)
+    firsts.append(Q8_BLOCK * block)
     block += b
   params = dict(decays=decays, over_grad=over_grad, traced=traced, nesterov=bool(nesterov), threads=int(threads),
                 static=static, moments=moments, seed=int(seed), firsts=tuple(firsts))
@@ -476,7 +476,7 @@ def _dim0_axes(mesh, sharding, shape, q8: bool):
   axes = (spec[0],) if isinstance(spec[0], str) else tuple(spec[0])
   shards = int(np.prod([mesh.shape[a] for a in axes]))
   row = int(np.prod(shape[1:]))
-  if shape[0] % shards or (q8 and (shape[0] // shards * row) % 32):
+  if shape[0] % shards or (q8 and (shape[0] // shards * row) % Q8_BLOCK):
     return None
   return spec[0]
 

@@ -38,7 +38,7 @@ at the second applied step in a row that counts saturated ones (a block can be s
 a step at the start of training, before v is averaged; the warning waits for saturation that
 lasts). ``skip_nonfinite`` is None, True or False (anything else is a TypeError).
 
-The update is the fused step of hostopt.Optimizer (DESIGN.md's update rule: AdamW decays
+The update is the fused step of hostopt.Optimizer (docs/design.md's update rule: AdamW decays
 the master by ``1 - lr*wd`` before the Adam step), bit for bit; against optax.adamw it
 agrees to float rounding (optax adds a separately rounded update). Masters stay float32
 whatever ``param_dtype`` is, unlike casting optax's result to bf16.
@@ -72,9 +72,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import Optimizer as _Optimizer
-from . import _core
-from ._arrays import as_buffer, check_optional_bool, check_q8_scales, check_seed
+from . import _core, _moments
+from ._arrays import as_buffer, check_optional_bool, check_seed
 from ._block_checks import report as _report_blocks
+from ._dtypes import EXPECTED as KERNEL_EXPECTED, kernel_tag, tag_of
 from ._masks import mask_flags, per_leaf
 
 __all__ = ["adam", "adamw", "HostAdam", "StepStats"]
@@ -88,9 +89,6 @@ StepStats = collections.namedtuple(
 def _stats(r) -> StepStats:
   return StepStats(r.applied, r.step, None if r.grad_norm < 0 else r.grad_norm, r.applied_scale, r.skipped_steps,
                    r.poisoned_blocks, r.saturated_blocks)
-
-_OUT_DTYPES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(jnp.bfloat16): "bf16"}
-
 
 _BF16 = np.dtype(jnp.bfloat16)
 
@@ -141,12 +139,12 @@ class HostAdam:
     self._names = [jax.tree_util.keystr(path) for path, _ in leaves_with_path]
     leaves = [x for _, x in leaves_with_path]
     for name, x in zip(self._names, leaves):
-      if np.dtype(x.dtype) not in _OUT_DTYPES:
-        raise TypeError(f"params{name}: dtype {x.dtype} (expected float32, bfloat16 or float16)")
+      if tag_of(x.dtype) is None:
+        raise TypeError(f"params{name}: dtype {x.dtype} (expected {KERNEL_EXPECTED})")
     self._shapes = [tuple(np.shape(x)) for x in leaves]
     self._out_dtypes = [np.dtype(param_dtype) if param_dtype is not None else np.dtype(x.dtype) for x in leaves]
-    if param_dtype is not None and np.dtype(param_dtype) not in _OUT_DTYPES:
-      raise TypeError(f"param_dtype {param_dtype}: expected float32, bfloat16 or float16")
+    if param_dtype is not None and tag_of(param_dtype) is None:
+      raise TypeError(f"param_dtype {param_dtype}: expected {KERNEL_EXPECTED}")
     decays = mask_flags(mask, params, self._treedef) if decoupled else [False] * len(leaves)
     labels = self._labels(groups, params, leaves)
     defaults = dict(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root, weight_decay=weight_decay,
@@ -259,8 +257,8 @@ class HostAdam:
       if tuple(np.shape(g)) != shape:
         raise ValueError(f"grads{name} has shape {tuple(np.shape(g))}: expected {shape} like the params")
       x = np.asarray(g)
-      if x.dtype not in _OUT_DTYPES:
-        raise TypeError(f"grads{name}: dtype {x.dtype} (expected float32, bfloat16 or float16; hostopt never "
+      if tag_of(x.dtype) is None:
+        raise TypeError(f"grads{name}: dtype {x.dtype} (expected {KERNEL_EXPECTED}; hostopt never "
                         "casts silently)")
       out.append(x)
     if len({x.dtype for x in out if x is not None}) > 1:  # one gradient dtype per step: widen (exact)
@@ -339,7 +337,7 @@ class HostAdam:
                                               max_grad_norm=self._max_grad_norm,
                                               skip_nonfinite=self._skip_nonfinite, known_grad_norm=grad_norm))
       self._acc, self._micro_batches = None, 0  # a skipped step drops the micro-batches it was given too
-      tag = _OUT_DTYPES[self._copy_out]
+      tag = kernel_tag(self._copy_out)
       for name, buf in zip(self._names, out):  # skipped, or a leaf without a gradient: copy it out here
         if not self.last_step.applied or name not in present:
           _core.convert(self._core.params(name).reshape(-1), as_buffer(buf, name, writable=True)[0].reshape(-1), tag,
@@ -356,8 +354,8 @@ class HostAdam:
         continue
       if tuple(np.shape(g)) != shape:
         raise ValueError(f"grads{name} has shape {tuple(np.shape(g))}: expected {shape} like the params")
-      if np.dtype(g.dtype) not in _OUT_DTYPES:
-        raise TypeError(f"grads{name}: dtype {g.dtype} (expected float32, bfloat16 or float16; hostopt never "
+      if tag_of(g.dtype) is None:
+        raise TypeError(f"grads{name}: dtype {g.dtype} (expected {KERNEL_EXPECTED}; hostopt never "
                         "casts silently)")
     return leaves
 
@@ -533,11 +531,11 @@ class HostAdam:
         raise ValueError(f"state_dict: leaf {name!r} has {held}{' and mu/nu' if name in state['mu'] else ''}: 8-bit "
                          "moments are mu_codes, nu_codes and moment_scales, and no mu/nu")
       m, v, scales = (np.asarray(state[k][name]) for k in keys)
-      blocks = (int(np.prod(shape)) + 31) // 32
+      blocks = _moments.q8_blocks(int(np.prod(shape)))
       for what, x, want in (("mu_codes", m, shape), ("nu_codes", v, shape), ("moment_scales", scales, (blocks, 2))):
         if x.dtype != np.uint8 or tuple(x.shape) != tuple(want):
           raise ValueError(f"state_dict[{what!r}][{name!r}]: {x.dtype} {tuple(x.shape)}, expected uint8 {tuple(want)}")
-      check_q8_scales(scales, f"state_dict['moment_scales'][{name!r}]")
+      _moments.check_q8_scales(scales, f"state_dict['moment_scales'][{name!r}]")
       held_fmt = "8bit"
     else:
       for key in ("mu", "nu"):
@@ -560,10 +558,7 @@ class HostAdam:
     if held_fmt == fmt and fmt != "f32":
       return ("codes", m, v, scales if fmt == "8bit" else None)
     if held_fmt == "8bit":  # decoded exactly, then written in this leaf's format
-      m32, v32 = np.empty(m.size, np.float32), np.empty(m.size, np.float32)
-      _core.decode_moments(np.ascontiguousarray(m.reshape(-1)), np.ascontiguousarray(v.reshape(-1)),
-                           np.ascontiguousarray(scales.reshape(-1)), "8bit", m32, v32)
-      m, v = m32, v32
+      m, v = _moments.decode(m, v, scales, "8bit")
     return ("values", np.asarray(m, np.float32).reshape(shape), np.asarray(v, np.float32).reshape(shape))
 
   def load_state_dict(self, state: dict, convert_moments: bool = False) -> None:

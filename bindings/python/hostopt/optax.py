@@ -119,9 +119,10 @@ import optax
 
 from jax.experimental.compute_on import compute_on
 
-from . import _core, _xla
-from ._arrays import check_q8_scales, check_seed
+from . import _core, _moments, _xla
+from ._arrays import check_seed
 from ._block_checks import report as _report_blocks
+from ._dtypes import tag_of
 from ._masks import mask_flags
 from ._xla import is_static_number
 
@@ -129,7 +130,6 @@ __all__ = ["adam", "adamw", "nadam", "nadamw", "adamw_8bit", "HostoptOptions", "
 
 _HOSTOPT_OPTIONS = {"threads": 0, "reuse_state": False, "state_memory": None, "moments": "f32", "rounding_seed": 0}
 _KNOWN = ("learning_rate", "b1", "b2", "eps", "eps_root", "mu_dtype", "weight_decay", "mask", "nesterov")
-_KERNEL_INPUT = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(jnp.bfloat16))
 # optax's own functions, taken at import (a test may put hostopt's in their place).
 _OPTAX = {name: getattr(optax, name) for name in ("adam", "adamw")}
 _increment = getattr(optax, "safe_increment", None) or optax.safe_int32_increment
@@ -167,7 +167,33 @@ def _is_traced(x) -> bool:
   return isinstance(x, jax.core.Tracer)
 
 
-_HP_NAMES = ("learning_rate", "b1", "b2", "eps", "eps_root", "weight_decay")
+class _Hyper(NamedTuple):
+  """Adam's six hyper-parameters, in the order the kernel and the FFI handlers take them.
+  Each is a number, an array (traced or not), a schedule's value, or None where unknown."""
+  lr: Any
+  b1: Any
+  b2: Any
+  eps: Any
+  eps_root: Any
+  wd: Any
+
+
+# How optax's signatures (and the errors) name them.
+_HP_NAMES = _Hyper("learning_rate", "b1", "b2", "eps", "eps_root", "weight_decay")
+
+
+def _static_and_dynamic(hp: _Hyper, lr_schedule, wd_schedule, evaluated: bool) -> Tuple[_Hyper, List[Any]]:
+  """Which hyper-parameters a jitted update is specialised on, and which are its operands.
+
+  Static: the ones known now as Python numbers (floats, attributes of the FFI call); a
+  scheduled one is None (evaluated inside the call at its count) unless `evaluated`, the
+  numpy route, which evaluates the schedules first. Dynamic: the others (arrays, traced or
+  not) in field order, the scheduled ones excepted."""
+  scheduled = {"lr": lr_schedule is not None, "wd": wd_schedule is not None}
+  static = _Hyper(*(None if scheduled.get(f) and not evaluated else float(v) if is_static_number(v) else None
+                    for f, v in zip(_Hyper._fields, hp)))
+  dynamic = [v for f, v, known in zip(_Hyper._fields, hp, static) if known is None and not scheduled.get(f)]
+  return static, dynamic
 
 
 def _hp_rule(name: str) -> Tuple[Callable[[np.ndarray], np.ndarray], str]:
@@ -217,7 +243,7 @@ class _Static:
   """What a jitted update is specialised on (hashable): everything but the arrays."""
   decays: Tuple[bool, ...]
   kernel: Tuple[bool, ...]
-  hp: Tuple[Any, ...]  # per hyper-parameter: its Python float, or None when it is an operand
+  hp: _Hyper  # per hyper-parameter: its Python float, or None when it is an operand
   lr_schedule: Optional[Callable]  # evaluated inside the jitted call, so eager and jit agree
   wd_schedule: Optional[Callable]
   nesterov: bool
@@ -231,8 +257,8 @@ class _Static:
 def _on_kernel(g, mu, nu, p, decays: bool) -> bool:
   """Whether a leaf runs on the fused kernel (else on optax's own transformations)."""
   f32 = np.dtype(np.float32)
-  return (np.dtype(mu.dtype) == f32 and np.dtype(nu.dtype) == f32 and np.dtype(g.dtype) in _KERNEL_INPUT
-          and (not decays or np.dtype(p.dtype) in _KERNEL_INPUT))
+  return (np.dtype(mu.dtype) == f32 and np.dtype(nu.dtype) == f32 and tag_of(g.dtype) is not None
+          and (not decays or tag_of(p.dtype) is not None))
 
 
 def _optax_leaves(s: _Static, hp, gs, mus, nus, ps, decays, count):
@@ -251,16 +277,16 @@ def _optax_leaves(s: _Static, hp, gs, mus, nus, ps, decays, count):
   return u, st.mu, st.nu
 
 
-def _resolve_hp(s: _Static, dynamic, lr_count, wd_count) -> tuple:
+def _resolve_hp(s: _Static, dynamic, lr_count, wd_count) -> _Hyper:
   """The six hyper-parameters: static floats, schedules evaluated at their counts, the rest
   from `dynamic` in field order."""
   it = iter(dynamic)
-  schedules = {0: (s.lr_schedule, lr_count), 5: (s.wd_schedule, wd_count)}
+  schedules = {"lr": (s.lr_schedule, lr_count), "wd": (s.wd_schedule, wd_count)}
   hp = []
-  for k, v in enumerate(s.hp):
-    fn, at = schedules.get(k, (None, None))
+  for field, v in zip(_Hyper._fields, s.hp):
+    fn, at = schedules.get(field, (None, None))
     hp.append(v if v is not None else fn(at) if fn is not None else next(it))
-  return tuple(hp)
+  return _Hyper(*hp)
 
 
 def _f32(x):
@@ -288,7 +314,7 @@ def _flat_update(s: _Static, gs, mus, nus, ps, count, dynamic, lr_count, wd_coun
   k_idx = [i for i in range(n) if s.kernel[i]]
   if k_idx:
     leaves = [(gs[i], mus[i], nus[i], ps[i] if s.decays[i] else None) for i in k_idx]
-    hp_kernel = hp if any(s.decays) else hp[:5] + (0.0,)
+    hp_kernel = hp if any(s.decays) else hp._replace(wd=0.0)
     call = lambda count, hp_kernel, leaves, per_shard=True: _xla.adam_update(
         count, hp_kernel, [(_f32(g), m, v, _f32(p)) for g, m, v, p in leaves], nesterov=s.nesterov,
         threads=s.threads, per_shard=per_shard)
@@ -316,7 +342,7 @@ _flat_update_jit = jax.jit(_flat_update, static_argnums=0)
 
 def _blocks(x) -> int:
   """A leaf's 32-element blocks of 8-bit moments."""
-  return (int(np.size(x)) + 31) // 32
+  return _moments.q8_blocks(np.size(x))
 
 
 def _check_exponents(scales, g_leaves) -> None:
@@ -326,12 +352,12 @@ def _check_exponents(scales, g_leaves) -> None:
   is checked by the FFI handler, by the same rule."""
   pairs = np.asarray(scales)
   try:
-    check_q8_scales(pairs, "state[0].scales")
+    _moments.check_q8_scales(pairs, "state[0].scales")
   except ValueError:
     at = 0
     for i, g in enumerate(g_leaves):  # the first bad byte, named by its leaf
       b = _blocks(g)
-      check_q8_scales(pairs[at:at + b], f"state[0].scales, leaf {i} (updates[{i}]; its rows {at}..{at + b - 1})")
+      _moments.check_q8_scales(pairs[at:at + b], f"state[0].scales, leaf {i} (updates[{i}]; its rows {at}..{at + b - 1})")
       at += b
     raise
 
@@ -341,7 +367,7 @@ def _compressed_flat_update(s: _Static, gs, mus, nus, scales, ps, count, dynamic
   hp = _resolve_hp(s, dynamic, lr_count, wd_count)
   # Gradients as they are (the update takes their dtype); params widened for the decay term.
   leaves = [(g, m, v, p if d else None) for g, m, v, p, d in zip(gs, mus, nus, ps, s.decays)]
-  hp_kernel = hp if any(s.decays) else hp[:5] + (0.0,)
+  hp_kernel = hp if any(s.decays) else hp._replace(wd=0.0)
   call = lambda count, leaves, scales, per_shard=True: _xla.adam_update_compressed(
       count, hp_kernel, [(g, m, v, _f32(p)) for g, m, v, p in leaves], scales, moments=s.moments, seed=s.seed,
       nesterov=s.nesterov, threads=s.threads, per_shard=per_shard)
@@ -440,7 +466,7 @@ def _place_moments(adam_state, params, kind: str):
   f32 = np.dtype(np.float32)
   for i, p in enumerate(leaves):
     if (np.dtype(mus[i].dtype) == f32 and np.dtype(nus[i].dtype) == f32 and hasattr(p, "dtype")
-        and np.dtype(p.dtype) in _KERNEL_INPUT):
+        and tag_of(p.dtype) is not None):
       mus[i], nus[i] = _place(mus[i], kind, target), _place(nus[i], kind, target)
   return adam_state._replace(mu=treedef.unflatten(mus), nu=treedef.unflatten(nus))
 
@@ -597,7 +623,7 @@ def _make(args: dict, decoupled: bool) -> optax.GradientTransformationExtraArgs:
     if any(decays) and (p_leaves is None or any(p_leaves[i] is None for i in range(n) if decays[i])):
       raise ValueError("You are using a transformation that requires the current value of parameters, but you are "
                        "not passing `params` when calling `update`.")
-    hp = (lr, b1, b2, eps, eps_root, wd)
+    hp = _Hyper(lr, b1, b2, eps, eps_root, wd)
     _check_hyperparameters(hp)
     # The kernel runs on the host: on another backend the moments must be in host memory
     # (state_memory), or optax's arithmetic runs where the arrays are.
@@ -608,15 +634,10 @@ def _make(args: dict, decoupled: bool) -> optax.GradientTransformationExtraArgs:
       k_idx = [i for i in range(n) if kernel[i]]
       _check_in_memory([mu_leaves[i] for i in k_idx] + [nu_leaves[i] for i in k_idx],
                        [f"mu[{i}]" for i in k_idx] + [f"nu[{i}]" for i in k_idx], state_memory)
-    static_hp = tuple(float(v) if is_static_number(v) else None for v in hp)
-    if not numpy_route:  # the schedules' slots are evaluated inside the jitted call
-      static_hp = tuple(None if (k == 0 and lr_schedule is not None) or (k == 5 and wd_schedule is not None) else v
-                        for k, v in enumerate(static_hp))
+    # Off the numpy route the schedules' slots are evaluated inside the jitted call.
+    static_hp, dynamic = _static_and_dynamic(hp, lr_schedule, wd_schedule, evaluated=numpy_route)
     s = _Static(tuple(decays), kernel, static_hp, lr_schedule, wd_schedule, nesterov, mu_dtype, int(threads),
                 state_memory)
-    # The traced or array hyper-parameters, in field order (the schedules' slots excepted).
-    dynamic = [v for k, v in enumerate(hp) if static_hp[k] is None
-               and not (k == 0 and lr_schedule is not None) and not (k == 5 and wd_schedule is not None)]
     if numpy_route:
       u, new_mu, new_nu = _numpy_update(s, hp, g_leaves, mu_leaves, nu_leaves, p_leaves, count, reuse_state,
                                         dynamic, lr_count, wd_count)
@@ -705,7 +726,7 @@ def _compressed_transformation(reference, moments, seed, decoupled, learning_rat
       p_leaves = [x if x is None or hasattr(x, "dtype") else jnp.asarray(x) for x in p_leaves]
     code_dtype = np.dtype(np.uint8) if q8 else np.dtype(jnp.bfloat16)
     for i, g in enumerate(g_leaves):
-      if np.dtype(g.dtype) not in _KERNEL_INPUT:
+      if tag_of(g.dtype) is None:
         raise TypeError(f"updates[{i}]: dtype {g.dtype}; with {moments} moments every leaf runs on hostopt's kernel, "
                         "which takes float32, bfloat16 or float16 gradients")
       for nm, x in (("mu", mu_leaves[i]), ("nu", nu_leaves[i])):
@@ -740,20 +761,18 @@ def _compressed_transformation(reference, moments, seed, decoupled, learning_rat
       raise ValueError("You are using a transformation that requires the current value of parameters, but you are "
                        "not passing `params` when calling `update`.")
     for i in range(n):
-      if decays[i] and np.dtype(p_leaves[i].dtype) not in _KERNEL_INPUT:
+      if decays[i] and tag_of(p_leaves[i].dtype) is None:
         raise TypeError(f"params[{i}]: dtype {p_leaves[i].dtype}; expected float32, bfloat16 or float16")
-    hp = (learning_rate, b1, b2, eps, eps_root, weight_decay)
+    hp = _Hyper(learning_rate, b1, b2, eps, eps_root, weight_decay)
     if numpy_route:  # the schedules' values too, as the f32 numpy route checks them (refused before anything changes)
-      _check_hyperparameters((_call_jit(lr_schedule, jnp.asarray(lr_count)) if lr_schedule is not None else None,
-                              None, None, None, None,
-                              _call_jit(wd_schedule, jnp.asarray(wd_count)) if wd_schedule is not None else None))
+      _check_hyperparameters(_Hyper(
+          lr=_call_jit(lr_schedule, jnp.asarray(lr_count)) if lr_schedule is not None else None,
+          b1=None, b2=None, eps=None, eps_root=None,
+          wd=_call_jit(wd_schedule, jnp.asarray(wd_count)) if wd_schedule is not None else None))
     _check_hyperparameters(hp)
-    static_hp = tuple(None if (k == 0 and lr_schedule is not None) or (k == 5 and wd_schedule is not None)
-                      else float(v) if is_static_number(v) else None for k, v in enumerate(hp))
+    static_hp, dynamic = _static_and_dynamic(hp, lr_schedule, wd_schedule, evaluated=False)
     s = _Static(tuple(decays), (True,) * n, static_hp, lr_schedule, wd_schedule, nesterov, None, threads,
                 None if numpy_route else state_memory, moments, seed)
-    dynamic = [v for k, v in enumerate(hp) if static_hp[k] is None
-               and not (k == 0 and lr_schedule is not None) and not (k == 5 and wd_schedule is not None)]
     ps = [p_leaves[i] if decays[i] else None for i in range(n)]
     if numpy_route:  # the same jitted call on copies on the host's device (whatever the default), as numpy
       # np.asarray first: params may be jax arrays committed to an accelerator.

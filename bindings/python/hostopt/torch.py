@@ -84,6 +84,7 @@ Threads: all physical cores of the process's CPU set unless ``threads=`` says ot
 
 import collections
 import copy
+import dataclasses
 import functools
 import math
 import os
@@ -95,9 +96,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from . import _core
-from ._arrays import as_buffer, check_optional_bool, check_q8_scales, check_seed as _check_seed
+from . import _core, _moments
+from ._arrays import as_buffer, check_optional_bool, check_seed as _check_seed
 from ._block_checks import report as _report_blocks
+from ._dtypes import kernel_tag, tag_of
+from ._torch_offload import ChunkEvents, DeviceBuffers
 
 __all__ = ["Adam", "AdamW", "StepStats", "default_threads"]
 
@@ -112,7 +115,6 @@ def _merged(results) -> StepStats:
                    poisoned_blocks=sum(r.poisoned_blocks for r in results),
                    saturated_blocks=sum(r.saturated_blocks for r in results))
 
-_TAGS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _MASTER = "master_param"  # f32 master weights of a 16-bit parameter, in state_dict
 # Compressed moments (a group's ``moments="bf16"`` or ``"8bit"``; the format is the
@@ -170,13 +172,13 @@ def _check_moment_state(st: dict, fmt: str, like: torch.Tensor, where: str) -> b
   codes = [st[key] for key in _CODES if fmt == "8bit" and st.get(key) is not None]
   if codes:
     scales: Any = st.get(_SCALES)
-    blocks = -(-numel // 32)
+    blocks = _moments.q8_blocks(numel)
     if not torch.is_tensor(scales) or scales.layout != torch.strided or scales.dtype != torch.uint8 or (
         scales.numel() != 2 * blocks):
       raise ValueError(f"{where}: 8-bit moments need {_SCALES!r}, uint8 with {2 * blocks} elements (2 per block "
                        f"of 32), got " + (f"{scales.dtype} with {scales.numel()}" if torch.is_tensor(scales)
                                           else "none"))
-    check_q8_scales(scales.detach().cpu().numpy(), f"{where}: {_SCALES}")
+    _moments.check_q8_scales(scales.detach().cpu().numpy(), f"{where}: {_SCALES}")
     if len(codes) == 2 and not _same_memory_order(codes[0], codes[1]):
       raise ValueError(f"{where}: {_CODES[0]} and {_CODES[1]} are laid out differently")
   return any(not _same_memory_order(c, like) for c in codes)
@@ -222,8 +224,7 @@ def _moments_as_f32(st: dict, fmt: str, like: torch.Tensor) -> Tuple[torch.Tenso
   shape_of = present[0].detach().cpu()
   codes = [_flat(st[key].detach().cpu()).numpy() if st.get(key) is not None else np.zeros(like.numel(), np.uint8)
            for key in _CODES]
-  m32, v32 = np.empty(like.numel(), np.float32), np.empty(like.numel(), np.float32)
-  _core.decode_moments(codes[0], codes[1], st[_SCALES].detach().cpu().reshape(-1).numpy(), "8bit", m32, v32)
+  m32, v32 = _moments.decode(codes[0], codes[1], st[_SCALES].detach().cpu().numpy(), "8bit")
   m, v = (torch.from_numpy(x).as_strided(shape_of.shape, shape_of.stride()).reshape(like.shape)
           for x in (m32, v32))
   return m, v
@@ -236,12 +237,7 @@ def _encoded(m32: torch.Tensor, v32: torch.Tensor, fmt: str, like: torch.Tensor,
     return {"exp_avg": m32.clone(), "exp_avg_sq": v32.clone()}
   tm = torch.empty_like(like, dtype=torch.float32, device="cpu").copy_(m32)
   tv = torch.empty_like(like, dtype=torch.float32, device="cpu").copy_(v32)
-  n = like.numel()
-  code = np.uint16 if fmt == "bf16" else np.uint8
-  cm, cv = np.zeros(n, code), np.zeros(n, code)
-  scales = np.zeros(_core.moment_scale_bytes(fmt, n), np.uint8)
-  _core.encode_moments(np.ascontiguousarray(_flat(tm).numpy()), np.ascontiguousarray(_flat(tv).numpy()), cm, cv,
-                       scales, fmt, seed)
+  cm, cv, scales = _moments.encode(_flat(tm).numpy(), _flat(tv).numpy(), fmt, seed)
   if fmt == "bf16":  # (torch 1 has no uint16)
     return {key: _arena_view(torch.from_numpy(c.view(np.int16)).view(torch.bfloat16), like)
             for key, c in zip(_MOMENTS, (cm, cv))}
@@ -345,87 +341,16 @@ class _Tracked:
     self.shape, self.stride = tuple(p.shape), tuple(p.stride())
 
 
-class _ChunkEvents:
-  """The offload pipeline's chunks as the backward completes them (overlap_backward=True).
-
-  A post-accumulate-grad hook reports each parameter whose gradient is complete. A chunk is
-  complete when every parameter overlapping it has reported as often as the one reported
-  most (in every backward since the last step, so accumulation over micro-batches and
-  reentrant checkpointing count right); an event is then recorded on the reporting stream,
-  and the step lets that chunk's copy and CPU update start once the device is past it. A
-  report that leaves a chunk incomplete cancels its event (its gradients changed after it).
-  Events stand only if the flat gradient buffer's version is what it was when the last
-  backward ended: a write through torch in place (clipping, p.grad.mul_) sends every chunk
-  back to the whole stream. Writes that bypass the version counter (.data, numpy,
-  collectives such as all_reduce) are not seen: the documented contract."""
-
-  def __init__(self, engine, chunks: int, chunk_elems: int):
-    self.engine = engine
-    self.chunk = chunk_elems  # the pipeline's cut (OffloadPipeline.chunk_elems)
-    self.events = []
-    for _ in range(chunks):
-      self.events.append(engine.create_event())
-    self.chunks_of: List[range] = []
-    self.tensors_in = [0] * chunks
-    self.callback_queued = False
-    self.forget()
-
-  def cover(self, segments, seg_of) -> None:
-    """The chunks each tracked parameter overlaps (segments: the core's (offset, size))."""
-    self.chunks_of = []
-    self.tensors_in = [0] * len(self.events)
-    for si in seg_of:
-      off, size = segments[si]
-      span = range(off // self.chunk, (off + size - 1) // self.chunk + 1) if size else range(0)
-      self.chunks_of.append(span)
-      for c in span:
-        self.tensors_in[c] += 1
-    self.forget()
-
-  def forget(self) -> None:
-    """A new step's window: no reports, no events."""
-    self.reports = [0] * len(self.chunks_of)
-    self.top = [0] * len(self.events)  # the most reports of a tensor in the chunk
-    self.at_top = [0] * len(self.events)  # tensors of the chunk with that many
-    self.recorded = [False] * len(self.events)
-    self.version = None
-
-  def hooked(self, k: int, stream: int, grads: torch.Tensor) -> None:
-    """Tracked parameter k's gradient is complete (in the flat buffer) on `stream`."""
-    self.reports[k] += 1
-    x = self.reports[k]
-    for c in self.chunks_of[k]:
-      if x > self.top[c]:
-        self.top[c], self.at_top[c] = x, 1
-      elif x == self.top[c]:
-        self.at_top[c] += 1
-      self.recorded[c] = self.at_top[c] == self.tensors_in[c]
-      if self.recorded[c]:
-        self.engine.record_event(self.events[c], stream)
-    self.version = None
-    if not self.callback_queued:  # the version is read when this backward ends
-      self.callback_queued = True
-      torch.autograd.Variable._execution_engine.queue_callback(lambda: self._backward_done(grads))
-
-  def _backward_done(self, grads: torch.Tensor) -> None:
-    self.callback_queued = False
-    self.version = grads._version  # any later write through torch changes it
-
-  def ready_events(self, grads: torch.Tensor) -> list:
-    """One event handle per chunk (0: none) for the step about to read `grads`; then a
-    new window starts."""
-    valid = self.version is not None and not self.callback_queued and grads._version == self.version
-    events = [e if valid and r else 0 for e, r in zip(self.events, self.recorded)]
-    self.forget()
-    self.callback_queued = False  # a backward that failed midway never ran its callback
-    return events
-
-  def __del__(self):
-    for e in getattr(self, "events", []):
-      try:
-        self.engine.destroy_event(e)
-      except Exception:  # interpreter shutdown
-        pass
+@dataclasses.dataclass
+class _Layout:
+  """One dtype's parameters as built: their core, what hostopt knows of each, and torch's
+  per-parameter step counts (views of `steps`, one per parameter)."""
+  core: Any  # the _core.Optimizer of these parameters
+  tracked: List[_Tracked]  # one per parameter, in param_groups order (k below)
+  steps: np.ndarray  # float32 [len(tracked)]: torch's "step" of each (opt.state[p]["step"] views)
+  seg_of: List[int]  # the core's segment of tracked[k]
+  known: List[float]  # steps as hostopt last wrote them: a difference is the user's write
+  dev: Optional[DeviceBuffers]  # the offloaded path's buffers (None: stepped in place)
 
 
 def _rounds_to(master: torch.Tensor, p: torch.Tensor) -> bool:
@@ -449,15 +374,15 @@ def _grad_hook(opt_ref, tag: str, k: int):
   def hook(p: torch.Tensor) -> None:
     opt = opt_ref()
     layout = None if opt is None or opt._layout is None else opt._layout.get(tag)
-    if layout is None or k >= len(layout[1]) or layout[1][k].param is not p:
+    if layout is None or k >= len(layout.tracked) or layout.tracked[k].param is not p:
       return  # an optimizer gone or being rebuilt: the step gathers the gradients itself
-    t, dev, g = layout[1][k], layout[5], p.grad
+    t, dev, g = layout.tracked[k], layout.dev, p.grad
     if g is None or g.is_sparse or g.requires_grad or g.dtype != p.dtype or g.device != t.grad_view.device:
       return  # create_graph=True keeps its differentiable .grad: the step gathers it (no event)
     if g.data_ptr() != t.grad_view.data_ptr():
       t.grad_view.copy_(g.reshape(-1))  # on the backward's stream
       p.grad = t.grad_view.view(p.shape)
-    dev["chunks"].hooked(k, opt._stream(), dev["grads"])
+    dev.chunks.hooked(k, opt._stream(), dev.grads)
 
   return hook
 
@@ -481,10 +406,10 @@ _eager = getattr(torch, "_disable_dynamo", None) or (lambda fn: fn)
 
 class _HostAdam(torch.optim.Optimizer):
   _mode = "adamw"
-  # Made at the first step that needs them: the offloaded path's copy engine, and the layout
-  # per dtype tag, [core, tracked, steps, seg_of, known steps, device buffers] (None: rebuild).
+  # Made at the first step that needs them: the offloaded path's copy engine, and the
+  # _Layout of each dtype tag (None: built at the next step).
   _engine: Any
-  _layout: Any
+  _layout: Optional[Dict[str, _Layout]]
 
   def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                amsgrad: bool = False, *, foreach: Optional[bool] = None, maximize: bool = False,
@@ -666,7 +591,7 @@ class _HostAdam(torch.optim.Optimizer):
                            "warns and applies them twice)")
         seen.add(id(p))
         where_of[id(p)] = where
-        if p.dtype not in _TAGS:
+        if tag_of(p.dtype) is None:
           raise TypeError(f"{where} has dtype {p.dtype}: expected float32, bfloat16 or float16")
         if not _dense_order(p):
           raise ValueError(f"{where} is a strided view with gaps or overlaps (strides {tuple(p.stride())}): "
@@ -682,7 +607,7 @@ class _HostAdam(torch.optim.Optimizer):
         if _check_moment_state(st, fmt, p, f"the state of {where}"):
           raise ValueError(f"the state of {where}: its 8-bit codes are laid out in another memory order than the "
                            "parameter (load the state_dict with convert_moments=True to re-encode them)")
-        by_dtype.setdefault(_TAGS[p.dtype], []).append((gi, p))
+        by_dtype.setdefault(kernel_tag(p.dtype), []).append((gi, p))
     configs = [self._config(g, f"param_groups[{gi}]") for gi, g in enumerate(self.param_groups)]
     devices = {p.device for entries in by_dtype.values() for _, p in entries}
     offload = self._offload
@@ -725,11 +650,11 @@ class _HostAdam(torch.optim.Optimizer):
       if offload:  # flat device buffers in the arena's layout: the pipeline's two ends
         n = core.arena_size
         pipe = _core.OffloadPipeline(core, self._engine, self._offload_chunk, 2, tag, tag)
-        dev = {"params": torch.zeros(n, dtype=entries[0][1].dtype, device=device),
-               "grads": torch.zeros(n, dtype=entries[0][1].dtype, device=device), "n": n, "pipe": pipe,
-               # Per-chunk events only where backward hooks report (overlap_backward).
-               "chunks": _ChunkEvents(self._engine, pipe.num_chunks, pipe.chunk_elems) if self._overlap_backward
-                         else None}
+        dev = DeviceBuffers(params=torch.zeros(n, dtype=entries[0][1].dtype, device=device),
+                            grads=torch.zeros(n, dtype=entries[0][1].dtype, device=device), n=n, pipe=pipe,
+                            # Per-chunk events only where backward hooks report (overlap_backward).
+                            chunks=ChunkEvents(self._engine, pipe.num_chunks, pipe.chunk_elems)
+                            if self._overlap_backward else None)
       steps = np.zeros(len(entries), dtype=np.float32)  # torch's per-parameter "step", one view each
       seg_steps = [0] * len(segs)
       parts: List[Tuple[Any, ...]] = []
@@ -750,7 +675,7 @@ class _HostAdam(torch.optim.Optimizer):
         seg_steps[si] = int(_check_step(st["step"], "")) if "step" in st else 0
         device_view = grad_view = None
         if dev is not None:
-          device_view, grad_view = dev["params"][off:off + size], dev["grads"][off:off + size]
+          device_view, grad_view = dev.params[off:off + size], dev.grads[off:off + size]
           device_view.copy_(p.detach().reshape(-1))
         parts.append((p, mp, master, m, v, scales, fmt, name, device_view, grad_view, k))
         seg_of.append(si)
@@ -759,10 +684,10 @@ class _HostAdam(torch.optim.Optimizer):
       group_of_all[tag] = group_of
       built[tag] = (core, parts, steps, seg_of, dev)
     # Everything stands: the swap (nothing below refuses).
-    if self._layout and any(layout[5] is not None for layout in self._layout.values()) and device.type == "cuda":
+    if self._layout and any(layout.dev is not None for layout in self._layout.values()) and device.type == "cuda":
       torch.cuda.synchronize(device)  # old flat buffers go back to the allocator: no stream may still use them
     self._remove_grad_hooks()
-    layout: Dict[str, List[Any]] = {}
+    layout: Dict[str, _Layout] = {}
     hidden: Dict[str, Dict[int, _Tracked]] = {}
     for tag, (core, parts, steps, seg_of, dev) in built.items():
       tracked = []
@@ -782,16 +707,16 @@ class _HostAdam(torch.optim.Optimizer):
         else:
           self._show(t)
       if dev is not None:
-        if dev["chunks"] is not None:
-          dev["chunks"].cover([(off, size) for _, _, off, size, _ in core.segments()], seg_of)
+        if dev.chunks is not None:
+          dev.chunks.cover([(off, size) for _, _, off, size, _ in core.segments()], seg_of)
         self._add_grad_hooks(tag, tracked, dev)
-      layout[tag] = [core, tracked, steps, seg_of, steps.tolist(), dev]
+      layout[tag] = _Layout(core, tracked, steps, seg_of, steps.tolist(), dev)
     self._layout, self._hidden = layout, hidden
     self._group_of = group_of_all
     # Each parameter's format is fixed while this layout stands (_check_formats).
     self._built_groups = [(g, self._group_format(g)) for g in self.param_groups]
     self._built_params = [list(g["params"]) for g in self.param_groups]
-    self._built_formats = {id(t.param): t.format for entry in layout.values() for t in entry[1]}
+    self._built_formats = {id(t.param): t.format for entry in layout.values() for t in entry.tracked}
     self._applied: Dict[Any, Any] = {}  # (dtype, group) -> config last given to the core
     self._views: Dict[Any, Any] = {}  # (dtype, index) -> (grad tensor, data_ptr, numpy view), reused while unchanged
 
@@ -833,7 +758,7 @@ class _HostAdam(torch.optim.Optimizer):
     """Gives the never-stepped parameters of `tag` that a step just counted their entry."""
     hidden = self._hidden.get(tag)
     if hidden:
-      steps = self._layout[tag][2]
+      steps = self._layouts()[tag].steps
       for k in [k for k in hidden if steps[k] != 0]:
         self._show(hidden.pop(k))
 
@@ -881,13 +806,18 @@ class _HostAdam(torch.optim.Optimizer):
       st[_SCALES] = scales
 
   # --- gradients as the backward produces them (offloaded, torch >= 2.1) ---------------
-  def _add_grad_hooks(self, tag: str, tracked: list, dev: dict) -> None:
+  def _layouts(self) -> Dict[str, _Layout]:
+    """The built layout, for the methods that run after _build."""
+    assert self._layout is not None, "hostopt.torch: the layout is built before it is read"
+    return self._layout
+
+  def _add_grad_hooks(self, tag: str, tracked: list, dev: DeviceBuffers) -> None:
     """Hooks on the parameters that require a gradient now (frozen ones cannot have one:
     they get it at a later step, once unfrozen)."""
     if not self._overlap_backward:
       return
     me = weakref.ref(self)  # the hooks must not keep the optimizer alive
-    hooked = dev.setdefault("hooked", set())
+    hooked = dev.hooked
     for k, t in enumerate(tracked):
       if k not in hooked and t.param.requires_grad:
         self._hook_handles.append(t.param.register_post_accumulate_grad_hook(_grad_hook(me, tag, k)))
@@ -896,8 +826,8 @@ class _HostAdam(torch.optim.Optimizer):
   def _remove_grad_hooks(self) -> None:
     _remove_handles(self._hook_handles)
     for layout in (self._layout or {}).values():
-      if layout[5] is not None:
-        layout[5].pop("hooked", None)
+      if layout.dev is not None:
+        layout.dev.hooked.clear()
 
   @_serialized
   def adopt_params(self) -> None:
@@ -907,7 +837,7 @@ class _HostAdam(torch.optim.Optimizer):
       return
     self._drain()
     for layout in self._layout.values():
-      for t in layout[1]:
+      for t in layout.tracked:
         t.master.copy_(t.param.detach())
         t.remember()
 
@@ -916,8 +846,8 @@ class _HostAdam(torch.optim.Optimizer):
     the parameters still in param_groups, `present`: their ids, None when all are). Everything is checked before
     anything is taken, so a refusal changes nothing. Returns whether the layout must be
     rebuilt, and the state entries the rebuild reads instead of opt.state's (_build)."""
-    for tag, layout in self._layout.items():
-      core, tracked, steps, seg_of, known, dev = layout
+    for tag, layout in self._layouts().items():
+      tracked, steps, known = layout.tracked, layout.steps, layout.known
       written = steps.tolist() != known
       for k, t in enumerate(tracked):
         p = t.param
@@ -940,8 +870,8 @@ class _HostAdam(torch.optim.Optimizer):
         if written and st.get("step") is t.step and not float(steps[k]) == known[k]:
           _check_step(t.step, f"opt.state[p]['step'] of {t.where}")  # written in place
     rebuild, overrides = False, {}
-    for tag, layout in self._layout.items():
-      core, tracked, steps, seg_of, known, dev = layout
+    for tag, layout in self._layouts().items():
+      core, tracked, steps, seg_of, known = layout.core, layout.tracked, layout.steps, layout.seg_of, layout.known
       hidden = self._hidden.get(tag, {})
       for k, t in enumerate(tracked):
         p = t.param
@@ -1000,7 +930,7 @@ class _HostAdam(torch.optim.Optimizer):
         for k, si in enumerate(seg_of):
           counts[si] = int(steps[k])
         core.tensor_steps = counts
-        layout[4] = steps.tolist()
+        layout.known = steps.tolist()
     return rebuild, overrides
 
   def _check_taken(self, t: _Tracked, st: dict) -> None:
@@ -1044,7 +974,7 @@ class _HostAdam(torch.optim.Optimizer):
   def _engine_device(self):
     return next(p.device for g in self.param_groups for p in g["params"])
 
-  def _offloaded_step(self, tag: str, tracked: list, dev: dict, skip: bool, norm: Optional[float]) -> None:
+  def _offloaded_step(self, tag: str, tracked: list, dev: DeviceBuffers, skip: bool, norm: Optional[float]) -> None:
     """Gradients gathered into the flat device buffer, then one pipeline step ordered after
     the current stream; the stream waits (on the device) for the gradients to be consumed
     and the parameters to be ready, so the next forward and backward need no host wait."""
@@ -1054,10 +984,10 @@ class _HostAdam(torch.optim.Optimizer):
       if g is not None and g.is_sparse:
         raise RuntimeError("hostopt.torch does not support sparse gradients")
       if g is None:  # as torch: left alone, its own step count stays
-        without.append(self._layout[tag][3][k])
+        without.append(self._layouts()[tag].seg_of[k])
       elif g.data_ptr() != t.grad_view.data_ptr():
         t.grad_view.copy_(g.reshape(-1))  # on the device, on the current stream
-    chunks = dev["chunks"]
+    chunks = dev.chunks
     if len(without) == len(tracked):
       if chunks is not None:
         chunks.forget()
@@ -1065,8 +995,8 @@ class _HostAdam(torch.optim.Optimizer):
     stream = self._stream()
     # Chunks whose gradients the backward hooks saw complete (and nobody wrote since) are
     # copied as soon as the device is past them; the rest wait for the whole stream.
-    events = chunks.ready_events(dev["grads"]) if chunks is not None else []
-    h = dev["pipe"].step_async(dev["grads"].data_ptr(), tag, dev["params"].data_ptr(), tag, dev["n"],
+    events = chunks.ready_events(dev.grads) if chunks is not None else []
+    h = dev.pipe.step_async(dev.grads.data_ptr(), tag, dev.params.data_ptr(), tag, dev.n,
                                grads_stream=stream, chunk_grads_events=events, tensors_without_grad=without,
                                skip_nonfinite=skip, known_grad_norm=-1.0 if norm is None else norm)
     self._last_chunk_events += sum(1 for e in events if e)
@@ -1083,10 +1013,10 @@ class _HostAdam(torch.optim.Optimizer):
     results = []
     for h, tag in pending:
       results.append(h.wait())
-      core, tracked, steps, seg_of, _, _ = self._layout[tag]
-      counts = core.tensor_steps
-      steps[:] = [counts[si] for si in seg_of]
-      self._layout[tag][4] = steps.tolist()
+      layout = self._layouts()[tag]
+      counts = layout.core.tensor_steps
+      layout.steps[:] = [counts[si] for si in layout.seg_of]
+      layout.known = layout.steps.tolist()
       self._show_stepped(tag)
       # No remember(): the pipeline's copies do not touch the parameters' version or storage,
       # so whatever the user did since the call is still seen by _adopt_user_changes.
@@ -1129,16 +1059,17 @@ class _HostAdam(torch.optim.Optimizer):
     skip = self._skip_nonfinite
     if skip is None:
       skip = (any(self._group_format(g) == "8bit" for g in self.param_groups)
-              and all(entry[5] is None for entry in self._layout.values()))
+              and all(entry.dev is None for entry in self._layouts().values()))
     norm = self._grad_norm() if skip else None
     results = []
     self._last_chunk_events = 0
-    for tag, (core, _, _, _, _, _) in self._layout.items():
+    for tag, layout in self._layouts().items():
       for gi, cfg in enumerate(configs):
         if self._applied.get((tag, gi)) != cfg:
-          core.set_group_config(self._group_of[tag][gi], cfg)
+          layout.core.set_group_config(self._group_of[tag][gi], cfg)
           self._applied[(tag, gi)] = cfg
-    for tag, (core, tracked, steps, seg_of, _, dev) in self._layout.items():
+    for tag, layout in self._layouts().items():
+      core, tracked, steps, seg_of, dev = layout.core, layout.tracked, layout.steps, layout.seg_of, layout.dev
       if dev is not None:
         self._offloaded_step(tag, tracked, dev, skip, norm)
         self._add_grad_hooks(tag, tracked, dev)  # parameters unfrozen since
@@ -1173,7 +1104,7 @@ class _HostAdam(torch.optim.Optimizer):
                                        -1.0 if norm is None else norm))
       counts = core.tensor_steps
       steps[:] = [counts[si] for si in seg_of]
-      self._layout[tag][4] = steps.tolist()
+      layout.known = steps.tolist()
       self._show_stepped(tag)
       if tag != "f32":
         for t in tracked:
@@ -1206,9 +1137,9 @@ class _HostAdam(torch.optim.Optimizer):
   def _check_grads(self) -> None:
     """Refuses gradients no step can take, for every parameter of every dtype before any is
     stepped (a refused step changes nothing, as in torch.optim)."""
-    for tag, layout in self._layout.items():
-      steps = layout[2]
-      for i, t in enumerate(layout[1]):
+    for tag, layout in self._layouts().items():
+      steps = layout.steps
+      for i, t in enumerate(layout.tracked):
         g = t.param.grad
         if g is None:
           continue
