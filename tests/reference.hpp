@@ -135,7 +135,7 @@ inline state random_state(std::size_t n, std::mt19937& rng) {
   return s;
 }
 
-/// The update rule of DESIGN.md in double, for one element, with the magnitudes of the
+/// The update rule of docs/design.md in double, for one element, with the magnitudes of the
 /// summed terms (float rounding error is bounded relative to those, not to the result).
 struct moments_result {
   double m, v, m_terms, v_terms;

@@ -13,7 +13,7 @@ enum class adam_mode : unsigned char {
   adamw = 1, ///< decoupled: p *= 1 - lr * wd before the update (torch AdamW, optax.adamw)
 };
 
-/// Hyper-parameters of the Adam/AdamW update (see DESIGN.md, "The update rule"). Names
+/// Hyper-parameters of the Adam/AdamW update (see docs/design.md, "The update rule"). Names
 /// follow torch.optim; eps_root and nesterov follow optax. All may change between steps.
 struct adam_config {
   double lr = 1e-3;           ///< learning rate, >= 0 and finite

@@ -44,7 +44,7 @@ struct execution_options {
   std::string kernel; ///< kernel name from kernels(); empty means active_kernel()
 };
 
-/// One fused Adam/AdamW step (DESIGN.md) over `n` contiguous f32 elements owned by the
+/// One fused Adam/AdamW step (docs/design.md, "The update rule") over `n` contiguous f32 elements owned by the
 /// caller: reads grad (f32/bf16/f16), updates params/exp_avg/exp_avg_sq in place and,
 /// when `out.data` is set, writes the new parameters to `out` in its dtype, in one pass.
 /// `step` is the 1-based step number t used for bias correction; `grad_scale` multiplies
