@@ -1280,3 +1280,31 @@ def test_a_frozen_parameters_entry_appears_at_its_first_step_through_copies_and_
   o2.step()
   assert float(o2.state[ours2[1]]["step"]) == 1.0
   torch.testing.assert_close(o2.state[ours2[1]]["exp_avg"], torch.full((4,), 0.55))
+
+
+@pytest.mark.parametrize("kw, error", [({"threads": 1.7}, TypeError), ({"threads": "2"}, TypeError),
+                                        ({"threads": True}, TypeError), ({"threads": -1}, ValueError),
+                                        ({"threads": 1 << 20}, ValueError), ({"offload_chunk": 1.5}, TypeError),
+                                        ({"offload_chunk": 0}, ValueError), ({"moments": 8}, ValueError),
+                                        ({"moments": "4bit"}, ValueError)])
+def test_counts_and_formats_are_checked_at_construction_never_truncated(kw, error):
+  p = torch.nn.Parameter(torch.ones(3))
+  with pytest.raises(error, match=next(iter(kw))):
+    htorch.AdamW([p], **kw)
+
+
+def test_a_stepped_parameters_state_reset_in_place_stays_in_state_dict_as_torch():
+  def make(cls):
+    params = [torch.nn.Parameter(torch.linspace(-1, 1, 12)), torch.nn.Parameter(torch.linspace(0, 1, 4))]
+    opt = cls(params, lr=0.1)
+    for p in params:
+      p.grad = torch.ones(p.shape)
+    opt.step()
+    st = opt.state[params[0]]  # reset in place: still the stepped parameter's entry
+    st["step"].zero_()
+    st["exp_avg"].zero_()
+    st["exp_avg_sq"].zero_()
+    return opt
+  ours, theirs = make(htorch.AdamW), make(torch.optim.AdamW)
+  assert sorted(ours.state_dict()["state"]) == sorted(theirs.state_dict()["state"]) == [0, 1]
+  assert float(ours.state_dict()["state"][0]["step"]) == 0.0

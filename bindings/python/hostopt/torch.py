@@ -97,7 +97,7 @@ import numpy as np
 import torch
 
 from . import _core, _moments
-from ._arrays import as_buffer, check_optional_bool, check_seed as _check_seed
+from ._arrays import as_buffer, check_optional_bool, check_seed as _check_seed, integer
 from ._block_checks import report as _report_blocks
 from ._dtypes import kernel_tag, tag_of
 from ._torch_offload import ChunkEvents, DeviceBuffers
@@ -244,6 +244,14 @@ def _encoded(m32: torch.Tensor, v32: torch.Tensor, fmt: str, like: torch.Tensor,
   out = {key: _arena_view(c, like) for key, c in zip(_CODES, (cm, cv))}
   out[_SCALES] = torch.from_numpy(scales).view(-1, 2)
   return out
+
+
+def _moment_format(name, where: str) -> str:
+  """The canonical name of a moment format; ValueError naming `where` for any other value."""
+  try:
+    return _core.moment_format(str(name))
+  except ValueError as e:
+    raise ValueError(f"{where} = {name!r}: {e}") from None
 
 
 def _check_hparams(group: dict, where: str) -> None:
@@ -437,17 +445,18 @@ class _HostAdam(torch.optim.Optimizer):
       decoupled_weight_decay = self._mode == "adamw"
     defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False, foreach=foreach,
                     maximize=bool(maximize), capturable=False, differentiable=False, fused=fused,
-                    decoupled_weight_decay=bool(decoupled_weight_decay), moments=_core.moment_format(moments),
+                    decoupled_weight_decay=bool(decoupled_weight_decay), moments=_moment_format(moments, "moments"),
                     rounding_seed=_check_seed(rounding_seed, "rounding_seed"))
-    self._threads = default_threads() if threads is None else int(threads)
+    self._threads = default_threads() if threads is None else integer(
+        threads, "threads", (0, _core.max_threads() + 1), f"an int in [0, {_core.max_threads()}] (0 = the threading "
+        "runtime's default), or None (default_threads())")
     if offload not in (None, "host", "cuda"):
       raise ValueError(f"offload={offload!r}: expected None (CUDA parameters go through the pipeline, CPU ones are "
                        "stepped in place), 'cuda', or 'host' (CPU tensors stand in for device tensors)")
     if overlap and offload == "host":
       raise ValueError("overlap=True needs CUDA parameters: the device waits for the new parameters on its stream; "
                        "with offload='host' torch's CPU ops are not stream-ordered, so step() must wait")
-    if int(offload_chunk) <= 0:
-      raise ValueError(f"offload_chunk={offload_chunk}: expected a positive number of elements per chunk")
+    offload_chunk = integer(offload_chunk, "offload_chunk", (1, 1 << 62), "a positive number of elements per chunk")
     if overlap_backward and not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
       raise ValueError(f"overlap_backward=True needs post-accumulate-grad hooks (torch >= 2.1); this is torch "
                        f"{torch.__version__}")
@@ -530,9 +539,13 @@ class _HostAdam(torch.optim.Optimizer):
   # --- layout -------------------------------------------------------------------------
   @_serialized
   def add_param_group(self, param_group: dict) -> None:
+    """Adds a parameter group, as torch.optim: its own hyper-parameters (and ``moments``,
+    ``rounding_seed``), the others from the constructor's defaults. Its parameters are
+    trained from the next step, starting at step 1; an unknown format or a bad seed is
+    refused now (ValueError)."""
     self._refuse_unsupported(param_group, "param group")
     if "moments" in param_group:  # an unknown format is named now, not at the first step
-      param_group["moments"] = _core.moment_format(str(param_group["moments"]))
+      param_group["moments"] = _moment_format(param_group["moments"], "param group moments")
     if "rounding_seed" in param_group:
       param_group["rounding_seed"] = _check_seed(param_group["rounding_seed"], "param group rounding_seed")
     super().add_param_group(param_group)
@@ -1025,9 +1038,14 @@ class _HostAdam(torch.optim.Optimizer):
       _report_blocks(self, self.last_step, "hostopt.torch")
 
   @_serialized
-  def zero_grad(self, *args, **kwargs):
+  def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
+    """Resets the gradients, as torch.optim.Optimizer.zero_grad: ``set_to_none`` None is the
+    installed torch's default (True since torch 2.0), True sets each ``p.grad`` to None,
+    False zeroes it in place (a zero gradient is a gradient: the parameter is stepped)."""
     self._views = {}  # the cached views must not keep freed gradients alive
-    return super().zero_grad(*args, **kwargs)
+    if set_to_none is None:
+      return super().zero_grad()
+    return super().zero_grad(set_to_none)
 
   # --- the step -----------------------------------------------------------------------
   @torch.no_grad()
@@ -1158,17 +1176,12 @@ class _HostAdam(torch.optim.Optimizer):
   def state_dict(self) -> dict:
     """torch's format, as copies: the tensors handed out are not the arena, so an
     optimizer that loads them (torch 2 does not copy) never shares hostopt's state. 16-bit
-    parameters add their f32 masters as "master_param". A parameter that never received a
-    gradient has no entry, as in torch (its state is all zeros at step 0)."""
+    parameters add their f32 masters as "master_param". The entries are opt.state's, as in
+    torch: a parameter that never received a gradient has none."""
     self._drain()
     sd = super().state_dict()
-
-    def never_stepped(st: dict) -> bool:
-      return ("step" in st and float(st["step"]) == 0 and
-              all(not torch.is_tensor(st.get(k)) or not torch.count_nonzero(st[k]) for k in _MOMENTS + _CODES))
-
     sd["state"] = {k: {key: (v.clone() if torch.is_tensor(v) else v) for key, v in st.items()}
-                   for k, st in sd["state"].items() if not never_stepped(st)}
+                   for k, st in sd["state"].items()}
     return sd
 
   @_serialized
@@ -1363,8 +1376,9 @@ def _doc(mode: str) -> str:
       the gradient), as torch 2's ``Adam(decoupled_weight_decay=...)``; per group.
     threads (int or None, default None): CPU threads of the step. None: every physical
       core of the process's CPU set (``hostopt.torch.default_threads()``); 0: the threading
-      runtime's default. More than 4 times the hardware threads (or 1024), or a negative
-      count, is refused (ValueError) at the first step.
+      runtime's default. An integer (a float, bool or string: TypeError, never truncated);
+      more than 4 times the hardware threads (``hostopt._core.max_threads()``, at most
+      1024), or a negative count: ValueError.
     offload (str or None, default None): where the parameters live. None: CUDA parameters
       go through the offload pipeline (they become views of one flat device buffer; the
       gradients are copied to host memory and the new parameters back, chunk by chunk,
@@ -1376,7 +1390,7 @@ def _doc(mode: str) -> str:
       contiguous (refused at the first step otherwise).
     offload_chunk (int, default 1 << 22): elements per pipeline chunk (the unit copied and
       updated while the next one is in flight; cut on whole 32-element blocks with 8-bit
-      moments). ``> 0``, else ValueError.
+      moments). An integer ``> 0``: ValueError otherwise (TypeError for a float or bool).
     overlap (bool, default False): offloaded: ``step()`` returns without waiting for the
       CPU update; the device stream waits for the new parameters on its own, and an error
       surfaces at the next ``step``/``state_dict``. Refused with ``offload="host"``
