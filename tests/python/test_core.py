@@ -481,3 +481,9 @@ def test_the_docstring_examples_run(name):
   for t in doctest.DocTestFinder().find(getattr(hostopt, name), name, globs={}):
     runner.run(t)
   assert runner.tries > 0 and runner.failures == 0
+
+
+@pytest.mark.parametrize("extra", [{"beta1": 0.5}, {"beta2": 0.5}])
+def test_betas_and_beta1_or_beta2_together_are_refused(extra):
+  with pytest.raises(ValueError, match="betas and beta"):
+    hostopt.Optimizer([{"params": {"w": (3,)}, "betas": (0.9, 0.99), **extra}])

@@ -475,3 +475,9 @@ def test_each_factory_documents_every_argument_and_its_example_runs(name):
   for t in doctest.DocTestFinder().find(factory, name, globs={}):
     runner.run(t)
   assert runner.tries > 0 and runner.failures == 0
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+def test_a_max_grad_norm_no_step_can_use_is_refused_at_construction(bad):
+  with pytest.raises(ValueError, match="max_grad_norm"):
+    hj.adamw({"w": jnp.ones(4)}, learning_rate=1e-3, max_grad_norm=bad)

@@ -608,3 +608,10 @@ def test_each_factory_shows_optax_signature_and_documents_every_argument_and_opt
                 if not re.search(rf"^\s+{p}( \(|:)", args, re.M)]
   assert documented == []
   assert _run_doctests(factory, name) > 0
+
+
+@pytest.mark.parametrize("value", ["no", 1, 0, None, 1.0])
+def test_reuse_state_is_a_bool_never_a_truthy_value(value):
+  # bool("no") is True: a string (or an int) taken for a bool would consume the caller's state.
+  with pytest.raises(TypeError, match="reuse_state"):
+    hoptax.adamw(1e-3, reuse_state=value)

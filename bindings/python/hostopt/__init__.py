@@ -14,7 +14,7 @@ import operator
 import numpy as np
 
 from . import _core, _moments
-from ._arrays import as_buffer, check_seed
+from ._arrays import INT32 as _INT32, INT64 as _INT64, as_buffer, check_seed, integer as _integer
 from ._block_checks import CompressedMomentsWarning, report as _report_blocks
 
 __version__ = _core.__version__
@@ -35,34 +35,6 @@ def kernels() -> List[Tuple[str, bool]]:
 
 
 _CONFIG_KEYS = tuple(_core.AdamConfig().as_dict())  # the C++ field list: lr, beta1, ..., nesterov
-
-
-_INT64 = (-(1 << 63), 1 << 63)
-_INT32 = (-(1 << 31), 1 << 31)
-
-
-def _integer(value, what: str, bounds: Tuple[int, int] = _INT64, rule: str = "") -> int:
-  """An integer argument: a Python or numpy integer (anything with __index__), never a
-  float, bool or string truncated or parsed silently. TypeError naming `what` otherwise;
-  ValueError outside [bounds[0], bounds[1]) (`rule` says the range, default the bounds)."""
-  if isinstance(value, (bool, np.bool_)):
-    raise TypeError(f"{what} = {value!r}: expected an integer, not a bool")
-  try:
-    v = operator.index(value)
-  except TypeError:
-    raise TypeError(f"{what} = {value!r}: expected an integer (a {type(value).__name__} is never truncated "
-                    "silently)") from None
-  if not bounds[0] <= v < bounds[1]:
-    rng = rule or f"an integer in [{_power(bounds[0])}, {_power(bounds[1])})"
-    raise ValueError(f"{what} = {v}: expected {rng}")
-  return v
-
-
-def _power(x: int) -> str:
-  """-2**63, 2**31, 0, 5 as written."""
-  if x and abs(x) & (abs(x) - 1) == 0 and abs(x) > 1024:
-    return ("-" if x < 0 else "") + f"2**{abs(x).bit_length() - 1}"
-  return str(x)
 
 
 def _bool(value, what: str) -> bool:
@@ -91,6 +63,9 @@ def _config(d: Mapping) -> dict:
   if unknown:
     raise ValueError(f"unknown hyper-parameter(s) {sorted(unknown)}; expected some of {_CONFIG_KEYS} (or betas)")
   c = {k: d[k] for k in _CONFIG_KEYS if k in d}
+  if "betas" in d and ("beta1" in d or "beta2" in d):  # two values for one hyper-parameter
+    raise ValueError(f"betas and {'beta1' if 'beta1' in d else 'beta2'} both given: pass betas=(beta1, beta2) "
+                     "or beta1/beta2, not both")
   if "betas" in d:
     c["beta1"], c["beta2"] = (_real(b, f"betas[{i}]") for i, b in enumerate(d["betas"]))
   for k in ("lr", "beta1", "beta2", "eps", "eps_root", "weight_decay"):

@@ -2,6 +2,8 @@
 
 from typing import Any, Tuple
 
+import operator
+
 import numpy as np
 
 
@@ -79,6 +81,29 @@ def check_optional_bool(value: Any, where: str) -> Any:
   raise TypeError(f"{where} = {value!r}: expected None, True or False")
 
 
-# The 8-bit format's block exponent bytes as its encoder writes them: m's at most 239, v's
-# at most 223 (the top code's exponent stays below f32's 255), or 255 for a block whose
-# moment was not finite (it decodes as NaN).
+INT64 = (-(1 << 63), 1 << 63)
+INT32 = (-(1 << 31), 1 << 31)
+
+
+def integer(value, what: str, bounds: Tuple[int, int] = INT64, rule: str = "") -> int:
+  """An integer argument: a Python or numpy integer (anything with __index__), never a
+  float, bool or string truncated or parsed silently. TypeError naming `what` otherwise;
+  ValueError outside [bounds[0], bounds[1]) (`rule` says the range, default the bounds)."""
+  if isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{what} = {value!r}: expected an integer, not a bool")
+  try:
+    v = operator.index(value)
+  except TypeError:
+    raise TypeError(f"{what} = {value!r}: expected an integer (a {type(value).__name__} is never truncated "
+                    "silently)") from None
+  if not bounds[0] <= v < bounds[1]:
+    rng = rule or f"an integer in [{power_text(bounds[0])}, {power_text(bounds[1])})"
+    raise ValueError(f"{what} = {v}: expected {rng}")
+  return v
+
+
+def power_text(x: int) -> str:
+  """-2**63, 2**31, 0, 5 as written."""
+  if x and abs(x) & (abs(x) - 1) == 0 and abs(x) > 1024:
+    return ("-" if x < 0 else "") + f"2**{abs(x).bit_length() - 1}"
+  return str(x)

@@ -60,6 +60,7 @@ path with CPU arrays standing in for device arrays (how it is tested without a G
 """
 
 import collections
+import math
 import sys
 import threading
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, cast
@@ -192,6 +193,8 @@ class HostAdam:
       self._core.params(name)[...] = np.asarray(jax.device_get(x), dtype=np.float32)
     self._threads = int(threads)
     self._max_grad_norm = float(max_grad_norm or 0.0)
+    if not (math.isfinite(self._max_grad_norm) and self._max_grad_norm >= 0):  # refused now, not at a step
+      raise ValueError(f"max_grad_norm = {max_grad_norm!r}: expected None, 0 (no clipping) or a finite value > 0")
     # None: checked when a group has 8-bit moments (a NaN would poison its whole block).
     self._skip_auto = skip_nonfinite is None
     self._skip_nonfinite = "8bit" in self._formats if skip_nonfinite is None else skip_nonfinite
@@ -436,6 +439,7 @@ class HostAdam:
 
   @property
   def step_count(self) -> int:
+    """Applied steps so far (skipped steps do not count)."""
     return self._core.step_count
 
   @property
@@ -685,8 +689,9 @@ def _doc(decoupled: bool) -> str:
 {_DECAY_ARGS if decoupled else ""}    nesterov (bool, default False): optax's NAdam (nadam{"w" if decoupled else ""}).
     param_dtype (numpy.dtype or None, default None): the dtype of the params ``step`` returns
       (float32, bfloat16 or float16; None: each leaf's own). The masters stay float32.
-    max_grad_norm (float or None, default None): > 0 clips the gradients by global norm
-      (optax.clip_by_global_norm's rule), folded into the step.
+    max_grad_norm (float or None, default None): > 0 (finite) clips the gradients by global norm
+      (optax.clip_by_global_norm's rule), folded into the step; None or 0: no clipping.
+      Negative, NaN or infinite: ValueError.
     skip_nonfinite (bool or None, default None): True checks the gradients first: a
       non-finite one skips the step, changing nothing (``last_step.applied`` False). None:
       checked when a group has 8-bit moments (on the offloaded path, not over

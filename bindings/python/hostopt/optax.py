@@ -545,6 +545,9 @@ def _make(args: dict, decoupled: bool) -> optax.GradientTransformationExtraArgs:
   except ValueError as e:
     raise ValueError(f"moments: {e}") from None
   seed = check_seed(options["rounding_seed"], "rounding_seed")
+  if not isinstance(reuse_state, (bool, np.bool_)):  # (bool("no") is True: never taken for one)
+    raise TypeError(f"reuse_state = {reuse_state!r}: expected True or False")
+  reuse_state = bool(reuse_state)
   if state_memory not in (None, "pinned_host"):
     raise ValueError(f"state_memory = {state_memory!r}: expected None (the params' memory, as optax) or "
                      "'pinned_host'")
@@ -869,7 +872,8 @@ _HOSTOPT_ARGS = (
      "hostopt._core.max_threads()]``, else ValueError."),
     ("reuse_state", "bool",
      "numpy states only: mu and nu are updated in place, in the caller's arrays (the state passed in is "
-     "consumed), saving two copies per step. Refused with compressed moments (ValueError)."),
+     "consumed), saving two copies per step. True or False, else TypeError; refused with compressed moments "
+     "(ValueError)."),
     ("state_memory", "str or None",
      "None keeps the state in the params' memory, as optax. ``\"pinned_host\"``: on an accelerator, ``init`` "
      "puts the kernel leaves' float32 mu and nu (or the compressed codes and scales) in the devices' pinned host "
