@@ -10,7 +10,7 @@ install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/hostopt DESTINATION ${CMAKE_INST
         FILES_MATCHING PATTERN "*.hpp")
 install(FILES ${PROJECT_BINARY_DIR}/include/hostopt/version.hpp
         DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/hostopt)
-install(FILES ${PROJECT_SOURCE_DIR}/LICENSE DESTINATION ${CMAKE_INSTALL_DATADIR}/doc/hostopt)
+install(FILES ${PROJECT_SOURCE_DIR}/LICENSE ${PROJECT_SOURCE_DIR}/NOTICE DESTINATION ${CMAKE_INSTALL_DATADIR}/doc/hostopt)
 install(EXPORT hostoptTargets NAMESPACE hostopt:: DESTINATION ${HOSTOPT_CMAKE_DIR})
 
 configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/hostoptConfig.cmake.in
