@@ -1,5 +1,7 @@
 #include "bench_common.hpp"
 
+#include "hostopt/kernels.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -67,7 +69,7 @@ void check_memory(std::size_t bytes, const std::string& what) {
   std::ostringstream os;
   os.precision(3);
   os << what << " needs " << double(bytes) / (1 << 30) << " GiB but only " << double(avail) / (1 << 30)
-     << " GiB of memory is available: use a smaller --size (or a smaller model), or fewer threads";
+     << " GiB of memory is available: use a smaller size (--size, or a smaller model or shapes file), or fewer threads";
   throw std::runtime_error(os.str());
 }
 
@@ -177,8 +179,10 @@ std::vector<int> parse_threads(const std::string& text) {
   while (std::getline(ss, item, ',')) {
     char* end = nullptr;
     const long t = std::strtol(item.c_str(), &end, 10);
-    if (item.empty() || *end != '\0' || t < 1 || t > 4096)
-      throw std::invalid_argument("threads '" + text + "': expected a list like 1,2,4 of counts >= 1, or 'all'");
+    const int most = hostopt::max_threads(); // the core's bound, named here before anything runs
+    if (item.empty() || *end != '\0' || t < 1 || t > most)
+      throw std::invalid_argument("threads '" + text + "': expected a list like 1,2,4 of counts in [1, " +
+                                  std::to_string(most) + "], or 'all'");
     out.push_back(int(t));
   }
   if (out.empty()) throw std::invalid_argument("threads '': expected a list like 1,2,4 or 'all'");

@@ -100,10 +100,19 @@ int main(int argc, char** argv) {
   common.progress = !quiet;
   try {
     if (list->parsed()) {
+      if (common.format == bench::output_format::table) {
+        for (const auto& k : hostopt::kernels())
+          std::cout << k.name << (k.supported ? "" : " (not supported here)")
+                    << (k.supported && k.name == hostopt::active_kernel() ? "  <- active" : "") << "\n    "
+                    << k.description << "; needs " << k.required << "\n";
+        return finish_output(exit_ok);
+      }
+      bench::report r("kernels"); // --json / --csv: one row per kernel
       for (const auto& k : hostopt::kernels())
-        std::cout << k.name << (k.supported ? "" : " (not supported here)")
-                  << (k.supported && k.name == hostopt::active_kernel() ? "  <- active" : "") << "\n    "
-                  << k.description << "; needs " << k.required << "\n";
+        r.add_row({{"kernel", k.name}, {"supported", k.supported},
+                   {"active", k.supported && k.name == hostopt::active_kernel()},
+                   {"description", k.description}, {"needs", k.required}});
+      r.print(std::cout, common.format);
       return finish_output(exit_ok);
     }
     bench::report r("");

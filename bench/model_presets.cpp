@@ -91,6 +91,10 @@ std::vector<tensor_spec> read_shapes_file(const std::string& path) {
     out.push_back(std::move(t));
   }
   if (out.empty()) throw std::invalid_argument("shapes file '" + path + "': no tensors (expected lines 'name d0 d1 ...')");
+  std::size_t total = 0;
+  for (const auto& t : out) total += numel(t);
+  if (total == 0) // as a size of 0: nothing to step, nothing to time
+    throw std::invalid_argument("shapes file '" + path + "': every tensor has 0 elements (nothing to step)");
   return out;
 }
 
