@@ -3,27 +3,19 @@
 #include "hostopt/checkpoint.hpp"
 
 #include <algorithm>
-#include <atomic>
-#include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <dirent.h>
 #include <map>
-#include <random>
 #include <set>
-#include <sys/file.h>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <vector>
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <nlohmann/json.hpp>
 
+#include "atomic_file.hpp"
 #include "checkpoint_io.hpp"
 #include "exclusive_state.hpp"
 #include "q8_exponents.hpp"
@@ -42,11 +34,7 @@ constexpr std::size_t io_block = std::size_t(4) << 20;                // staging
 constexpr const char* checksum_placeholder = "0000000000000000";
 
 [[noreturn]] void fail(const std::string& path, const std::string& what) {
-  throw std::runtime_error("checkpoint '" + path + "': " + what);
-}
-
-[[noreturn]] void fail_errno(const std::string& path, const std::string& what) {
-  fail(path, what + ": " + std::strerror(errno));
+  detail::fail_file(detail::checkpoint_owner, path, what);
 }
 
 // JSON from a file, with every object's keys unique: json::parse keeps the last of two
@@ -198,154 +186,6 @@ std::int64_t parse_count(const std::string& path, const char* key, const std::st
   return std::int64_t(v);
 }
 
-void write_all(int fd, const void* data, std::size_t n, const std::string& path) {
-  const char* p = static_cast<const char*>(data);
-  while (n) {
-    const ssize_t w = ::write(fd, p, n);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      fail_errno(path, "write failed");
-    }
-    p += w;
-    n -= std::size_t(w);
-  }
-}
-
-void read_all_at(int fd, void* dst, std::uint64_t n, std::uint64_t at, const std::string& path) {
-  char* p = static_cast<char*>(dst);
-  while (n) {
-    const ssize_t r = ::pread(fd, p, std::size_t(std::min<std::uint64_t>(n, io_block)), off_t(at));
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0) fail_errno(path, "read failed");
-    if (r == 0) fail(path, "truncated: the file ends at byte " + std::to_string(at));
-    p += r;
-    n -= std::uint64_t(r);
-    at += std::uint64_t(r);
-  }
-}
-
-std::string directory_of(const std::string& path) {
-  const auto slash = path.find_last_of('/');
-  if (slash == std::string::npos) return ".";
-  return slash == 0 ? "/" : path.substr(0, slash);
-}
-
-std::string base_of(const std::string& path) {
-  const auto slash = path.find_last_of('/');
-  return slash == std::string::npos ? path : path.substr(slash + 1);
-}
-
-// Temp files are "<name>.hostopt-tmp.<pid>.<16 random hex digits>": unique per call (a
-// restarted process may reuse a pid), and flock()ed by their writer for as long as it
-// writes, so a later save can tell a dead writer's leftovers (no lock) from a live one's.
-std::string temp_prefix(const std::string& path) { return base_of(path) + ".hostopt-tmp."; }
-
-std::string unique_temp_path(const std::string& path) {
-  static std::atomic<std::uint64_t> counter{0};
-  static const std::uint64_t seed = [] {
-    std::random_device rd;
-    return (std::uint64_t(rd()) << 32) ^ rd();
-  }();
-  std::uint64_t x = seed + 0x9E3779B97F4A7C15ull * (counter.fetch_add(1) + 1);
-  x ^= x >> 31; // splitmix64's finalizer
-  x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 27;
-  return directory_of(path) + "/" + temp_prefix(path) + std::to_string(::getpid()) + "." + hex(x);
-}
-
-// Removes temp files of this path whose writer is gone (a kill -9 mid-save): nobody holds
-// their lock. Best effort: a failure here never fails the save.
-void remove_stale_temps(const std::string& path) {
-  const std::string dir = directory_of(path), prefix = temp_prefix(path);
-  DIR* d = ::opendir(dir.c_str());
-  if (!d) return;
-  while (const dirent* e = ::readdir(d)) {
-    const std::string name = e->d_name;
-    if (name.compare(0, prefix.size(), prefix) != 0) continue;
-    const int fd = ::openat(::dirfd(d), name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
-    if (fd < 0) continue;
-    struct stat st {};
-    if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && ::flock(fd, LOCK_EX | LOCK_NB) == 0)
-      ::unlinkat(::dirfd(d), name.c_str(), 0); // unlocked: its writer is gone
-    ::close(fd);
-  }
-  ::closedir(d);
-}
-
-// What may be replaced: nothing (a new file) or a regular file. Devices, fifos, sockets,
-// directories and symbolic links are refused: as root a save to /dev/null would otherwise
-// replace the device node.
-void check_replaceable(const std::string& path, const std::string& what) {
-  struct stat st {};
-  if (::lstat(path.c_str(), &st) != 0) {
-    if (errno == ENOENT) return;
-    fail_errno(path, "cannot stat " + what);
-  }
-  if (S_ISREG(st.st_mode)) return;
-  if (S_ISLNK(st.st_mode))
-    fail(path, what + " is a symbolic link: hostopt replaces files atomically by renaming over them and will not "
-                      "replace a link or write through it; save to the link's target instead");
-  fail(path, what + " exists and is not a regular file (a device, fifo, socket or directory): refusing to replace it");
-}
-
-void fsync_directory(const std::string& path) {
-  const int dfd = ::open(directory_of(path).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) { // make the rename itself durable
-    ::fsync(dfd);
-    ::close(dfd);
-  }
-}
-
-// Creates a unique temp file beside `path`, lets `fill` write it, fsyncs, renames it over
-// `path` and fsyncs the directory. On any error the temp file is removed.
-template <class Fill>
-void replace_atomically(const std::string& path, const std::string& what, Fill&& fill) {
-  detail::check_path(path, what);
-  check_replaceable(path, what);
-  remove_stale_temps(path);
-  std::string tmp;
-  int fd = -1;
-  for (int attempt = 0; fd < 0; ++attempt) {
-    tmp = unique_temp_path(path);
-    fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
-    if (fd < 0 && (errno != EEXIST || attempt == 8)) fail_errno(tmp, "cannot create the temporary file");
-    if (fd < 0) continue;
-    // Locked while written; a cleaner that removed it between open and flock is detected.
-    struct stat mine {}, named {};
-    if (::flock(fd, LOCK_EX | LOCK_NB) != 0 || ::fstat(fd, &mine) != 0 || ::stat(tmp.c_str(), &named) != 0 ||
-        mine.st_ino != named.st_ino || mine.st_dev != named.st_dev) {
-      ::close(fd);
-      fd = -1;
-      if (attempt == 8) fail(tmp, "cannot create and lock a temporary file");
-    }
-  }
-  try {
-    fill(fd, tmp);
-    if (::fsync(fd) != 0) fail_errno(tmp, "fsync failed");
-  } catch (...) {
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    throw;
-  }
-  if (::close(fd) != 0) {
-    ::unlink(tmp.c_str());
-    fail_errno(tmp, "close failed");
-  }
-  try {
-    check_replaceable(path, what); // it may have been replaced while we wrote
-  } catch (...) {
-    ::unlink(tmp.c_str());
-    throw;
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    errno = err;
-    fail_errno(path, "cannot rename the temporary file over it");
-  }
-  fsync_directory(path);
-}
-
 // Whether the bits of an f32 or bf16 exp_avg_sq value are negative: below -0.0, up to
 // -inf (NaN excluded). No step produces one — v starts at +0 and only ever adds g*g >= +0
 // to beta2 * v, so a negative v comes from a crafted file or a buggy writer, and would turn
@@ -395,35 +235,6 @@ namespace detail {
 
 nlohmann::json parse_json_unique(const std::string& path, const std::string& what, const std::string& text) {
   return parse_unique(path, what, text);
-}
-
-void check_path(const std::string& path, const std::string& what) {
-  if (path.empty()) throw std::invalid_argument(what + ": the path is empty");
-  if (path.find('\0') != std::string::npos)
-    throw std::invalid_argument(what + " '" + std::string(path.c_str()) +
-                                "...': the path holds a NUL byte (it would be cut there): refused");
-}
-
-std::string read_small_file(const std::string& path, const std::string& what, std::size_t limit) {
-  check_path(path, what);
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) fail_errno(path, "cannot open " + what);
-  struct closer {
-    int fd;
-    ~closer() { ::close(fd); }
-  } guard{fd};
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) fail_errno(path, "cannot stat " + what);
-  if (!S_ISREG(st.st_mode)) fail(path, what + " is not a regular file: refused");
-  if (std::uint64_t(st.st_size) > limit)
-    fail(path, what + " has " + std::to_string(st.st_size) + " bytes: more than the " + std::to_string(limit) + " expected");
-  std::string text(std::size_t(st.st_size), '\0');
-  read_all_at(fd, text.data(), text.size(), 0, path);
-  return text;
-}
-
-void write_file_atomically(const std::string& path, const std::string& text, const std::string& what) {
-  replace_atomically(path, what, [&](int fd, const std::string& tmp) { write_all(fd, text.data(), text.size(), tmp); });
 }
 
 namespace {
@@ -540,14 +351,14 @@ void save_checkpoint(const optimizer& opt, const std::string& path, const checkp
   };
   for (const auto& c : chunks) refuse_negative(reinterpret_cast<const unsigned char*>(c.src), c.bytes, c, 0);
 
-  replace_atomically(path, "checkpoint", [&](int fd, const std::string& tmp) {
+  replace_file_atomically(checkpoint_owner, path, "checkpoint", [&](file_writer& out) {
     checksum64 sum;
     unsigned char len[8];
     for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(std::uint64_t(text.size()) >> (8 * i));
     sum.add(len, 8);
     sum.add(text.data(), text.size());
-    write_all(fd, len, 8, tmp);
-    write_all(fd, text.data(), text.size(), tmp);
+    out.write(len, 8);
+    out.write(text.data(), text.size());
     // The data goes out through one staging block: the bytes checksummed are the bytes
     // written, whatever another thread does to the arena through a view.
     std::vector<unsigned char> block(std::min<std::uint64_t>(io_block, std::max<std::uint64_t>(offset, 1)));
@@ -557,12 +368,11 @@ void save_checkpoint(const optimizer& opt, const std::string& path, const checkp
         std::memcpy(block.data(), c.src + done, len_now);
         refuse_negative(block.data(), len_now, c, done);
         sum.add(block.data(), len_now);
-        write_all(fd, block.data(), len_now, tmp);
+        out.write(block.data(), len_now);
         done += len_now;
       }
     const std::string digits = hex(sum.finish());
-    if (::pwrite(fd, digits.data(), digits.size(), off_t(checksum_pos)) != ssize_t(digits.size()))
-      fail_errno(tmp, "cannot write the checksum");
+    out.write_at(digits.data(), digits.size(), checksum_pos, "cannot write the checksum");
   });
 }
 
@@ -570,8 +380,10 @@ namespace {
 
 // One checkpoint file, opened and verified in structure (everything but the checksum).
 struct source_file {
-  std::string path;
-  int fd = -1;
+  explicit source_file(file_reader f) : file(std::move(f)) {}
+  const std::string& path() const { return file.path(); }
+
+  file_reader file;
   std::uint64_t data_start = 0, data_size = 0;
   checksum64 head; // over the length and the header with its checksum digits zeroed
   std::string stored_checksum;
@@ -589,30 +401,6 @@ struct source_file {
     std::uint64_t bytes;
   };
   std::vector<entry> entries;
-
-  source_file() = default;
-  source_file(const source_file&) = delete;
-  source_file(source_file&& o) noexcept { *this = std::move(o); }
-  source_file& operator=(source_file&& o) noexcept {
-    std::swap(path, o.path);
-    std::swap(fd, o.fd);
-    data_start = o.data_start;
-    data_size = o.data_size;
-    head = o.head;
-    std::swap(stored_checksum, o.stored_checksum);
-    range = o.range;
-    std::swap(configs, o.configs);
-    step = o.step;
-    skipped = o.skipped;
-    std::swap(lags, o.lags);
-    std::swap(formats, o.formats);
-    std::swap(seeds, o.seeds);
-    std::swap(entries, o.entries);
-    return *this;
-  }
-  ~source_file() {
-    if (fd >= 0) ::close(fd);
-  }
 };
 
 arena_range parse_range(const std::string& path, const std::string& text, std::size_t end) {
@@ -631,7 +419,7 @@ arena_range parse_range(const std::string& path, const std::string& text, std::s
 // The file's moment formats and rounding seeds (absent: f32 moments, written before
 // compressed ones existed), one per group of the `groups` it has.
 void read_moment_formats(source_file& src, const json& meta, std::size_t groups) {
-  const std::string& path = src.path;
+  const std::string& path = src.path();
   src.formats.assign(groups, moment_format::f32);
   src.seeds.assign(groups, 0);
   if (!meta.contains("moments") && !meta.contains("rounding_seeds")) return;
@@ -662,20 +450,13 @@ void read_moment_formats(source_file& src, const json& meta, std::size_t groups)
 
 source_file open_source(const std::string& path, std::span<const segment> segs, std::span<const moment_format> want,
                         const checkpoint_metadata& expected, checkpoint_metadata* read_back) {
-  check_path(path, "checkpoint");
-  source_file src;
-  src.path = path;
-  // Non-blocking open: a fifo would otherwise block here forever; it is refused below.
-  src.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (src.fd < 0) fail_errno(path, "cannot open");
-  const int fd = src.fd;
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) fail_errno(path, "cannot stat");
-  if (!S_ISREG(st.st_mode)) fail(path, "not a regular file (a device, fifo, socket or directory): refused");
-  const std::uint64_t file_size = std::uint64_t(st.st_size);
+  source_file src(file_reader(checkpoint_owner, path,
+                              {"checkpoint", "cannot open", "cannot stat",
+                               "not a regular file (a device, fifo, socket or directory): refused"}));
+  const std::uint64_t file_size = src.file.size();
   if (file_size < 8) fail(path, "truncated: " + std::to_string(file_size) + " bytes, not even a header length");
   unsigned char len[8];
-  read_all_at(fd, len, 8, 0, path);
+  src.file.read_at(len, 8, 0);
   std::uint64_t header_len = 0;
   for (int i = 0; i < 8; ++i) header_len |= std::uint64_t(len[i]) << (8 * i);
   if (header_len > max_header_bytes)
@@ -685,7 +466,7 @@ source_file open_source(const std::string& path, std::span<const segment> segs, 
     fail(path, "truncated: the header claims " + std::to_string(header_len) + " bytes but the file has " +
                    std::to_string(file_size - 8) + " after the length");
   std::string text(header_len, '\0');
-  read_all_at(fd, text.data(), header_len, 8, path);
+  src.file.read_at(text.data(), header_len, 8);
   const json header = parse_unique(path, "the header", text);
   if (!header.is_object() || !header.contains("__metadata__") || !header["__metadata__"].is_object())
     fail(path, "the header has no __metadata__: not a hostopt checkpoint");
@@ -889,7 +670,7 @@ void verify_checksum(const source_file& s, std::span<const segment> layout, std:
   checksum64 sum = s.head;
   for (std::uint64_t done = 0; done < s.data_size;) {
     const std::uint64_t n = std::min<std::uint64_t>(block.size(), s.data_size - done);
-    read_all_at(s.fd, block.data(), n, s.data_start + done, s.path);
+    s.file.read_at(block.data(), n, s.data_start + done);
     sum.add(block.data(), std::size_t(n));
     for (std::size_t i = next; bad.empty() && i < scales.size() && scales[i]->begin < done + n; ++i) {
       const source_file::entry& e = *scales[i];
@@ -945,9 +726,9 @@ void verify_checksum(const source_file& s, std::span<const segment> layout, std:
     done += n;
   }
   if (hex(sum.finish()) != s.stored_checksum)
-    fail(s.path, "checksum mismatch (file " + s.stored_checksum + ", contents " + hex(sum.finish()) +
+    fail(s.path(), "checksum mismatch (file " + s.stored_checksum + ", contents " + hex(sum.finish()) +
                      "): the header or the data is corrupted");
-  if (!bad.empty()) fail(s.path, bad);
+  if (!bad.empty()) fail(s.path(), bad);
 }
 
 bool same_config(const adam_config& a, const adam_config& b) {
@@ -976,18 +757,18 @@ void load_checkpoint(optimizer& opt, std::span<const std::string> paths, std::sp
                   s.lags == first.lags && s.seeds == first.seeds;
       for (std::size_t g = 0; same && g < s.configs.size(); ++g) same = same_config(s.configs[g], first.configs[g]);
       if (!same)
-        fail(s.path, "its step, skipped steps, hyper-parameters or rounding seeds differ from '" + first.path +
+        fail(s.path(), "its step, skipped steps, hyper-parameters or rounding seeds differ from '" + first.path() +
                          "': files of different saves");
     }
 
     // Everything below runs with the optimizer locked; a load may replace a failed state.
     exclusive_state state(opt, "load_checkpoint", true);
     if (first.configs.size() != state.configs().size())
-      fail(first.path, std::to_string(first.configs.size()) + " parameter groups, the optimizer has " +
+      fail(first.path(), std::to_string(first.configs.size()) + " parameter groups, the optimizer has " +
                            std::to_string(state.configs().size()));
     const arena_range held = state.range();
     if (!first.lags.empty() && (held.begin != 0 || held.end != arena_end(layout)))
-      fail(first.path, "its tensors have step counts of their own (tensor_steps: a per-tensor step skipped some), "
+      fail(first.path(), "its tensors have step counts of their own (tensor_steps: a per-tensor step skipped some), "
                        "which an optimizer holding a range of the arena (a shard) cannot take");
     // Which part of the held range each file provides: files in range order, each element
     // from the first file that has it; together they must cover the held range.
@@ -1004,7 +785,7 @@ void load_checkpoint(optimizer& opt, std::span<const std::string> paths, std::sp
       reach = std::max(reach, std::min(held.end, r.end));
     }
     if (reach < held.end)
-      fail(first.path, "the files hold no state for arena elements [" + std::to_string(reach) + ", " +
+      fail(first.path(), "the files hold no state for arena elements [" + std::to_string(reach) + ", " +
                            std::to_string(held.end) + ") that this optimizer holds (range " + range_text(held) + ")");
     // Pass 1 verifies every file, streaming (no second copy of the state in memory).
     std::vector<unsigned char> block(io_block);
@@ -1038,7 +819,7 @@ void load_checkpoint(optimizer& opt, std::span<const std::string> paths, std::sp
         std::size_t next = 0;
         for (std::uint64_t done = 0; done < s.data_size;) {
           const std::uint64_t n = std::min<std::uint64_t>(block.size(), s.data_size - done);
-          read_all_at(s.fd, block.data(), n, s.data_start + done, s.path);
+          s.file.read_at(block.data(), n, s.data_start + done);
           sum.add(block.data(), std::size_t(n));
           // Copies overlapping [done, done + n).
           for (std::size_t c = next; c < copies.size() && copies[c].begin < done + n; ++c) {
@@ -1050,7 +831,7 @@ void load_checkpoint(optimizer& opt, std::span<const std::string> paths, std::sp
           }
           done += n;
         }
-        if (hex(sum.finish()) != s.stored_checksum) fail(s.path, "the file changed while it was being loaded");
+        if (hex(sum.finish()) != s.stored_checksum) fail(s.path(), "the file changed while it was being loaded");
       }
     } catch (const std::exception& e) {
       state.mark_failed(std::string("load_checkpoint stopped midway: ") + e.what());

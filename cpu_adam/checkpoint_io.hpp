@@ -5,6 +5,7 @@
 #include <map>
 #include <span>
 #include <string>
+#include <string_view>
 
 #include <nlohmann/json.hpp>
 
@@ -13,6 +14,10 @@
 namespace hostopt::detail {
 
 using checkpoint_metadata = std::map<std::string, std::string>;
+
+/// Checkpoint errors name their file "checkpoint '<path>': <problem>": the owner (see
+/// atomic_file.hpp) of every file of a checkpoint, the sharded index too.
+inline constexpr std::string_view checkpoint_owner = "checkpoint";
 
 /// save_checkpoint, with `extra` entries added to __metadata__ (covered by the checksum;
 /// keys must not collide with hostopt's own).
@@ -38,19 +43,8 @@ void load_checkpoint(optimizer& opt, std::span<const std::string> paths, std::sp
 void read_checkpoint_metadata(const std::string& path, std::span<const segment> layout, checkpoint_metadata& values,
                               bool verify = false);
 
-/// Writes `text` to `path` atomically (unique temp file, fsync, rename, fsync of the
-/// directory), refusing to replace anything but a regular file. `what` names the file in errors.
-void write_file_atomically(const std::string& path, const std::string& text, const std::string& what);
-
-/// The contents of a small regular file (at most `limit` bytes): a fifo or device is
-/// refused without blocking. std::runtime_error naming `what` and the path otherwise.
-std::string read_small_file(const std::string& path, const std::string& what, std::size_t limit = std::size_t(16) << 20);
-
 /// JSON `text` read from `path`, refused (std::runtime_error naming `what`) unless valid and
 /// with every object's keys unique: a JSON reader keeps only one of two equal keys.
 nlohmann::json parse_json_unique(const std::string& path, const std::string& what, const std::string& text);
-
-/// Throws std::invalid_argument when a path is empty or holds a NUL byte.
-void check_path(const std::string& path, const std::string& what);
 
 } // namespace hostopt::detail

@@ -14,6 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "atomic_file.hpp"
 #include "checkpoint_io.hpp"
 #include "parallel.hpp"
 
@@ -189,7 +190,7 @@ void sharded_optimizer::save(const std::string& dir, const std::string& save_id)
   // Overwriting the committed save's files would break the one save a crash falls back to.
   std::string text;
   try {
-    text = detail::read_small_file(dir + "/index.json", "sharded checkpoint index");
+    text = detail::read_small_file(detail::checkpoint_owner, dir + "/index.json", "sharded checkpoint index");
     if (!nlohmann::json::accept(text)) text.clear();
   } catch (const std::exception&) { // no index yet (or unreadable): nothing committed to protect
     text.clear();
@@ -225,7 +226,8 @@ void sharded_optimizer::commit_save(const std::string& dir, const std::string& s
   }
   nlohmann::json index = {{"format", "hostopt-sharded"}, {"version", "2"}, {"world_size", world_},
                           {"arena_size", arena_},        {"save_id", save_id}, {"step", step}};
-  detail::write_file_atomically(dir + "/index.json", index.dump(2) + "\n", "sharded checkpoint index");
+  detail::write_file_atomically(detail::checkpoint_owner, dir + "/index.json", index.dump(2) + "\n",
+                                "sharded checkpoint index");
   // The index now names this save: the shard files of other saves can go.
   if (DIR* d = ::opendir(dir.c_str())) {
     const std::string keep = "." + save_id + ".safetensors";
@@ -245,7 +247,8 @@ void sharded_optimizer::load(const std::string& dir) {
   const std::string where = "sharded checkpoint '" + dir + "': ";
   // Every key once: a reader keeps only one of two (a save_id or step given twice).
   const nlohmann::json index = detail::parse_json_unique(
-      dir + "/index.json", "index.json", detail::read_small_file(dir + "/index.json", "sharded checkpoint index"));
+      dir + "/index.json", "index.json",
+      detail::read_small_file(detail::checkpoint_owner, dir + "/index.json", "sharded checkpoint index"));
   if (!index.is_object() || index.value("format", "") != "hostopt-sharded" || index.value("version", "") != "2")
     throw std::runtime_error(where + "unknown format or version in index.json (expected hostopt-sharded version 2)");
   const auto& w = index["world_size"];
