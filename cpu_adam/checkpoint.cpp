@@ -7,7 +7,6 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
-#include <set>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -17,8 +16,10 @@
 
 #include "atomic_file.hpp"
 #include "checkpoint_io.hpp"
+#include "checksum.hpp"
 #include "exclusive_state.hpp"
 #include "q8_exponents.hpp"
+#include "safetensors_header.hpp"
 
 namespace hostopt {
 
@@ -29,99 +30,10 @@ using json = nlohmann::json;
 constexpr const char* format_name = "hostopt";
 // Version 2: the checksum covers the header too (version 1 covered only the data).
 constexpr const char* format_version = "2";
-constexpr std::uint64_t max_header_bytes = std::uint64_t(100) << 20; // a header is names and shapes
 constexpr std::size_t io_block = std::size_t(4) << 20;                // staging for checksum + write/read
-constexpr const char* checksum_placeholder = "0000000000000000";
 
 [[noreturn]] void fail(const std::string& path, const std::string& what) {
-  detail::fail_file(detail::checkpoint_owner, path, what);
-}
-
-// JSON from a file, with every object's keys unique: json::parse keeps the last of two
-// equal keys silently, so a header with "step" twice in __metadata__ (or a tensor listed
-// twice) would load whichever came last. `what` names the text in errors.
-json parse_unique(const std::string& path, const std::string& what, const std::string& text) {
-  struct level {
-    std::set<std::string> keys;
-    std::string name, last_key; // the key this object is the value of; its latest key
-  };
-  std::vector<level> open; // the objects being parsed, outermost first
-  std::string twice, where; // the first repeated key, and the object it is in
-  bool repeated = false;    // a key seen twice ("" is a key too: twice.empty() says nothing)
-  json j;
-  try {
-    j = json::parse(text, [&](int, json::parse_event_t event, json& parsed) {
-      if (event == json::parse_event_t::object_start) {
-        open.push_back({{}, open.empty() ? std::string() : open.back().last_key, {}});
-      } else if (event == json::parse_event_t::object_end) {
-        open.pop_back();
-      } else if (event == json::parse_event_t::key && !open.empty()) {
-        level& l = open.back();
-        l.last_key = parsed.get<std::string>();
-        if (!l.keys.insert(l.last_key).second && !repeated) {
-          repeated = true;
-          twice = l.last_key;
-          where = l.name.empty() ? std::string() : " in '" + l.name + "'";
-        }
-      }
-      return true;
-    });
-  } catch (const std::exception& e) {
-    fail(path, what + " is not valid JSON: " + e.what());
-  }
-  if (repeated)
-    fail(path, what + " holds the key '" + twice + "' twice" + where + " (a JSON reader keeps only one of them): refused");
-  return j;
-}
-
-// A fast 64-bit checksum: 8-byte words mixed by multiply and rotate (not cryptographic: it
-// catches torn and corrupted files). Pieces of any length may be fed in.
-struct checksum64 {
-  std::uint64_t h = 0x9E3779B97F4A7C15ull;
-  std::uint64_t length = 0;
-  void add(const void* data, std::size_t n) {
-    const auto* p = static_cast<const unsigned char*>(data);
-    std::size_t i = 0;
-    if (pending_n_) { // complete the word a previous piece left open
-      i = std::min<std::size_t>(8 - pending_n_, n);
-      std::memcpy(pending_ + pending_n_, p, i);
-      pending_n_ += i;
-      if (pending_n_ == 8) {
-        mix_word(pending_);
-        pending_n_ = 0;
-      }
-    }
-    for (; i + 8 <= n; i += 8) mix_word(p + i);
-    for (; i < n; ++i) pending_[pending_n_++] = p[i];
-    length += n;
-  }
-  std::uint64_t finish() const {
-    unsigned char last[8] = {};
-    std::memcpy(last, pending_, pending_n_);
-    std::uint64_t w;
-    std::memcpy(&w, last, 8);
-    std::uint64_t x = h ^ (w + length);
-    x ^= x >> 33;
-    x *= 0xFF51AFD7ED558CCDull;
-    x ^= x >> 33;
-    return x;
-  }
-
-private:
-  void mix_word(const unsigned char* b) {
-    std::uint64_t w;
-    std::memcpy(&w, b, 8);
-    h = (h ^ w) * 0x100000001B3ull;
-    h = (h << 31) | (h >> 33);
-  }
-  unsigned char pending_[8] = {};
-  std::size_t pending_n_ = 0;
-};
-
-std::string hex(std::uint64_t x) {
-  char buf[17];
-  std::snprintf(buf, sizeof buf, "%016llx", (unsigned long long)x);
-  return buf;
+  detail::fail_checkpoint(path, what);
 }
 
 // A tensor's entries: the f32 master, the moments (in its group's format) and, for 8-bit
@@ -233,10 +145,6 @@ std::string negative_second_moment(const unsigned char* p, std::size_t count, un
 
 namespace detail {
 
-nlohmann::json parse_json_unique(const std::string& path, const std::string& what, const std::string& text) {
-  return parse_unique(path, what, text);
-}
-
 namespace {
 
 // The part of tensor `s` that lies in arena range `r`, in tensor coordinates [a, b).
@@ -291,8 +199,7 @@ void save_checkpoint(const optimizer& opt, const std::string& path, const checkp
     const moment_format f = formats[s.group];
     for (int k = 0; k < kinds_of(f); ++k) {
       const std::uint64_t bytes = entry_bytes(k, f, n);
-      header[s.name + "." + kinds[k]] = {
-          {"dtype", entry_dtype(k, f)}, {"shape", entry_shape(k, shape, n)}, {"data_offsets", {offset, offset + bytes}}};
+      header[s.name + "." + kinds[k]] = entry_json(entry_dtype(k, f), entry_shape(k, shape, n), offset, offset + bytes);
       offset += bytes;
       if (n) {
         chunks.push_back({st.data_at(k, s.group, s.offset + p.a - held.begin), bytes});
@@ -329,13 +236,10 @@ void save_checkpoint(const optimizer& opt, const std::string& path, const checkp
     meta[k] = v;
   }
   header["__metadata__"] = meta;
-  std::string text = header.dump();
-  text.append((8 - text.size() % 8) % 8, ' '); // data section 8-byte aligned
-  const std::string slot = std::string("\"checksum\":\"") + checksum_placeholder + "\"";
-  const std::size_t at = text.find(slot);
-  if (at == std::string::npos || text.find(slot, at + 1) != std::string::npos)
-    throw std::logic_error("checkpoint header: the checksum slot is not unique");
-  const std::uint64_t checksum_pos = 8 + at + 12; // file offset of the 16 hex digits
+  const std::string text = header_text(header);
+  const std::size_t at = checksum_digits_at(text, checksum_placeholder);
+  if (at == std::string::npos) throw std::logic_error("checkpoint header: the checksum slot is not unique");
+  const std::uint64_t checksum_pos = 8 + at; // file offset of the 16 hex digits
 
   // A negative second moment (written through a view: no step or write_moments makes one)
   // would be refused by load: refused here, before anything is written, and again in the
@@ -352,12 +256,9 @@ void save_checkpoint(const optimizer& opt, const std::string& path, const checkp
   for (const auto& c : chunks) refuse_negative(reinterpret_cast<const unsigned char*>(c.src), c.bytes, c, 0);
 
   replace_file_atomically(checkpoint_owner, path, "checkpoint", [&](file_writer& out) {
-    checksum64 sum;
-    unsigned char len[8];
-    for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(std::uint64_t(text.size()) >> (8 * i));
-    sum.add(len, 8);
-    sum.add(text.data(), text.size());
-    out.write(len, 8);
+    checksum64 sum = checksum_of_head(text);
+    const auto len = length_prefix(text.size());
+    out.write(len.data(), len.size());
     out.write(text.data(), text.size());
     // The data goes out through one staging block: the bytes checksummed are the bytes
     // written, whatever another thread does to the arena through a view.
@@ -371,7 +272,7 @@ void save_checkpoint(const optimizer& opt, const std::string& path, const checkp
         out.write(block.data(), len_now);
         done += len_now;
       }
-    const std::string digits = hex(sum.finish());
+    const std::string digits = sum.digits();
     out.write_at(digits.data(), digits.size(), checksum_pos, "cannot write the checksum");
   });
 }
@@ -427,8 +328,8 @@ void read_moment_formats(source_file& src, const json& meta, std::size_t groups)
     if (!meta.contains("moments") || !meta.contains("rounding_seeds") || !meta["moments"].is_string() ||
         !meta["rounding_seeds"].is_string())
       fail(path, "__metadata__ has one of 'moments' and 'rounding_seeds' without the other");
-    const json names = parse_unique(path, "__metadata__ 'moments'", meta["moments"].get<std::string>());
-    const json seeds = parse_unique(path, "__metadata__ 'rounding_seeds'", meta["rounding_seeds"].get<std::string>());
+    const json names = parse_json_unique(path, "__metadata__ 'moments'", meta["moments"].get<std::string>());
+    const json seeds = parse_json_unique(path, "__metadata__ 'rounding_seeds'", meta["rounding_seeds"].get<std::string>());
     if (!names.is_array() || names.size() != groups || !seeds.is_array() || seeds.size() != groups)
       fail(path, "__metadata__ 'moments' and 'rounding_seeds' must list one entry per group (" +
                      std::to_string(groups) + ")");
@@ -453,28 +354,11 @@ source_file open_source(const std::string& path, std::span<const segment> segs, 
   source_file src(file_reader(checkpoint_owner, path,
                               {"checkpoint", "cannot open", "cannot stat",
                                "not a regular file (a device, fifo, socket or directory): refused"}));
-  const std::uint64_t file_size = src.file.size();
-  if (file_size < 8) fail(path, "truncated: " + std::to_string(file_size) + " bytes, not even a header length");
-  unsigned char len[8];
-  src.file.read_at(len, 8, 0);
-  std::uint64_t header_len = 0;
-  for (int i = 0; i < 8; ++i) header_len |= std::uint64_t(len[i]) << (8 * i);
-  if (header_len > max_header_bytes)
-    fail(path, "header length " + std::to_string(header_len) + " is absurd (limit " + std::to_string(max_header_bytes) +
-                   " bytes): not a hostopt checkpoint, or corrupted");
-  if (header_len > file_size - 8)
-    fail(path, "truncated: the header claims " + std::to_string(header_len) + " bytes but the file has " +
-                   std::to_string(file_size - 8) + " after the length");
-  std::string text(header_len, '\0');
-  src.file.read_at(text.data(), header_len, 8);
-  const json header = parse_unique(path, "the header", text);
-  if (!header.is_object() || !header.contains("__metadata__") || !header["__metadata__"].is_object())
-    fail(path, "the header has no __metadata__: not a hostopt checkpoint");
-  const json& meta = header["__metadata__"];
-  auto meta_string = [&](const std::string& key) -> std::string {
-    if (!meta.contains(key) || !meta[key].is_string()) fail(path, "__metadata__ lacks '" + key + "'");
-    return meta[key].get<std::string>();
-  };
+  std::string text = read_header_text(src.file);
+  const json header = parse_header(path, text);
+  const header_metadata metadata{path, header["__metadata__"]};
+  const json& meta = metadata.entries;
+  auto meta_string = [&](const std::string& key) { return metadata.value(key); };
   if (meta_string("format") != format_name) fail(path, "format '" + meta_string("format") + "': expected 'hostopt'");
   if (meta_string("version") != format_version)
     fail(path, "version '" + meta_string("version") + "' is unknown: this hostopt reads version " + format_version +
@@ -489,7 +373,7 @@ source_file open_source(const std::string& path, std::span<const segment> segs, 
   // user should hear that (with the way to convert), not "a different model".
   std::size_t file_groups = 0;
   try {
-    const json groups = parse_unique(path, "__metadata__ 'groups'", meta_string("groups"));
+    const json groups = parse_json_unique(path, "__metadata__ 'groups'", meta_string("groups"));
     if (!groups.is_array()) fail(path, "__metadata__ 'groups' is not a list");
     file_groups = groups.size();
   } catch (const std::runtime_error&) {
@@ -519,10 +403,10 @@ source_file open_source(const std::string& path, std::span<const segment> segs, 
   if (file_q8 && (src.range.begin % q8_block || (src.range.end % q8_block && src.range.end != end)))
     fail(path, "range " + range_text(src.range) + " cuts 8-bit blocks (its ends must be multiples of 32)");
   json pieces = json::object();
-  if (meta.contains("pieces")) pieces = parse_unique(path, "__metadata__ 'pieces'", meta_string("pieces"));
+  if (meta.contains("pieces")) pieces = parse_json_unique(path, "__metadata__ 'pieces'", meta_string("pieces"));
 
-  src.data_start = 8 + header_len;
-  src.data_size = file_size - src.data_start;
+  src.data_start = 8 + text.size();
+  src.data_size = src.file.size() - src.data_start;
   // The entries this range must have: every tensor it overlaps, three kinds each.
   std::map<std::string, std::pair<std::size_t, int>, std::less<>> wanted; // "name.kind" -> (tensor, kind)
   for (std::size_t i = 0; i < segs.size(); ++i)
@@ -547,54 +431,34 @@ source_file open_source(const std::string& path, std::span<const segment> segs, 
       fail(path, "tensor '" + name + "' " + why);
     }
   }
-  std::uint64_t total = 0;
+  std::vector<byte_span> spans;
   for (const auto& [name, tk] : wanted) {
     const segment& s = segs[tk.first];
     if (!header.contains(name)) fail(path, "tensor '" + name + "' is missing (the optimizer has '" + s.name + "')");
     const json& t = header[name];
-    if (!t.is_object() || !t.contains("dtype") || !t.contains("shape") || !t.contains("data_offsets"))
-      fail(path, "tensor '" + name + "' has no dtype/shape/data_offsets");
     const moment_format f = src.formats[s.group];
     const int k = tk.second;
-    if (t["dtype"] != entry_dtype(k, f))
-      fail(path, "tensor '" + name + "' has dtype " + t["dtype"].dump() + ": expected " + entry_dtype(k, f));
     const piece_of p = piece_in(s, src.range, end);
-    const json want_shape = entry_shape(k, p.whole ? json(s.shape) : json::array({p.b - p.a}), p.b - p.a);
-    if (!t["shape"].is_array() || t["shape"] != want_shape)
-      fail(path, "tensor '" + name + "' has shape " + t["shape"].dump() + ": expected " + want_shape.dump());
+    check_entry_type(path, name, t, entry_dtype(k, f),
+                     entry_shape(k, p.whole ? json(s.shape) : json::array({p.b - p.a}), p.b - p.a));
     const bool listed = pieces.is_object() && pieces.contains(s.name);
     if (listed != !p.whole || (listed && pieces[s.name] != json::array({p.a, p.b})))
       fail(path, "tensor '" + s.name + "': its piece does not match the file's range " + range_text(src.range));
-    const json& off = t["data_offsets"];
-    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned())
-      fail(path, "tensor '" + name + "': data_offsets " + off.dump() + " are not two byte offsets");
-    const std::uint64_t b = off[0].get<std::uint64_t>(), e = off[1].get<std::uint64_t>();
-    if (b > e || e > src.data_size)
-      fail(path, "tensor '" + name + "': data_offsets [" + std::to_string(b) + ", " + std::to_string(e) +
-                     ") lie outside the " + std::to_string(src.data_size) + "-byte data section (truncated file?)");
+    const auto [b, e] = entry_data_span(path, name, t, src.data_size);
     if (e - b != entry_bytes(k, f, p.b - p.a))
       fail(path, "tensor '" + name + "': " + std::to_string(e - b) + " bytes for " + std::to_string(p.b - p.a) +
                      " elements of dtype " + entry_dtype(k, f));
     src.entries.push_back({tk.first, tk.second, p.a, p.b, b, e - b});
-    total += e - b;
+    spans.push_back({b, e});
   }
-  // Non-empty entries must not overlap; with a matching total they tile the data exactly.
-  std::vector<std::pair<std::uint64_t, std::uint64_t>> spans;
-  for (const auto& e : src.entries)
-    if (e.bytes) spans.push_back({e.begin, e.begin + e.bytes});
-  std::sort(spans.begin(), spans.end());
-  for (std::size_t i = 1; i < spans.size(); ++i)
-    if (spans[i].first < spans[i - 1].second) fail(path, "two tensors overlap in the data section");
-  if (total != src.data_size)
-    fail(path, std::to_string(src.data_size - std::min(total, src.data_size)) +
-                   " bytes in the data section belong to no tensor (trailing or interleaved bytes): refused");
+  check_entries_tile(path, std::move(spans), src.data_size);
 
   // Groups, tensor groups, counts: parsed strictly.
   try {
-    const json groups = parse_unique(path, "__metadata__ 'groups'", meta_string("groups"));
+    const json groups = parse_json_unique(path, "__metadata__ 'groups'", meta_string("groups"));
     if (!groups.is_array()) fail(path, "__metadata__ 'groups' is not a list");
     for (const auto& g : groups) src.configs.push_back(config_from(g));
-    const json tensor_groups = parse_unique(path, "__metadata__ 'tensor_groups'", meta_string("tensor_groups"));
+    const json tensor_groups = parse_json_unique(path, "__metadata__ 'tensor_groups'", meta_string("tensor_groups"));
     for (const auto& s : segs)
       if (!tensor_groups.contains(s.name) || !tensor_groups[s.name].is_number_unsigned() ||
           tensor_groups[s.name].get<std::size_t>() != s.group)
@@ -607,7 +471,7 @@ source_file open_source(const std::string& path, std::span<const segment> segs, 
   src.step = parse_count(path, "step", meta_string("step"));
   src.skipped = parse_count(path, "skipped_steps", meta_string("skipped_steps"));
   if (meta.contains("tensor_steps")) {
-    const json own = parse_unique(path, "__metadata__ 'tensor_steps'", meta_string("tensor_steps"));
+    const json own = parse_json_unique(path, "__metadata__ 'tensor_steps'", meta_string("tensor_steps"));
     if (!own.is_object()) fail(path, "__metadata__ 'tensor_steps' is not an object of tensor names");
     src.lags.assign(segs.size(), 0);
     std::size_t found = 0;
@@ -634,13 +498,10 @@ source_file open_source(const std::string& path, std::span<const segment> segs, 
 
   // The checksum covers the length, the header (its own digits read as zeros) and the data.
   src.stored_checksum = meta_string("checksum");
-  const std::string slot = "\"checksum\":\"" + src.stored_checksum + "\"";
-  const std::size_t at = text.find(slot);
-  if (src.stored_checksum.size() != 16 || at == std::string::npos || text.find(slot, at + 1) != std::string::npos)
-    fail(path, "the checksum entry is malformed");
-  text.replace(at + 12, 16, checksum_placeholder);
-  src.head.add(len, 8);
-  src.head.add(text.data(), text.size());
+  const std::size_t at = checksum_digits_at(text, src.stored_checksum);
+  if (src.stored_checksum.size() != 16 || at == std::string::npos) fail(path, "the checksum entry is malformed");
+  text.replace(at, 16, checksum_placeholder);
+  src.head = checksum_of_head(text);
   return src;
 }
 
@@ -725,8 +586,8 @@ void verify_checksum(const source_file& s, std::span<const segment> layout, std:
     }
     done += n;
   }
-  if (hex(sum.finish()) != s.stored_checksum)
-    fail(s.path(), "checksum mismatch (file " + s.stored_checksum + ", contents " + hex(sum.finish()) +
+  if (sum.digits() != s.stored_checksum)
+    fail(s.path(), "checksum mismatch (file " + s.stored_checksum + ", contents " + sum.digits() +
                      "): the header or the data is corrupted");
   if (!bad.empty()) fail(s.path(), bad);
 }
@@ -831,7 +692,7 @@ void load_checkpoint(optimizer& opt, std::span<const std::string> paths, std::sp
           }
           done += n;
         }
-        if (hex(sum.finish()) != s.stored_checksum) fail(s.path(), "the file changed while it was being loaded");
+        if (sum.digits() != s.stored_checksum) fail(s.path(), "the file changed while it was being loaded");
       }
     } catch (const std::exception& e) {
       state.mark_failed(std::string("load_checkpoint stopped midway: ") + e.what());

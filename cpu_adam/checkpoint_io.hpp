@@ -5,19 +5,12 @@
 #include <map>
 #include <span>
 #include <string>
-#include <string_view>
-
-#include <nlohmann/json.hpp>
 
 #include "hostopt/optimizer.hpp"
 
 namespace hostopt::detail {
 
 using checkpoint_metadata = std::map<std::string, std::string>;
-
-/// Checkpoint errors name their file "checkpoint '<path>': <problem>": the owner (see
-/// atomic_file.hpp) of every file of a checkpoint, the sharded index too.
-inline constexpr std::string_view checkpoint_owner = "checkpoint";
 
 /// save_checkpoint, with `extra` entries added to __metadata__ (covered by the checksum;
 /// keys must not collide with hostopt's own).
@@ -42,9 +35,5 @@ void load_checkpoint(optimizer& opt, std::span<const std::string> paths, std::sp
 /// streaming the data) and returns the __metadata__ values of the keys in `values`.
 void read_checkpoint_metadata(const std::string& path, std::span<const segment> layout, checkpoint_metadata& values,
                               bool verify = false);
-
-/// JSON `text` read from `path`, refused (std::runtime_error naming `what`) unless valid and
-/// with every object's keys unique: a JSON reader keeps only one of two equal keys.
-nlohmann::json parse_json_unique(const std::string& path, const std::string& what, const std::string& text);
 
 } // namespace hostopt::detail

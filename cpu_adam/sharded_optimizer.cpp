@@ -17,6 +17,7 @@
 #include "atomic_file.hpp"
 #include "checkpoint_io.hpp"
 #include "parallel.hpp"
+#include "safetensors_header.hpp"
 
 namespace hostopt {
 
