@@ -3,14 +3,10 @@
 #include "hostopt/optimizer.hpp"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstring>
 #include <map>
-#include <mutex>
 #include <stdexcept>
-#include <thread>
 
 #include "aligned_buffer.hpp"
 #include "buffer_checks.hpp"
@@ -18,6 +14,7 @@
 #include "half_conversion.hpp"
 #include "hostopt/gradient_checks.hpp"
 #include "kernel_registry.hpp"
+#include "operation_turns.hpp"
 #include "parallel.hpp"
 #include "rounding_key.hpp"
 #include "step_plan.hpp"
@@ -107,17 +104,9 @@ std::size_t arena_end(std::span<const segment> layout) {
 }
 
 struct optimizer::impl {
-  // Serializes every public operation, first come first served (fair_mutex.hpp); `idle`
-  // is signalled when a chunked step closes.
-  mutable fair_mutex mu;
-  mutable std::condition_variable_any idle;
-  // Callers waiting in acquire() for a chunked step to close. Changed under `mu`; atomic so
-  // that waiting_callers() can read it without queuing behind them.
-  mutable std::atomic<std::size_t> idle_waiters{0};
-  std::thread::id chunk_owner;
+  operation_turns turns;         // the lock, the chunked step's turn, the failure flag
   std::size_t chunk_updates = 0; // update_range calls of the open chunked step
   std::size_t chunk_covered = 0; // the chunks so far covered [0, chunk_covered), in order
-  std::string failure;           // non-empty: the state is half-updated (not usable)
 
   std::vector<segment> segs; // the whole layout
   std::vector<std::string> names;
@@ -159,7 +148,6 @@ struct optimizer::impl {
   std::vector<const_view> stat_views; // the step's gradients, per piece, for the checks
 
   // An open chunked step (begin_step .. finish_step).
-  bool chunked_open = false;
   chunk_step_options chunked{};
   step_decision chunk_decision;
   block_counts chunk_seen; // what its update_range calls' kernels saw so far
@@ -182,61 +170,6 @@ struct optimizer::impl {
     if (g >= configs.size())
       throw std::invalid_argument("group = " + std::to_string(g) + ": expected an index below " +
                                   std::to_string(configs.size()));
-  }
-
-  // Takes the lock once no chunked step is open (another thread's chunked step is waited
-  // for; this thread's own is refused: it would wait for itself, unless `own_chunked_ok`).
-  // With `state`, also refuses when the state is half-updated.
-  std::unique_lock<fair_mutex> acquire(const char* what, bool state = true, bool own_chunked_ok = false) const {
-    std::unique_lock<fair_mutex> lock(mu);
-    if (chunked_open && chunk_owner == std::this_thread::get_id()) {
-      if (own_chunked_ok) return lock;
-      throw std::logic_error(std::string(what) + ": this thread has a chunked step open (begin_step without "
-                                                 "finish_step or abort_step)");
-    }
-    if (chunked_open) wait_for_close(lock);
-    if (state) refuse_if_failed(what);
-    return lock;
-  }
-
-  // Waits for another thread's chunked step to close, counted in idle_waiters so that the
-  // next chunked step lets this caller go first (let_waiters_go_first).
-  void wait_for_close(std::unique_lock<fair_mutex>& lock) const {
-    ++idle_waiters;
-    struct uncount { // also when the wait unwinds: a count left behind would block every begin_step
-      const impl& s;
-      ~uncount() {
-        if (--s.idle_waiters == 0) s.idle.notify_all();
-      }
-    } guard{*this};
-    idle.wait(lock, [&] { return !chunked_open; });
-  }
-
-  // Before a chunked step opens: the callers that waited for the last one to close go first.
-  // Waiting for the close gives up a caller's turn at the lock, and a pipeline opens its
-  // next step at once: without this, a save (or another thread's chunked step) could wait
-  // through every step of a run. A chunked step opened meanwhile is waited for as acquire
-  // waits, counted.
-  void let_waiters_go_first(std::unique_lock<fair_mutex>& lock) const {
-    while (chunked_open || idle_waiters > 0) {
-      if (chunked_open) wait_for_close(lock);
-      else idle.wait(lock, [&] { return idle_waiters == 0 || chunked_open; });
-    }
-  }
-
-  void refuse_if_failed(const char* what) const {
-    if (!failure.empty())
-      throw std::runtime_error(std::string(what) + ": the optimizer is not usable: " + failure +
-                               " (load a checkpoint, or call reset_failure() once the state is whole)");
-  }
-
-  // The lock for update_range/finish_step: the chunked step must be this thread's.
-  std::unique_lock<fair_mutex> acquire_chunked(const char* what) {
-    std::unique_lock<fair_mutex> lock(mu);
-    if (!chunked_open) throw std::logic_error(std::string(what) + ": no chunked step is open (call begin_step first)");
-    if (chunk_owner != std::this_thread::get_id())
-      throw std::logic_error(std::string(what) + ": the open chunked step belongs to another thread");
-    return lock;
   }
 
   // A chunked step's tensors without a gradient: valid indices, and only where each
@@ -268,15 +201,14 @@ struct optimizer::impl {
 
   void close_chunked() {
     for (update_piece& piece : pieces) piece.no_grad = false;
-    chunked_open = false;
     chunk_updates = 0;
     chunk_covered = 0;
-    idle.notify_all();
+    turns.close_chunked();
   }
 
   // Array k (params, exp_avg, exp_avg_sq), refused while the state is half-updated.
   std::span<float> view(int k, const char* what) const {
-    const auto lock = acquire(what);
+    const auto lock = turns.acquire(what);
     if (k > 0 && !flat_moments) {
       std::size_t g = 0;
       while (stores[g].format == moment_format::f32) ++g;
@@ -310,7 +242,7 @@ struct optimizer::impl {
 
   // A tensor's f32 moments as a view: the flat arrays' slice, or its f32 group's storage.
   std::span<float> moment_view(int k, std::string_view name, const char* what) const {
-    const auto lock = acquire(what);
+    const auto lock = turns.acquire(what);
     const segment& s = whole_tensor(name);
     if (stores[s.group].format != moment_format::f32)
       throw std::invalid_argument(std::string(what) + "('" + s.name + "'): its group " + std::to_string(s.group) +
@@ -581,7 +513,7 @@ const segment& optimizer::tensor(std::string_view name) const { return impl_->se
 
 std::size_t optimizer::num_groups() const { return impl_->configs.size(); }
 adam_config optimizer::group_config(std::size_t group) const {
-  const auto lock = impl_->acquire("group_config", false);
+  const auto lock = impl_->turns.acquire("group_config", false);
   impl_->check_group(group);
   return impl_->configs[group];
 }
@@ -590,24 +522,24 @@ moment_format optimizer::group_moments(std::size_t group) const {
   return impl_->stores[group].format;
 }
 std::uint64_t optimizer::group_rounding_seed(std::size_t group) const {
-  const auto lock = impl_->acquire("group_rounding_seed", false);
+  const auto lock = impl_->turns.acquire("group_rounding_seed", false);
   impl_->check_group(group);
   return impl_->seeds[group];
 }
 void optimizer::set_group_rounding_seed(std::size_t group, std::uint64_t seed) {
-  const auto lock = impl_->acquire("set_group_rounding_seed", false);
+  const auto lock = impl_->turns.acquire("set_group_rounding_seed", false);
   impl_->check_group(group);
   impl_->seeds[group] = seed;
   impl_->group_kernels[group].storage.seed = seed; // what the step plans read
 }
 void optimizer::set_group_config(std::size_t group, const adam_config& config) {
-  const auto lock = impl_->acquire("set_group_config", false);
+  const auto lock = impl_->turns.acquire("set_group_config", false);
   impl_->check_group(group);
   validate(config, "groups[" + std::to_string(group) + "].config");
   impl_->configs[group] = config;
 }
 void optimizer::set_lr(std::size_t group, double lr) {
-  const auto lock = impl_->acquire("set_lr", false);
+  const auto lock = impl_->turns.acquire("set_lr", false);
   impl_->check_group(group);
   adam_config c = impl_->configs[group];
   c.lr = lr;
@@ -616,18 +548,18 @@ void optimizer::set_lr(std::size_t group, double lr) {
 }
 
 std::int64_t optimizer::step_count() const {
-  const auto lock = impl_->acquire("step_count", false);
+  const auto lock = impl_->turns.acquire("step_count", false);
   return impl_->count;
 }
 void optimizer::set_step_count(std::int64_t count) {
-  const auto lock = impl_->acquire("set_step_count");
+  const auto lock = impl_->turns.acquire("set_step_count");
   check_count("step count", count);
   impl_->count = count;
   impl_->clear_lags();
 }
 
 std::vector<std::int64_t> optimizer::tensor_steps() const {
-  const auto lock = impl_->acquire("tensor_steps", false);
+  const auto lock = impl_->turns.acquire("tensor_steps", false);
   std::vector<std::int64_t> steps(impl_->segs.size());
   for (std::size_t i = 0; i < steps.size(); ++i) steps[i] = impl_->count - impl_->lag[i];
   return steps;
@@ -635,7 +567,7 @@ std::vector<std::int64_t> optimizer::tensor_steps() const {
 
 void optimizer::set_tensor_steps(std::span<const std::int64_t> steps) {
   impl& s = *impl_;
-  const auto lock = s.acquire("set_tensor_steps");
+  const auto lock = s.turns.acquire("set_tensor_steps");
   if (steps.size() != s.segs.size())
     throw std::invalid_argument("set_tensor_steps: " + std::to_string(steps.size()) +
                                 " counts: expected one per tensor (" + std::to_string(s.segs.size()) + ")");
@@ -658,11 +590,11 @@ void optimizer::set_tensor_steps(std::span<const std::int64_t> steps) {
 }
 
 execution_options optimizer::execution() const {
-  const auto lock = impl_->acquire("execution", false);
+  const auto lock = impl_->turns.acquire("execution", false);
   return impl_->exec;
 }
 void optimizer::set_execution(const execution_options& exec) {
-  const auto lock = impl_->acquire("set_execution", false);
+  const auto lock = impl_->turns.acquire("set_execution", false);
   check_threads(exec.threads);
   impl_->kernels = &kernel_set_by_name(exec.kernel);
   impl_->exec = exec;
@@ -684,7 +616,7 @@ std::span<float> optimizer::exp_avg_sq(std::string_view name) { return impl_->mo
 
 void optimizer::read_moments(std::string_view name, std::span<float> exp_avg, std::span<float> exp_avg_sq) const {
   const impl& s = *impl_;
-  const auto lock = s.acquire("read_moments");
+  const auto lock = s.turns.acquire("read_moments");
   const segment& seg = s.whole_tensor(name);
   s.check_moment_sizes("read_moments", seg, exp_avg.size(), exp_avg_sq.size());
   if (!seg.size) return;
@@ -701,7 +633,7 @@ void optimizer::read_moments(std::string_view name, std::span<float> exp_avg, st
 
 compressed_moments optimizer::moment_codes(std::string_view name) {
   const impl& s = *impl_;
-  const auto lock = s.acquire("moment_codes");
+  const auto lock = s.turns.acquire("moment_codes");
   const segment& seg = s.whole_tensor(name);
   if (s.stores[seg.group].format == moment_format::f32)
     throw std::invalid_argument("moment_codes('" + seg.name + "'): its group " + std::to_string(seg.group) +
@@ -713,7 +645,7 @@ compressed_moments optimizer::moment_codes(std::string_view name) {
 void optimizer::write_moments(std::string_view name, std::span<const float> exp_avg,
                               std::span<const float> exp_avg_sq) {
   impl& s = *impl_;
-  const auto lock = s.acquire("write_moments");
+  const auto lock = s.turns.acquire("write_moments");
   const segment& seg = s.whole_tensor(name);
   s.check_moment_sizes("write_moments", seg, exp_avg.size(), exp_avg_sq.size());
   if (!seg.size) return;
@@ -737,7 +669,7 @@ void optimizer::write_moments(std::string_view name, std::span<const float> exp_
 void optimizer::set_params(std::string_view name, const_view values) {
   const segment& s = tensor(name);
   check_view("values", values.data, values.size, values.type, s.size);
-  const auto lock = impl_->acquire("set_params");
+  const auto lock = impl_->turns.acquire("set_params");
   const arena_range held = impl_->held;
   const std::size_t lo = std::max(held.begin, s.offset), hi = std::min(held.end, s.offset + s.size);
   if (lo >= hi) return; // nothing of it held (or an empty tensor, whose data may be null)
@@ -773,34 +705,32 @@ step_result optimizer::step(std::span<const const_view> grads, std::span<const m
 }
 
 std::int64_t optimizer::skipped_steps() const {
-  const auto lock = impl_->acquire("skipped_steps", false);
+  const auto lock = impl_->turns.acquire("skipped_steps", false);
   return impl_->skipped;
 }
 void optimizer::set_skipped_steps(std::int64_t count) {
-  const auto lock = impl_->acquire("set_skipped_steps");
+  const auto lock = impl_->turns.acquire("set_skipped_steps");
   check_count("skipped steps", count);
   impl_->skipped = count;
 }
 
-std::size_t optimizer::waiting_callers() const noexcept {
-  return std::size_t(impl_->mu.waiting()) + impl_->idle_waiters.load();
-}
+std::size_t optimizer::waiting_callers() const noexcept { return impl_->turns.waiting_callers(); }
 bool optimizer::usable() const {
-  std::lock_guard<fair_mutex> lock(impl_->mu);
-  return impl_->failure.empty();
+  const auto lock = impl_->turns.lock_only();
+  return impl_->turns.failure().empty();
 }
 std::string optimizer::failure_reason() const {
-  std::lock_guard<fair_mutex> lock(impl_->mu);
-  return impl_->failure;
+  const auto lock = impl_->turns.lock_only();
+  return impl_->turns.failure();
 }
 void optimizer::reset_failure() {
-  const auto lock = impl_->acquire("reset_failure", false);
-  impl_->failure.clear();
+  const auto lock = impl_->turns.acquire("reset_failure", false);
+  impl_->turns.clear_failure();
 }
 
 step_result optimizer::step(const_view flat_grad, mut_view flat_out, const step_options& opts) {
   impl& s = *impl_;
-  const auto lock = s.acquire("step");
+  const auto lock = s.turns.acquire("step");
   const bool has_out = s.check_flat_step(flat_grad, flat_out, opts);
   s.stat_views.clear();
   for (const auto& piece : s.pieces) // per tensor: padding is never read
@@ -818,7 +748,7 @@ step_result optimizer::step(const_view flat_grad, mut_view flat_out, const step_
 
 void optimizer::check_step(const_view flat_grad, mut_view flat_out, const step_options& opts) const {
   impl& s = *impl_;
-  const auto lock = s.acquire("step");
+  const auto lock = s.turns.acquire("step");
   s.check_flat_step(flat_grad, flat_out, opts);
   s.check_range_norm(opts);
   detail::step_plan::check_count(s.count);
@@ -828,7 +758,7 @@ void optimizer::check_step(const_view flat_grad, mut_view flat_out, const step_o
 step_result optimizer::step(std::span<const const_view> grads, std::span<const mut_view> outs,
                             const step_options& opts) {
   impl& s = *impl_;
-  const auto lock = s.acquire("step");
+  const auto lock = s.turns.acquire("step");
   if (!s.whole())
     throw std::invalid_argument("step with per-tensor views: this optimizer holds a range of the arena (a shard): "
                                 "step it with flat buffers of its range");
@@ -894,9 +824,9 @@ step_result optimizer::step(std::span<const const_view> grads, std::span<const m
 
 step_result optimizer::begin_step(const chunk_step_options& o) {
   impl& s = *impl_;
-  auto lock = s.acquire("begin_step", /*state=*/false);
-  s.let_waiters_go_first(lock);
-  s.refuse_if_failed("begin_step"); // once, after the waiters (one may have been a load that failed)
+  auto lock = s.turns.acquire("begin_step", /*state=*/false);
+  s.turns.let_waiters_go_first(lock);
+  s.turns.refuse_if_failed("begin_step"); // once, after the waiters (one may have been a load that failed)
   check_dtype("grad_type", o.grad_type);
   if (o.copy_out) check_dtype("out_type", o.out_type);
   s.check_without_grad(o.tensors_without_grad, "begin_step");
@@ -907,8 +837,7 @@ step_result optimizer::begin_step(const chunk_step_options& o) {
   s.chunked = o;
   s.chunk_decision = pl.decision();
   s.chunk_seen = {};
-  s.chunked_open = true;
-  s.chunk_owner = std::this_thread::get_id();
+  s.turns.open_chunked();
   s.chunk_updates = 0;
   for (const std::size_t t : o.tensors_without_grad) s.pieces[t].no_grad = true; // whole: piece t is tensor t
   return s.result_of(pl);
@@ -919,7 +848,7 @@ void optimizer::check_options(const chunk_step_options& o) const {
   if (o.copy_out) check_dtype("out_type", o.out_type);
   decide_step(o.checks, 0.0);
   if (needs_unknown_norm(o.checks)) refuse_unknown_norm("begin_step");
-  const auto lock = impl_->acquire("begin_step"); // a failed state, a step count at its limit
+  const auto lock = impl_->turns.acquire("begin_step"); // a failed state, a step count at its limit
   impl_->check_without_grad(o.tensors_without_grad, "begin_step");
   if (impl_->count >= max_step_count)
     throw std::invalid_argument("begin_step: the step count is at its limit (" + std::to_string(max_step_count) +
@@ -929,7 +858,7 @@ void optimizer::check_options(const chunk_step_options& o) const {
 void optimizer::update_range(std::size_t begin, std::size_t end, const void* grad, void* out,
                              const float* accumulator) {
   impl& s = *impl_;
-  const auto lock = s.acquire_chunked("update_range");
+  const auto lock = s.turns.acquire_chunked("update_range");
   if (begin > end || end > s.arena)
     throw std::invalid_argument("update_range: [" + std::to_string(begin) + ", " + std::to_string(end) +
                                 "): expected a range inside [0, " + std::to_string(s.arena) + ")");
@@ -977,7 +906,7 @@ void optimizer::update_range(std::size_t begin, std::size_t end, const void* gra
 
 step_result optimizer::finish_step() {
   impl& s = *impl_;
-  const auto lock = s.acquire_chunked("finish_step");
+  const auto lock = s.turns.acquire_chunked("finish_step");
   if (s.chunk_covered != s.arena)
     throw std::logic_error("finish_step: the chunks cover [0, " + std::to_string(s.chunk_covered) + ") of the " +
                            std::to_string(s.arena) + " elements: update the rest first, or abort_step()");
@@ -1001,34 +930,22 @@ step_result optimizer::finish_step() {
 
 void optimizer::abort_step(const std::string& reason) noexcept {
   impl& s = *impl_;
-  std::lock_guard<fair_mutex> lock(s.mu);
-  if (!s.chunked_open || s.chunk_owner != std::this_thread::get_id()) return;
-  if (s.chunk_updates > 0 && s.failure.empty()) {
-    try {
-      s.failure = reason;
-    } catch (...) { // out of memory for the message: still poison
-      s.failure.clear();
-      s.failure.push_back('!');
-    }
-  }
+  const auto lock = s.turns.lock_only();
+  if (!s.turns.own_chunked_open()) return;
+  if (s.chunk_updates > 0) s.turns.keep_first_failure(reason);
   s.close_chunked();
 }
 
 void optimizer::mark_unusable(const std::string& reason) noexcept {
   impl& s = *impl_;
-  std::lock_guard<fair_mutex> lock(s.mu);
-  if (s.chunked_open && s.chunk_owner == std::this_thread::get_id()) s.close_chunked();
-  if (!s.failure.empty()) return; // the first reason stays
-  try {
-    s.failure = reason;
-  } catch (...) {
-    s.failure = "!";
-  }
+  const auto lock = s.turns.lock_only();
+  if (s.turns.own_chunked_open()) s.close_chunked();
+  s.turns.keep_first_failure(reason); // the first reason stays
 }
 
 bool optimizer::step_in_progress() const {
-  std::lock_guard<fair_mutex> lock(impl_->mu);
-  return impl_->chunked_open;
+  const auto lock = impl_->turns.lock_only();
+  return impl_->turns.chunked_open();
 }
 
 void optimizer::accumulate_range(std::size_t begin, std::size_t end, float* acc, const void* grad, dtype grad_type,
@@ -1041,7 +958,7 @@ void optimizer::accumulate_range(std::size_t begin, std::size_t end, float* acc,
 
 void optimizer::read_params(std::size_t begin, std::size_t end, void* out, dtype type) const {
   impl& s = *impl_;
-  const auto lock = s.acquire("read_params", true, true); // this thread's open chunked step may read
+  const auto lock = s.turns.acquire("read_params", true, true); // this thread's open chunked step may read
   if (begin > end || end > s.arena)
     throw std::invalid_argument("read_params: [" + std::to_string(begin) + ", " + std::to_string(end) +
                                 "): expected a range inside [0, " + std::to_string(s.arena) + ")");
@@ -1051,7 +968,7 @@ void optimizer::read_params(std::size_t begin, std::size_t end, void* out, dtype
 namespace detail {
 
 exclusive_state::exclusive_state(const optimizer& opt, const char* what, bool allow_failed)
-    : impl_(*opt.impl_), lock_(impl_.acquire(what, !allow_failed)) {}
+    : impl_(*opt.impl_), lock_(impl_.turns.acquire(what, !allow_failed)) {}
 exclusive_state::~exclusive_state() = default;
 
 std::span<const segment> exclusive_state::segments() const { return impl_.segs; }
@@ -1109,8 +1026,8 @@ void exclusive_state::set_counters(std::vector<adam_config> configs, std::int64_
   impl_.clear_lags();
 }
 
-void exclusive_state::mark_failed(const std::string& reason) { impl_.failure = reason; }
-void exclusive_state::clear_failure() { impl_.failure.clear(); }
+void exclusive_state::mark_failed(const std::string& reason) { impl_.turns.replace_failure(reason); }
+void exclusive_state::clear_failure() { impl_.turns.clear_failure(); }
 
 } // namespace detail
 
