@@ -5,13 +5,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <map>
 #include <stdexcept>
 
 #include "aligned_buffer.hpp"
 #include "buffer_checks.hpp"
 #include "exclusive_state.hpp"
 #include "half_conversion.hpp"
+#include "held_layout.hpp"
 #include "hostopt/gradient_checks.hpp"
 #include "kernel_registry.hpp"
 #include "operation_turns.hpp"
@@ -30,35 +30,6 @@ namespace {
 const char* const view_kinds[] = {"grads", "outs", "optimizer state"};
 constexpr int kind_grad = 0, kind_out = 1, kind_state = 2;
 
-std::size_t align_up(std::size_t x, std::size_t unit = align_elems) { return (x + unit - 1) / unit * unit; }
-
-// Elements where an 8-bit group's blocks force alignment; else the 64-byte unit.
-std::size_t unit_of(moment_format f) { return f == moment_format::q8 ? q8_block : align_elems; }
-
-// Elements the arena may hold: 3 f32 arrays within max_state_bytes. Every product and sum
-// below stays under it, so none can overflow.
-constexpr std::size_t max_arena_elems = std::size_t(max_state_bytes / (3 * sizeof(float)));
-
-[[noreturn]] void too_large(const std::string& what) {
-  throw std::invalid_argument(what + ": the optimizer state would exceed " + std::to_string(max_state_bytes) +
-                              " bytes (hostopt::max_state_bytes, the addressable memory of a process)");
-}
-
-std::size_t element_count(const tensor_spec& t) {
-  for (std::size_t d = 0; d < t.shape.size(); ++d)
-    if (t.shape[d] < 0)
-      throw std::invalid_argument("tensor '" + t.name + "': shape[" + std::to_string(d) + "] = " +
-                                  std::to_string(t.shape[d]) + ": expected an extent >= 0");
-  for (const std::int64_t e : t.shape) // any zero extent makes the tensor empty
-    if (e == 0) return 0;
-  std::size_t n = 1;
-  for (const std::int64_t e : t.shape) {
-    if (std::uint64_t(e) > max_arena_elems / n) too_large("tensor '" + t.name + "'");
-    n *= std::size_t(e);
-  }
-  return n;
-}
-
 void check_count(const char* what, std::int64_t count) {
   if (count < 0 || count > max_step_count)
     throw std::invalid_argument(std::string(what) + " = " + std::to_string(count) + ": expected a count in [0, " +
@@ -69,48 +40,14 @@ std::optional<dtype> out_of(bool has_out, dtype t) { return has_out ? std::optio
 
 } // namespace
 
-std::vector<segment> arena_layout(const std::vector<param_group>& groups) {
-  std::vector<segment> segs;
-  std::map<std::string, std::size_t, std::less<>> seen;
-  std::size_t offset = 0;
-  for (std::size_t g = 0; g < groups.size(); ++g) {
-    validate(groups[g].config, "groups[" + std::to_string(g) + "].config");
-    try {
-      moment_format_name(groups[g].moments);
-    } catch (const std::invalid_argument& e) {
-      throw std::invalid_argument("groups[" + std::to_string(g) + "].moments: " + e.what());
-    }
-    const std::size_t unit = unit_of(groups[g].moments); // 8-bit tensors start on a block
-    for (const auto& t : groups[g].tensors) {
-      if (t.name.empty())
-        throw std::invalid_argument("groups[" + std::to_string(g) +
-                                    "]: a tensor has an empty name: expected a unique name");
-      const std::size_t n = element_count(t);
-      if (!seen.emplace(t.name, segs.size()).second)
-        throw std::invalid_argument("tensor name '" + t.name + "': registered twice, expected unique names");
-      if (align_up(offset, unit) > max_arena_elems) too_large("tensor '" + t.name + "' (the sum of the tensor sizes)");
-      offset = align_up(offset, unit);
-      if (n > max_arena_elems - offset || align_up(offset + n) > max_arena_elems)
-        too_large("tensor '" + t.name + "' (the sum of the tensor sizes)");
-      segs.push_back({t.name, t.shape, offset, n, g});
-      offset = align_up(offset + n);
-    }
-  }
-  return segs;
-}
-
-std::size_t arena_end(std::span<const segment> layout) {
-  return layout.empty() ? 0 : align_up(layout.back().offset + layout.back().size);
-}
-
 struct optimizer::impl {
   operation_turns turns;         // the lock, the chunked step's turn, the failure flag
   std::size_t chunk_updates = 0; // update_range calls of the open chunked step
   std::size_t chunk_covered = 0; // the chunks so far covered [0, chunk_covered), in order
 
-  std::vector<segment> segs; // the whole layout
-  std::vector<std::string> names;
-  std::map<std::string, std::size_t, std::less<>> by_name;
+  execution_options exec;
+  const kernel_set* kernels;
+  held_layout layout; // the tensors, and the part of them held
   std::vector<adam_config> configs;
   std::vector<std::uint64_t> seeds; // per group: the compressed moments' rounding seed
   // Per group: how its moments are stored. When every group is f32 (flat_moments) they
@@ -123,17 +60,9 @@ struct optimizer::impl {
   };
   std::vector<group_store> stores;
   bool flat_moments = true;
-  bool has_q8 = false;
-  // Ranges and chunks end on multiples of this: 16, or 32 where 8-bit blocks may not be cut.
-  std::size_t unit() const { return has_q8 ? q8_block : align_elems; }
   aligned_floats moments; // the groups' moment storage (not flat_moments)
   std::size_t moments_used = 0;
-  execution_options exec;
-  const kernel_set* kernels = nullptr;
-  arena_range held;           // the part of the layout held; flat index i is element held.begin + i
-  std::size_t arena = 0;      // held.size()
-  std::size_t nparams = 0;
-  aligned_floats state;       // params | exp_avg | exp_avg_sq, each `arena` floats
+  aligned_floats state; // params | exp_avg | exp_avg_sq, each layout.size() floats
   std::int64_t count = 0, skipped = 0;
   // Per tensor (segments order): how many of the last `count` steps it missed (no
   // gradient in a per-tensor step); its own step count is count - lag. All zero unless
@@ -141,8 +70,7 @@ struct optimizer::impl {
   std::vector<std::int64_t> lag;
   bool lagging = false;
   // Scratch sized at construction so that a step allocates nothing.
-  std::vector<update_piece> pieces;       // the held part of each tensor, in flat coordinates
-  std::vector<std::size_t> piece_tensor;  // which segment each piece belongs to
+  std::vector<update_piece> pieces; // the held part of each tensor (held_layout::pieces)
   std::vector<group_kernel> group_kernels;
   std::vector<byte_range> ranges;
   std::vector<const_view> stat_views; // the step's gradients, per piece, for the checks
@@ -152,19 +80,18 @@ struct optimizer::impl {
   step_decision chunk_decision;
   block_counts chunk_seen; // what its update_range calls' kernels saw so far
 
+  // The execution options are checked first, then the layout.
+  impl(const std::vector<param_group>& groups, arena_range range, execution_options options)
+      : exec(checked(std::move(options))), kernels(&kernel_set_by_name(exec.kernel)), layout(groups, range) {}
+  static execution_options checked(execution_options e) {
+    check_threads(e.threads);
+    return e;
+  }
+
   float* p() const { return state.data(); }
   char* moment_base() const { return reinterpret_cast<char*>(moments.data()); }
-  float* m() const { return state.data() + arena; }
-  float* v() const { return state.data() + 2 * arena; }
-  bool whole() const { return held.begin == 0 && held.end == arena_end(segs); }
-
-  std::size_t index_of(std::string_view name) const {
-    const auto it = by_name.find(name);
-    if (it == by_name.end())
-      throw std::invalid_argument("tensor name '" + std::string(name) + "': unknown, expected one of the " +
-                                  std::to_string(segs.size()) + " registered tensors");
-    return it->second;
-  }
+  float* m() const { return state.data() + layout.size(); }
+  float* v() const { return state.data() + 2 * layout.size(); }
 
   void check_group(std::size_t g) const {
     if (g >= configs.size())
@@ -176,13 +103,14 @@ struct optimizer::impl {
   // tensor has its own step count (an optimizer holding the whole layout).
   void check_without_grad(const std::vector<std::size_t>& tensors, const char* what) const {
     if (tensors.empty()) return;
-    if (!whole())
+    if (!layout.whole())
       throw std::invalid_argument(std::string(what) + ": tensors_without_grad on an optimizer that holds a range of "
                                   "the arena (a shard), whose tensors share one step count");
     for (const std::size_t t : tensors)
-      if (t >= segs.size())
-        throw std::invalid_argument(std::string(what) + ": tensors_without_grad names tensor " + std::to_string(t) +
-                                    ": expected an index below " + std::to_string(segs.size()));
+      if (t >= layout.segments().size())
+        throw std::invalid_argument(std::string(what) + ": tensors_without_grad names tensor " +
+                                    std::to_string(t) + ": expected an index below " +
+                                    std::to_string(layout.segments().size()));
   }
 
   // Writes the unchanged parameters of the pieces without a gradient inside [begin, end)
@@ -217,7 +145,7 @@ struct optimizer::impl {
                              ": the flat f32 moment views exist only when every group's moments are f32 (use "
                              "read_moments/write_moments, or exp_avg(name) for tensors of f32 groups)");
     }
-    return {state.data() + std::size_t(k) * arena, arena};
+    return {state.data() + std::size_t(k) * layout.size(), layout.size()};
   }
 
   // The tensor's moment storage at its first element: array k (1 exp_avg, 2 exp_avg_sq,
@@ -233,17 +161,17 @@ struct optimizer::impl {
   // The optimizer's own memory, for the checks that no caller buffer overlaps it.
   void push_state_ranges() {
     if (flat_moments) {
-      ranges.push_back(range_of(p(), 3 * arena * sizeof(float), true, kind_state, 0));
+      ranges.push_back(range_of(p(), 3 * layout.size() * sizeof(float), true, kind_state, 0));
       return;
     }
-    ranges.push_back(range_of(p(), arena * sizeof(float), true, kind_state, 0));
+    ranges.push_back(range_of(p(), layout.size() * sizeof(float), true, kind_state, 0));
     if (moments_used) ranges.push_back(range_of(moment_base(), moments_used, true, kind_state, 1));
   }
 
   // A tensor's f32 moments as a view: the flat arrays' slice, or its f32 group's storage.
   std::span<float> moment_view(int k, std::string_view name, const char* what) const {
     const auto lock = turns.acquire(what);
-    const segment& s = whole_tensor(name);
+    const segment& s = layout.whole_tensor(name);
     if (stores[s.group].format != moment_format::f32)
       throw std::invalid_argument(std::string(what) + "('" + s.name + "'): its group " + std::to_string(s.group) +
                                   " stores its moments as " + std::string(moment_format_name(stores[s.group].format)) +
@@ -252,7 +180,7 @@ struct optimizer::impl {
       if (flat_moments) return {k == 1 ? m() : v(), 0};
       return {reinterpret_cast<float*>(moment_base() + (k == 1 ? stores[s.group].m : stores[s.group].v)), 0};
     }
-    return {reinterpret_cast<float*>(moment_at(k, s.group, s.offset - held.begin)), s.size};
+    return {reinterpret_cast<float*>(moment_at(k, s.group, s.offset - layout.range().begin)), s.size};
   }
 
   void check_moment_sizes(const char* what, const segment& s, std::size_t m, std::size_t v) const {
@@ -272,16 +200,6 @@ struct optimizer::impl {
     return c;
   }
 
-  // A tensor held whole: its segment (flat offset = segment offset - held.begin).
-  const segment& whole_tensor(std::string_view name) const {
-    const segment& s = segs[index_of(name)];
-    if (s.size && (s.offset < held.begin || s.offset + s.size > held.end))
-      throw std::invalid_argument("tensor '" + s.name + "' is not held whole by this optimizer (it holds [" +
-                                  std::to_string(held.begin) + ", " + std::to_string(held.end) +
-                                  ") of the arena): use the flat views");
-    return s;
-  }
-
   // Each group's moment storage: its held pieces' flat span (whole blocks for 8-bit),
   // every array 64-byte aligned in one allocation; the groups' kernels point at it.
   void lay_out_group_moments() {
@@ -289,7 +207,7 @@ struct optimizer::impl {
     std::size_t bytes = 0;
     for (std::size_t g = 0; g < stores.size(); ++g) {
       group_store& st = stores[g];
-      st.begin = arena;
+      st.begin = layout.size();
       st.end = 0;
       for (const update_piece& piece : pieces)
         if (piece.group == g && piece.size) {
@@ -297,7 +215,7 @@ struct optimizer::impl {
           st.end = std::max(st.end, piece.offset + piece.size);
         }
       if (st.begin >= st.end) st.begin = st.end = 0; // holds no element
-      st.end = st.begin + align_up(st.end - st.begin, unit_of(st.format));
+      st.end = st.begin + align_up(st.end - st.begin, block_unit(st.format));
       const std::size_t n = st.end - st.begin;
       st.m = bytes;
       st.v = bytes = align64(bytes + n * moment_code_bytes(st.format));
@@ -329,15 +247,15 @@ struct optimizer::impl {
     j.grad_elem_bytes = dtype_size(grad_type);
     j.out_elem_bytes = out ? dtype_size(*out) : 0;
     j.begin = 0;
-    j.end = arena;
-    j.index_origin = held.begin; // compressed moments round by layout index, whatever the shard
+    j.end = layout.size();
+    j.index_origin = layout.range().begin; // compressed moments round by layout index, whatever the shard
     return j;
   }
 
   // A range (a shard) sees only its part of the gradients: a skip or clip decided from
   // them would differ between ranks. Such decisions need the global norm.
   void check_range_norm(const step_options& o) const {
-    if (!whole() && needs_unknown_norm(o)) {
+    if (!layout.whole() && needs_unknown_norm(o)) {
       decide_step(o, 0.0); // a bad option is named first
       throw std::invalid_argument(
           "step: this optimizer holds a range of the arena (a shard): skip_nonfinite and max_grad_norm need the "
@@ -350,12 +268,13 @@ struct optimizer::impl {
   // state) and of its grad_scale; returns whether it has a copy-out.
   bool check_flat_step(const_view flat_grad, mut_view flat_out, const step_options& opts) {
     check_grad_scale(opts.grad_scale);
-    check_view("flat_grad", flat_grad.data, flat_grad.size, flat_grad.type, arena);
+    const std::size_t n = layout.size();
+    check_view("flat_grad", flat_grad.data, flat_grad.size, flat_grad.type, n);
     const bool has_out = flat_out.data != nullptr || flat_out.size != 0;
-    if (has_out) check_view("flat_out", flat_out.data, flat_out.size, flat_out.type, arena);
+    if (has_out) check_view("flat_out", flat_out.data, flat_out.size, flat_out.type, n);
     ranges.clear();
-    ranges.push_back(range_of(flat_grad.data, arena * dtype_size(flat_grad.type), false, kind_grad, 0));
-    if (has_out) ranges.push_back(range_of(flat_out.data, arena * dtype_size(flat_out.type), true, kind_out, 0));
+    ranges.push_back(range_of(flat_grad.data, n * dtype_size(flat_grad.type), false, kind_grad, 0));
+    if (has_out) ranges.push_back(range_of(flat_out.data, n * dtype_size(flat_out.type), true, kind_out, 0));
     push_state_ranges();
     check_no_overlap(ranges, view_kinds);
     return has_out;
@@ -385,7 +304,7 @@ struct optimizer::impl {
   void point_pieces_at_own_steps(const step_plan& pl) {
     const std::size_t groups = configs.size();
     for (std::size_t k = 0; k < pieces.size(); ++k) {
-      const std::size_t t = piece_tensor[k], g = segs[t].group;
+      const std::size_t t = layout.piece_tensor()[k], g = layout.segments()[t].group;
       pieces[k].group = g;
       if (lag[t] == 0) continue;
       group_kernel& own = group_kernels[groups + t];
@@ -400,7 +319,8 @@ struct optimizer::impl {
   void clear_lags() {
     std::fill(lag.begin(), lag.end(), 0);
     lagging = false;
-    for (std::size_t k = 0; k < pieces.size(); ++k) pieces[k].group = segs[piece_tensor[k]].group;
+    for (std::size_t k = 0; k < pieces.size(); ++k)
+      pieces[k].group = layout.segments()[layout.piece_tensor()[k]].group;
   }
 
   step_result result_of(const step_plan& pl, const block_counts& seen = {}) const {
@@ -416,71 +336,35 @@ struct optimizer::impl {
   }
 };
 
-namespace {
-// `unit`: 16, or 32 when a group has 8-bit moments (a range never cuts a block).
-void check_range(arena_range r, std::size_t end, std::size_t unit) {
-  if (r.begin > r.end || r.end > end || (r.begin % unit) || (r.end % unit && r.end != end))
-    throw std::invalid_argument("range [" + std::to_string(r.begin) + ", " + std::to_string(r.end) +
-                                "): expected a range of [0, " + std::to_string(end) + ") whose ends are multiples of " +
-                                std::to_string(unit) + " (or the arena's end)" +
-                                (unit > align_elems ? ": a group has 8-bit moments, whose 32-element blocks a range "
-                                                      "may not cut"
-                                                    : ""));
-}
-} // namespace
-
 optimizer::optimizer(std::vector<param_group> groups, execution_options exec)
     : optimizer(groups, arena_range{0, arena_end(arena_layout(groups))}, std::move(exec)) {}
 
 optimizer::optimizer(std::vector<param_group> groups, arena_range range, execution_options exec)
-    : impl_(std::make_unique<impl>()) {
+    : impl_(std::make_unique<impl>(groups, range, std::move(exec))) {
   impl& s = *impl_;
-  check_threads(exec.threads);
-  s.kernels = &kernel_set_by_name(exec.kernel);
-  s.exec = std::move(exec);
-  s.segs = arena_layout(groups);
   for (const auto& g : groups) {
     s.configs.push_back(g.config);
     s.seeds.push_back(g.rounding_seed);
     s.stores.push_back({g.moments});
     s.flat_moments = s.flat_moments && g.moments == moment_format::f32;
-    s.has_q8 = s.has_q8 || g.moments == moment_format::q8;
   }
-  check_range(range, arena_end(s.segs), s.unit());
-  s.held = range;
-  s.arena = range.size();
-  for (std::size_t i = 0; i < s.segs.size(); ++i) {
-    const segment& seg = s.segs[i];
-    s.by_name.emplace(seg.name, i);
-    s.names.push_back(seg.name);
-    // A whole optimizer has one piece per tensor (empty ones too: per-tensor steps index
-    // them); a range holds pieces of the tensors it overlaps.
-    const std::size_t lo = std::max(range.begin, seg.offset), hi = std::min(range.end, seg.offset + seg.size);
-    if (s.whole()) {
-      s.pieces.push_back({seg.offset, seg.size, seg.group, nullptr, nullptr});
-    } else if (lo < hi) {
-      s.pieces.push_back({lo - range.begin, hi - lo, seg.group, nullptr, nullptr});
-    } else {
-      continue;
-    }
-    s.piece_tensor.push_back(i);
-    s.nparams += s.pieces.back().size;
-  }
-  s.group_kernels.resize(s.configs.size() + s.segs.size()); // groups, then tensors behind the count
+  s.pieces = s.layout.pieces();
+  s.group_kernels.resize(s.configs.size() +
+                         s.layout.segments().size()); // groups, then tensors behind the count
   if (s.flat_moments) {
-    s.state = aligned_floats(3 * s.arena); // arena <= max_arena_elems: cannot overflow
+    s.state = aligned_floats(3 * s.layout.size()); // arena <= max_arena_elems: cannot overflow
   } else {
-    s.state = aligned_floats(s.arena);
+    s.state = aligned_floats(s.layout.size());
     s.lay_out_group_moments();
   }
-  s.lag.assign(s.segs.size(), 0);
-  s.ranges.reserve(2 * s.segs.size() + 3);
+  s.lag.assign(s.layout.segments().size(), 0);
+  s.ranges.reserve(2 * s.layout.segments().size() + 3);
   s.stat_views.reserve(s.pieces.size());
 
   // First touch by the threads (and the partition) that will update each slice.
   impl* self = &s;
   auto zero = [self](int tid, int nthreads) {
-    const auto [lo, hi] = partition(0, self->arena, tid, nthreads);
+    const auto [lo, hi] = partition(0, self->layout.size(), tid, nthreads);
     if (lo < hi) std::memset(self->p() + lo, 0, (hi - lo) * sizeof(float));
     if (self->flat_moments) {
       for (float* base : {self->m(), self->v()})
@@ -497,19 +381,23 @@ optimizer::~optimizer() = default;
 optimizer::optimizer(optimizer&&) noexcept = default;
 optimizer& optimizer::operator=(optimizer&&) noexcept = default;
 
-std::size_t optimizer::arena_size() const { return impl_->arena; }
-arena_range optimizer::range() const { return impl_->held; }
-std::size_t optimizer::num_params() const { return impl_->nparams; }
-std::size_t optimizer::chunk_unit() const { return impl_->unit(); }
+std::size_t optimizer::arena_size() const { return impl_->layout.size(); }
+arena_range optimizer::range() const { return impl_->layout.range(); }
+std::size_t optimizer::num_params() const { return impl_->layout.num_params(); }
+std::size_t optimizer::chunk_unit() const { return impl_->layout.unit(); }
 std::size_t optimizer::state_bytes() const {
   const impl& s = *impl_;
-  if (s.flat_moments) return 3 * s.arena * sizeof(float);
-  std::size_t bytes = s.arena * sizeof(float);
+  if (s.flat_moments) return 3 * s.layout.size() * sizeof(float);
+  std::size_t bytes = s.layout.size() * sizeof(float);
   for (const auto& st : s.stores) bytes += moment_bytes(st.format, st.end - st.begin);
   return bytes;
 }
-std::span<const segment> optimizer::segments() const { return impl_->segs; } // fixed at construction
-const segment& optimizer::tensor(std::string_view name) const { return impl_->segs[impl_->index_of(name)]; }
+std::span<const segment> optimizer::segments() const {
+  return impl_->layout.segments();
+} // fixed at construction
+const segment& optimizer::tensor(std::string_view name) const {
+  return impl_->layout.segments()[impl_->layout.index_of(name)];
+}
 
 std::size_t optimizer::num_groups() const { return impl_->configs.size(); }
 adam_config optimizer::group_config(std::size_t group) const {
@@ -560,7 +448,7 @@ void optimizer::set_step_count(std::int64_t count) {
 
 std::vector<std::int64_t> optimizer::tensor_steps() const {
   const auto lock = impl_->turns.acquire("tensor_steps", false);
-  std::vector<std::int64_t> steps(impl_->segs.size());
+  std::vector<std::int64_t> steps(impl_->layout.segments().size());
   for (std::size_t i = 0; i < steps.size(); ++i) steps[i] = impl_->count - impl_->lag[i];
   return steps;
 }
@@ -568,19 +456,20 @@ std::vector<std::int64_t> optimizer::tensor_steps() const {
 void optimizer::set_tensor_steps(std::span<const std::int64_t> steps) {
   impl& s = *impl_;
   const auto lock = s.turns.acquire("set_tensor_steps");
-  if (steps.size() != s.segs.size())
+  if (steps.size() != s.layout.segments().size())
     throw std::invalid_argument("set_tensor_steps: " + std::to_string(steps.size()) +
-                                " counts: expected one per tensor (" + std::to_string(s.segs.size()) + ")");
+                                " counts: expected one per tensor (" +
+                                std::to_string(s.layout.segments().size()) + ")");
   std::int64_t top = 0;
   for (std::size_t i = 0; i < steps.size(); ++i) {
     if (steps[i] < 0 || steps[i] > max_step_count)
-      throw std::invalid_argument("set_tensor_steps: tensor '" + s.names[i] + "' step count = " +
-                                  std::to_string(steps[i]) + ": expected [0, " + std::to_string(max_step_count) +
-                                  "] (hostopt::max_step_count)");
+      throw std::invalid_argument("set_tensor_steps: tensor '" + s.layout.names()[i] +
+                                  "' step count = " + std::to_string(steps[i]) + ": expected [0, " +
+                                  std::to_string(max_step_count) + "] (hostopt::max_step_count)");
     top = std::max(top, steps[i]);
   }
   const bool differ = std::any_of(steps.begin(), steps.end(), [&](std::int64_t x) { return x != top; });
-  if (differ && !s.whole())
+  if (differ && !s.layout.whole())
     throw std::invalid_argument("set_tensor_steps: this optimizer holds a range of the arena (a shard), whose "
                                 "tensors share one step count; the counts given differ");
   s.count = top;
@@ -608,8 +497,8 @@ std::span<const float> optimizer::exp_avg() const { return impl_->view(1, "exp_a
 std::span<const float> optimizer::exp_avg_sq() const { return impl_->view(2, "exp_avg_sq"); }
 
 std::span<float> optimizer::params(std::string_view name) {
-  const segment& s = impl_->whole_tensor(name);
-  return params().subspan(s.size ? s.offset - impl_->held.begin : 0, s.size);
+  const segment& s = impl_->layout.whole_tensor(name);
+  return params().subspan(s.size ? s.offset - impl_->layout.range().begin : 0, s.size);
 }
 std::span<float> optimizer::exp_avg(std::string_view name) { return impl_->moment_view(1, name, "exp_avg"); }
 std::span<float> optimizer::exp_avg_sq(std::string_view name) { return impl_->moment_view(2, name, "exp_avg_sq"); }
@@ -617,10 +506,10 @@ std::span<float> optimizer::exp_avg_sq(std::string_view name) { return impl_->mo
 void optimizer::read_moments(std::string_view name, std::span<float> exp_avg, std::span<float> exp_avg_sq) const {
   const impl& s = *impl_;
   const auto lock = s.turns.acquire("read_moments");
-  const segment& seg = s.whole_tensor(name);
+  const segment& seg = s.layout.whole_tensor(name);
   s.check_moment_sizes("read_moments", seg, exp_avg.size(), exp_avg_sq.size());
   if (!seg.size) return;
-  const std::size_t flat = seg.offset - s.held.begin;
+  const std::size_t flat = seg.offset - s.layout.range().begin;
   const moment_format f = s.stores[seg.group].format;
   if (f == moment_format::f32) {
     // memmove: the caller's spans may be views of this optimizer's own state.
@@ -634,22 +523,22 @@ void optimizer::read_moments(std::string_view name, std::span<float> exp_avg, st
 compressed_moments optimizer::moment_codes(std::string_view name) {
   const impl& s = *impl_;
   const auto lock = s.turns.acquire("moment_codes");
-  const segment& seg = s.whole_tensor(name);
+  const segment& seg = s.layout.whole_tensor(name);
   if (s.stores[seg.group].format == moment_format::f32)
     throw std::invalid_argument("moment_codes('" + seg.name + "'): its group " + std::to_string(seg.group) +
                                 " stores f32 moments: use exp_avg(name)/exp_avg_sq(name)");
   if (!seg.size) return {s.stores[seg.group].format, nullptr, nullptr, nullptr};
-  return s.codes_at(seg.group, seg.offset - s.held.begin);
+  return s.codes_at(seg.group, seg.offset - s.layout.range().begin);
 }
 
 void optimizer::write_moments(std::string_view name, std::span<const float> exp_avg,
                               std::span<const float> exp_avg_sq) {
   impl& s = *impl_;
   const auto lock = s.turns.acquire("write_moments");
-  const segment& seg = s.whole_tensor(name);
+  const segment& seg = s.layout.whole_tensor(name);
   s.check_moment_sizes("write_moments", seg, exp_avg.size(), exp_avg_sq.size());
   if (!seg.size) return;
-  const std::size_t flat = seg.offset - s.held.begin;
+  const std::size_t flat = seg.offset - s.layout.range().begin;
   if (s.stores[seg.group].format == moment_format::f32) {
     // Refused as the compressed formats' encoder refuses it (and as load refuses it): a
     // negative v makes the parameter NaN a step later, and a save of it would not load.
@@ -670,7 +559,7 @@ void optimizer::set_params(std::string_view name, const_view values) {
   const segment& s = tensor(name);
   check_view("values", values.data, values.size, values.type, s.size);
   const auto lock = impl_->turns.acquire("set_params");
-  const arena_range held = impl_->held;
+  const arena_range held = impl_->layout.range();
   const std::size_t lo = std::max(held.begin, s.offset), hi = std::min(held.end, s.offset + s.size);
   if (lo >= hi) return; // nothing of it held (or an empty tensor, whose data may be null)
   float* dst = impl_->p() + (lo - held.begin);
@@ -759,10 +648,10 @@ step_result optimizer::step(std::span<const const_view> grads, std::span<const m
                             const step_options& opts) {
   impl& s = *impl_;
   const auto lock = s.turns.acquire("step");
-  if (!s.whole())
+  if (!s.layout.whole())
     throw std::invalid_argument("step with per-tensor views: this optimizer holds a range of the arena (a shard): "
                                 "step it with flat buffers of its range");
-  const std::size_t n = s.segs.size();
+  const std::size_t n = s.layout.segments().size();
   check_grad_scale(opts.grad_scale);
   if (grads.size() != n)
     throw std::invalid_argument("grads: " + std::to_string(grads.size()) + " views: expected one per tensor (" +
@@ -785,25 +674,25 @@ step_result optimizer::step(std::span<const const_view> grads, std::span<const m
   };
   for (std::size_t i = 0; i < n; ++i) {
     if (grads[i].data == nullptr && grads[i].size == 0) continue; // no gradient: tensor skipped
-    if (bad(grads[i], s.segs[i].size, grad_type)) {
-      const std::string where = "grads[" + std::to_string(i) + "] ('" + s.names[i] + "')";
-      check_view(where, grads[i].data, grads[i].size, grads[i].type, s.segs[i].size);
+    if (bad(grads[i], s.layout.segments()[i].size, grad_type)) {
+      const std::string where = "grads[" + std::to_string(i) + "] ('" + s.layout.names()[i] + "')";
+      check_view(where, grads[i].data, grads[i].size, grads[i].type, s.layout.segments()[i].size);
       throw std::invalid_argument(where + ".type = " + std::string(dtype_name(grads[i].type)) + ": expected " +
                                   std::string(dtype_name(grad_type)) + " like grads[" + std::to_string(first) +
                                   "] (one gradient dtype per step)");
     }
     s.ranges.push_back(range_of(grads[i].data, grads[i].size * dtype_size(grad_type), false, kind_grad, i));
     if (!has_out) continue;
-    if (bad(outs[i], s.segs[i].size, out_type)) {
-      const std::string where = "outs[" + std::to_string(i) + "] ('" + s.names[i] + "')";
-      check_view(where, outs[i].data, outs[i].size, outs[i].type, s.segs[i].size);
+    if (bad(outs[i], s.layout.segments()[i].size, out_type)) {
+      const std::string where = "outs[" + std::to_string(i) + "] ('" + s.layout.names()[i] + "')";
+      check_view(where, outs[i].data, outs[i].size, outs[i].type, s.layout.segments()[i].size);
       throw std::invalid_argument(where + ".type = " + std::string(dtype_name(outs[i].type)) + ": expected " +
                                   std::string(dtype_name(out_type)) + " like outs[0] (one copy-out dtype per step)");
     }
     s.ranges.push_back(range_of(outs[i].data, outs[i].size * dtype_size(out_type), true, kind_out, i));
   }
   s.push_state_ranges();
-  check_no_overlap(s.ranges, view_kinds, &s.names);
+  check_no_overlap(s.ranges, view_kinds, &s.layout.names());
 
   for (std::size_t i = 0; i < n; ++i) { // whole: piece i is tensor i
     s.pieces[i].grad = grads[i].data;   // null: skipped by the engine
@@ -859,15 +748,15 @@ void optimizer::update_range(std::size_t begin, std::size_t end, const void* gra
                              const float* accumulator) {
   impl& s = *impl_;
   const auto lock = s.turns.acquire_chunked("update_range");
-  if (begin > end || end > s.arena)
+  if (begin > end || end > s.layout.size())
     throw std::invalid_argument("update_range: [" + std::to_string(begin) + ", " + std::to_string(end) +
-                                "): expected a range inside [0, " + std::to_string(s.arena) + ")");
+                                "): expected a range inside [0, " + std::to_string(s.layout.size()) + ")");
   if (begin != s.chunk_covered)
     throw std::invalid_argument("update_range: [" + std::to_string(begin) + ", " + std::to_string(end) +
                                 "): expected the next chunk, starting at " + std::to_string(s.chunk_covered) +
                                 " (chunks cover the arena in order, once each)");
   if (begin == end) return;
-  if (s.has_q8 && end % q8_block && end != s.arena)
+  if (s.layout.unit() == q8_block && end % q8_block && end != s.layout.size())
     throw std::invalid_argument("update_range: [" + std::to_string(begin) + ", " + std::to_string(end) +
                                 "): a group has 8-bit moments: expected a chunk ending on a multiple of 32 "
                                 "(chunk_unit(), whole blocks) or at the arena's end");
@@ -907,9 +796,10 @@ void optimizer::update_range(std::size_t begin, std::size_t end, const void* gra
 step_result optimizer::finish_step() {
   impl& s = *impl_;
   const auto lock = s.turns.acquire_chunked("finish_step");
-  if (s.chunk_covered != s.arena)
-    throw std::logic_error("finish_step: the chunks cover [0, " + std::to_string(s.chunk_covered) + ") of the " +
-                           std::to_string(s.arena) + " elements: update the rest first, or abort_step()");
+  if (s.chunk_covered != s.layout.size())
+    throw std::logic_error("finish_step: the chunks cover [0, " + std::to_string(s.chunk_covered) +
+                           ") of the " + std::to_string(s.layout.size()) +
+                           " elements: update the rest first, or abort_step()");
   for (std::size_t t = 0; t < s.pieces.size(); ++t)
     if (s.pieces[t].no_grad) { // not stepped: its own count stays (whole: piece t is tensor t)
       ++s.lag[t];
@@ -950,18 +840,19 @@ bool optimizer::step_in_progress() const {
 
 void optimizer::accumulate_range(std::size_t begin, std::size_t end, float* acc, const void* grad, dtype grad_type,
                                  bool first) {
-  if (begin > end || end > impl_->arena)
+  if (begin > end || end > impl_->layout.size())
     throw std::invalid_argument("accumulate_range: [" + std::to_string(begin) + ", " + std::to_string(end) +
-                                "): expected a range inside [0, " + std::to_string(impl_->arena) + ")");
+                                "): expected a range inside [0, " + std::to_string(impl_->layout.size()) +
+                                ")");
   accumulate_gradient(acc, {grad, end - begin, grad_type}, first, execution());
 }
 
 void optimizer::read_params(std::size_t begin, std::size_t end, void* out, dtype type) const {
   impl& s = *impl_;
   const auto lock = s.turns.acquire("read_params", true, true); // this thread's open chunked step may read
-  if (begin > end || end > s.arena)
+  if (begin > end || end > s.layout.size())
     throw std::invalid_argument("read_params: [" + std::to_string(begin) + ", " + std::to_string(end) +
-                                "): expected a range inside [0, " + std::to_string(s.arena) + ")");
+                                "): expected a range inside [0, " + std::to_string(s.layout.size()) + ")");
   convert_params(s.p() + begin, {out, end - begin, type}, s.exec);
 }
 
@@ -971,8 +862,8 @@ exclusive_state::exclusive_state(const optimizer& opt, const char* what, bool al
     : impl_(*opt.impl_), lock_(impl_.turns.acquire(what, !allow_failed)) {}
 exclusive_state::~exclusive_state() = default;
 
-std::span<const segment> exclusive_state::segments() const { return impl_.segs; }
-arena_range exclusive_state::range() const { return impl_.held; }
+std::span<const segment> exclusive_state::segments() const { return impl_.layout.segments(); }
+arena_range exclusive_state::range() const { return impl_.layout.range(); }
 char* exclusive_state::data_at(int k, std::size_t group, std::size_t flat) const {
   return k == 0 ? reinterpret_cast<char*>(impl_.p() + flat) : impl_.moment_at(k, group, flat);
 }
@@ -991,7 +882,7 @@ void exclusive_state::set_seeds(std::span<const std::uint64_t> seeds) {
     impl_.group_kernels[g].storage.seed = seeds[g];
   }
 }
-std::size_t exclusive_state::arena_size() const { return impl_.arena; }
+std::size_t exclusive_state::arena_size() const { return impl_.layout.size(); }
 const std::vector<adam_config>& exclusive_state::configs() const { return impl_.configs; }
 std::int64_t exclusive_state::step_count() const { return impl_.count; }
 std::int64_t exclusive_state::skipped_steps() const { return impl_.skipped; }
@@ -1002,12 +893,13 @@ std::vector<std::int64_t> exclusive_state::tensor_lags() const {
 void exclusive_state::set_tensor_lags(std::span<const std::int64_t> lags) {
   impl_.clear_lags();
   if (lags.empty()) return;
-  if (lags.size() != impl_.lag.size() || !impl_.whole())
+  if (lags.size() != impl_.lag.size() || !impl_.layout.whole())
     throw std::invalid_argument("per-tensor step counts: expected one per tensor, on an optimizer holding the whole "
                                 "layout");
   for (std::size_t i = 0; i < lags.size(); ++i) {
     if (lags[i] < 0 || lags[i] > impl_.count)
-      throw std::invalid_argument("tensor '" + impl_.names[i] + "': step count outside [0, step count]");
+      throw std::invalid_argument("tensor '" + impl_.layout.names()[i] +
+                                  "': step count outside [0, step count]");
     impl_.lag[i] = lags[i];
     impl_.lagging = impl_.lagging || lags[i] != 0;
   }
