@@ -7,7 +7,6 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "aligned_buffer.hpp"
 #include "buffer_checks.hpp"
 #include "exclusive_state.hpp"
 #include "half_conversion.hpp"
@@ -15,8 +14,8 @@
 #include "hostopt/gradient_checks.hpp"
 #include "kernel_registry.hpp"
 #include "operation_turns.hpp"
-#include "parallel.hpp"
 #include "rounding_key.hpp"
+#include "state_storage.hpp"
 #include "step_plan.hpp"
 #include "step_scalars.hpp"
 #include "update_engine.hpp"
@@ -47,22 +46,10 @@ struct optimizer::impl {
 
   execution_options exec;
   const kernel_set* kernels;
-  held_layout layout; // the tensors, and the part of them held
+  held_layout layout;    // the tensors, and the part of them held
+  state_storage storage; // params and each group's moments
   std::vector<adam_config> configs;
   std::vector<std::uint64_t> seeds; // per group: the compressed moments' rounding seed
-  // Per group: how its moments are stored. When every group is f32 (flat_moments) they
-  // are the flat arrays m() and v(); otherwise each group has its own part of `moments`
-  // covering flat elements [begin, end) (whole blocks for 8-bit).
-  struct group_store {
-    moment_format format = moment_format::f32;
-    std::size_t begin = 0, end = 0;
-    std::size_t m = 0, v = 0, scales = 0; // byte offsets in `moments`
-  };
-  std::vector<group_store> stores;
-  bool flat_moments = true;
-  aligned_floats moments; // the groups' moment storage (not flat_moments)
-  std::size_t moments_used = 0;
-  aligned_floats state; // params | exp_avg | exp_avg_sq, each layout.size() floats
   std::int64_t count = 0, skipped = 0;
   // Per tensor (segments order): how many of the last `count` steps it missed (no
   // gradient in a per-tensor step); its own step count is count - lag. All zero unless
@@ -82,16 +69,30 @@ struct optimizer::impl {
 
   // The execution options are checked first, then the layout.
   impl(const std::vector<param_group>& groups, arena_range range, execution_options options)
-      : exec(checked(std::move(options))), kernels(&kernel_set_by_name(exec.kernel)), layout(groups, range) {}
+      : exec(checked(std::move(options))), kernels(&kernel_set_by_name(exec.kernel)), layout(groups, range),
+        storage(formats_of(groups), layout), pieces(layout.pieces()) {
+    for (const param_group& g : groups) {
+      configs.push_back(g.config);
+      seeds.push_back(g.rounding_seed);
+    }
+    group_kernels.resize(configs.size() + layout.segments().size()); // groups, then tensors behind the count
+    for (std::size_t g = 0; g < configs.size(); ++g)
+      group_kernels[g].storage = storage.kernel_storage(g, seeds[g]);
+    lag.assign(layout.segments().size(), 0);
+    ranges.reserve(2 * layout.segments().size() + 3);
+    stat_views.reserve(pieces.size());
+  }
   static execution_options checked(execution_options e) {
     check_threads(e.threads);
     return e;
   }
+  static std::vector<moment_format> formats_of(const std::vector<param_group>& groups) {
+    std::vector<moment_format> formats;
+    for (const param_group& g : groups) formats.push_back(g.moments);
+    return formats;
+  }
 
-  float* p() const { return state.data(); }
-  char* moment_base() const { return reinterpret_cast<char*>(moments.data()); }
-  float* m() const { return state.data() + layout.size(); }
-  float* v() const { return state.data() + 2 * layout.size(); }
+  float* p() const { return storage.params(); }
 
   void check_group(std::size_t g) const {
     if (g >= configs.size())
@@ -137,50 +138,27 @@ struct optimizer::impl {
   // Array k (params, exp_avg, exp_avg_sq), refused while the state is half-updated.
   std::span<float> view(int k, const char* what) const {
     const auto lock = turns.acquire(what);
-    if (k > 0 && !flat_moments) {
+    if (k > 0 && !storage.flat_moments()) {
       std::size_t g = 0;
-      while (stores[g].format == moment_format::f32) ++g;
+      while (storage.format(g) == moment_format::f32) ++g;
       throw std::logic_error(std::string(what) + ": group " + std::to_string(g) + " stores its moments as " +
-                             std::string(moment_format_name(stores[g].format)) +
+                             std::string(moment_format_name(storage.format(g))) +
                              ": the flat f32 moment views exist only when every group's moments are f32 (use "
                              "read_moments/write_moments, or exp_avg(name) for tensors of f32 groups)");
     }
-    return {state.data() + std::size_t(k) * layout.size(), layout.size()};
-  }
-
-  // The tensor's moment storage at its first element: array k (1 exp_avg, 2 exp_avg_sq,
-  // 3 the 8-bit block exponents), bytes; `flat` is a held flat index of group g.
-  char* moment_at(int k, std::size_t g, std::size_t flat) const {
-    if (flat_moments) return reinterpret_cast<char*>((k == 1 ? m() : v()) + flat);
-    const group_store& st = stores[g];
-    const std::size_t i = flat - st.begin;
-    if (k == 3) return moment_base() + st.scales + 2 * (i / q8_block);
-    return moment_base() + (k == 1 ? st.m : st.v) + i * moment_code_bytes(st.format);
-  }
-
-  // The optimizer's own memory, for the checks that no caller buffer overlaps it.
-  void push_state_ranges() {
-    if (flat_moments) {
-      ranges.push_back(range_of(p(), 3 * layout.size() * sizeof(float), true, kind_state, 0));
-      return;
-    }
-    ranges.push_back(range_of(p(), layout.size() * sizeof(float), true, kind_state, 0));
-    if (moments_used) ranges.push_back(range_of(moment_base(), moments_used, true, kind_state, 1));
+    return storage.flat_array(k);
   }
 
   // A tensor's f32 moments as a view: the flat arrays' slice, or its f32 group's storage.
   std::span<float> moment_view(int k, std::string_view name, const char* what) const {
     const auto lock = turns.acquire(what);
     const segment& s = layout.whole_tensor(name);
-    if (stores[s.group].format != moment_format::f32)
-      throw std::invalid_argument(std::string(what) + "('" + s.name + "'): its group " + std::to_string(s.group) +
-                                  " stores its moments as " + std::string(moment_format_name(stores[s.group].format)) +
+    if (storage.format(s.group) != moment_format::f32)
+      throw std::invalid_argument(std::string(what) + "('" + s.name + "'): its group " +
+                                  std::to_string(s.group) + " stores its moments as " +
+                                  std::string(moment_format_name(storage.format(s.group))) +
                                   ", not f32: use read_moments/write_moments");
-    if (!s.size) { // an empty span at a valid address (callers may memcmp it), as the flat views give
-      if (flat_moments) return {k == 1 ? m() : v(), 0};
-      return {reinterpret_cast<float*>(moment_base() + (k == 1 ? stores[s.group].m : stores[s.group].v)), 0};
-    }
-    return {reinterpret_cast<float*>(moment_at(k, s.group, s.offset - layout.range().begin)), s.size};
+    return storage.f32_moments(k, s.group, s.offset - layout.range().begin, s.size);
   }
 
   void check_moment_sizes(const char* what, const segment& s, std::size_t m, std::size_t v) const {
@@ -190,57 +168,12 @@ struct optimizer::impl {
                                   std::to_string(s.size) + " each (the tensor's size)");
   }
 
-  // A compressed group's codes from flat element `flat` on (a block start for 8-bit).
-  compressed_moments codes_at(std::size_t g, std::size_t flat) const {
-    compressed_moments c;
-    c.format = stores[g].format;
-    c.exp_avg = moment_at(1, g, flat);
-    c.exp_avg_sq = moment_at(2, g, flat);
-    if (c.format == moment_format::q8) c.scales = reinterpret_cast<std::uint8_t*>(moment_at(3, g, flat));
-    return c;
-  }
-
-  // Each group's moment storage: its held pieces' flat span (whole blocks for 8-bit),
-  // every array 64-byte aligned in one allocation; the groups' kernels point at it.
-  void lay_out_group_moments() {
-    const auto align64 = [](std::size_t b) { return (b + 63) / 64 * 64; };
-    std::size_t bytes = 0;
-    for (std::size_t g = 0; g < stores.size(); ++g) {
-      group_store& st = stores[g];
-      st.begin = layout.size();
-      st.end = 0;
-      for (const update_piece& piece : pieces)
-        if (piece.group == g && piece.size) {
-          st.begin = std::min(st.begin, piece.offset);
-          st.end = std::max(st.end, piece.offset + piece.size);
-        }
-      if (st.begin >= st.end) st.begin = st.end = 0; // holds no element
-      st.end = st.begin + align_up(st.end - st.begin, block_unit(st.format));
-      const std::size_t n = st.end - st.begin;
-      st.m = bytes;
-      st.v = bytes = align64(bytes + n * moment_code_bytes(st.format));
-      st.scales = bytes = align64(bytes + n * moment_code_bytes(st.format));
-      bytes = align64(bytes + moment_scale_bytes(st.format, n));
-    }
-    moments_used = bytes;
-    moments = aligned_floats(bytes / sizeof(float)); // a multiple of 64 bytes
-    for (std::size_t g = 0; g < stores.size(); ++g) {
-      const group_store& st = stores[g];
-      moment_storage& ms = group_kernels[g].storage;
-      ms.format = st.format;
-      ms.exp_avg = moment_base() + st.m;
-      ms.exp_avg_sq = moment_base() + st.v;
-      ms.scales = st.format == moment_format::q8 ? reinterpret_cast<std::uint8_t*>(moment_base() + st.scales) : nullptr;
-      ms.origin = st.begin;
-      ms.seed = seeds[g];
-    }
-  }
-
   update_job job(dtype grad_type, std::optional<dtype> out) const {
     update_job j;
     j.params = p();
-    j.exp_avg = flat_moments ? m() : nullptr; // else every group has its own storage
-    j.exp_avg_sq = flat_moments ? v() : nullptr;
+    j.exp_avg =
+        storage.flat_moments() ? storage.flat_array(1).data() : nullptr; // else every group has its own
+    j.exp_avg_sq = storage.flat_moments() ? storage.flat_array(2).data() : nullptr;
     j.pieces = pieces.data();
     j.num_pieces = pieces.size();
     j.groups = group_kernels.data();
@@ -275,7 +208,7 @@ struct optimizer::impl {
     ranges.clear();
     ranges.push_back(range_of(flat_grad.data, n * dtype_size(flat_grad.type), false, kind_grad, 0));
     if (has_out) ranges.push_back(range_of(flat_out.data, n * dtype_size(flat_out.type), true, kind_out, 0));
-    push_state_ranges();
+    storage.add_ranges(ranges, kind_state);
     check_no_overlap(ranges, view_kinds);
     return has_out;
   }
@@ -341,40 +274,7 @@ optimizer::optimizer(std::vector<param_group> groups, execution_options exec)
 
 optimizer::optimizer(std::vector<param_group> groups, arena_range range, execution_options exec)
     : impl_(std::make_unique<impl>(groups, range, std::move(exec))) {
-  impl& s = *impl_;
-  for (const auto& g : groups) {
-    s.configs.push_back(g.config);
-    s.seeds.push_back(g.rounding_seed);
-    s.stores.push_back({g.moments});
-    s.flat_moments = s.flat_moments && g.moments == moment_format::f32;
-  }
-  s.pieces = s.layout.pieces();
-  s.group_kernels.resize(s.configs.size() +
-                         s.layout.segments().size()); // groups, then tensors behind the count
-  if (s.flat_moments) {
-    s.state = aligned_floats(3 * s.layout.size()); // arena <= max_arena_elems: cannot overflow
-  } else {
-    s.state = aligned_floats(s.layout.size());
-    s.lay_out_group_moments();
-  }
-  s.lag.assign(s.layout.segments().size(), 0);
-  s.ranges.reserve(2 * s.layout.segments().size() + 3);
-  s.stat_views.reserve(s.pieces.size());
-
-  // First touch by the threads (and the partition) that will update each slice.
-  impl* self = &s;
-  auto zero = [self](int tid, int nthreads) {
-    const auto [lo, hi] = partition(0, self->layout.size(), tid, nthreads);
-    if (lo < hi) std::memset(self->p() + lo, 0, (hi - lo) * sizeof(float));
-    if (self->flat_moments) {
-      for (float* base : {self->m(), self->v()})
-        if (lo < hi) std::memset(base + lo, 0, (hi - lo) * sizeof(float));
-      return;
-    }
-    const auto [blo, bhi] = partition(0, self->moments_used, tid, nthreads, 64); // zero bytes: zero moments
-    if (blo < bhi) std::memset(self->moment_base() + blo, 0, bhi - blo);
-  };
-  run_parallel(s.exec.threads, zero);
+  impl_->storage.first_touch(impl_->exec.threads);
 }
 
 optimizer::~optimizer() = default;
@@ -385,13 +285,7 @@ std::size_t optimizer::arena_size() const { return impl_->layout.size(); }
 arena_range optimizer::range() const { return impl_->layout.range(); }
 std::size_t optimizer::num_params() const { return impl_->layout.num_params(); }
 std::size_t optimizer::chunk_unit() const { return impl_->layout.unit(); }
-std::size_t optimizer::state_bytes() const {
-  const impl& s = *impl_;
-  if (s.flat_moments) return 3 * s.layout.size() * sizeof(float);
-  std::size_t bytes = s.layout.size() * sizeof(float);
-  for (const auto& st : s.stores) bytes += moment_bytes(st.format, st.end - st.begin);
-  return bytes;
-}
+std::size_t optimizer::state_bytes() const { return impl_->storage.bytes(); }
 std::span<const segment> optimizer::segments() const {
   return impl_->layout.segments();
 } // fixed at construction
@@ -407,7 +301,7 @@ adam_config optimizer::group_config(std::size_t group) const {
 }
 moment_format optimizer::group_moments(std::size_t group) const {
   impl_->check_group(group); // fixed at construction
-  return impl_->stores[group].format;
+  return impl_->storage.format(group);
 }
 std::uint64_t optimizer::group_rounding_seed(std::size_t group) const {
   const auto lock = impl_->turns.acquire("group_rounding_seed", false);
@@ -510,25 +404,25 @@ void optimizer::read_moments(std::string_view name, std::span<float> exp_avg, st
   s.check_moment_sizes("read_moments", seg, exp_avg.size(), exp_avg_sq.size());
   if (!seg.size) return;
   const std::size_t flat = seg.offset - s.layout.range().begin;
-  const moment_format f = s.stores[seg.group].format;
+  const moment_format f = s.storage.format(seg.group);
   if (f == moment_format::f32) {
     // memmove: the caller's spans may be views of this optimizer's own state.
-    std::memmove(exp_avg.data(), s.moment_at(1, seg.group, flat), seg.size * sizeof(float));
-    std::memmove(exp_avg_sq.data(), s.moment_at(2, seg.group, flat), seg.size * sizeof(float));
+    std::memmove(exp_avg.data(), s.storage.moment_at(1, seg.group, flat), seg.size * sizeof(float));
+    std::memmove(exp_avg_sq.data(), s.storage.moment_at(2, seg.group, flat), seg.size * sizeof(float));
     return;
   }
-  decode_moments(s.codes_at(seg.group, flat), seg.size, exp_avg.data(), exp_avg_sq.data());
+  decode_moments(s.storage.codes_at(seg.group, flat), seg.size, exp_avg.data(), exp_avg_sq.data());
 }
 
 compressed_moments optimizer::moment_codes(std::string_view name) {
   const impl& s = *impl_;
   const auto lock = s.turns.acquire("moment_codes");
   const segment& seg = s.layout.whole_tensor(name);
-  if (s.stores[seg.group].format == moment_format::f32)
+  if (s.storage.format(seg.group) == moment_format::f32)
     throw std::invalid_argument("moment_codes('" + seg.name + "'): its group " + std::to_string(seg.group) +
                                 " stores f32 moments: use exp_avg(name)/exp_avg_sq(name)");
-  if (!seg.size) return {s.stores[seg.group].format, nullptr, nullptr, nullptr};
-  return s.codes_at(seg.group, seg.offset - s.layout.range().begin);
+  if (!seg.size) return {s.storage.format(seg.group), nullptr, nullptr, nullptr};
+  return s.storage.codes_at(seg.group, seg.offset - s.layout.range().begin);
 }
 
 void optimizer::write_moments(std::string_view name, std::span<const float> exp_avg,
@@ -539,19 +433,19 @@ void optimizer::write_moments(std::string_view name, std::span<const float> exp_
   s.check_moment_sizes("write_moments", seg, exp_avg.size(), exp_avg_sq.size());
   if (!seg.size) return;
   const std::size_t flat = seg.offset - s.layout.range().begin;
-  if (s.stores[seg.group].format == moment_format::f32) {
+  if (s.storage.format(seg.group) == moment_format::f32) {
     // Refused as the compressed formats' encoder refuses it (and as load refuses it): a
     // negative v makes the parameter NaN a step later, and a save of it would not load.
     for (std::size_t i = 0; i < seg.size; ++i)
       if (exp_avg_sq[i] < 0.0f)
         throw std::invalid_argument("write_moments('" + seg.name + "'): exp_avg_sq[" + std::to_string(i) +
                                     "] = " + std::to_string(exp_avg_sq[i]) + ": a second moment is never negative");
-    std::memmove(s.moment_at(1, seg.group, flat), exp_avg.data(), seg.size * sizeof(float));
-    std::memmove(s.moment_at(2, seg.group, flat), exp_avg_sq.data(), seg.size * sizeof(float));
+    std::memmove(s.storage.moment_at(1, seg.group, flat), exp_avg.data(), seg.size * sizeof(float));
+    std::memmove(s.storage.moment_at(2, seg.group, flat), exp_avg_sq.data(), seg.size * sizeof(float));
     return;
   }
   // The tensor ends its part of the storage (the rest of its last block is padding).
-  encode_moments(exp_avg.data(), exp_avg_sq.data(), s.codes_at(seg.group, flat), seg.size,
+  encode_moments(exp_avg.data(), exp_avg_sq.data(), s.storage.codes_at(seg.group, flat), seg.size,
                  rounding_stream{s.seeds[seg.group], seg.offset, 0});
 }
 
@@ -691,7 +585,7 @@ step_result optimizer::step(std::span<const const_view> grads, std::span<const m
     }
     s.ranges.push_back(range_of(outs[i].data, outs[i].size * dtype_size(out_type), true, kind_out, i));
   }
-  s.push_state_ranges();
+  s.storage.add_ranges(s.ranges, kind_state);
   check_no_overlap(s.ranges, view_kinds, &s.layout.names());
 
   for (std::size_t i = 0; i < n; ++i) { // whole: piece i is tensor i
@@ -773,7 +667,7 @@ void optimizer::update_range(std::size_t begin, std::size_t end, const void* gra
   s.ranges.push_back(range_of(grad, n * dtype_size(s.chunked.grad_type), false, kind_grad, 0));
   if (out) s.ranges.push_back(range_of(out, n * dtype_size(s.chunked.out_type), true, kind_out, 0));
   if (accumulator) s.ranges.push_back(range_of(accumulator, n * sizeof(float), false, kind_grad, 1));
-  s.push_state_ranges();
+  s.storage.add_ranges(s.ranges, kind_state);
   check_no_overlap(s.ranges, view_kinds);
   update_job job = s.job(s.chunked.grad_type, out_of(s.chunked.copy_out, s.chunked.out_type));
   job.begin = begin;
@@ -865,13 +759,9 @@ exclusive_state::~exclusive_state() = default;
 std::span<const segment> exclusive_state::segments() const { return impl_.layout.segments(); }
 arena_range exclusive_state::range() const { return impl_.layout.range(); }
 char* exclusive_state::data_at(int k, std::size_t group, std::size_t flat) const {
-  return k == 0 ? reinterpret_cast<char*>(impl_.p() + flat) : impl_.moment_at(k, group, flat);
+  return k == 0 ? reinterpret_cast<char*>(impl_.p() + flat) : impl_.storage.moment_at(k, group, flat);
 }
-std::vector<moment_format> exclusive_state::formats() const {
-  std::vector<moment_format> f;
-  for (const auto& st : impl_.stores) f.push_back(st.format);
-  return f;
-}
+std::vector<moment_format> exclusive_state::formats() const { return impl_.storage.formats(); }
 const std::vector<std::uint64_t>& exclusive_state::seeds() const { return impl_.seeds; }
 void exclusive_state::set_seeds(std::span<const std::uint64_t> seeds) {
   if (seeds.size() != impl_.seeds.size())
