@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "buffer_checks.hpp"
+#include "chunked_step.hpp"
 #include "exclusive_state.hpp"
 #include "half_conversion.hpp"
 #include "held_layout.hpp"
@@ -40,9 +41,8 @@ std::optional<dtype> out_of(bool has_out, dtype t) { return has_out ? std::optio
 } // namespace
 
 struct optimizer::impl {
-  operation_turns turns;         // the lock, the chunked step's turn, the failure flag
-  std::size_t chunk_updates = 0; // update_range calls of the open chunked step
-  std::size_t chunk_covered = 0; // the chunks so far covered [0, chunk_covered), in order
+  operation_turns turns; // the lock, the chunked step's turn, the failure flag
+  chunked_step chunk;    // the open chunked step's options and progress
 
   execution_options exec;
   const kernel_set* kernels;
@@ -61,11 +61,6 @@ struct optimizer::impl {
   std::vector<group_kernel> group_kernels;
   std::vector<byte_range> ranges;
   std::vector<const_view> stat_views; // the step's gradients, per piece, for the checks
-
-  // An open chunked step (begin_step .. finish_step).
-  chunk_step_options chunked{};
-  step_decision chunk_decision;
-  block_counts chunk_seen; // what its update_range calls' kernels saw so far
 
   // The execution options are checked first, then the layout.
   impl(const std::vector<param_group>& groups, arena_range range, execution_options options)
@@ -117,21 +112,21 @@ struct optimizer::impl {
   // Writes the unchanged parameters of the pieces without a gradient inside [begin, end)
   // to `out` (flat layout, element `begin` first).
   void copy_out_without_grad(std::size_t begin, std::size_t end, void* out) const {
-    if (chunked.tensors_without_grad.empty()) return; // the common step: nothing to look for
+    if (chunk.options.tensors_without_grad.empty()) return; // the common step: nothing to look for
     for (const update_piece& piece : pieces) {
       if (!piece.no_grad) continue;
       const std::size_t a = std::max(begin, piece.offset), b = std::min(end, piece.offset + piece.size);
       if (a >= b) continue;
       convert_params(p() + a,
-                     {static_cast<char*>(out) + (a - begin) * dtype_size(chunked.out_type), b - a, chunked.out_type},
+                     {static_cast<char*>(out) + (a - begin) * dtype_size(chunk.options.out_type), b - a,
+                      chunk.options.out_type},
                      exec);
     }
   }
 
   void close_chunked() {
     for (update_piece& piece : pieces) piece.no_grad = false;
-    chunk_updates = 0;
-    chunk_covered = 0;
+    chunk.close();
     turns.close_chunked();
   }
 
@@ -617,11 +612,8 @@ step_result optimizer::begin_step(const chunk_step_options& o) {
   const step_plan pl = s.plan({o.grad_type, out_of(o.copy_out, o.out_type), o.accumulator}, o.checks,
                               []() -> double { refuse_unknown_norm("begin_step"); });
   if (!pl.decision().apply) return s.result_of(pl);
-  s.chunked = o;
-  s.chunk_decision = pl.decision();
-  s.chunk_seen = {};
+  s.chunk.open(o, pl.decision());
   s.turns.open_chunked();
-  s.chunk_updates = 0;
   for (const std::size_t t : o.tensors_without_grad) s.pieces[t].no_grad = true; // whole: piece t is tensor t
   return s.result_of(pl);
 }
@@ -642,34 +634,18 @@ void optimizer::update_range(std::size_t begin, std::size_t end, const void* gra
                              const float* accumulator) {
   impl& s = *impl_;
   const auto lock = s.turns.acquire_chunked("update_range");
-  if (begin > end || end > s.layout.size())
-    throw std::invalid_argument("update_range: [" + std::to_string(begin) + ", " + std::to_string(end) +
-                                "): expected a range inside [0, " + std::to_string(s.layout.size()) + ")");
-  if (begin != s.chunk_covered)
-    throw std::invalid_argument("update_range: [" + std::to_string(begin) + ", " + std::to_string(end) +
-                                "): expected the next chunk, starting at " + std::to_string(s.chunk_covered) +
-                                " (chunks cover the arena in order, once each)");
+  s.chunk.check_next(begin, end, s.layout.size(), s.layout.unit(), grad, out, accumulator);
   if (begin == end) return;
-  if (s.layout.unit() == q8_block && end % q8_block && end != s.layout.size())
-    throw std::invalid_argument("update_range: [" + std::to_string(begin) + ", " + std::to_string(end) +
-                                "): a group has 8-bit moments: expected a chunk ending on a multiple of 32 "
-                                "(chunk_unit(), whole blocks) or at the arena's end");
-  if (!grad) throw std::invalid_argument("update_range: grad is null: expected a gradient chunk");
-  if (s.chunked.copy_out != (out != nullptr))
-    throw std::invalid_argument(std::string("update_range: out is ") + (out ? "set" : "null") + ": expected " +
-                                (s.chunked.copy_out ? "an output chunk" : "none (begin_step had copy_out off)"));
-  if (s.chunked.accumulator != (accumulator != nullptr))
-    throw std::invalid_argument(std::string("update_range: accumulator is ") + (accumulator ? "set" : "null") +
-                                ": expected " + (s.chunked.accumulator ? "an accumulator chunk" : "none"));
   // The chunk's buffers are the caller's, never the state (nor each other where written).
   const std::size_t n = end - begin;
   s.ranges.clear();
-  s.ranges.push_back(range_of(grad, n * dtype_size(s.chunked.grad_type), false, kind_grad, 0));
-  if (out) s.ranges.push_back(range_of(out, n * dtype_size(s.chunked.out_type), true, kind_out, 0));
+  s.ranges.push_back(range_of(grad, n * dtype_size(s.chunk.options.grad_type), false, kind_grad, 0));
+  if (out) s.ranges.push_back(range_of(out, n * dtype_size(s.chunk.options.out_type), true, kind_out, 0));
   if (accumulator) s.ranges.push_back(range_of(accumulator, n * sizeof(float), false, kind_grad, 1));
   s.storage.add_ranges(s.ranges, kind_state);
   check_no_overlap(s.ranges, view_kinds);
-  update_job job = s.job(s.chunked.grad_type, out_of(s.chunked.copy_out, s.chunked.out_type));
+  update_job job =
+      s.job(s.chunk.options.grad_type, out_of(s.chunk.options.copy_out, s.chunk.options.out_type));
   job.begin = begin;
   job.end = end;
   job.flat_grad = grad;
@@ -677,23 +653,20 @@ void optimizer::update_range(std::size_t begin, std::size_t end, const void* gra
   job.flat_origin = begin;
   if (accumulator) {
     job.flat_accumulator = accumulator;
-    job.add_grad = s.kernels->add_grad(s.chunked.grad_type);
+    job.add_grad = s.kernels->add_grad(s.chunk.options.grad_type);
   }
-  ++s.chunk_updates;
-  s.chunk_covered = end;
+  ++s.chunk.updates;
+  s.chunk.covered = end;
   const block_counts seen = run_update(job, s.exec.threads);
-  s.chunk_seen.poisoned += seen.poisoned;
-  s.chunk_seen.saturated += seen.saturated;
+  s.chunk.seen.poisoned += seen.poisoned;
+  s.chunk.seen.saturated += seen.saturated;
   if (out) s.copy_out_without_grad(begin, end, out);
 }
 
 step_result optimizer::finish_step() {
   impl& s = *impl_;
   const auto lock = s.turns.acquire_chunked("finish_step");
-  if (s.chunk_covered != s.layout.size())
-    throw std::logic_error("finish_step: the chunks cover [0, " + std::to_string(s.chunk_covered) +
-                           ") of the " + std::to_string(s.layout.size()) +
-                           " elements: update the rest first, or abort_step()");
+  s.chunk.check_complete(s.layout.size());
   for (std::size_t t = 0; t < s.pieces.size(); ++t)
     if (s.pieces[t].no_grad) { // not stepped: its own count stays (whole: piece t is tensor t)
       ++s.lag[t];
@@ -701,22 +674,14 @@ step_result optimizer::finish_step() {
     }
   s.close_chunked();
   ++s.count;
-  step_result r;
-  r.applied = true;
-  r.step = s.count;
-  r.applied_scale = s.chunk_decision.scale;
-  r.grad_norm = s.chunk_decision.grad_norm;
-  r.skipped_steps = s.skipped;
-  r.poisoned_blocks = s.chunk_seen.poisoned;
-  r.saturated_blocks = s.chunk_seen.saturated;
-  return r;
+  return s.chunk.finished(s.count, s.skipped);
 }
 
 void optimizer::abort_step(const std::string& reason) noexcept {
   impl& s = *impl_;
   const auto lock = s.turns.lock_only();
   if (!s.turns.own_chunked_open()) return;
-  if (s.chunk_updates > 0) s.turns.keep_first_failure(reason);
+  if (s.chunk.updates > 0) s.turns.keep_first_failure(reason);
   s.close_chunked();
 }
 
