@@ -15,10 +15,8 @@
 #include "hostopt/gradient_checks.hpp"
 #include "kernel_registry.hpp"
 #include "operation_turns.hpp"
-#include "rounding_key.hpp"
 #include "state_storage.hpp"
 #include "step_plan.hpp"
-#include "step_scalars.hpp"
 #include "update_engine.hpp"
 
 namespace hostopt {
@@ -52,10 +50,9 @@ struct optimizer::impl {
   std::vector<std::uint64_t> seeds; // per group: the compressed moments' rounding seed
   std::int64_t count = 0, skipped = 0;
   // Per tensor (segments order): how many of the last `count` steps it missed (no
-  // gradient in a per-tensor step); its own step count is count - lag. All zero unless
-  // `lagging`, which keeps the common step at one kernel entry per group.
+  // gradient in a per-tensor step); its own step count is count - lag. The step plan gives
+  // the tensors behind their own kernel entries.
   std::vector<std::int64_t> lag;
-  bool lagging = false;
   // Scratch sized at construction so that a step allocates nothing.
   std::vector<update_piece> pieces; // the held part of each tensor (held_layout::pieces)
   std::vector<group_kernel> group_kernels;
@@ -216,40 +213,16 @@ struct optimizer::impl {
   template <class NormFn>
   step_plan plan(const step_io& io, const step_options& o, NormFn&& norm) {
     check_range_norm(o);
-    const step_plan pl = step_plan::make(*kernels, configs, count, io, o, norm,
-                                         std::span<group_kernel>(group_kernels.data(), configs.size()));
+    const step_plan pl = step_plan::make(*kernels, configs, count, io, o, norm, group_kernels,
+                                         {layout.segments(), lag, layout.piece_tensor(), pieces});
     if (!pl.decision().apply) {
       check_count("skipped steps", skipped + 1);
       ++skipped;
-    } else if (lagging) {
-      point_pieces_at_own_steps(pl);
     }
     return pl;
   }
 
-  // A tensor behind the shared count gets its own kernel entry (after the groups'), with
-  // the bias correction of its own step t - lag; the others use their group's entry.
-  void point_pieces_at_own_steps(const step_plan& pl) {
-    const std::size_t groups = configs.size();
-    for (std::size_t k = 0; k < pieces.size(); ++k) {
-      const std::size_t t = layout.piece_tensor()[k], g = layout.segments()[t].group;
-      pieces[k].group = g;
-      if (lag[t] == 0) continue;
-      group_kernel& own = group_kernels[groups + t];
-      own = group_kernels[g]; // its kernel and storage
-      own.scalars = make_step_scalars(configs[g], pl.step() - lag[t], pl.decision().scale);
-      own.call.s = own.scalars; // compressed moments round with the tensor's own step too
-      own.call.key = rounding_key(seeds[g], pl.step() - lag[t]);
-      pieces[k].group = groups + t;
-    }
-  }
-
-  void clear_lags() {
-    std::fill(lag.begin(), lag.end(), 0);
-    lagging = false;
-    for (std::size_t k = 0; k < pieces.size(); ++k)
-      pieces[k].group = layout.segments()[layout.piece_tensor()[k]].group;
-  }
+  void clear_lags() { std::fill(lag.begin(), lag.end(), 0); }
 
   step_result result_of(const step_plan& pl, const block_counts& seen = {}) const {
     step_result r;
@@ -362,9 +335,7 @@ void optimizer::set_tensor_steps(std::span<const std::int64_t> steps) {
     throw std::invalid_argument("set_tensor_steps: this optimizer holds a range of the arena (a shard), whose "
                                 "tensors share one step count; the counts given differ");
   s.count = top;
-  s.clear_lags();
   for (std::size_t i = 0; i < steps.size(); ++i) s.lag[i] = top - steps[i];
-  s.lagging = differ;
 }
 
 execution_options optimizer::execution() const {
@@ -593,10 +564,7 @@ step_result optimizer::step(std::span<const const_view> grads, std::span<const m
   const block_counts seen = run_update(s.job(grad_type, out_of(has_out, out_type)), s.exec.threads);
   ++s.count;
   for (std::size_t i = 0; i < n; ++i)
-    if (grads[i].data == nullptr && grads[i].size == 0) { // not stepped: its own count stays
-      ++s.lag[i];
-      s.lagging = true;
-    }
+    if (grads[i].data == nullptr && grads[i].size == 0) ++s.lag[i]; // not stepped: its own count stays
   return s.result_of(pl, seen);
 }
 
@@ -668,10 +636,7 @@ step_result optimizer::finish_step() {
   const auto lock = s.turns.acquire_chunked("finish_step");
   s.chunk.check_complete(s.layout.size());
   for (std::size_t t = 0; t < s.pieces.size(); ++t)
-    if (s.pieces[t].no_grad) { // not stepped: its own count stays (whole: piece t is tensor t)
-      ++s.lag[t];
-      s.lagging = true;
-    }
+    if (s.pieces[t].no_grad) ++s.lag[t]; // not stepped: its own count stays (whole: piece t is tensor t)
   s.close_chunked();
   ++s.count;
   return s.chunk.finished(s.count, s.skipped);
@@ -742,7 +707,9 @@ const std::vector<adam_config>& exclusive_state::configs() const { return impl_.
 std::int64_t exclusive_state::step_count() const { return impl_.count; }
 std::int64_t exclusive_state::skipped_steps() const { return impl_.skipped; }
 std::vector<std::int64_t> exclusive_state::tensor_lags() const {
-  return impl_.lagging ? impl_.lag : std::vector<std::int64_t>();
+  const auto& lag = impl_.lag;
+  const bool behind = std::any_of(lag.begin(), lag.end(), [](std::int64_t l) { return l != 0; });
+  return behind ? lag : std::vector<std::int64_t>();
 }
 
 void exclusive_state::set_tensor_lags(std::span<const std::int64_t> lags) {
@@ -756,7 +723,6 @@ void exclusive_state::set_tensor_lags(std::span<const std::int64_t> lags) {
       throw std::invalid_argument("tensor '" + impl_.layout.names()[i] +
                                   "': step count outside [0, step count]");
     impl_.lag[i] = lags[i];
-    impl_.lagging = impl_.lagging || lags[i] != 0;
   }
 }
 

@@ -58,6 +58,17 @@ void step_plan::check_count(std::int64_t count) {
                                 ", hostopt::max_step_count)");
 }
 
+namespace {
+// The constants of step t for an entry whose kernel is chosen: the update rule's scalars
+// and, for compressed moments, the key of the step's stochastic rounding.
+void set_step_constants(group_kernel& gk, const adam_config& config, std::int64_t t, float scale) {
+  gk.scalars = make_step_scalars(config, t, scale);
+  if (gk.storage.format == moment_format::f32) return;
+  gk.call.s = gk.scalars;
+  gk.call.key = rounding_key(gk.storage.seed, t);
+}
+} // namespace
+
 void step_plan::prepare(const kernel_set& ks, std::span<const adam_config> configs, const step_io& io,
                         std::span<group_kernel> groups) const {
   // With an accumulator the kernels take the f32 sum that the engine builds per block.
@@ -65,20 +76,33 @@ void step_plan::prepare(const kernel_set& ks, std::span<const adam_config> confi
   for (std::size_t g = 0; g < configs.size(); ++g) {
     const kernel_variant var = variant_of(configs[g]);
     group_kernel& gk = groups[g];
-    gk.scalars = make_step_scalars(configs[g], t_, decision_.scale);
     if (gk.storage.format != moment_format::f32) {
       gk.fn = nullptr;
       gk.compressed = io.delta ? ks.delta_compressed(gk.storage.format, io.grad_type)
                                : ks.adam_compressed(gk.storage.format, kernel_grad, io.out);
-      gk.call.s = gk.scalars;
       gk.call.decay = var.decay;
       gk.call.nesterov = var.nesterov;
-      gk.call.key = rounding_key(gk.storage.seed, t_);
+    } else {
+      gk.compressed = nullptr;
+      gk.fn = io.delta ? ks.delta(io.grad_type, var.decay, var.nesterov)
+                       : ks.adam(kernel_grad, io.out, var.decay, var.nesterov);
+    }
+    set_step_constants(gk, configs[g], t_, decision_.scale);
+  }
+}
+
+void step_plan::point_pieces(std::span<const adam_config> configs, std::span<group_kernel> groups,
+                             const step_tensors& tensors) const {
+  for (std::size_t k = 0; k < tensors.pieces.size(); ++k) {
+    const std::size_t t = tensors.piece_tensor[k], g = tensors.tensors[t].group;
+    if (tensors.lags[t] == 0) {
+      tensors.pieces[k].group = g;
       continue;
     }
-    gk.compressed = nullptr;
-    gk.fn = io.delta ? ks.delta(io.grad_type, var.decay, var.nesterov)
-                     : ks.adam(kernel_grad, io.out, var.decay, var.nesterov);
+    group_kernel& own = groups[configs.size() + t];
+    own = groups[g]; // its group's kernel and moment storage
+    set_step_constants(own, configs[g], t_ - tensors.lags[t], decision_.scale);
+    tensors.pieces[k].group = configs.size() + t;
   }
 }
 

@@ -1,8 +1,9 @@
 #pragma once
 // The step policy, written once: a plan decides everything about one step — validation of
 // the options, the non-finite skip, the clip factor, the step number, each group's kernel
-// and per-step scalars — and is then executed over any range of the arena. The synchronous
-// step, the chunked step (the pipeline's) and a shard's step all make and run plans.
+// and per-step scalars, and which of them each tensor runs — and is then executed over any
+// range of the arena. The synchronous step, the chunked step (the pipeline's) and a shard's
+// step all make and run plans.
 
 #include <cstddef>
 #include <cstdint>
@@ -12,6 +13,7 @@
 
 #include "hostopt/adam_config.hpp"
 #include "hostopt/dtype.hpp"
+#include "hostopt/optimizer.hpp"
 #include "hostopt/step_options.hpp"
 #include "fp_environment.hpp"
 #include "kernel_set.hpp"
@@ -27,6 +29,17 @@ struct step_io {
   bool delta = false;        // the optax form: the update new_p - p in the gradient's dtype
 };
 
+/// The tensors of a step over an optimizer's arena, for a plan that points each piece at its
+/// kernel entry. A tensor whose own step count lags the shared one (it had no gradient in
+/// some per-tensor steps) runs its own entry, groups[configs.size() + tensor], with the bias
+/// correction and rounding key of its own step t - lag; every other piece runs its group's.
+struct step_tensors {
+  std::span<const segment> tensors;          // the layout: each tensor's group
+  std::span<const std::int64_t> lags;        // per tensor: the steps it is behind the shared count
+  std::span<const std::size_t> piece_tensor; // per piece: its tensor
+  std::span<update_piece> pieces;            // the plan sets each one's entry (update_piece::group)
+};
+
 /// Options of a step that trusts its gradients: scaled, never checked or clipped.
 inline step_options unchecked(float grad_scale) {
   step_options o;
@@ -40,11 +53,12 @@ public:
   /// Validates `options` and the step count (std::invalid_argument) and decides the step.
   /// `norm_of_grads()` is called only when the options need a norm and none is known; it
   /// returns the unscaled gradients' norm (NaN/inf when one is non-finite). When the step
-  /// applies, `groups[g]` receives group g's kernel and scalars for t = count + 1.
+  /// applies, `groups[g]` receives group g's kernel and scalars for t = count + 1, and
+  /// `tensors`' pieces their entries (step_tensors).
   template <class NormFn>
   static step_plan make(const kernel_set& ks, std::span<const adam_config> configs, std::int64_t count,
                         const step_io& io, const step_options& options, NormFn&& norm_of_grads,
-                        std::span<group_kernel> groups) {
+                        std::span<group_kernel> groups, const step_tensors& tensors = {}) {
     const ieee_float_mode mode; // the scalars (e.g. a tiny clip factor) are not flushed either
     check_count(count);
     double raw = options.known_grad_norm; // negative: not known
@@ -53,7 +67,10 @@ public:
       raw = norm_of_grads();
     }
     step_plan plan(decide_step(options, raw), count + 1);
-    if (plan.decision_.apply) plan.prepare(ks, configs, io, groups);
+    if (plan.decision_.apply) {
+      plan.prepare(ks, configs, io, groups);
+      plan.point_pieces(configs, groups, tensors);
+    }
     return plan;
   }
 
@@ -68,6 +85,8 @@ private:
   step_plan(step_decision d, std::int64_t t) : decision_(d), t_(t) {}
   void prepare(const kernel_set& ks, std::span<const adam_config> configs, const step_io& io,
                std::span<group_kernel> groups) const;
+  void point_pieces(std::span<const adam_config> configs, std::span<group_kernel> groups,
+                    const step_tensors& tensors) const;
 
   step_decision decision_;
   std::int64_t t_;

@@ -275,6 +275,27 @@ TEST_CASE("each tensor keeps its own step count: a late first gradient is bias-c
   CHECK(opt.tensor_steps() == std::vector<std::int64_t>{4, 4});
 }
 
+TEST_CASE("a tensor whose count was aligned steps with its group's scalars again", "[optimizer]") {
+  std::mt19937 rng(23);
+  adam_config c;
+  c.lr = 0.1;
+  optimizer opt({{c, {{"a", {40}}, {"late", {9}}}}});
+  ref::state a(40), late(9);
+  // "late" misses steps 1 and 2, steps at its own t = 1, then set_step_count aligns both.
+  for (int t = 1; t <= 4; ++t) {
+    if (t == 4) opt.set_step_count(3);
+    const auto ga = ref::random_grad(dtype::f32, 40, rng);
+    const auto gl = ref::random_grad(dtype::f32, 9, rng);
+    opt.step(std::vector<const_view>{ga.view(), t <= 2 ? const_view{} : gl.view()});
+    adam_step(a.p.data(), a.m.data(), a.v.data(), 40, ga.view(), {}, c, t);
+    if (t > 2) adam_step(late.p.data(), late.m.data(), late.v.data(), 9, gl.view(), {}, c, t == 3 ? 1 : 4);
+  }
+  CHECK(opt.tensor_steps() == std::vector<std::int64_t>{4, 4});
+  CHECK(same_bits(opt.params("a"), a.p));
+  CHECK(same_bits(opt.params("late"), late.p));
+  CHECK(same_bits(opt.exp_avg_sq("late"), late.v));
+}
+
 TEST_CASE("per-tensor step counts load as torch gives them and survive a checkpoint", "[optimizer][checkpoint]") {
   std::mt19937 rng(19);
   adam_config c;
