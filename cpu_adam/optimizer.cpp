@@ -163,9 +163,8 @@ struct optimizer::impl {
   update_job job(dtype grad_type, std::optional<dtype> out) const {
     update_job j;
     j.params = p();
-    j.exp_avg =
-        storage.flat_moments() ? storage.flat_array(1).data() : nullptr; // else every group has its own
-    j.exp_avg_sq = storage.flat_moments() ? storage.flat_array(2).data() : nullptr;
+    j.exp_avg = storage.flat_array(1).data(); // null: every group has its own storage
+    j.exp_avg_sq = storage.flat_array(2).data();
     j.pieces = pieces.data();
     j.num_pieces = pieces.size();
     j.groups = group_kernels.data();

@@ -32,9 +32,12 @@ public:
   float* params() const { return state_.data(); }
   /// Whether every group's moments are f32: the flat arrays of flat_array(1 and 2).
   bool flat_moments() const { return flat_moments_; }
-  /// Array k of the flat layout: 0 params, 1 exp_avg, 2 exp_avg_sq (the moments only when
-  /// flat_moments()).
-  std::span<float> flat_array(int k) const { return {state_.data() + std::size_t(k) * size_, size_}; }
+  /// Array k of the flat layout: 0 params, 1 exp_avg, 2 exp_avg_sq; the moments are empty
+  /// (null) unless flat_moments().
+  std::span<float> flat_array(int k) const {
+    if (k > 0 && !flat_moments_) return {};
+    return {state_.data() + std::size_t(k) * size_, size_};
+  }
   moment_format format(std::size_t group) const { return stores_[group].format; }
   std::vector<moment_format> formats() const;
 
