@@ -45,18 +45,6 @@ void chunked_step::check_complete(std::size_t size) const {
                            std::to_string(size) + " elements: update the rest first, or abort_step()");
 }
 
-step_result chunked_step::finished(std::int64_t step, std::int64_t skipped_steps) const {
-  step_result r;
-  r.applied = true;
-  r.step = step;
-  r.applied_scale = decision.scale;
-  r.grad_norm = decision.grad_norm;
-  r.skipped_steps = skipped_steps;
-  r.poisoned_blocks = seen.poisoned;
-  r.saturated_blocks = seen.saturated;
-  return r;
-}
-
 void chunked_step::close() {
   updates = 0;
   covered = 0;

@@ -28,8 +28,6 @@ struct chunked_step {
                   const void* out, const float* accumulator) const;
   /// finish_step: refuses a step whose chunks did not reach the end of `size` elements.
   void check_complete(std::size_t size) const;
-  /// What finish_step reports: the step completed as step `step`.
-  step_result finished(std::int64_t step, std::int64_t skipped_steps) const;
   void close();
 };
 

@@ -222,18 +222,6 @@ struct optimizer::impl {
   }
 
   void clear_lags() { std::fill(lag.begin(), lag.end(), 0); }
-
-  step_result result_of(const step_plan& pl, const block_counts& seen = {}) const {
-    step_result r;
-    r.applied = pl.decision().apply;
-    r.step = count;
-    r.grad_norm = pl.decision().grad_norm;
-    r.applied_scale = pl.decision().scale;
-    r.skipped_steps = skipped;
-    r.poisoned_blocks = seen.poisoned;
-    r.saturated_blocks = seen.saturated;
-    return r;
-  }
 };
 
 optimizer::optimizer(std::vector<param_group> groups, execution_options exec)
@@ -485,13 +473,13 @@ step_result optimizer::step(const_view flat_grad, mut_view flat_out, const step_
     s.stat_views.push_back({static_cast<const char*>(flat_grad.data) + piece.offset * dtype_size(flat_grad.type),
                             piece.size, flat_grad.type});
   const step_plan pl = s.plan({flat_grad.type, out_of(has_out, flat_out.type), false}, opts);
-  if (!pl.decision().apply) return s.result_of(pl);
+  if (!pl.decision().apply) return make_step_result(pl.decision(), s.count, s.skipped);
   update_job job = s.job(flat_grad.type, out_of(has_out, flat_out.type));
   job.flat_grad = flat_grad.data;
   job.flat_out = has_out ? flat_out.data : nullptr;
   const block_counts seen = run_update(job, s.exec.threads);
   ++s.count;
-  return s.result_of(pl, seen);
+  return make_step_result(pl.decision(), s.count, s.skipped, seen);
 }
 
 void optimizer::check_step(const_view flat_grad, mut_view flat_out, const step_options& opts) const {
@@ -559,12 +547,12 @@ step_result optimizer::step(std::span<const const_view> grads, std::span<const m
   }
   s.stat_views.assign(grads.begin(), grads.end());
   const step_plan pl = s.plan({grad_type, out_of(has_out, out_type), false}, opts);
-  if (!pl.decision().apply) return s.result_of(pl);
+  if (!pl.decision().apply) return make_step_result(pl.decision(), s.count, s.skipped);
   const block_counts seen = run_update(s.job(grad_type, out_of(has_out, out_type)), s.exec.threads);
   ++s.count;
   for (std::size_t i = 0; i < n; ++i)
     if (grads[i].data == nullptr && grads[i].size == 0) ++s.lag[i]; // not stepped: its own count stays
-  return s.result_of(pl, seen);
+  return make_step_result(pl.decision(), s.count, s.skipped, seen);
 }
 
 step_result optimizer::begin_step(const chunk_step_options& o) {
@@ -578,11 +566,11 @@ step_result optimizer::begin_step(const chunk_step_options& o) {
   // The gradients arrive later: a norm the checks need must be known already.
   const step_plan pl = s.plan({o.grad_type, out_of(o.copy_out, o.out_type), o.accumulator}, o.checks,
                               []() -> double { refuse_unknown_norm("begin_step"); });
-  if (!pl.decision().apply) return s.result_of(pl);
+  if (!pl.decision().apply) return make_step_result(pl.decision(), s.count, s.skipped);
   s.chunk.open(o, pl.decision());
   s.turns.open_chunked();
   for (const std::size_t t : o.tensors_without_grad) s.pieces[t].no_grad = true; // whole: piece t is tensor t
-  return s.result_of(pl);
+  return make_step_result(pl.decision(), s.count, s.skipped);
 }
 
 void optimizer::check_options(const chunk_step_options& o) const {
@@ -638,7 +626,7 @@ step_result optimizer::finish_step() {
     if (s.pieces[t].no_grad) ++s.lag[t]; // not stepped: its own count stays (whole: piece t is tensor t)
   s.close_chunked();
   ++s.count;
-  return s.chunk.finished(s.count, s.skipped);
+  return make_step_result(s.chunk.decision, s.count, s.skipped, s.chunk.seen);
 }
 
 void optimizer::abort_step(const std::string& reason) noexcept {

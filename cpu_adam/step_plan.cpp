@@ -106,6 +106,19 @@ void step_plan::point_pieces(std::span<const adam_config> configs, std::span<gro
   }
 }
 
+step_result make_step_result(const step_decision& decision, std::int64_t step_count,
+                             std::int64_t skipped_steps, const block_counts& seen) {
+  step_result r;
+  r.applied = decision.apply;
+  r.step = step_count;
+  r.grad_norm = decision.grad_norm;
+  r.applied_scale = decision.scale;
+  r.skipped_steps = skipped_steps;
+  r.poisoned_blocks = seen.poisoned;
+  r.saturated_blocks = seen.saturated;
+  return r;
+}
+
 void refuse_unknown_norm(const char* what) {
   throw std::invalid_argument(std::string(what) +
                               ": checks or clipping need the gradients' norm before any chunk arrives: pass "

@@ -92,6 +92,11 @@ private:
   std::int64_t t_;
 };
 
+/// What a step reports: its decision, the step count after it, the steps skipped so far and
+/// what its compressed kernels saw.
+step_result make_step_result(const step_decision& decision, std::int64_t step_count,
+                             std::int64_t skipped_steps, const block_counts& seen = {});
+
 /// A chunked step cannot read its gradients before they arrive: the norm provider of its
 /// plan refuses, naming what to pass instead.
 [[noreturn]] void refuse_unknown_norm(const char* what);
