@@ -10,14 +10,15 @@
 
 #include <cstdint>
 #include <memory>
-#include <stdexcept>
 #include <string>
 
+#include "argument_conversion.hpp"
 #include "hostopt/offload_pipeline.hpp"
 #include "hostopt/optimizer.hpp"
 
 namespace py = pybind11;
 using namespace hostopt;
+using namespace hostopt::bindings;
 
 namespace {
 
@@ -39,14 +40,6 @@ device_order order_of(std::uintptr_t grads_stream, std::uintptr_t grads_event, s
   o.params_stream = {address(params_stream)};
   o.params_free = {address(params_event)};
   return o;
-}
-
-dtype dtype_named(const std::string& what, const std::string& name) {
-  try {
-    return parse_dtype(name);
-  } catch (const std::invalid_argument&) {
-    throw py::type_error(what + ": dtype '" + name + "' is not supported, expected f32, bf16 or f16");
-  }
 }
 
 } // namespace
@@ -99,8 +92,8 @@ void bind_pipeline(py::module_& m) {
              pipeline_options po;
              po.chunk_elems = chunk_elems;
              po.depth = depth;
-             po.grad_type = dtype_named("grad_type", grad_type);
-             po.param_type = dtype_named("param_type", param_type);
+             po.grad_type = dtype_from("grad_type", grad_type);
+             po.param_type = dtype_from("param_type", param_type);
              auto h = std::make_unique<pipeline_holder>();
              h->engine = engine;
              h->optimizer = opt;
@@ -123,8 +116,8 @@ void bind_pipeline(py::module_& m) {
             o.known_grad_norm = known_grad_norm;
             device_order order = order_of(grads_stream, grads_event, params_stream, params_event);
             for (const std::uintptr_t e : chunk_grads_events) order.chunk_grads_ready.push_back({address(e)});
-            return h.pipe->step_async({address(grads), size, dtype_named("grad_type", grad_type)},
-                                      {address(params), size, dtype_named("param_type", param_type)}, order, o,
+            return h.pipe->step_async({address(grads), size, dtype_from("grad_type", grad_type)},
+                                      {address(params), size, dtype_from("param_type", param_type)}, order, o,
                                       std::move(tensors_without_grad));
           },
           py::arg("grads"), py::arg("grad_type"), py::arg("params"), py::arg("param_type"), py::arg("size"),
@@ -138,7 +131,7 @@ void bind_pipeline(py::module_& m) {
           "accumulate_async",
           [](pipeline_holder& h, std::uintptr_t grads, const std::string& grad_type, std::size_t size,
              std::uintptr_t grads_stream, std::uintptr_t grads_event) {
-            return h.pipe->accumulate_async({address(grads), size, dtype_named("grad_type", grad_type)},
+            return h.pipe->accumulate_async({address(grads), size, dtype_from("grad_type", grad_type)},
                                             order_of(grads_stream, grads_event, 0, 0));
           },
           py::arg("grads"), py::arg("grad_type"), py::arg("size"), py::arg("grads_stream") = 0,
@@ -147,7 +140,7 @@ void bind_pipeline(py::module_& m) {
           "push_params",
           [](pipeline_holder& h, std::uintptr_t params, const std::string& param_type, std::size_t size) {
             py::gil_scoped_release release;
-            h.pipe->push_params({address(params), size, dtype_named("param_type", param_type)});
+            h.pipe->push_params({address(params), size, dtype_from("param_type", param_type)});
           },
           py::arg("params"), py::arg("param_type"), py::arg("size"))
       .def_property_readonly("copy_in_stream", [](const pipeline_holder& h) { return handle_of(h.pipe->copy_in_stream().handle); })
