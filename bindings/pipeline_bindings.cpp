@@ -2,9 +2,9 @@
 // (a torch CUDA stream's cuda_stream — but 0 means "none": the legacy default stream is 1,
 // cudaStreamLegacy — or a cudaEvent_t), device buffers as integer addresses (a tensor's
 // data_ptr()). A private, unchecked layer: addresses and handles are trusted, as a C++
-// caller's would be; hostopt.torch passes only buffers it allocated and keeps alive. This is the layer hostopt.torch drives for device parameters;
-// on the host engine "device" memory is host memory, so CPU tensors stand in for device
-// tensors in tests. Waits release the GIL.
+// caller's would be; hostopt.torch passes only buffers it allocated and keeps alive. This is
+// the layer hostopt.torch drives for device parameters; on the host engine "device" memory is
+// host memory, so CPU tensors stand in for device tensors in tests. Waits release the GIL.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -13,12 +13,12 @@
 #include <string>
 
 #include "argument_conversion.hpp"
+#include "module_parts.hpp"
+
 #include "hostopt/offload_pipeline.hpp"
 #include "hostopt/optimizer.hpp"
 
-namespace py = pybind11;
-using namespace hostopt;
-using namespace hostopt::bindings;
+namespace hostopt::bindings {
 
 namespace {
 
@@ -45,12 +45,17 @@ device_order order_of(std::uintptr_t grads_stream, std::uintptr_t grads_event, s
 } // namespace
 
 void bind_pipeline(py::module_& m) {
-  py::class_<copy_engine, std::shared_ptr<copy_engine>>(m, "CopyEngine",
-                                                        "A device behind the offload pipeline (cuda or host).")
-      .def_static("host", [](double gbps) { return std::shared_ptr<copy_engine>(make_host_copy_engine({gbps, {}, {}})); },
-                  py::arg("bandwidth_gbps") = 0.0)
-      .def_static("cuda", [](int device) { return std::shared_ptr<copy_engine>(make_cuda_copy_engine(device)); },
-                  py::arg("device") = 0)
+  py::class_<copy_engine, std::shared_ptr<copy_engine>>(
+      m, "CopyEngine", "A device behind the offload pipeline (cuda or host).")
+      .def_static(
+          "host",
+          [](double gbps) {
+            return std::shared_ptr<copy_engine>(make_host_copy_engine({gbps, {}, {}}));
+          },
+          py::arg("bandwidth_gbps") = 0.0)
+      .def_static(
+          "cuda", [](int device) { return std::shared_ptr<copy_engine>(make_cuda_copy_engine(device)); },
+          py::arg("device") = 0)
       .def_static("cuda_available", &cuda_device_available)
       .def_property_readonly("name", [](const copy_engine& e) { return std::string(e.name()); })
       .def_property_readonly("flag_mechanism", &copy_engine::flag_mechanism)
@@ -59,9 +64,10 @@ void bind_pipeline(py::module_& m) {
       .def("destroy_stream", [](copy_engine& e, std::uintptr_t s) { e.destroy_stream({address(s)}); })
       .def("create_event", [](copy_engine& e) { return handle_of(e.create_event().handle); })
       .def("destroy_event", [](copy_engine& e, std::uintptr_t ev) { e.destroy_event({address(ev)}); })
-      .def("record_event", [](copy_engine& e, std::uintptr_t ev, std::uintptr_t s) { e.record_event({address(ev)}, {address(s)}); })
-      .def("stream_wait_event",
-           [](copy_engine& e, std::uintptr_t s, std::uintptr_t ev) { e.stream_wait_event({address(s)}, {address(ev)}); })
+      .def("record_event", [](copy_engine& e, std::uintptr_t ev,
+                              std::uintptr_t s) { e.record_event({address(ev)}, {address(s)}); })
+      .def("stream_wait_event", [](copy_engine& e, std::uintptr_t s,
+                                   std::uintptr_t ev) { e.stream_wait_event({address(s)}, {address(ev)}); })
       .def("synchronize_event",
            [](copy_engine& e, std::uintptr_t ev) {
              py::gil_scoped_release release;
@@ -81,13 +87,15 @@ void bind_pipeline(py::module_& m) {
              return h.wait();
            })
       .def("done", &pipeline_handle::done)
-      .def_property_readonly("grads_consumed", [](const pipeline_handle& h) { return handle_of(h.grads_consumed().handle); })
-      .def_property_readonly("params_ready", [](const pipeline_handle& h) { return handle_of(h.params_ready().handle); });
+      .def_property_readonly("grads_consumed",
+                             [](const pipeline_handle& h) { return handle_of(h.grads_consumed().handle); })
+      .def_property_readonly("params_ready",
+                             [](const pipeline_handle& h) { return handle_of(h.params_ready().handle); });
 
-  py::class_<pipeline_holder>(m, "OffloadPipeline",
-                              "offload_pipeline over an Optimizer: device gradients in, device parameters out.")
-      .def(py::init([](py::object opt, std::shared_ptr<copy_engine> engine, std::size_t chunk_elems, int depth,
-                       const std::string& grad_type, const std::string& param_type) {
+  py::class_<pipeline_holder>(
+      m, "OffloadPipeline", "offload_pipeline over an Optimizer: device gradients in, device parameters out.")
+      .def(py::init([](py::object opt, std::shared_ptr<copy_engine> engine, std::size_t chunk_elems,
+                       int depth, const std::string& grad_type, const std::string& param_type) {
              if (!engine) throw py::value_error("OffloadPipeline: engine is None");
              pipeline_options po;
              po.chunk_elems = chunk_elems;
@@ -100,14 +108,15 @@ void bind_pipeline(py::module_& m) {
              h->pipe = std::make_unique<offload_pipeline>(opt.cast<optimizer&>(), *engine, po);
              return h;
            }),
-           py::arg("optimizer"), py::arg("engine"), py::arg("chunk_elems") = std::size_t(1) << 22, py::arg("depth") = 2,
-           py::arg("grad_type") = "f32", py::arg("param_type") = "f32")
+           py::arg("optimizer"), py::arg("engine"), py::arg("chunk_elems") = std::size_t(1) << 22,
+           py::arg("depth") = 2, py::arg("grad_type") = "f32", py::arg("param_type") = "f32")
       .def(
           "step_async",
           [](pipeline_holder& h, std::uintptr_t grads, const std::string& grad_type, std::uintptr_t params,
-             const std::string& param_type, std::size_t size, std::uintptr_t grads_stream, std::uintptr_t grads_event,
-             std::uintptr_t params_stream, std::uintptr_t params_event, float grad_scale, double max_grad_norm,
-             bool skip_nonfinite, double known_grad_norm, const std::vector<std::uintptr_t>& chunk_grads_events,
+             const std::string& param_type, std::size_t size, std::uintptr_t grads_stream,
+             std::uintptr_t grads_event, std::uintptr_t params_stream, std::uintptr_t params_event,
+             float grad_scale, double max_grad_norm, bool skip_nonfinite, double known_grad_norm,
+             const std::vector<std::uintptr_t>& chunk_grads_events,
              std::vector<std::size_t> tensors_without_grad) {
             step_options o;
             o.grad_scale = grad_scale;
@@ -143,9 +152,12 @@ void bind_pipeline(py::module_& m) {
             h.pipe->push_params({address(params), size, dtype_from("param_type", param_type)});
           },
           py::arg("params"), py::arg("param_type"), py::arg("size"))
-      .def_property_readonly("copy_in_stream", [](const pipeline_holder& h) { return handle_of(h.pipe->copy_in_stream().handle); })
+      .def_property_readonly(
+          "copy_in_stream",
+          [](const pipeline_holder& h) { return handle_of(h.pipe->copy_in_stream().handle); })
       .def_property_readonly("usable", [](const pipeline_holder& h) { return h.pipe->usable(); })
-      .def_property_readonly("failure_reason", [](const pipeline_holder& h) { return h.pipe->failure_reason(); })
+      .def_property_readonly("failure_reason",
+                             [](const pipeline_holder& h) { return h.pipe->failure_reason(); })
       .def_property_readonly("num_chunks", [](const pipeline_holder& h) { return h.pipe->num_chunks(); })
       .def_property_readonly("chunk_elems", [](const pipeline_holder& h) { return h.pipe->chunk_elems(); })
       .def_property_readonly("pinned_bytes", [](const pipeline_holder& h) { return h.pipe->pinned_bytes(); })
@@ -153,9 +165,12 @@ void bind_pipeline(py::module_& m) {
         const pipeline_timeline tl = h.pipe->last_timeline();
         py::dict d;
         d["wall_seconds"] = tl.wall_seconds();
-        for (auto s : {pipeline_stage::copy_in, pipeline_stage::update, pipeline_stage::copy_out, pipeline_stage::accumulate})
+        for (auto s : {pipeline_stage::copy_in, pipeline_stage::update, pipeline_stage::copy_out,
+                       pipeline_stage::accumulate})
           d[stage_name(s)] = tl.busy_seconds(s);
         d["chrome_trace"] = tl.chrome_trace_json();
         return d;
       });
 }
+
+} // namespace hostopt::bindings

@@ -1,4 +1,4 @@
-# Type stubs of the extension hostopt._core (bindings/module.cpp, bindings/pipeline_bindings.cpp).
+# Type stubs of the extension hostopt._core (bindings/module.cpp and the *_bindings.cpp it calls).
 #
 # A checked-in file, written from pybind11-stubgen's output and then fixed by hand.
 # Regenerate after a change to the bindings (pybind11-stubgen 3.0.0; the generator imports
