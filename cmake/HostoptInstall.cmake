@@ -12,6 +12,9 @@ install(FILES ${PROJECT_BINARY_DIR}/include/hostopt/version.hpp
         DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/hostopt)
 install(FILES ${PROJECT_SOURCE_DIR}/LICENSE ${PROJECT_SOURCE_DIR}/NOTICE DESTINATION ${CMAKE_INSTALL_DATADIR}/doc/hostopt)
 install(EXPORT hostoptTargets NAMESPACE hostopt:: DESTINATION ${HOSTOPT_CMAKE_DIR})
+# The same package in the build tree (hostopt_DIR=<build dir>), as {fmt} exports its own: the
+# docs' C++ examples are built against it (tests/doc_cpp_examples.cmake).
+export(EXPORT hostoptTargets NAMESPACE hostopt:: FILE ${PROJECT_BINARY_DIR}/hostoptTargets.cmake)
 
 configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/hostoptConfig.cmake.in
   ${PROJECT_BINARY_DIR}/hostoptConfig.cmake INSTALL_DESTINATION ${HOSTOPT_CMAKE_DIR})
