@@ -89,9 +89,7 @@ void check_range(arena_range r, std::size_t end, std::size_t unit) {
 } // namespace
 
 held_layout::held_layout(const std::vector<param_group>& groups, arena_range held)
-    : segs_(arena_layout(groups)), held_(held), unit_(align_elems) {
-  for (const param_group& g : groups)
-    if (g.moments == moment_format::q8) unit_ = q8_block;
+    : segs_(arena_layout(groups)), held_(held), unit_(range_unit(groups)) {
   check_range(held, arena_end(segs_), unit_);
   for (std::size_t i = 0; i < segs_.size(); ++i) {
     const segment& seg = segs_[i];

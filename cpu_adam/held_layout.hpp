@@ -3,6 +3,7 @@
 // the part of it the optimizer holds, all of it or a shard's range. Flat element i of the
 // optimizer's arrays is layout element range().begin + i. Fixed at construction.
 
+#include <algorithm>
 #include <cstddef>
 #include <map>
 #include <span>
@@ -24,6 +25,14 @@ inline std::size_t align_up(std::size_t x, std::size_t unit = align_elems) {
 /// Where a group's tensors start and its moment storage ends: on an 8-bit block, else on
 /// the 64-byte unit.
 inline std::size_t block_unit(moment_format f) { return f == moment_format::q8 ? q8_block : align_elems; }
+
+/// Where ranges (shards) and pipeline chunks of these groups' layout may end: on an 8-bit
+/// block when any group has 8-bit moments (a block is never split), else on the 64-byte unit.
+inline std::size_t range_unit(const std::vector<param_group>& groups) {
+  std::size_t unit = align_elems;
+  for (const param_group& g : groups) unit = std::max(unit, block_unit(g.moments));
+  return unit;
+}
 
 class held_layout {
 public:

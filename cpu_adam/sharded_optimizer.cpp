@@ -16,6 +16,7 @@
 
 #include "atomic_file.hpp"
 #include "checkpoint_io.hpp"
+#include "held_layout.hpp"
 #include "parallel.hpp"
 #include "safetensors_header.hpp"
 
@@ -71,8 +72,7 @@ shard_range shard_of(std::size_t arena_size, int world_size, int rank, std::size
 }
 
 shard_range shard_of(const std::vector<param_group>& groups, int world_size, int rank) {
-  const bool q8 = std::any_of(groups.begin(), groups.end(), [](const param_group& g) { return g.moments == moment_format::q8; });
-  return shard_of(arena_end(arena_layout(groups)), world_size, rank, q8 ? q8_block : detail::align_elems);
+  return shard_of(arena_end(arena_layout(groups)), world_size, rank, detail::range_unit(groups));
 }
 
 sharded_optimizer::sharded_optimizer(std::vector<param_group> groups, int world_size, int rank, execution_options exec)
