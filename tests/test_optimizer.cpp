@@ -1,6 +1,7 @@
 // The optimizer state through its public API: layout, groups, schedules, per-tensor vs
 // flat views, many tensors vs one, copy-out that never touches padding.
 #include <catch2/catch.hpp>
+#include <cfenv>
 
 #include <cstring>
 #include <filesystem>
@@ -294,6 +295,28 @@ TEST_CASE("a tensor whose count was aligned steps with its group's scalars again
   CHECK(same_bits(opt.params("a"), a.p));
   CHECK(same_bits(opt.params("late"), late.p));
   CHECK(same_bits(opt.exp_avg_sq("late"), late.v));
+}
+
+TEST_CASE("a lagging tensor stepped from a thread that rounds otherwise gets the default mode's bits", "[optimizer]") {
+  // Every step plan runs in IEEE mode whatever the caller's mode: the scalars of a tensor
+  // with its own step count too (they were made outside that scope, in the caller's mode).
+  adam_config c;
+  c.lr = 0.01;
+  std::vector<float> ga(64, 0.3f), gb(64, -0.7f);
+  auto run = [&](int mode) {
+    optimizer opt({{c, {{"a", {64}}, {"b", {64}}}}});
+    const int before = std::fegetround();
+    std::fesetround(mode);
+    opt.step(std::vector<const_view>{{ga.data(), 64, dtype::f32}, {}}); // b has no gradient: it lags
+    opt.step(std::vector<const_view>{{ga.data(), 64, dtype::f32}, {gb.data(), 64, dtype::f32}});
+    std::fesetround(before);
+    return std::vector<float>(opt.params("b").begin(), opt.params("b").end());
+  };
+  const auto want = run(FE_TONEAREST);
+  for (const int mode : {FE_UPWARD, FE_DOWNWARD, FE_TOWARDZERO}) {
+    INFO("rounding mode " << mode);
+    CHECK(same_bits(run(mode), want));
+  }
 }
 
 TEST_CASE("per-tensor step counts load as torch gives them and survive a checkpoint", "[optimizer][checkpoint]") {
