@@ -14,7 +14,7 @@ void chunked_step::open(const chunk_step_options& o, const step_decision& d) {
   updates = 0;
 }
 
-void chunked_step::check_next(std::size_t begin, std::size_t end, std::size_t size, std::size_t unit,
+void chunked_step::check_next(std::size_t begin, std::size_t end, std::size_t size, bool q8_blocks,
                               const void* grad, const void* out, const float* accumulator) const {
   if (begin > end || end > size)
     throw std::invalid_argument("update_range: [" + std::to_string(begin) + ", " + std::to_string(end) +
@@ -24,7 +24,7 @@ void chunked_step::check_next(std::size_t begin, std::size_t end, std::size_t si
                                 "): expected the next chunk, starting at " + std::to_string(covered) +
                                 " (chunks cover the arena in order, once each)");
   if (begin == end) return;
-  if (unit == q8_block && end % q8_block && end != size)
+  if (q8_blocks && end % q8_block && end != size)
     throw std::invalid_argument("update_range: [" + std::to_string(begin) + ", " + std::to_string(end) +
                                 "): a group has 8-bit moments: expected a chunk ending on a multiple of 32 "
                                 "(chunk_unit(), whole blocks) or at the arena's end");

@@ -22,12 +22,13 @@ struct chunked_step {
   /// begin_step: `options`, decided as `decision`, opens.
   void open(const chunk_step_options& options, const step_decision& decision);
   /// update_range: refuses [begin, end) of a flat layout of `size` elements when it is not
-  /// the next chunk, or (not empty) when it cuts an 8-bit block (`unit` = q8_block) or its
+  /// the next chunk, or (not empty) when it cuts an 8-bit block (`q8_blocks`: a group has them) or its
   /// buffers are not the ones begin_step announced.
-  void check_next(std::size_t begin, std::size_t end, std::size_t size, std::size_t unit, const void* grad,
+  void check_next(std::size_t begin, std::size_t end, std::size_t size, bool q8_blocks, const void* grad,
                   const void* out, const float* accumulator) const;
   /// finish_step: refuses a step whose chunks did not reach the end of `size` elements.
   void check_complete(std::size_t size) const;
+  /// Ends the step; `decision` and `seen` keep what it decided and counted (finish_step reads them after).
   void close();
 };
 

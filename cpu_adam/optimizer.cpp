@@ -589,7 +589,7 @@ void optimizer::update_range(std::size_t begin, std::size_t end, const void* gra
                              const float* accumulator) {
   impl& s = *impl_;
   const auto lock = s.turns.acquire_chunked("update_range");
-  s.chunk.check_next(begin, end, s.layout.size(), s.layout.unit(), grad, out, accumulator);
+  s.chunk.check_next(begin, end, s.layout.size(), s.layout.unit() == q8_block, grad, out, accumulator);
   if (begin == end) return;
   // The chunk's buffers are the caller's, never the state (nor each other where written).
   const std::size_t n = end - begin;
