@@ -19,4 +19,5 @@ PYBIND11_MODULE(_core, m) {
   bind_sharded(m);
   bind_optimizer(m); // StepResult before the pipeline's waits return one
   bind_pipeline(m);
+  bind_hyperparameters(m);
 }

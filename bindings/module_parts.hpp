@@ -18,5 +18,7 @@ void bind_sharded(pybind11::module_& m);
 void bind_optimizer(pybind11::module_& m);
 // pipeline_bindings.cpp: CopyEngine, PipelineHandle, OffloadPipeline.
 void bind_pipeline(pybind11::module_& m);
+// hyperparameter_bindings.cpp: refused_fields (C++'s rule for a config, asked by the fronts), MAX_STEP_COUNT.
+void bind_hyperparameters(pybind11::module_& m);
 
 } // namespace hostopt::bindings

@@ -43,4 +43,15 @@ void validate(const adam_config& c, const std::string& where) {
           "adam (0) or adamw (1)");
 }
 
+void validate_signed_rates(const adam_config& config, const std::string& where) {
+  adam_config c = config;
+  c.lr = std::fabs(c.lr);
+  c.weight_decay = std::fabs(c.weight_decay);
+  // optax's arithmetic with eps or eps_root = +inf: Adam's term is 0 (the update is the decay
+  // term alone), which the kernel computes as it stands.
+  if (std::isinf(c.eps) && c.eps > 0) c.eps = 0;
+  if (std::isinf(c.eps_root) && c.eps_root > 0) c.eps_root = 0;
+  validate(c, where);
+}
+
 } // namespace hostopt

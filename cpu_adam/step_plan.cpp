@@ -148,16 +148,11 @@ step_plan one_buffer_plan(const kernel_set& ks, std::span<const adam_config> con
                           const step_io& io, float grad_scale, std::span<group_kernel> groups, bool signed_rates) {
   check_step_number(step);
   for (std::size_t g = 0; g < configs.size(); ++g) {
-    adam_config c = configs[g];
-    if (signed_rates) {
-      c.lr = std::fabs(c.lr);
-      c.weight_decay = std::fabs(c.weight_decay);
-      // optax's arithmetic with eps or eps_root = +inf: Adam's term is 0 (the update is the
-      // decay term alone), which the kernel computes as it stands.
-      if (std::isinf(c.eps) && c.eps > 0) c.eps = 0;
-      if (std::isinf(c.eps_root) && c.eps_root > 0) c.eps_root = 0;
-    }
-    validate(c, configs.size() == 1 ? "config" : "configs[" + std::to_string(g) + "]");
+    const std::string where = configs.size() == 1 ? "config" : "configs[" + std::to_string(g) + "]";
+    if (signed_rates)
+      validate_signed_rates(configs[g], where);
+    else
+      validate(configs[g], where);
   }
   return step_plan::make(ks, configs, step - 1, io, unchecked(grad_scale), [] { return 0.0; }, groups);
 }

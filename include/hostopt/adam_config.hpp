@@ -53,4 +53,9 @@ adam_mode parse_mode(std::string_view name);
 /// range. `where` prefixes the message (e.g. "group 2").
 void validate(const adam_config& config, const std::string& where = "adam_config");
 
+/// The optax form's rule (adam_update): validate's, except that lr and weight_decay may have
+/// either sign (a negative rate ascends) and eps or eps_root may be +inf (Adam's term is then
+/// 0), as optax takes them. Throws like validate.
+void validate_signed_rates(const adam_config& config, const std::string& where = "adam_config");
+
 } // namespace hostopt

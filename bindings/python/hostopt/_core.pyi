@@ -32,6 +32,8 @@ __version__: str
 Q8_BLOCK: int
 Q8_MAX_EXPONENT_BYTES: tuple[int, int]
 Q8_POISONED_EXPONENT_BYTE: int
+# The largest step count (hostopt::max_step_count): a resumed count, a per-tensor step.
+MAX_STEP_COUNT: int
 
 _F32 = numpy.typing.NDArray[numpy.float32]
 # float32, float16, or bfloat16 as its uint16 bits: the dtype tag beside it ("f32", "f16",
@@ -270,6 +272,10 @@ def kernels() -> list[tuple[str, bool]]:
   """(name, supported) for every kernel compiled in, best first."""
 def max_threads() -> int:
   """The most worker threads a step may ask for (hostopt::max_threads)."""
+def refused_fields(config: AdamConfig, signed_rates: bool = False) -> list[str]:
+  """The fields of an AdamConfig that C++'s rule refuses, in its field order ([]: valid): hostopt::validate's, or
+  with signed_rates the optax form's (adam_update: lr and weight_decay of either sign, eps and eps_root +inf
+  allowed)."""
 def moment_format(name: str) -> typing.Literal["f32", "bf16", "8bit"]:
   """The canonical name of a moment format ('f32', 'bf16', '8bit'); ValueError naming an unknown one."""
 def moment_scale_bytes(format: str, n: _Int, /) -> int:
