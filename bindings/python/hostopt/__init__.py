@@ -9,17 +9,17 @@ cannot be used in place is an error, never a silent copy. Steps release the GIL.
 
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-import operator
-
 import numpy as np
 
-from . import _core, _moments
-from ._arrays import INT32 as _INT32, INT64 as _INT64, as_buffer, check_seed, integer as _integer
+from . import _core, _moments, _threads
+from ._arena import Segment, segments as _segments
+from ._arrays import INT32 as _INT32, as_buffer, check_seed, integer as _integer
 from ._block_checks import CompressedMomentsWarning, report as _report_blocks
+from ._threads import default_threads
 
 __version__ = _core.__version__
 
-__all__ = ["Optimizer", "StepResult", "CompressedMomentsWarning", "adam_step", "CompressedMoments", "adam_step_compressed", "active_kernel", "kernels", "as_buffer", "__version__"]
+__all__ = ["Optimizer", "StepResult", "CompressedMomentsWarning", "adam_step", "CompressedMoments", "adam_step_compressed", "active_kernel", "kernels", "as_buffer", "default_threads", "__version__"]
 
 StepResult = _core.StepResult
 
@@ -121,7 +121,7 @@ def adam_step(params: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray, g
   cfg = _config(dict(lr=lr, betas=betas, eps=eps, eps_root=eps_root, weight_decay=weight_decay, mode=mode,
                      bias_correction=bias_correction, nesterov=nesterov))
   _core.adam_step(p, m, v, g, gt, o, ot, cfg, _integer(step, "step"), _real(grad_scale, "grad_scale"),
-                  _integer(threads, "threads", _INT32), kernel)
+                  _threads.resolve(_integer(threads, "threads", _INT32)), kernel)
 
 
 class CompressedMoments:
@@ -193,11 +193,7 @@ def adam_step_compressed(params: np.ndarray, moments: CompressedMoments, grad, *
                      bias_correction=bias_correction, nesterov=nesterov))
   _core.adam_step_compressed(p, moments.exp_avg, moments.exp_avg_sq, moments.scales, moments.format, g, gt, o, ot,
                              cfg, step, _real(grad_scale, "grad_scale"), seed, first_index, state_size,
-                             _integer(threads, "threads", _INT32), kernel)
-
-
-# One tensor of an arena, as Optimizer.segment gives it: (name, shape, offset, size, group).
-_Segment = Tuple[str, List[int], int, int, int]
+                             _threads.resolve(_integer(threads, "threads", _INT32)), kernel)
 
 
 class Optimizer:
@@ -230,8 +226,8 @@ class Optimizer:
       ``[0, 2**64)``). With a compressed group the flat moment views do not exist: use
       :meth:`read_moments` / :meth:`write_moments` (float32 copies, the explicit
       conversions) or :meth:`moment_codes`.
-    threads (int, default 0): worker threads of each step (0: the threading runtime's
-      default).
+    threads (int, default 0): worker threads of each step (0: hostopt's default,
+      :func:`default_threads`, the physical cores of the process's CPU set).
     kernel (str, default ""): force a kernel by name (:func:`kernels` lists them; "": the
       active one).
 
@@ -271,10 +267,10 @@ class Optimizer:
       if "rounding_seed" in g:
         entry["rounding_seed"] = check_seed(g["rounding_seed"], f"groups[{i}]['rounding_seed']")
       spec.append(entry)
-    self._core = _core.Optimizer(spec, _integer(threads, "threads", _INT32), kernel)
+    self._core = _core.Optimizer(spec, _threads.resolve(_integer(threads, "threads", _INT32)), kernel)
     self._has_8bit = any(self._core.group_moments(g) == "8bit" for g in range(len(spec)))
-    self._segments: List[_Segment] = list(self._core.segments())  # (name, shape, offset, size, group) tuples
-    self._index = {s[0]: i for i, s in enumerate(self._segments)}
+    self._segments = _segments(self._core)
+    self._index = {s.name: i for i, s in enumerate(self._segments)}
 
   # layout
   @property
@@ -296,10 +292,10 @@ class Optimizer:
   @property
   def names(self) -> List[str]:
     """The tensors' names, in arena order (the order of a list of gradients)."""
-    return [s[0] for s in self._segments]
+    return [s.name for s in self._segments]
 
-  def segment(self, name: str) -> Tuple[str, List[int], int, int, int]:
-    """(name, shape, offset, size, group) of a tensor."""
+  def segment(self, name: str) -> Segment:
+    """(name, shape, offset, size, group) of a tensor, a named tuple."""
     if name not in self._index:
       raise KeyError(f"tensor name {name!r}: unknown, expected one of the {len(self._segments)} registered tensors")
     return self._segments[self._index[name]]
@@ -308,8 +304,8 @@ class Optimizer:
   def _view(self, flat: np.ndarray, name: Optional[str]) -> np.ndarray:
     if name is None:
       return flat
-    _, shape, off, size, _ = self.segment(name)
-    return flat[off:off + size].reshape(shape)
+    s = self.segment(name)
+    return flat[s.offset:s.offset + s.size].reshape(s.shape)
 
   def params(self, name: Optional[str] = None) -> np.ndarray:
     """Master parameters (float32 view into the arena; a tensor's when `name` is given)."""
@@ -320,13 +316,15 @@ class Optimizer:
     when every group is f32; a tensor's, when its group is (else read_moments)."""
     if name is None:
       return self._core.exp_avg()
-    return self._core.moment_views(name)[0].reshape(self.segment(name)[1])
+    m, _ = self._core.moment_views(name)
+    return m.reshape(self.segment(name).shape)
 
   def exp_avg_sq(self, name: Optional[str] = None) -> np.ndarray:
     """Second moments, as exp_avg."""
     if name is None:
       return self._core.exp_avg_sq()
-    return self._core.moment_views(name)[1].reshape(self.segment(name)[1])
+    _, v = self._core.moment_views(name)
+    return v.reshape(self.segment(name).shape)
 
   def _group(self, group) -> int:
     """A group index: an integer in [0, num_groups) (never a float, bool or string)."""
@@ -347,14 +345,14 @@ class Optimizer:
 
   def read_moments(self, name: str) -> Tuple[np.ndarray, np.ndarray]:
     """(exp_avg, exp_avg_sq) of one tensor as new float32 arrays, whatever its format (exact)."""
-    shape = self.segment(name)[1]
+    shape = self.segment(name).shape
     m, v = self._core.read_moments(name)
     return m.reshape(shape), v.reshape(shape)
 
   def write_moments(self, name: str, exp_avg, exp_avg_sq) -> None:
     """Sets one tensor's moments from float32 values: copied for an f32 group, encoded for
     a compressed one (lossy: the explicit conversion between formats)."""
-    shape = tuple(self.segment(name)[1])
+    shape = tuple(self.segment(name).shape)
     flat = []
     for what, x in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
       a = np.asarray(x)
@@ -475,19 +473,20 @@ class Optimizer:
       bufs = [None if g is None else as_buffer(g, f"grads[{i}]") for i, g in enumerate(glist)]
       obufs = [as_buffer(o, f"out[{i}]", writable=True) for i, o in enumerate(olist)]
       for what, arrays in (("grads", bufs), ("out", obufs)):  # the tensor's own shape, not only its size
-        for i, b in enumerate(arrays[:len(self._segments)]):
-          name, shape = self._segments[i][:2]
-          if b is not None and b[0].shape != tuple(shape):
-            raise ValueError(f"{what}[{name!r}] has shape {b[0].shape}: expected {tuple(shape)}, the tensor's shape "
-                             "(an array of the same size but another shape is refused, not reinterpreted)")
-      types = {b[1] for b in bufs if b is not None}
+        for b, seg in zip(arrays, self._segments):
+          if b is not None and b.array.shape != tuple(seg.shape):
+            raise ValueError(f"{what}[{seg.name!r}] has shape {b.array.shape}: expected {tuple(seg.shape)}, the "
+                             "tensor's shape (an array of the same size but another shape is refused, not "
+                             "reinterpreted)")
+      types = {b.tag for b in bufs if b is not None}
       if len(types) > 1:
         raise TypeError(f"grads: mixed dtypes {sorted(types)}; one gradient dtype per step")
-      otypes = {b[1] for b in obufs}
+      otypes = {b.tag for b in obufs}
       if len(otypes) > 1:
         raise TypeError(f"out: mixed dtypes {sorted(otypes)}; one copy-out dtype per step")
-      result = self._core.step_tensors([None if b is None else b[0] for b in bufs], types.pop() if types else "f32",
-                                       [b[0] for b in obufs], otypes.pop() if otypes else "f32", *opts)
+      result = self._core.step_tensors([None if b is None else b.array for b in bufs],
+                                         types.pop() if types else "f32", [b.array for b in obufs],
+                                         otypes.pop() if otypes else "f32", *opts)
     else:
       g, gt = as_buffer(grads, "grads")
       o, ot = (None, "f32") if out is None else as_buffer(out, "out", writable=True)

@@ -1,10 +1,16 @@
 """Zero-copy intake of numpy arrays, torch CPU tensors and jax CPU arrays."""
 
-from typing import Any, Tuple
+from typing import Any, NamedTuple, Tuple
 
 import operator
 
 import numpy as np
+
+
+class Buffer(NamedTuple):
+  """An array as the core takes it: a numpy view and its hostopt dtype tag."""
+  array: np.ndarray
+  tag: str  # "f32", "bf16" (the array a uint16 view) or "f16"
 
 
 def _is_torch(x: Any) -> bool:
@@ -15,7 +21,7 @@ def _is_jax(x: Any) -> bool:
   return type(x).__module__.startswith(("jax", "jaxlib"))
 
 
-def as_buffer(x: Any, name: str, writable: bool = False) -> Tuple[np.ndarray, str]:
+def as_buffer(x: Any, name: str, writable: bool = False) -> Buffer:
   """A numpy view of `x` sharing its memory, and its hostopt dtype ("f32", "bf16", "f16").
 
   bfloat16 comes back as a uint16 view. Raises TypeError for an unsupported type or dtype
@@ -36,7 +42,7 @@ def as_buffer(x: Any, name: str, writable: bool = False) -> Tuple[np.ndarray, st
                        "and never copies silently (call .contiguous() if a copy is what you want)")
     t = x.detach()
     if t.dtype == torch.bfloat16:
-      return t.view(torch.int16).numpy().view(np.uint16), "bf16"
+      return Buffer(t.view(torch.int16).numpy().view(np.uint16), "bf16")
     if t.dtype not in (torch.float32, torch.float16):
       raise TypeError(f"{name}: dtype {t.dtype} is not supported (expected float32, bfloat16 or float16)")
     arr = t.numpy()
@@ -63,7 +69,7 @@ def as_buffer(x: Any, name: str, writable: bool = False) -> Tuple[np.ndarray, st
                      "copies silently (pass numpy.ascontiguousarray(x) if a copy is what you want)")
   if writable and not arr.flags.writeable:
     raise ValueError(f"{name}: array is read-only but hostopt writes it in place")
-  return arr, tag
+  return Buffer(arr, tag)
 
 
 def check_seed(seed: Any, where: str) -> int:
@@ -96,8 +102,9 @@ def integer(value, what: str, bounds: Tuple[int, int] = INT64, rule: str = "") -
   except TypeError:
     raise TypeError(f"{what} = {value!r}: expected an integer (a {type(value).__name__} is never truncated "
                     "silently)") from None
-  if not bounds[0] <= v < bounds[1]:
-    rng = rule or f"an integer in [{power_text(bounds[0])}, {power_text(bounds[1])})"
+  low, high = bounds
+  if not low <= v < high:
+    rng = rule or f"an integer in [{power_text(low)}, {power_text(high)})"
     raise ValueError(f"{what} = {v}: expected {rng}")
   return v
 

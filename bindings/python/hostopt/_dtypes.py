@@ -15,18 +15,22 @@ KERNEL_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 EXPECTED = "float32, bfloat16 or float16"  # how an error names them
 
 
+def name_of(dtype: Any) -> Optional[str]:
+  """The name of a numpy, jax or torch dtype (or of a type numpy takes as one): "float32",
+  "bfloat16", "uint8", ...; None for what is no dtype."""
+  if type(dtype).__module__.startswith("torch"):
+    return str(dtype).rpartition(".")[2]  # torch.bfloat16 -> bfloat16
+  try:
+    return np.dtype(dtype).name
+  except TypeError:
+    return None
+
+
 def tag_of(dtype: Any) -> Optional[str]:
   """The core's tag ("f32", "bf16", "f16") of a numpy, jax or torch dtype (or a type numpy
   takes as one); None for any other dtype."""
-  module = type(dtype).__module__
-  if module.startswith("torch"):
-    name = str(dtype).rpartition(".")[2]  # torch.bfloat16 -> bfloat16
-  else:
-    try:
-      name = np.dtype(dtype).name
-    except TypeError:
-      return None
-  return KERNEL_DTYPES.get(name)
+  name = name_of(dtype)
+  return None if name is None else KERNEL_DTYPES.get(name)
 
 
 def kernel_tag(dtype: Any) -> str:

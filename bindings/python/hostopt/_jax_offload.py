@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _core
-
+from ._arena import segments
 from ._dtypes import kernel_tag
 
 
@@ -52,10 +52,10 @@ class DeviceStep:
     self.pipe = _core.OffloadPipeline(core, self.engine, int(chunk_elems), 2, kernel_tag(self.grad_dtype),
                                       kernel_tag(self.out_dtype))
     self.n = core.arena_size
-    segments = {s[0]: s for s in core.segments()}
-    index = {s[0]: i for i, s in enumerate(core.segments())}
-    self.spans = [(segments[n][2], segments[n][3]) for n in names]  # (offset, size) of each leaf
+    arena = segments(core)
+    index = {s.name: i for i, s in enumerate(arena)}
     self.segment_of = [index[n] for n in names]
+    self.leaf_segments = [arena[i] for i in self.segment_of]  # where each leaf lies in the arena
     self.shapes = list(shapes)
     self.micro_batches = 0
     self._gathers: Dict[Any, Any] = {}  # (leaves with a gradient, with norm) -> jitted gather, the latest few
@@ -64,14 +64,14 @@ class DeviceStep:
 
   # --- device-side gather and split ----------------------------------------------------
   def _gather_fn(self, present: tuple, with_norm: bool):
-    order = sorted(range(len(self.spans)), key=lambda i: self.spans[i][0])
+    order = sorted(range(len(self.leaf_segments)), key=lambda i: self.leaf_segments[i].offset)
     gdt = self.grad_dtype
 
     def gather(leaves):
       by_leaf = dict(zip(present, leaves))
       parts, pos = [], 0
       for i in order:
-        off, size = self.spans[i]
+        off, size = self.leaf_segments[i].offset, self.leaf_segments[i].size
         if off > pos:
           parts.append(jnp.zeros(off - pos, gdt))  # padding between tensors: never read
         g = by_leaf.get(i)
@@ -101,7 +101,7 @@ class DeviceStep:
     return jax.jit(gather)
 
   def _split_fn(self, flat):
-    return [flat[off:off + size].reshape(shape) for (off, size), shape in zip(self.spans, self.shapes)]
+    return [flat[s.offset:s.offset + s.size].reshape(shape) for s, shape in zip(self.leaf_segments, self.shapes)]
 
   def gather(self, grads: List[Optional[jax.Array]], with_norm: bool):
     """The gradients (None: no gradient) as one flat device buffer, ready, and their

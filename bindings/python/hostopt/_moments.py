@@ -1,9 +1,13 @@
-"""The compressed moment formats as the Python fronts see them: the 8-bit format's
-constants (read from the core, never copied), block counts, the check of exponent bytes,
-and the numpy conversions between float32 moments and a format's codes.
+"""The moment formats as the Python fronts see them: the 8-bit format's constants (read
+from the core, never copied), block counts, the check of exponent bytes, which format
+moments are held in, and the numpy conversions between float32 moments and a format's
+storage.
 
 Each front keeps its own state layout (torch's state entries, hostopt.jax's state_dict,
-optax's states); what a format is lives here, once.
+optax's states) and adapts its arrays to numpy; what a format is lives here, once. A
+format's moments are held as values (f32: floating point, bf16: bfloat16) or as codes
+(8-bit: uint8, beside one [blocks, 2] uint8 array of exponent bytes); numpy code arrays
+hold bf16 as its uint16 bits.
 """
 
 from typing import Any, Dict, Optional, Tuple
@@ -11,6 +15,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 
 from . import _core
+from ._dtypes import name_of
 
 Q8_BLOCK: int = _core.Q8_BLOCK  # elements per 8-bit block (one exponent byte per moment)
 # The largest exponent byte the 8-bit encoder writes for exp_avg (mu) and exp_avg_sq (nu),
@@ -20,6 +25,24 @@ Q8_POISONED: int = _core.Q8_POISONED_EXPONENT_BYTE
 
 # The numpy dtype of a format's codes.
 CODE_DTYPES: Dict[str, Any] = {"bf16": np.uint16, "8bit": np.uint8}
+# The dtype a format's moments are held in, by name (numpy, jax and torch name theirs alike).
+HELD_DTYPES: Dict[str, str] = {"f32": "float32", "bf16": "bfloat16", "8bit": "uint8"}
+
+
+def held_format(dtype: Any) -> Optional[str]:
+  """The format whose moments are held in `dtype` (numpy, jax or torch): "8bit" for uint8
+  codes, "bf16" for bfloat16 values, "f32" for any other floating-point values; None for
+  anything else."""
+  name = name_of(dtype)
+  if name is None:
+    return None
+  for fmt in ("8bit", "bf16"):
+    if name == HELD_DTYPES[fmt]:
+      return fmt
+  try:
+    return "f32" if np.dtype(name).kind == "f" else None
+  except TypeError:  # a torch dtype numpy does not know
+    return None
 
 
 def q8_blocks(n: int) -> int:
@@ -59,3 +82,12 @@ def decode(cm: np.ndarray, cv: np.ndarray, scales: Optional[np.ndarray], fmt: st
   m32, v32 = np.empty(cm.size, np.float32), np.empty(cm.size, np.float32)
   _core.decode_moments(cm, cv, sc, fmt, m32, v32)
   return m32, v32
+
+
+def as_f32(fmt: str, m: np.ndarray, v: np.ndarray, scales: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray]:
+  """Moments held in `fmt` (numpy, any shape, read in C order) as flat float32 arrays: 8-bit
+  codes decoded with their exponent bytes (exact), values of any floating dtype widened
+  (exact from bfloat16 and float16) or cast."""
+  if fmt == "8bit":
+    return decode(m, v, scales, "8bit")
+  return np.asarray(m, np.float32).reshape(-1), np.asarray(v, np.float32).reshape(-1)

@@ -43,7 +43,7 @@ from jax._src import dispatch
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import ad, batching, mlir
 
-from ._moments import Q8_BLOCK, Q8_MAX_EXPONENT, Q8_POISONED  # the exponent bytes the 8-bit encoder writes
+from ._moments import Q8_BLOCK, Q8_MAX_EXPONENT, Q8_POISONED, q8_blocks  # the 8-bit format's constants
 
 try:
   from jax.extend.core import Primitive
@@ -262,8 +262,9 @@ def _per_shard(params, ranks):
   decays = params["decays"]
   spans, i = [], 2
   for d in decays:
-    spans.append((i, 4 if d == "1" else 3))
-    i += spans[-1][1]
+    k = 4 if d == "1" else 3
+    spans.append((i, k))
+    i += k
 
   def call(count, hp, *operands):
     return tuple(_prim.bind(count, hp, *operands, **params))
@@ -430,7 +431,7 @@ def adam_update_compressed(count, hp_values: Sequence, leaves: List[Tuple], scal
     raise RuntimeError(_unavailable)
   static, hp, traced = _split_hyperparameters(hp_values)
   q8 = moments == "8bit"
-  blocks = [-(-int(np.size(g)) // Q8_BLOCK) for g, _, _, _ in leaves]
+  blocks = [q8_blocks(np.size(g)) for g, _, _, _ in leaves]
   if q8 and tuple(jnp.shape(scales)) != (sum(blocks), 2):
     raise ValueError(f"scales has shape {tuple(jnp.shape(scales))}, expected ({sum(blocks)}, 2): every leaf's "
                      "32-element blocks in leaf order")

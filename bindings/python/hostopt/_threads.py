@@ -1,0 +1,44 @@
+"""How many worker threads a step gets: one default for every front (hostopt.Optimizer,
+hostopt.adam_step, hostopt.jax, hostopt.optax, hostopt.torch).
+
+``threads=0`` (and hostopt.torch's default, None) means :func:`default_threads`: the
+physical cores of the CPUs this process may run on. A step streams memory, and SMT
+siblings share a core's load/store units, so a hyper-threaded host gains nothing from its
+second hardware threads. Any other count is taken as given (at most
+``hostopt._core.max_threads()``; each front checks its own range).
+"""
+
+import functools
+import os
+from typing import FrozenSet
+
+
+@functools.lru_cache(maxsize=8)
+def _physical_cores(cpus: FrozenSet[int]) -> int:
+  """Distinct (package, core) pairs among `cpus` (sysfs' topology), read once per CPU set."""
+  cores = set()
+  for c in cpus:
+    try:
+      with open(f"/sys/devices/system/cpu/cpu{c}/topology/core_id") as f:
+        core = f.read().strip()
+      with open(f"/sys/devices/system/cpu/cpu{c}/topology/physical_package_id") as f:
+        package = f.read().strip()
+    except OSError:  # no topology to read: every CPU counts
+      return max(1, len(cpus))
+    cores.add((package, core))
+  return max(1, len(cores))
+
+
+def default_threads() -> int:
+  """Physical cores among the CPUs this process may run on (SMT siblings share a core's
+  load/store units, so a memory-bound step gains nothing from them)."""
+  try:
+    cpus = os.sched_getaffinity(0)
+  except AttributeError:
+    return os.cpu_count() or 1
+  return _physical_cores(frozenset(cpus))
+
+
+def resolve(threads: int) -> int:
+  """A checked thread count as a step takes it: 0 is default_threads()."""
+  return default_threads() if threads == 0 else threads
