@@ -102,3 +102,32 @@ class ChunkEvents:
         self.engine.destroy_event(e)
       except Exception:  # interpreter shutdown
         pass
+
+
+def remove_handles(handles: list) -> None:
+  """Removes hook handles in place (also when the optimizer is collected: weakref.finalize)."""
+  for handle in handles:
+    handle.remove()
+  handles.clear()
+
+
+def grad_hook(opt_ref, tag: str, k: int):
+  """Runs when parameter k's gradient is complete in a backward: moves it into the flat
+  device gradient buffer at once (later backwards then accumulate in place there) and
+  reports it, so that the pipeline may start on its chunk."""
+
+  @torch.no_grad()
+  def hook(p: torch.Tensor) -> None:
+    opt = opt_ref()
+    layout = None if opt is None or opt._layout is None else opt._layout.get(tag)
+    if layout is None or k >= len(layout.tracked) or layout.tracked[k].param is not p:
+      return  # an optimizer gone or being rebuilt: the step gathers the gradients itself
+    t, dev, g = layout.tracked[k], layout.dev, p.grad
+    if g is None or g.is_sparse or g.requires_grad or g.dtype != p.dtype or g.device != t.grad_view.device:
+      return  # create_graph=True keeps its differentiable .grad: the step gathers it (no event)
+    if g.data_ptr() != t.grad_view.data_ptr():
+      t.grad_view.copy_(g.reshape(-1))  # on the backward's stream
+      p.grad = t.grad_view.view(p.shape)
+    dev.chunks.hooked(k, opt._stream(), dev.grads)
+
+  return hook

@@ -79,28 +79,31 @@ training, before v is averaged; the warning waits for saturation that lasts).
 ``foreach`` and ``fused`` are accepted for compatibility and change nothing: hostopt's step is
 always one fused pass. ``amsgrad``, ``capturable`` and ``differentiable`` are refused.
 Threads: all physical cores of the process's CPU set unless ``threads=`` says otherwise
-(``default_threads()``).
+(``default_threads()``, hostopt's default on every front).
 """
 
 import collections
 import copy
-import dataclasses
 import functools
 import math
-import os
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import numpy as np
 import torch
 
-from . import _core, _moments
-from ._arrays import as_buffer, check_optional_bool, check_seed as _check_seed, integer
+from . import _core, _threads
+from ._arena import segments
+from ._arrays import as_buffer, check_optional_bool, check_seed as _check_seed, integer, power_text
 from ._block_checks import report as _report_blocks
 from ._dtypes import kernel_tag, tag_of
-from ._torch_offload import ChunkEvents, DeviceBuffers
+from ._threads import default_threads
+from ._torch_offload import ChunkEvents, DeviceBuffers, grad_hook, remove_handles
+from ._torch_state import (CODES, MASTER, MAX_STEP, MOMENT_ENTRIES, MOMENTS, SCALES, Layout, Tracked, arena_view,
+                           check_master, check_moment_state, check_step, dense_order, encoded, flat, hyper_parameters,
+                           moment_keys, moments_as_f32, rounds_to)
 
 __all__ = ["Adam", "AdamW", "StepStats", "default_threads"]
 
@@ -115,135 +118,12 @@ def _merged(results) -> StepStats:
                    poisoned_blocks=sum(r.poisoned_blocks for r in results),
                    saturated_blocks=sum(r.saturated_blocks for r in results))
 
-_MOMENTS = ("exp_avg", "exp_avg_sq")
-_MASTER = "master_param"  # f32 master weights of a 16-bit parameter, in state_dict
-# Compressed moments (a group's ``moments="bf16"`` or ``"8bit"``; the format is the
-# group's, in param_groups, which torch keeps as given). bf16 moments are values: bfloat16
-# tensors under torch's keys. 8-bit ones are codes, under keys of their own (so torch.optim,
-# loading such a state, fails loudly instead of taking codes for moments), with the blocks'
-# exponent bytes; a block is 32 elements of the parameter's memory order.
-_CODES = ("exp_avg_codes", "exp_avg_sq_codes")
-_SCALES = "moment_scales"
-_MAX_STEP = 1 << 53  # the core's max_step_count
 
-
-def _moment_keys(fmt: str) -> tuple:
-  return _CODES if fmt == "8bit" else _MOMENTS
-
-
-def _same_memory_order(a: torch.Tensor, b: torch.Tensor) -> bool:
-  """Whether element k of a's memory is the same logical element as b's (8-bit blocks follow memory)."""
-  if a.numel() != b.numel():
-    return False
-  return (a.is_contiguous() and b.is_contiguous()) or (tuple(a.shape) == tuple(b.shape) and a.stride() == b.stride())
-
-
-def _check_moment_state(st: dict, fmt: str, like: torch.Tensor, where: str) -> bool:
-  """Checks that the moments in a parameter's state are `fmt` moments fitting `like` (a
-  missing moment is zeros, as a deleted one in torch's optimizers restarts). Refused with the
-  reason otherwise, before anything changes. Returns whether 8-bit codes are laid out in
-  another memory order than `like` (their blocks are not its blocks)."""
-  own = _moment_keys(fmt) + ((_SCALES,) if fmt == "8bit" else ())
-  foreign = [key for key in _MOMENTS + _CODES + (_SCALES,) if key in st and key not in own]
-  if foreign:
-    held = "8-bit codes" if any(key in st for key in _CODES) else "moment values"
-    raise ValueError(f"{where}: {', '.join(foreign)} in the state: it holds {held}, but its moments are {fmt} "
-                     f"(keys {', '.join(own)})")
-  numel = like.numel()
-  for key in _moment_keys(fmt):
-    value = st.get(key)
-    if value is None:
-      continue
-    if not torch.is_tensor(value) or value.numel() != numel:
-      raise ValueError(f"{where}: {key} has {value.numel() if torch.is_tensor(value) else 'no'} elements, the "
-                       f"parameter {numel}")
-    if value.layout != torch.strided:
-      raise ValueError(f"{where}: {key} is a {value.layout} tensor: moments are dense (strided) tensors")
-    if fmt == "8bit" and value.dtype != torch.uint8:
-      raise ValueError(f"{where}: {key} has dtype {value.dtype}: 8bit moments are torch.uint8 codes")
-    if fmt != "8bit" and not value.is_floating_point():
-      raise ValueError(f"{where}: {key} has dtype {value.dtype}: {fmt} moments are floating-point values")
-    if fmt == "8bit" and not _dense_order(value):
-      raise ValueError(f"{where}: {key} is not dense: 8-bit codes are blocks of memory order")
-    if tuple(value.shape) != tuple(like.shape):
-      raise ValueError(f"{where}: {key} has shape {tuple(value.shape)}, the parameter {tuple(like.shape)}")
-    if key == "exp_avg_sq" and bool((value.detach() < 0).any()):
-      raise ValueError(f"{where}: exp_avg_sq has negative entries: a second moment is never negative")
-  codes = [st[key] for key in _CODES if fmt == "8bit" and st.get(key) is not None]
-  if codes:
-    scales: Any = st.get(_SCALES)
-    blocks = _moments.q8_blocks(numel)
-    if not torch.is_tensor(scales) or scales.layout != torch.strided or scales.dtype != torch.uint8 or (
-        scales.numel() != 2 * blocks):
-      raise ValueError(f"{where}: 8-bit moments need {_SCALES!r}, uint8 with {2 * blocks} elements (2 per block "
-                       f"of 32), got " + (f"{scales.dtype} with {scales.numel()}" if torch.is_tensor(scales)
-                                          else "none"))
-    _moments.check_q8_scales(scales.detach().cpu().numpy(), f"{where}: {_SCALES}")
-    if len(codes) == 2 and not _same_memory_order(codes[0], codes[1]):
-      raise ValueError(f"{where}: {_CODES[0]} and {_CODES[1]} are laid out differently")
-  return any(not _same_memory_order(c, like) for c in codes)
-
-
-def _check_step(value, where: str) -> int:
-  """A saved per-parameter step: a count in [0, 2^53] (the core's largest), as an int, an
-  integral float or a one-element real tensor holding one. Refused otherwise (2.5 is not
-  truncated, NaN or -1 not taken for 0)."""
-  x = value
-  if torch.is_tensor(value) and value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool:
-    x = value.item()
-  if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)) or (
-      isinstance(x, (float, np.floating)) and not (math.isfinite(x) and float(x).is_integer())) or not (
-      0 <= x <= _MAX_STEP):
-    shown = f"tensor({value.tolist()})" if torch.is_tensor(value) else repr(value)
-    raise ValueError(f"{where} = {shown}: a step count is an integer in [0, 2**53] (an int, or a one-element "
-                     "tensor holding one)")
-  return int(x)
-
-
-def _check_master(value, like: torch.Tensor, where: str) -> None:
-  """A parameter's saved f32 master weights: float32 (or the parameter's own dtype, as
-  torch.optim casts them) with the parameter's shape. Refused otherwise, never ignored."""
-  if not torch.is_tensor(value) or value.layout != torch.strided or value.dtype not in (torch.float32, like.dtype) or (
-      tuple(value.shape) != tuple(like.shape)):
-    got = (f"{value.dtype} {tuple(value.shape)}" + ("" if value.layout == torch.strided else f" {value.layout}")
-           if torch.is_tensor(value) else type(value).__name__)
-    raise ValueError(f"{where}: {_MASTER} is {got}: expected the master weights, float32 with the parameter's shape "
-                     f"{tuple(like.shape)}")
-
-
-def _moments_as_f32(st: dict, fmt: str, like: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-  """A (checked) state's `fmt` moments as float32 tensors of like's shape (zeros where one
-  is missing; 8-bit codes decode in their memory order, the order of their blocks)."""
-  if fmt != "8bit":
-    m, v = (st[key].detach().cpu().float().reshape(like.shape) if st.get(key) is not None
-            else torch.zeros(like.shape) for key in _MOMENTS)
-    return m, v
-  present = [st[key] for key in _CODES if st.get(key) is not None]
-  if not present:
-    return torch.zeros(like.shape), torch.zeros(like.shape)
-  shape_of = present[0].detach().cpu()
-  codes = [_flat(st[key].detach().cpu()).numpy() if st.get(key) is not None else np.zeros(like.numel(), np.uint8)
-           for key in _CODES]
-  m32, v32 = _moments.decode(codes[0], codes[1], st[_SCALES].detach().cpu().numpy(), "8bit")
-  m, v = (torch.from_numpy(x).as_strided(shape_of.shape, shape_of.stride()).reshape(like.shape)
-          for x in (m32, v32))
-  return m, v
-
-
-def _encoded(m32: torch.Tensor, v32: torch.Tensor, fmt: str, like: torch.Tensor, seed: int) -> dict:
-  """f32 moments (like's shape) as `fmt` state entries laid out like `like` (stochastically
-  rounded with `seed`: the lossy direction of a conversion)."""
-  if fmt == "f32":
-    return {"exp_avg": m32.clone(), "exp_avg_sq": v32.clone()}
-  tm = torch.empty_like(like, dtype=torch.float32, device="cpu").copy_(m32)
-  tv = torch.empty_like(like, dtype=torch.float32, device="cpu").copy_(v32)
-  cm, cv, scales = _moments.encode(_flat(tm).numpy(), _flat(tv).numpy(), fmt, seed)
-  if fmt == "bf16":  # (torch 1 has no uint16)
-    return {key: _arena_view(torch.from_numpy(c.view(np.int16)).view(torch.bfloat16), like)
-            for key, c in zip(_MOMENTS, (cm, cv))}
-  out = {key: _arena_view(c, like) for key, c in zip(_CODES, (cm, cv))}
-  out[_SCALES] = torch.from_numpy(scales).view(-1, 2)
-  return out
+class _GradView(NamedTuple):
+  """A gradient as the last step read it: the tensor, its storage and its numpy view."""
+  grad: torch.Tensor
+  ptr: int
+  view: np.ndarray
 
 
 def _moment_format(name, where: str) -> str:
@@ -252,147 +132,6 @@ def _moment_format(name, where: str) -> str:
     return _core.moment_format(str(name))
   except ValueError as e:
     raise ValueError(f"{where} = {name!r}: {e}") from None
-
-
-def _check_hparams(group: dict, where: str) -> None:
-  """A param group's hyper-parameters as a step uses them: lr, eps and weight_decay finite
-  and >= 0, betas two values in [0, 1). Refused by key otherwise (no step could use them)."""
-  def number(key, value):
-    try:
-      return float(value)
-    except (TypeError, ValueError):
-      raise ValueError(f"{where}['{key}'] = {value!r}: expected a number") from None
-
-  for key in ("lr", "eps", "weight_decay"):
-    if key not in group:
-      raise ValueError(f"{where} has no {key!r}")
-    x = number(key, group[key])
-    if not (math.isfinite(x) and x >= 0):
-      raise ValueError(f"{where}['{key}'] = {group[key]!r}: expected a finite value >= 0")
-  betas: Any = group.get("betas")
-  try:
-    b = [number("betas", x) for x in betas]
-  except TypeError:
-    b = []
-  if len(b) != 2 or not all(0.0 <= x < 1.0 for x in b):
-    raise ValueError(f"{where}['betas'] = {betas!r}: expected two values in [0, 1)")
-
-
-def default_threads() -> int:
-  """Physical cores among the CPUs this process may run on (SMT siblings share a core's
-  load/store units, so a memory-bound step gains nothing from them)."""
-  try:
-    cpus = os.sched_getaffinity(0)
-  except AttributeError:
-    return os.cpu_count() or 1
-  cores = set()
-  for c in cpus:
-    try:
-      with open(f"/sys/devices/system/cpu/cpu{c}/topology/core_id") as f:
-        core = f.read().strip()
-      with open(f"/sys/devices/system/cpu/cpu{c}/topology/physical_package_id") as f:
-        package = f.read().strip()
-    except OSError:
-      return max(1, len(cpus))
-    cores.add((package, core))
-  return max(1, len(cores))
-
-
-def _dense_order(t: torch.Tensor) -> bool:
-  """Whether t's elements fill its memory without gaps or overlaps (any dim order)."""
-  if t.numel() == 0:
-    return True
-  expected = 1
-  for size, stride in sorted(zip(t.shape, t.stride()), key=lambda x: x[1]):
-    if size == 1:
-      continue
-    if stride != expected:
-      return False
-    expected *= size
-  return True
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-  """A 1-D view of a dense tensor's elements in memory order (no copy)."""
-  if t.is_contiguous():
-    return t.reshape(-1)
-  return t.as_strided((t.numel(),), (1,), t.storage_offset())
-
-
-def _arena_view(flat, like: torch.Tensor) -> torch.Tensor:
-  """The arena slice `flat` (numpy, or a flat tensor) viewed with `like`'s shape and memory layout."""
-  t = flat if torch.is_tensor(flat) else torch.from_numpy(flat)
-  if like.is_contiguous() or not _dense_order(like):
-    return t.view(like.shape)
-  return t.as_strided(like.shape, like.stride())
-
-
-class _Tracked:
-  """What hostopt knows of one parameter: its arena slices, the tensors it handed out (the
-  master, the moments, the step) and what the parameter's storage looked like after
-  hostopt last wrote it (to notice the user's replacements)."""
-  __slots__ = ("param", "flat", "master", "m", "v", "step", "ptr", "version", "dtype", "shape", "stride",
-               "device_view", "grad_view", "where", "scales", "format", "name")
-
-  def __init__(self, param, flat, master, m, v, step, device_view=None, grad_view=None, scales=None, format="f32"):
-    self.param, self.flat, self.master, self.m, self.v, self.step = param, flat, master, m, v, step
-    self.scales, self.format = scales, format  # compressed moments: m, v are code views
-    # Offloaded: the parameter is a view of the flat device buffer the pipeline writes,
-    # its gradient is gathered into the flat device gradient buffer.
-    self.device_view, self.grad_view = device_view, grad_view
-    self.where = self.name = ""
-    self.remember()
-
-  def remember(self) -> None:
-    p = self.param
-    self.ptr, self.version, self.dtype = p.data_ptr(), p._version, p.dtype
-    self.shape, self.stride = tuple(p.shape), tuple(p.stride())
-
-
-@dataclasses.dataclass
-class _Layout:
-  """One dtype's parameters as built: their core, what hostopt knows of each, and torch's
-  per-parameter step counts (views of `steps`, one per parameter)."""
-  core: Any  # the _core.Optimizer of these parameters
-  tracked: List[_Tracked]  # one per parameter, in param_groups order (k below)
-  steps: np.ndarray  # float32 [len(tracked)]: torch's "step" of each (opt.state[p]["step"] views)
-  seg_of: List[int]  # the core's segment of tracked[k]
-  known: List[float]  # steps as hostopt last wrote them: a difference is the user's write
-  dev: Optional[DeviceBuffers]  # the offloaded path's buffers (None: stepped in place)
-
-
-def _rounds_to(master: torch.Tensor, p: torch.Tensor) -> bool:
-  """Whether the f32 master still stands for the 16-bit parameter (rounds to its values)."""
-  return tuple(master.shape) == tuple(p.shape) and torch.equal(master.detach().to(p.dtype), p.detach())
-
-
-def _remove_handles(handles: list) -> None:
-  """Removes hook handles in place (also when the optimizer is collected: weakref.finalize)."""
-  for handle in handles:
-    handle.remove()
-  handles.clear()
-
-
-def _grad_hook(opt_ref, tag: str, k: int):
-  """Runs when parameter k's gradient is complete in a backward: moves it into the flat
-  device gradient buffer at once (later backwards then accumulate in place there) and
-  reports it, so that the pipeline may start on its chunk."""
-
-  @torch.no_grad()
-  def hook(p: torch.Tensor) -> None:
-    opt = opt_ref()
-    layout = None if opt is None or opt._layout is None else opt._layout.get(tag)
-    if layout is None or k >= len(layout.tracked) or layout.tracked[k].param is not p:
-      return  # an optimizer gone or being rebuilt: the step gathers the gradients itself
-    t, dev, g = layout.tracked[k], layout.dev, p.grad
-    if g is None or g.is_sparse or g.requires_grad or g.dtype != p.dtype or g.device != t.grad_view.device:
-      return  # create_graph=True keeps its differentiable .grad: the step gathers it (no event)
-    if g.data_ptr() != t.grad_view.data_ptr():
-      t.grad_view.copy_(g.reshape(-1))  # on the backward's stream
-      p.grad = t.grad_view.view(p.shape)
-    dev.chunks.hooked(k, opt._stream(), dev.grads)
-
-  return hook
 
 
 def _serialized(method):
@@ -415,9 +154,9 @@ _eager = getattr(torch, "_disable_dynamo", None) or (lambda fn: fn)
 class _HostAdam(torch.optim.Optimizer):
   _mode = "adamw"
   # Made at the first step that needs them: the offloaded path's copy engine, and the
-  # _Layout of each dtype tag (None: built at the next step).
+  # Layout of each dtype tag (None: built at the next step).
   _engine: Any
-  _layout: Optional[Dict[str, _Layout]]
+  _layout: Optional[Dict[str, Layout]]
 
   def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                amsgrad: bool = False, *, foreach: Optional[bool] = None, maximize: bool = False,
@@ -447,9 +186,9 @@ class _HostAdam(torch.optim.Optimizer):
                     maximize=bool(maximize), capturable=False, differentiable=False, fused=fused,
                     decoupled_weight_decay=bool(decoupled_weight_decay), moments=_moment_format(moments, "moments"),
                     rounding_seed=_check_seed(rounding_seed, "rounding_seed"))
-    self._threads = default_threads() if threads is None else integer(
-        threads, "threads", (0, _core.max_threads() + 1), f"an int in [0, {_core.max_threads()}] (0 = the threading "
-        "runtime's default), or None (default_threads())")
+    self._threads = _threads.resolve(0 if threads is None else integer(
+        threads, "threads", (0, _core.max_threads() + 1), f"an int in [0, {_core.max_threads()}] (0 = hostopt's "
+        "default), or None (default_threads())"))
     if offload not in (None, "host", "cuda"):
       raise ValueError(f"offload={offload!r}: expected None (CUDA parameters go through the pipeline, CPU ones are "
                        "stepped in place), 'cuda', or 'host' (CPU tensors stand in for device tensors)")
@@ -465,10 +204,10 @@ class _HostAdam(torch.optim.Optimizer):
     self._engine, self._engine_stream = None, 0
     self._pending: List[Any] = []  # overlapped steps still to wait for
     self._layout = None  # set by _build
-    self._hidden: Dict[str, Dict[int, _Tracked]] = {}  # set by _build: see _fresh
+    self._hidden: Dict[str, Dict[int, Tracked]] = {}  # set by _build: see _fresh
     self._hook_handles: List[Any] = []
     self._last_chunk_events = 0
-    weakref.finalize(self, _remove_handles, self._hook_handles)  # a dropped optimizer's hooks go too
+    weakref.finalize(self, remove_handles, self._hook_handles)  # a dropped optimizer's hooks go too
     self._lock = threading.RLock()  # step, state_dict, load_state_dict, ... one at a time
     self._skip_nonfinite = check_optional_bool(skip_nonfinite, "skip_nonfinite")
     self.last_step: Optional[StepStats] = None
@@ -527,7 +266,7 @@ class _HostAdam(torch.optim.Optimizer):
     self._engine, self._engine_stream, self._pending = None, 0, []
     self._layout, self._hidden = None, {}
     self._hook_handles, self._last_chunk_events = [], 0
-    weakref.finalize(self, _remove_handles, self._hook_handles)
+    weakref.finalize(self, remove_handles, self._hook_handles)
 
   @staticmethod
   def _refuse_unsupported(group: dict, where: str) -> None:
@@ -557,12 +296,10 @@ class _HostAdam(torch.optim.Optimizer):
 
   def _config(self, group: dict, where: str) -> dict:
     """The core's config of a param group, its hyper-parameters checked (named by torch's index)."""
-    _check_hparams(group, where)
     # torch 2's Adam(decoupled_weight_decay=True) is AdamW; a group says which it is.
     decoupled = bool(group.get("decoupled_weight_decay", self._mode == "adamw"))
-    return {"lr": float(group["lr"]), "beta1": float(group["betas"][0]), "beta2": float(group["betas"][1]),
-            "eps": float(group["eps"]), "weight_decay": float(group["weight_decay"]),
-            "mode": "adamw" if decoupled else "adam", "maximize": bool(group.get("maximize", False))}
+    return hyper_parameters(group, where).config(mode="adamw" if decoupled else "adam",
+                                                 maximize=bool(group.get("maximize", False)))
 
   def _check_formats(self) -> None:
     """A parameter's moment format is fixed: its group (the same dict or a replaced one, or
@@ -606,7 +343,7 @@ class _HostAdam(torch.optim.Optimizer):
         where_of[id(p)] = where
         if tag_of(p.dtype) is None:
           raise TypeError(f"{where} has dtype {p.dtype}: expected float32, bfloat16 or float16")
-        if not _dense_order(p):
+        if not dense_order(p):
           raise ValueError(f"{where} is a strided view with gaps or overlaps (strides {tuple(p.stride())}): "
                            "hostopt keeps each parameter in one dense slice")
         # (written by the user, or loaded): checked before anything moves; read, not changed
@@ -614,10 +351,10 @@ class _HostAdam(torch.optim.Optimizer):
         st.update(overrides.get(id(p), {}))
         source[id(p)] = st
         if "step" in st:  # (None is refused: it is no count)
-          _check_step(st["step"], f"opt.state[p]['step'] of {where}")
-        if st.get(_MASTER) is not None:
-          _check_master(st[_MASTER], p, f"opt.state[p] of {where}")
-        if _check_moment_state(st, fmt, p, f"the state of {where}"):
+          check_step(st["step"], f"opt.state[p]['step'] of {where}")
+        if st.get(MASTER) is not None:
+          check_master(st[MASTER], p, f"opt.state[p] of {where}")
+        if check_moment_state(st, fmt, p, f"the state of {where}"):
           raise ValueError(f"the state of {where}: its 8-bit codes are laid out in another memory order than the "
                            "parameter (load the state_dict with convert_moments=True to re-encode them)")
         by_dtype.setdefault(kernel_tag(p.dtype), []).append((gi, p))
@@ -642,10 +379,11 @@ class _HostAdam(torch.optim.Optimizer):
       self._engine = (_core.CopyEngine.cuda(device.index or 0) if offload == "cuda" else _core.CopyEngine.host())
       if offload == "host":
         self._engine_stream = self._engine.create_stream()  # stands in for torch's (synchronous) CPU stream
-    built, group_of_all = {}, {}
+    built: Dict[str, Layout] = {}
+    group_of_all = {}
     for tag, entries in by_dtype.items():
       # The backward produces the last parameters' gradients first, so they lead the arena
-      # and an offloaded step's first chunks are complete first (see _grad_hook). CPU
+      # and an offloaded step's first chunks are complete first (see grad_hook). CPU
       # parameters get the same layout: compressed moments round by arena position, and
       # both paths give the same bits (and resume from each other's state_dict).
       order = list(range(len(self.param_groups)))[::-1]
@@ -655,7 +393,8 @@ class _HostAdam(torch.optim.Optimizer):
       for k, (gi, p) in reversed(list(enumerate(entries))):
         groups[group_of[gi]]["tensors"].append((f"{gi}.{k}", [p.numel()]))
       core = _core.Optimizer(groups, self._threads, "")
-      segs = {s[0]: (i, s) for i, s in enumerate(core.segments())}
+      arena = segments(core)
+      index_of = {seg.name: si for si, seg in enumerate(arena)}
       compressed = any(g["moments"] != "f32" for g in groups)
       flat_p = core.params()
       flat_m, flat_v = (None, None) if compressed else (core.exp_avg(), core.exp_avg_sq())
@@ -663,75 +402,76 @@ class _HostAdam(torch.optim.Optimizer):
       if offload:  # flat device buffers in the arena's layout: the pipeline's two ends
         n = core.arena_size
         pipe = _core.OffloadPipeline(core, self._engine, self._offload_chunk, 2, tag, tag)
-        dev = DeviceBuffers(params=torch.zeros(n, dtype=entries[0][1].dtype, device=device),
-                            grads=torch.zeros(n, dtype=entries[0][1].dtype, device=device), n=n, pipe=pipe,
+        dtype = next(p.dtype for _, p in entries)
+        dev = DeviceBuffers(params=torch.zeros(n, dtype=dtype, device=device),
+                            grads=torch.zeros(n, dtype=dtype, device=device), n=n, pipe=pipe,
                             # Per-chunk events only where backward hooks report (overlap_backward).
                             chunks=ChunkEvents(self._engine, pipe.num_chunks, pipe.chunk_elems)
                             if self._overlap_backward else None)
       steps = np.zeros(len(entries), dtype=np.float32)  # torch's per-parameter "step", one view each
-      seg_steps = [0] * len(segs)
-      parts: List[Tuple[Any, ...]] = []
+      seg_steps = [0] * len(arena)
+      tracked: List[Tracked] = []
       seg_of = []
       for k, (gi, p) in enumerate(entries):
-        si, (_, _, off, size, _) = segs[f"{gi}.{k}"]
+        name = f"{gi}.{k}"
+        si = index_of[name]
+        off, size = arena[si].offset, arena[si].size
         st = source[id(p)]
         mp = flat_p[off:off + size]
-        master = _arena_view(mp, p) if dev is None else torch.from_numpy(mp).view(p.shape)
-        saved: Any = st.get(_MASTER)
-        if p.dtype != torch.float32 and torch.is_tensor(saved) and _rounds_to(saved.to(p.device), p):
+        master = arena_view(mp, p) if dev is None else torch.from_numpy(mp).view(p.shape)
+        saved: Any = st.get(MASTER)
+        if p.dtype != torch.float32 and torch.is_tensor(saved) and rounds_to(saved.to(p.device), p):
           master.copy_(saved)  # exact f32 masters (a checkpoint, an earlier layout) that still fit p
         else:
           master.copy_(p.detach())
-        fmt, name = self._group_format(self.param_groups[gi]), f"{gi}.{k}"
+        fmt = self._group_format(self.param_groups[gi])
         m, v, scales = self._moment_views(core, name, fmt, p, flat_m, flat_v, off, size)
         self._fill_moments(fmt, m, v, scales, st)
-        seg_steps[si] = int(_check_step(st["step"], "")) if "step" in st else 0
+        seg_steps[si] = int(check_step(st["step"], "")) if "step" in st else 0
         device_view = grad_view = None
         if dev is not None:
           device_view, grad_view = dev.params[off:off + size], dev.grads[off:off + size]
           device_view.copy_(p.detach().reshape(-1))
-        parts.append((p, mp, master, m, v, scales, fmt, name, device_view, grad_view, k))
+        step = torch.from_numpy(steps[k:k + 1]).reshape(())  # a view: it follows steps
+        t = Tracked(p, mp, master, m, v, step, device_view, grad_view, scales, fmt)
+        t.where, t.name, t.group = where_of[id(p)], name, gi
+        tracked.append(t)
         seg_of.append(si)
       core.tensor_steps = seg_steps
       steps[:] = [seg_steps[si] for si in seg_of]
       group_of_all[tag] = group_of
-      built[tag] = (core, parts, steps, seg_of, dev)
+      built[tag] = Layout(core, tracked, steps, seg_of, steps.tolist(), dev)
     # Everything stands: the swap (nothing below refuses).
     if self._layout and any(layout.dev is not None for layout in self._layout.values()) and device.type == "cuda":
       torch.cuda.synchronize(device)  # old flat buffers go back to the allocator: no stream may still use them
     self._remove_grad_hooks()
-    layout: Dict[str, _Layout] = {}
-    hidden: Dict[str, Dict[int, _Tracked]] = {}
-    for tag, (core, parts, steps, seg_of, dev) in built.items():
-      tracked = []
-      for p, mp, master, m, v, scales, fmt, name, device_view, grad_view, k in parts:
-        step = torch.from_numpy(steps[k:k + 1]).reshape(())
-        if dev is not None:
-          p.data = device_view.view(p.shape)
+    hidden: Dict[str, Dict[int, Tracked]] = {}
+    for tag, layout in built.items():
+      for k, t in enumerate(layout.tracked):
+        p = t.param
+        if t.device_view is not None:
+          p.data = t.device_view.view(p.shape)
         elif p.dtype == torch.float32:
-          p.data = master  # the parameter is the master weight
-        t = _Tracked(p, mp, master, m, v, step, device_view, grad_view, scales, fmt)
-        t.where, t.name = where_of[id(p)], name
-        tracked.append(t)
-        if self._fresh(t, steps[k], source[id(p)]):
+          p.data = t.master  # the parameter is the master weight
+        t.remember()
+        if self._fresh(t, layout.steps[k], source[id(p)]):
           hidden.setdefault(tag, {})[k] = t
           if self.state.get(p):  # (an empty entry, made by reading opt.state[p], stays: torch's)
             del self.state[p]
         else:
           self._show(t)
-      if dev is not None:
-        if dev.chunks is not None:
-          dev.chunks.cover([(off, size) for _, _, off, size, _ in core.segments()], seg_of)
-        self._add_grad_hooks(tag, tracked, dev)
-      layout[tag] = _Layout(core, tracked, steps, seg_of, steps.tolist(), dev)
-    self._layout, self._hidden = layout, hidden
+      if layout.dev is not None:
+        if layout.dev.chunks is not None:
+          layout.dev.chunks.cover([(seg.offset, seg.size) for seg in segments(layout.core)], layout.seg_of)
+        self._add_grad_hooks(tag, layout.tracked, layout.dev)
+    self._layout, self._hidden = built, hidden
     self._group_of = group_of_all
     # Each parameter's format is fixed while this layout stands (_check_formats).
     self._built_groups = [(g, self._group_format(g)) for g in self.param_groups]
     self._built_params = [list(g["params"]) for g in self.param_groups]
-    self._built_formats = {id(t.param): t.format for entry in layout.values() for t in entry.tracked}
+    self._built_formats = {id(t.param): t.format for entry in built.values() for t in entry.tracked}
     self._applied: Dict[Any, Any] = {}  # (dtype, group) -> config last given to the core
-    self._views: Dict[Any, Any] = {}  # (dtype, index) -> (grad tensor, data_ptr, numpy view), reused while unchanged
+    self._views: Dict[Any, _GradView] = {}  # (dtype, index) -> its gradient's view, reused while unchanged
 
   # A parameter that was never stepped has no entry in opt.state, as in torch.optim (which
   # makes it at the parameter's first step with a gradient): its arena slices are what a
@@ -740,32 +480,32 @@ class _HostAdam(torch.optim.Optimizer):
   # self._hidden[tag][k] are those parameters; _show_stepped gives them their entry once
   # they are stepped, and an entry the user writes for one is taken as any written state.
   @staticmethod
-  def _fresh(t: _Tracked, step, st: dict) -> bool:
+  def _fresh(t: Tracked, step, st: dict) -> bool:
     """Whether t (just built from the state entries `st`) holds what a build from no state
     gives it: step 0, zero moments (scales), and for a 16-bit parameter its own values as
     master. Read only where `st` supplied them (a build from nothing is fresh)."""
     if float(step) != 0:
       return False
-    views = [x for x, key in zip((t.m, t.v, t.scales), _moment_keys(t.format) + (_SCALES,)) if x is not None]
-    if any(key in st for key in _MOMENTS + _CODES + (_SCALES,)) and any(bool(torch.count_nonzero(x)) for x in views):
+    views = [x for x, key in zip((t.m, t.v, t.scales), moment_keys(t.format) + (SCALES,)) if x is not None]
+    if any(key in st for key in MOMENT_ENTRIES) and any(bool(torch.count_nonzero(x)) for x in views):
       return False
     p = t.param
-    return p.dtype == torch.float32 or st.get(_MASTER) is None or torch.equal(
+    return p.dtype == torch.float32 or st.get(MASTER) is None or torch.equal(
         t.master, p.detach().to(device="cpu", dtype=torch.float32))
 
-  def _show(self, t: _Tracked) -> None:
+  def _show(self, t: Tracked) -> None:
     """Points opt.state[p] at t's arena views (the moments, the step, a 16-bit master)."""
     st = self.state[t.param]
-    for key in _MOMENTS + _CODES + (_SCALES,):
+    for key in MOMENT_ENTRIES:
       st.pop(key, None)
-    st.update(zip(_moment_keys(t.format), (t.m, t.v)))
+    st.update(zip(moment_keys(t.format), (t.m, t.v)))
     if t.scales is not None:
-      st[_SCALES] = t.scales
+      st[SCALES] = t.scales
     st["step"] = t.step
     if t.param.dtype == torch.float32:
-      st.pop(_MASTER, None)  # the parameter (on the device: its copy) holds the master's values
+      st.pop(MASTER, None)  # the parameter (on the device: its copy) holds the master's values
     else:
-      st[_MASTER] = t.master
+      st[MASTER] = t.master
 
   def _show_stepped(self, tag: str) -> None:
     """Gives the never-stepped parameters of `tag` that a step just counted their entry."""
@@ -780,46 +520,46 @@ class _HostAdam(torch.optim.Optimizer):
     """A parameter's moments in the arena: f32 views, bfloat16 views of bf16 moments, or
     uint8 codes and their blocks' (n, 2) exponent bytes (8-bit)."""
     if flat_m is not None:
-      return _arena_view(flat_m[off:off + size], p), _arena_view(flat_v[off:off + size], p), None
+      return arena_view(flat_m[off:off + size], p), arena_view(flat_v[off:off + size], p), None
     if fmt == "f32":  # an f32 group beside compressed ones: its own storage
       m32, v32 = core.moment_views(name)
-      return _arena_view(m32, p), _arena_view(v32, p), None
+      return arena_view(m32, p), arena_view(v32, p), None
     m_codes, v_codes, scales = core.moment_codes(name)
     if fmt == "bf16":
-      return (_arena_view(torch.from_numpy(m_codes.view(np.int16)).view(torch.bfloat16), p),  # (torch 1 has no uint16)
-              _arena_view(torch.from_numpy(v_codes.view(np.int16)).view(torch.bfloat16), p), None)
-    return _arena_view(m_codes, p), _arena_view(v_codes, p), torch.from_numpy(scales)
+      return (arena_view(torch.from_numpy(m_codes.view(np.int16)).view(torch.bfloat16), p),  # (torch 1 has no uint16)
+              arena_view(torch.from_numpy(v_codes.view(np.int16)).view(torch.bfloat16), p), None)
+    return arena_view(m_codes, p), arena_view(v_codes, p), torch.from_numpy(scales)
 
   @staticmethod
   def _fill_moments(fmt: str, m, v, scales, st: dict) -> None:
     """Writes the moments of `st` (checked: `fmt` moments in the parameter's memory order)
     into the views m, v (and scales), zeros where one is missing; `st` is not changed."""
-    for key, view in zip(_moment_keys(fmt), (m, v)):
+    for key, view in zip(moment_keys(fmt), (m, v)):
       value = st.get(key)
       if value is None:
         view.zero_()
       elif fmt == "8bit":  # codes by memory order: the order of their blocks
-        _flat(view).copy_(_flat(value))
+        flat(view).copy_(flat(value))
       else:  # values (torch's dtype casts, as when torch takes a replaced state)
         view.copy_(value.reshape(view.shape))
     if scales is not None:
-      if st.get(_SCALES) is None or all(st.get(key) is None for key in _CODES):
+      if st.get(SCALES) is None or all(st.get(key) is None for key in CODES):
         scales.zero_()
       else:
-        scales.copy_(st[_SCALES].reshape(scales.shape))
+        scales.copy_(st[SCALES].reshape(scales.shape))
 
   @classmethod
   def _move_moments(cls, fmt: str, m, v, scales, st: dict) -> None:
     """Puts the moments of `st` into the views (_fill_moments) and points the state at them."""
     cls._fill_moments(fmt, m, v, scales, st)
-    for key in _MOMENTS + _CODES + (_SCALES,):
+    for key in MOMENT_ENTRIES:
       st.pop(key, None)
-    st.update(zip(_moment_keys(fmt), (m, v)))
+    st.update(zip(moment_keys(fmt), (m, v)))
     if scales is not None:
-      st[_SCALES] = scales
+      st[SCALES] = scales
 
   # --- gradients as the backward produces them (offloaded, torch >= 2.1) ---------------
-  def _layouts(self) -> Dict[str, _Layout]:
+  def _layouts(self) -> Dict[str, Layout]:
     """The built layout, for the methods that run after _build."""
     assert self._layout is not None, "hostopt.torch: the layout is built before it is read"
     return self._layout
@@ -833,11 +573,11 @@ class _HostAdam(torch.optim.Optimizer):
     hooked = dev.hooked
     for k, t in enumerate(tracked):
       if k not in hooked and t.param.requires_grad:
-        self._hook_handles.append(t.param.register_post_accumulate_grad_hook(_grad_hook(me, tag, k)))
+        self._hook_handles.append(t.param.register_post_accumulate_grad_hook(grad_hook(me, tag, k)))
         hooked.add(k)
 
   def _remove_grad_hooks(self) -> None:
-    _remove_handles(self._hook_handles)
+    remove_handles(self._hook_handles)
     for layout in (self._layout or {}).values():
       if layout.dev is not None:
         layout.dev.hooked.clear()
@@ -881,7 +621,7 @@ class _HostAdam(torch.optim.Optimizer):
         st = self.state[p]
         self._check_taken(t, st)
         if written and st.get("step") is t.step and not float(steps[k]) == known[k]:
-          _check_step(t.step, f"opt.state[p]['step'] of {t.where}")  # written in place
+          check_step(t.step, f"opt.state[p]['step'] of {t.where}")  # written in place
     rebuild, overrides = False, {}
     for tag, layout in self._layouts().items():
       core, tracked, steps, seg_of, known = layout.core, layout.tracked, layout.steps, layout.seg_of, layout.known
@@ -895,7 +635,7 @@ class _HostAdam(torch.optim.Optimizer):
         elif t.device_view is not None and (p.data_ptr() != t.ptr or p._version != t.version):
           # Offloaded: the host master is the truth, so any write the user made to the device
           # parameter (replaced or in place, any dtype) is adopted unless the master fits it.
-          if not _rounds_to(t.master.to(p.device), p):
+          if not rounds_to(t.master.to(p.device), p):
             t.master.copy_(p.detach())
           if p.data_ptr() != t.device_view.data_ptr():
             t.device_view.copy_(p.detach().reshape(-1))
@@ -906,9 +646,10 @@ class _HostAdam(torch.optim.Optimizer):
           # parameter's memory order, so the layout is rebuilt around it, the moments moved
           # by logical element (8-bit codes re-encoded in the new order: their blocks change).
           st = self.state.get(p, {})
-          if t.format == "8bit" and st.get(_CODES[0]) is t.m and st.get(_CODES[1]) is t.v:
-            seed = int(self.param_groups[int(t.name.split(".")[0])].get("rounding_seed", 0))
-            overrides[id(p)] = _encoded(*_moments_as_f32(st, "8bit", p), "8bit", p, seed)
+          m_key, v_key = CODES
+          if t.format == "8bit" and st.get(m_key) is t.m and st.get(v_key) is t.v:
+            seed = int(self.param_groups[t.group].get("rounding_seed", 0))
+            overrides[id(p)] = encoded(*moments_as_f32(st, "8bit", p), "8bit", p, seed)
           rebuild = True
           continue  # the rebuild takes the state as it is
         elif p.data_ptr() != t.ptr:
@@ -916,15 +657,15 @@ class _HostAdam(torch.optim.Optimizer):
             if p.is_shared():
               warnings.warn("hostopt.torch: a parameter was moved to shared memory; its values are adopted back "
                             "into hostopt's arena, so it is no longer shared", stacklevel=4)
-            fresh = _arena_view(t.flat, p)  # back into the arena, with the values the user gave it
+            fresh = arena_view(t.flat, p)  # back into the arena, with the values the user gave it
             fresh.copy_(p.detach())
             p.data = fresh
             t.master = fresh
-          elif not _rounds_to(t.master, p):
+          elif not rounds_to(t.master, p):
             t.master.copy_(p.detach())
           t.remember()
         elif p.dtype != torch.float32 and p._version != t.version:
-          if not _rounds_to(t.master, p):  # the same values (a resume) keep the exact master
+          if not rounds_to(t.master, p):  # the same values (a resume) keep the exact master
             t.master.copy_(p.detach())
           t.remember()
         if k in hidden:
@@ -932,11 +673,12 @@ class _HostAdam(torch.optim.Optimizer):
             continue  # never stepped and untouched: no entry to take
           del hidden[k]  # an entry the user wrote: the state, from now on shown
         st = self.state[p]
-        keys = _moment_keys(t.format)
-        if st.get(keys[0]) is not t.m or st.get(keys[1]) is not t.v or st.get("step") is not t.step or (
-            p.dtype != torch.float32 and st.get(_MASTER) is not t.master) or (
-            t.scales is not None and st.get(_SCALES) is not t.scales) or any(
-            key in st for key in _MOMENTS + _CODES if key not in keys):
+        keys = moment_keys(t.format)
+        m_key, v_key = keys
+        if st.get(m_key) is not t.m or st.get(v_key) is not t.v or st.get("step") is not t.step or (
+            p.dtype != torch.float32 and st.get(MASTER) is not t.master) or (
+            t.scales is not None and st.get(SCALES) is not t.scales) or any(
+            key in st for key in MOMENTS + CODES if key not in keys):
           self._take_state(t, st, steps, k)
       if steps.tolist() != known:  # a step count written in place or replaced
         counts = core.tensor_steps
@@ -946,35 +688,35 @@ class _HostAdam(torch.optim.Optimizer):
         layout.known = steps.tolist()
     return rebuild, overrides
 
-  def _check_taken(self, t: _Tracked, st: dict) -> None:
+  def _check_taken(self, t: Tracked, st: dict) -> None:
     """Checks the entries of opt.state[p] the user replaced (_take_state takes them)."""
-    keys = _moment_keys(t.format)
+    keys = moment_keys(t.format)
     if "step" in st and st["step"] is not t.step:
-      _check_step(st["step"], f"opt.state[p]['step'] of {t.where}")  # (None is no count: refused)
-    if t.param.dtype != torch.float32 and st.get(_MASTER) is not t.master and st.get(_MASTER) is not None:
-      _check_master(st[_MASTER], t.param, f"opt.state[p] of {t.where}")
-    if any(st.get(key) is not view for key, view in zip(keys + (_SCALES,), (t.m, t.v, t.scales))
-           if view is not None) or any(key in st for key in _MOMENTS + _CODES if key not in keys):
+      check_step(st["step"], f"opt.state[p]['step'] of {t.where}")  # (None is no count: refused)
+    if t.param.dtype != torch.float32 and st.get(MASTER) is not t.master and st.get(MASTER) is not None:
+      check_master(st[MASTER], t.param, f"opt.state[p] of {t.where}")
+    if any(st.get(key) is not view for key, view in zip(keys + (SCALES,), (t.m, t.v, t.scales))
+           if view is not None) or any(key in st for key in MOMENTS + CODES if key not in keys):
       where = f"opt.state[p] of {t.where}"
-      if _check_moment_state(st, t.format, t.param, where):
+      if check_moment_state(st, t.format, t.param, where):
         raise ValueError(f"{where}: 8-bit codes laid out in another memory order than the parameter (their "
                          "blocks are not its blocks)")
 
-  def _take_state(self, t: _Tracked, st: dict, steps: np.ndarray, k: int) -> None:
+  def _take_state(self, t: Tracked, st: dict, steps: np.ndarray, k: int) -> None:
     """The user replaced or deleted entries of opt.state[p] (checked: _check_taken): as
     torch, they are the state (moments in the group's format; deleted ones are zeros)."""
-    keys = _moment_keys(t.format)
-    if any(st.get(key) is not view for key, view in zip(keys + (_SCALES,), (t.m, t.v, t.scales))
-           if view is not None) or any(key in st for key in _MOMENTS + _CODES if key not in keys):
+    keys = moment_keys(t.format)
+    if any(st.get(key) is not view for key, view in zip(keys + (SCALES,), (t.m, t.v, t.scales))
+           if view is not None) or any(key in st for key in MOMENTS + CODES if key not in keys):
       self._move_moments(t.format, t.m, t.v, t.scales, st)
     if st.get("step") is not t.step:
-      steps[k] = _check_step(st["step"], "") if "step" in st else 0  # a deleted step restarts
+      steps[k] = check_step(st["step"], "") if "step" in st else 0  # a deleted step restarts
       st["step"] = t.step
-    if t.param.dtype != torch.float32 and st.get(_MASTER) is not t.master:
-      value = st.get(_MASTER)
+    if t.param.dtype != torch.float32 and st.get(MASTER) is not t.master:
+      value = st.get(MASTER)
       if value is not None:  # (checked; a deleted master keeps the arena's)
         t.master.copy_(value)
-      st[_MASTER] = t.master
+      st[MASTER] = t.master
 
   def _stream(self) -> int:
     """Where the gradients are produced and the parameters read: torch's current CUDA stream
@@ -1101,21 +843,21 @@ class _HostAdam(torch.optim.Optimizer):
         cached = self._views.get((tag, i))
         if g is None:
           view = None
-        elif cached is not None and cached[0] is g and cached[1] == g.data_ptr():
-          view = cached[2]  # the same gradient tensor as last step (zero_grad keeps it)
+        elif cached is not None and cached.grad is g and cached.ptr == g.data_ptr():
+          view = cached.view  # the same gradient tensor as last step (zero_grad keeps it)
         else:
           if g.is_sparse:
             raise RuntimeError("hostopt.torch does not support sparse gradients")
-          convert = g.dtype != p.dtype or g.stride() != p.stride() or not _dense_order(g)
+          convert = g.dtype != p.dtype or g.stride() != p.stride() or not dense_order(g)
           if convert:  # another dtype or layout than its parameter: one copy, every step
             g = torch.empty_like(p).copy_(g)
-          view = as_buffer(_flat(g), f"grad of parameter {i}")[0]
+          view, _ = as_buffer(flat(g), f"grad of parameter {i}")
           if not convert:
-            self._views[(tag, i)] = (p.grad, p.grad.data_ptr(), view)
+            self._views[(tag, i)] = _GradView(p.grad, p.grad.data_ptr(), view)
         any_grad = any_grad or view is not None
         grads[seg_of[i]] = view
         if tag != "f32":
-          outs[seg_of[i]] = as_buffer(_flat(p.data), "param", writable=True)[0]
+          outs[seg_of[i]], _ = as_buffer(flat(p.data), "param", writable=True)
       if not any_grad:
         continue
       results.append(core.step_tensors(grads, tag, outs if tag != "f32" else [], tag, 1.0, 0.0, skip,
@@ -1167,9 +909,9 @@ class _HostAdam(torch.optim.Optimizer):
         if tuple(g.shape) != tuple(t.param.shape) or (t.device_view is None and g.device != t.param.device):
           raise ValueError(f"{t.where} has a gradient of shape {tuple(g.shape)} on {g.device}: expected the "
                            f"parameter's, {tuple(t.param.shape)} on {t.param.device}; nothing was stepped")
-        if not float(steps[i]) < _MAX_STEP:
-          raise ValueError(f"{t.where} is at step {int(steps[i])}, the largest step count (2**53, the core's "
-                           "max_step_count): no further step can be taken; nothing was stepped")
+        if not float(steps[i]) < MAX_STEP:
+          raise ValueError(f"{t.where} is at step {int(steps[i])}, the largest step count ({power_text(MAX_STEP)}, "
+                           "the core's max_step_count): no further step can be taken; nothing was stepped")
 
   # --- state_dict -----------------------------------------------------------------------
   @_serialized
@@ -1208,7 +950,7 @@ class _HostAdam(torch.optim.Optimizer):
     saved_groups = state_dict["param_groups"]
     for gi, group in enumerate(saved_groups):
       self._refuse_unsupported(group, f"state_dict['param_groups'][{gi}]")
-      _check_hparams(group, f"state_dict['param_groups'][{gi}]")
+      hyper_parameters(group, f"state_dict['param_groups'][{gi}]")
     indices = {index for group in saved_groups for index in group["params"]}
     for index in state_dict["state"]:
       if index not in indices:
@@ -1231,11 +973,11 @@ class _HostAdam(torch.optim.Optimizer):
           if st is None:
             continue
           where = f"state_dict['state'][{index}]"
-          relaid = _check_moment_state(st, have, p, where)
+          relaid = check_moment_state(st, have, p, where)
           if "step" in st:
-            _check_step(st["step"], f"{where}['step']")
-          if _MASTER in st:
-            _check_master(st[_MASTER], p, where)
+            check_step(st["step"], f"{where}['step']")
+          if MASTER in st:
+            check_master(st[MASTER], p, where)
           haves[index] = have
           if have == formats[gi] and not relaid:
             continue
@@ -1246,11 +988,11 @@ class _HostAdam(torch.optim.Optimizer):
             raise ValueError(f"{where} {why}: pass convert_moments=True to convert them (lossy into bf16 or 8-bit); "
                              "nothing was loaded")
           # Converted now, from the saved tensors: a conversion that fails changes nothing.
-          todo[index] = _encoded(*_moments_as_f32(st, have, p), formats[gi], p, seed)
+          todo[index] = encoded(*moments_as_f32(st, have, p), formats[gi], p, seed)
     # Moments, codes and masters as saved (torch casts every state tensor to a floating
     # parameter's dtype, 8-bit codes too): f32 moments and masters exact, others their own dtype.
     exact = {k: {key: v for key, v in st.items()
-                 if key in _MOMENTS + _CODES + (_MASTER, _SCALES) and torch.is_tensor(v)}
+                 if key in MOMENTS + CODES + (MASTER, SCALES) and torch.is_tensor(v)}
              for k, st in state_dict["state"].items()}
     hooks: Dict[str, Any] = {key: self.__dict__[key] for key in ("_optimizer_load_state_dict_pre_hooks",
                                                  "_optimizer_load_state_dict_post_hooks") if key in self.__dict__}
@@ -1273,12 +1015,12 @@ class _HostAdam(torch.optim.Optimizer):
         # does not copy), and 16-bit parameters' moments and masters stay f32 (torch casts).
         if key in exact.get(index, {}):
           keep = exact[index][key].detach()
-          own_dtype = key in _CODES + (_SCALES,) or (haves.get(index) == "bf16" and key in _MOMENTS)
+          own_dtype = key in CODES + (SCALES,) or (haves.get(index) == "bf16" and key in MOMENTS)
           st[key] = (keep.to(device="cpu") if own_dtype else keep.to(dtype=torch.float32, device="cpu")).clone()
         elif torch.is_tensor(v):
           st[key] = v.detach().clone()
       if index in todo:  # the explicit conversion, applied now: state_dict and copies see its result
-        for key in _MOMENTS + _CODES + (_SCALES,):
+        for key in MOMENT_ENTRIES:
           st.pop(key, None)
         st.update(todo[index])
     # Built at the next step, when the parameters hold what the caller loaded into the model
@@ -1374,9 +1116,9 @@ def _doc(mode: str) -> str:
     decoupled_weight_decay (bool or None, default None): None means {decoupled} here.
       True decays as AdamW (``p *= 1 - lr * weight_decay``), False as Adam (L2 added to
       the gradient), as torch 2's ``Adam(decoupled_weight_decay=...)``; per group.
-    threads (int or None, default None): CPU threads of the step. None: every physical
-      core of the process's CPU set (``hostopt.torch.default_threads()``); 0: the threading
-      runtime's default. An integer (a float, bool or string: TypeError, never truncated);
+    threads (int or None, default None): CPU threads of the step. None or 0: hostopt's
+      default for every front, every physical core of the process's CPU set
+      (``hostopt.default_threads()``). An integer (a float, bool or string: TypeError, never truncated);
       more than 4 times the hardware threads (``hostopt._core.max_threads()``, at most
       1024), or a negative count: ValueError.
     offload (str or None, default None): where the parameters live. None: CUDA parameters
