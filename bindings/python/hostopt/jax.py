@@ -60,6 +60,7 @@ path with CPU arrays standing in for device arrays (how it is tested without a G
 """
 
 import collections
+import dataclasses
 import math
 import sys
 import threading
@@ -73,10 +74,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import Optimizer as _Optimizer
-from . import _core, _moments
+from . import _threads
+# The extension's functions by their own names: in this module `_core` is only HostAdam's
+# core optimizer (self._core, a hostopt.Optimizer; its extension object is self._core._core).
+from ._core import accumulate as _accumulate_into, convert as _convert, moment_format as _moment_format
 from ._arrays import as_buffer, check_optional_bool, check_seed
 from ._block_checks import report as _report_blocks
 from ._dtypes import EXPECTED as KERNEL_EXPECTED, kernel_tag, tag_of
+from ._hyper import AdamHyperParameters
+from ._jax_state import BF16, MOMENT_KEYS, leaf_moments, staged_moments, write_staged
 from ._masks import mask_flags, per_leaf
 
 __all__ = ["adam", "adamw", "HostAdam", "StepStats"]
@@ -91,7 +97,7 @@ def _stats(r) -> StepStats:
   return StepStats(r.applied, r.step, None if r.grad_norm < 0 else r.grad_norm, r.applied_scale, r.skipped_steps,
                    r.poisoned_blocks, r.saturated_blocks)
 
-_BF16 = np.dtype(jnp.bfloat16)
+
 
 
 def _aligned(n: int, dtype) -> np.ndarray:
@@ -162,36 +168,37 @@ class HostAdam:
                          "here): use adamw")
       self._options[label] = {**defaults, **extra}
       try:  # an unknown format is named now, not at the first step
-        self._options[label]["moments"] = _core.moment_format(str(self._options[label]["moments"]))
+        self._options[label]["moments"] = _moment_format(str(self._options[label]["moments"]))
       except ValueError as e:
         where = f"group_options[{label!r}]['moments']" if "moments" in extra else "moments"
         raise ValueError(f"{where}: {e}") from None
     for label in set(group_options or {}) - set(self._options):
       raise ValueError(f"group_options[{label!r}]: no parameter has that group label (labels: {sorted(self._options)})")
     core_groups, self._group_of = [], []  # one core group per (label, decayed or not)
+    # Each core group's hyper-parameters (schedules at 0 until a step sets them): this
+    # optimizer's, not a checkpoint's, so re-applied after load().
+    self._hypers: List[AdamHyperParameters] = []
     for label, o in self._options.items():
       for decay in (False, True):
         members = [(n, s) for n, s, lab, d in zip(self._names, self._shapes, labels, decays)
                    if lab == label and d == decay]
         if not members:
           continue
-        wd = o["weight_decay"]
-        core_groups.append({"params": members, "lr": 0.0 if callable(o["learning_rate"]) else float(o["learning_rate"]),
-                            "beta1": float(o["b1"]), "beta2": float(o["b2"]), "eps": float(o["eps"]),
-                            "eps_root": float(o["eps_root"]), "nesterov": bool(nesterov),
-                            "mode": "adamw" if decoupled else "adam",
-                            "weight_decay": (0.0 if callable(wd) else float(wd)) if decay else 0.0,
+        lr, wd = o["learning_rate"], o["weight_decay"]
+        hyper = AdamHyperParameters(lr=0.0 if callable(lr) else float(lr), beta1=float(o["b1"]), beta2=float(o["b2"]),
+                                    eps=float(o["eps"]), eps_root=float(o["eps_root"]),
+                                    weight_decay=(0.0 if callable(wd) else float(wd)) if decay else 0.0)
+        core_groups.append({"params": members, **hyper.config(nesterov=bool(nesterov),
+                                                              mode="adamw" if decoupled else "adam"),
                             "moments": o["moments"], "rounding_seed": seed})
+        self._hypers.append(hyper)
         self._group_of.append((label, decay))
-    # The hyper-parameters are this optimizer's, not a checkpoint's: re-applied after load().
-    self._configs = [{k: v for k, v in g.items() if k not in ("params", "moments", "rounding_seed")}
-                     for g in core_groups]
     self._formats = [self._options[lab]["moments"] for lab in labels]  # each leaf's moment format
-    self._core = _Optimizer(core_groups, threads=int(threads))
+    self._threads = _threads.resolve(int(threads))
+    self._core = _Optimizer(core_groups, threads=self._threads)
     self._core._hostopt_front = "hostopt.jax"  # names this front in its CompressedMomentsWarning
     for name, x in zip(self._names, leaves):
       self._core.params(name)[...] = np.asarray(jax.device_get(x), dtype=np.float32)
-    self._threads = int(threads)
     self._max_grad_norm = float(max_grad_norm or 0.0)
     if not (math.isfinite(self._max_grad_norm) and self._max_grad_norm >= 0):  # refused now, not at a step
       raise ValueError(f"max_grad_norm = {max_grad_norm!r}: expected None, 0 (no clipping) or a finite value > 0")
@@ -343,8 +350,8 @@ class HostAdam:
       tag = kernel_tag(self._copy_out)
       for name, buf in zip(self._names, out):  # skipped, or a leaf without a gradient: copy it out here
         if not self.last_step.applied or name not in present:
-          _core.convert(self._core.params(name).reshape(-1), as_buffer(buf, name, writable=True)[0].reshape(-1), tag,
-                        self._threads)
+          _convert(self._core.params(name).reshape(-1), as_buffer(buf, name, writable=True).array.reshape(-1), tag,
+                   self._threads)
       arrays = [_to_jax(b) for b in out]
       arrays = [a if np.dtype(a.dtype) == d else a.astype(d) for a, d in zip(arrays, self._out_dtypes)]
       return self._treedef.unflatten(arrays)
@@ -408,7 +415,7 @@ class HostAdam:
         a[...] = 0.0
     for a, b in zip(acc, bufs):
       if b is not None:
-        _core.accumulate(a.reshape(-1), b[0].reshape(-1), b[1], False, self._threads)
+        _accumulate_into(a.reshape(-1), b.array.reshape(-1), b.tag, False, self._threads)
     self._acc = acc
     self._micro_batches += 1
 
@@ -512,58 +519,9 @@ class HostAdam:
         sd["rounding_seed"] = self._core.group_rounding_seed(0)
       for name, fmt, shape in zip(self._names, self._formats, self._shapes):
         sd["params"][name] = np.array(self._core.params(name))
-        if fmt == "f32":
-          sd["mu"][name], sd["nu"][name] = np.array(self._core.exp_avg(name)), np.array(self._core.exp_avg_sq(name))
-          continue
-        m, v, scales = self._core.moment_codes(name)
-        if fmt == "bf16":
-          sd["mu"][name], sd["nu"][name] = (np.array(c).view(_BF16).reshape(shape) for c in (m, v))
-        else:
-          sd.setdefault("mu_codes", {})[name] = np.array(m).reshape(shape)
-          sd.setdefault("nu_codes", {})[name] = np.array(v).reshape(shape)
-          sd.setdefault("moment_scales", {})[name] = np.array(scales)
+        for key, x in leaf_moments(self._core, name, fmt, shape).items():
+          sd.setdefault(key, {})[name] = x
       return sd
-
-  def _staged_moments(self, state: dict, name: str, shape, fmt: str, convert: bool):
-    """One leaf's moments of a state_dict, checked: ("codes", m, v, scales) to copy as they
-    are (the leaf's own format) or ("values", m, v) float32 to write (an f32 leaf, or a
-    conversion)."""
-    keys = ("mu_codes", "nu_codes", "moment_scales")
-    held = [k for k in keys if name in state.get(k, {})]
-    if held:
-      if len(held) != 3 or name in state["mu"] or name in state["nu"]:
-        raise ValueError(f"state_dict: leaf {name!r} has {held}{' and mu/nu' if name in state['mu'] else ''}: 8-bit "
-                         "moments are mu_codes, nu_codes and moment_scales, and no mu/nu")
-      m, v, scales = (np.asarray(state[k][name]) for k in keys)
-      blocks = _moments.q8_blocks(int(np.prod(shape)))
-      for what, x, want in (("mu_codes", m, shape), ("nu_codes", v, shape), ("moment_scales", scales, (blocks, 2))):
-        if x.dtype != np.uint8 or tuple(x.shape) != tuple(want):
-          raise ValueError(f"state_dict[{what!r}][{name!r}]: {x.dtype} {tuple(x.shape)}, expected uint8 {tuple(want)}")
-      _moments.check_q8_scales(scales, f"state_dict['moment_scales'][{name!r}]")
-      held_fmt = "8bit"
-    else:
-      for key in ("mu", "nu"):
-        if name not in state[key]:
-          raise ValueError(f"state_dict[{key!r}]: leaf {name!r} missing (and no 8-bit mu_codes for it)")
-      m, v = np.asarray(state["mu"][name]), np.asarray(state["nu"][name])
-      for key, x in (("mu", m), ("nu", v)):
-        if tuple(x.shape) != tuple(shape):
-          raise ValueError(f"state_dict[{key!r}][{name!r}] has shape {x.shape}: expected {shape}")
-        if x.dtype.kind != "f" and x.dtype != _BF16:
-          raise TypeError(f"state_dict[{key!r}][{name!r}]: dtype {x.dtype}, expected floating point")
-      if (m.dtype == _BF16) != (v.dtype == _BF16):
-        raise ValueError(f"state_dict: leaf {name!r} has mu {m.dtype} and nu {v.dtype}: bf16 moments are both bfloat16")
-      held_fmt = "bf16" if m.dtype == _BF16 else "f32"
-      if np.any(v.astype(np.float32) < 0):
-        raise ValueError(f"state_dict['nu'][{name!r}] has negative entries (a second moment is >= 0)")
-    if held_fmt != fmt and not convert:
-      raise ValueError(f"state_dict: leaf {name!r} holds {held_fmt} moments, this optimizer stores its moments as "
-                       f"{fmt}: load_state_dict(..., convert_moments=True) converts them (lossy into bf16 or 8-bit)")
-    if held_fmt == fmt and fmt != "f32":
-      return ("codes", m, v, scales if fmt == "8bit" else None)
-    if held_fmt == "8bit":  # decoded exactly, then written in this leaf's format
-      m, v = _moments.decode(m, v, scales, "8bit")
-    return ("values", np.asarray(m, np.float32).reshape(shape), np.asarray(v, np.float32).reshape(shape))
 
   def load_state_dict(self, state: dict, convert_moments: bool = False) -> None:
     """Restores a state_dict() of the same tree; checked completely before anything
@@ -583,7 +541,7 @@ class HostAdam:
       if set(state["params"]) != set(self._names):
         raise ValueError(f"state_dict['params']: leaves {sorted(state['params'])[:5]}... differ from this "
                          f"optimizer's {self._names[:5]}...")
-      foreign = {n for k in ("mu", "nu", "mu_codes", "nu_codes", "moment_scales") for n in state.get(k, {})}
+      foreign = {n for k in MOMENT_KEYS for n in state.get(k, {})}
       foreign -= set(self._names)
       if foreign:
         raise ValueError(f"state_dict: moments of leaves this optimizer does not have: {sorted(foreign)[:5]}")
@@ -592,23 +550,14 @@ class HostAdam:
         x = np.asarray(state["params"][n])
         if tuple(x.shape) != shape:
           raise ValueError(f"state_dict['params'][{n!r}] has shape {x.shape}: expected {shape}")
-        if x.dtype.kind != "f" and x.dtype != _BF16:
+        if x.dtype.kind != "f" and x.dtype != BF16:
           raise TypeError(f"state_dict['params'][{n!r}]: dtype {x.dtype}, expected floating point")
         params[n] = x.astype(np.float32)
-        moments[n] = self._staged_moments(state, n, shape, fmt, bool(convert_moments))
+        moments[n] = staged_moments(state, n, shape, fmt, bool(convert_moments))
       self._core.step_count = int(step)  # refused above the largest count: before anything changes
       for n, fmt in zip(self._names, self._formats):
         self._core.params(n)[...] = params[n]
-        staged = moments[n]
-        if staged[0] == "codes":
-          for view, x in zip(self._core.moment_codes(n), staged[1:]):
-            if view is not None:
-              view[...] = (x.view(np.uint16) if x.dtype == _BF16 else x).reshape(view.shape)
-        elif fmt == "f32":
-          self._core.exp_avg(n)[...] = staged[1]
-          self._core.exp_avg_sq(n)[...] = staged[2]
-        else:
-          self._core.write_moments(n, staged[1], staged[2])
+        write_staged(self._core, n, fmt, moments[n])
       if seed is not None:
         for g in range(len(self._group_of)):
           self._core.set_group_rounding_seed(g, seed)
@@ -624,9 +573,8 @@ class HostAdam:
     load_state_dict (a checkpoint of other groups: use state_dict/load_state_dict)."""
     with self._lock:
       self._core.load(path)
-      for g, cfg in enumerate(self._configs):
-        self._core.set_group_config(g, **{k: cfg[k] for k in ("lr", "beta1", "beta2", "eps", "eps_root",
-                                                                 "weight_decay")})
+      for g, hyper in enumerate(self._hypers):
+        self._core.set_group_config(g, **dataclasses.asdict(hyper))
 
   def current_params(self):
     """The current parameters as new jax arrays in param_dtype (a copy of the masters)."""
@@ -697,8 +645,8 @@ def _doc(decoupled: bool) -> str:
       checked when a group has 8-bit moments (on the offloaded path, not over
       host-accumulated micro-batches without ``grad_norm=``); False: never. Anything else:
       TypeError.
-    threads (int, default 0): worker threads of the step (0: the threading runtime's
-      default).
+    threads (int, default 0): worker threads of the step (0: hostopt's default,
+      ``hostopt.default_threads()``, the physical cores of the process's CPU set).
     offload (str or None, default None): None: params on an accelerator go through the
       offload pipeline, CPU ones are stepped in place. ``"cuda"``: the pipeline, required;
       ``"host"``: the pipeline with CPU arrays standing in for device arrays. Anything
