@@ -1,6 +1,7 @@
 """hostopt.torch's offloaded path, apart from the optimizer: the flat device buffers of one
 dtype's parameters and the pipeline between them and the arena (DeviceBuffers, the twin of
-hostopt.jax's DeviceStep), and the chunks as the backward completes them (ChunkEvents)."""
+hostopt.jax's DeviceStep), the chunks as the backward completes them (ChunkEvents), and the
+post-accumulate-grad hooks that report them (grad_hook)."""
 
 import dataclasses
 from typing import Any, List, Optional, Set
