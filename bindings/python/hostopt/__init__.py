@@ -13,7 +13,7 @@ import numpy as np
 
 from . import _core, _moments, _threads
 from ._arena import Segment, segments as _segments
-from ._arrays import INT32 as _INT32, as_buffer, check_seed, integer as _integer
+from ._arrays import INT32 as _INT32, as_buffer, as_buffers, check_seed, integer as _integer
 from ._block_checks import CompressedMomentsWarning, report as _report_blocks
 from ._threads import default_threads
 
@@ -294,8 +294,11 @@ class Optimizer:
     """The tensors' names, in arena order (the order of a list of gradients)."""
     return [s.name for s in self._segments]
 
-  def segment(self, name: str) -> Segment:
-    """(name, shape, offset, size, group) of a tensor, a named tuple."""
+  def segment(self, name: str) -> Tuple[str, List[int], int, int, int]:
+    """(name, shape, offset, size, group) of a tensor (a named tuple with those fields)."""
+    return self._segment(name)
+
+  def _segment(self, name: str) -> Segment:
     if name not in self._index:
       raise KeyError(f"tensor name {name!r}: unknown, expected one of the {len(self._segments)} registered tensors")
     return self._segments[self._index[name]]
@@ -304,7 +307,7 @@ class Optimizer:
   def _view(self, flat: np.ndarray, name: Optional[str]) -> np.ndarray:
     if name is None:
       return flat
-    s = self.segment(name)
+    s = self._segment(name)
     return flat[s.offset:s.offset + s.size].reshape(s.shape)
 
   def params(self, name: Optional[str] = None) -> np.ndarray:
@@ -317,14 +320,14 @@ class Optimizer:
     if name is None:
       return self._core.exp_avg()
     m, _ = self._core.moment_views(name)
-    return m.reshape(self.segment(name).shape)
+    return m.reshape(self._segment(name).shape)
 
   def exp_avg_sq(self, name: Optional[str] = None) -> np.ndarray:
     """Second moments, as exp_avg."""
     if name is None:
       return self._core.exp_avg_sq()
     _, v = self._core.moment_views(name)
-    return v.reshape(self.segment(name).shape)
+    return v.reshape(self._segment(name).shape)
 
   def _group(self, group) -> int:
     """A group index: an integer in [0, num_groups) (never a float, bool or string)."""
@@ -345,14 +348,14 @@ class Optimizer:
 
   def read_moments(self, name: str) -> Tuple[np.ndarray, np.ndarray]:
     """(exp_avg, exp_avg_sq) of one tensor as new float32 arrays, whatever its format (exact)."""
-    shape = self.segment(name).shape
+    shape = self._segment(name).shape
     m, v = self._core.read_moments(name)
     return m.reshape(shape), v.reshape(shape)
 
   def write_moments(self, name: str, exp_avg, exp_avg_sq) -> None:
     """Sets one tensor's moments from float32 values: copied for an f32 group, encoded for
     a compressed one (lossy: the explicit conversion between formats)."""
-    shape = tuple(self.segment(name).shape)
+    shape = tuple(self._segment(name).shape)
     flat = []
     for what, x in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
       a = np.asarray(x)
@@ -470,23 +473,20 @@ class Optimizer:
         olist = [out[n] for n in self.names] if out is not None else []
       else:
         glist, olist = list(grads), list(out) if out is not None else []
-      bufs = [None if g is None else as_buffer(g, f"grads[{i}]") for i, g in enumerate(glist)]
-      obufs = [as_buffer(o, f"out[{i}]", writable=True) for i, o in enumerate(olist)]
-      for what, arrays in (("grads", bufs), ("out", obufs)):  # the tensor's own shape, not only its size
-        for b, seg in zip(arrays, self._segments):
-          if b is not None and b.array.shape != tuple(seg.shape):
-            raise ValueError(f"{what}[{seg.name!r}] has shape {b.array.shape}: expected {tuple(seg.shape)}, the "
-                             "tensor's shape (an array of the same size but another shape is refused, not "
-                             "reinterpreted)")
-      types = {b.tag for b in bufs if b is not None}
+      grad_arrays, types = as_buffers(glist, "grads")
+      outs = [as_buffer(o, f"out[{i}]", writable=True) for i, o in enumerate(olist)]
+      out_arrays, otypes = [a for a, _ in outs], {tag for _, tag in outs}
+      for what, arrays in (("grads", grad_arrays), ("out", out_arrays)):  # the tensor's own shape, not only its size
+        for a, seg in zip(arrays, self._segments):
+          if a is not None and a.shape != tuple(seg.shape):
+            raise ValueError(f"{what}[{seg.name!r}] has shape {a.shape}: expected {tuple(seg.shape)}, the tensor's "
+                             "shape (an array of the same size but another shape is refused, not reinterpreted)")
       if len(types) > 1:
         raise TypeError(f"grads: mixed dtypes {sorted(types)}; one gradient dtype per step")
-      otypes = {b.tag for b in obufs}
       if len(otypes) > 1:
         raise TypeError(f"out: mixed dtypes {sorted(otypes)}; one copy-out dtype per step")
-      result = self._core.step_tensors([None if b is None else b.array for b in bufs],
-                                         types.pop() if types else "f32", [b.array for b in obufs],
-                                         otypes.pop() if otypes else "f32", *opts)
+      result = self._core.step_tensors(grad_arrays, types.pop() if types else "f32", out_arrays,
+                                       otypes.pop() if otypes else "f32", *opts)
     else:
       g, gt = as_buffer(grads, "grads")
       o, ot = (None, "f32") if out is None else as_buffer(out, "out", writable=True)

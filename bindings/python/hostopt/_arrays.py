@@ -1,16 +1,10 @@
 """Zero-copy intake of numpy arrays, torch CPU tensors and jax CPU arrays."""
 
-from typing import Any, NamedTuple, Tuple
+from typing import Any, List, Optional, Sequence, Set, Tuple
 
 import operator
 
 import numpy as np
-
-
-class Buffer(NamedTuple):
-  """An array as the core takes it: a numpy view and its hostopt dtype tag."""
-  array: np.ndarray
-  tag: str  # "f32", "bf16" (the array a uint16 view) or "f16"
 
 
 def _is_torch(x: Any) -> bool:
@@ -21,7 +15,7 @@ def _is_jax(x: Any) -> bool:
   return type(x).__module__.startswith(("jax", "jaxlib"))
 
 
-def as_buffer(x: Any, name: str, writable: bool = False) -> Buffer:
+def as_buffer(x: Any, name: str, writable: bool = False) -> Tuple[np.ndarray, str]:
   """A numpy view of `x` sharing its memory, and its hostopt dtype ("f32", "bf16", "f16").
 
   bfloat16 comes back as a uint16 view. Raises TypeError for an unsupported type or dtype
@@ -42,7 +36,7 @@ def as_buffer(x: Any, name: str, writable: bool = False) -> Buffer:
                        "and never copies silently (call .contiguous() if a copy is what you want)")
     t = x.detach()
     if t.dtype == torch.bfloat16:
-      return Buffer(t.view(torch.int16).numpy().view(np.uint16), "bf16")
+      return t.view(torch.int16).numpy().view(np.uint16), "bf16"
     if t.dtype not in (torch.float32, torch.float16):
       raise TypeError(f"{name}: dtype {t.dtype} is not supported (expected float32, bfloat16 or float16)")
     arr = t.numpy()
@@ -69,7 +63,22 @@ def as_buffer(x: Any, name: str, writable: bool = False) -> Buffer:
                      "copies silently (pass numpy.ascontiguousarray(x) if a copy is what you want)")
   if writable and not arr.flags.writeable:
     raise ValueError(f"{name}: array is read-only but hostopt writes it in place")
-  return Buffer(arr, tag)
+  return arr, tag
+
+
+def as_buffers(items: Sequence[Any], what: str) -> Tuple[List[Optional[np.ndarray]], Set[str]]:
+  """as_buffer of each item, read-only (None passes: a tensor without a gradient), named
+  what[i]: their numpy views, and the set of their dtypes."""
+  arrays: List[Optional[np.ndarray]] = []
+  tags: Set[str] = set()
+  for i, x in enumerate(items):
+    if x is None:
+      arrays.append(None)
+      continue
+    array, tag = as_buffer(x, f"{what}[{i}]")
+    arrays.append(array)
+    tags.add(tag)
+  return arrays, tags
 
 
 def check_seed(seed: Any, where: str) -> int:

@@ -350,8 +350,8 @@ class HostAdam:
       tag = kernel_tag(self._copy_out)
       for name, buf in zip(self._names, out):  # skipped, or a leaf without a gradient: copy it out here
         if not self.last_step.applied or name not in present:
-          _convert(self._core.params(name).reshape(-1), as_buffer(buf, name, writable=True).array.reshape(-1), tag,
-                   self._threads)
+          out_view, _ = as_buffer(buf, name, writable=True)
+          _convert(self._core.params(name).reshape(-1), out_view.reshape(-1), tag, self._threads)
       arrays = [_to_jax(b) for b in out]
       arrays = [a if np.dtype(a.dtype) == d else a.astype(d) for a, d in zip(arrays, self._out_dtypes)]
       return self._treedef.unflatten(arrays)
@@ -415,7 +415,8 @@ class HostAdam:
         a[...] = 0.0
     for a, b in zip(acc, bufs):
       if b is not None:
-        _accumulate_into(a.reshape(-1), b.array.reshape(-1), b.tag, False, self._threads)
+        grad, tag = b
+        _accumulate_into(a.reshape(-1), grad.reshape(-1), tag, False, self._threads)
     self._acc = acc
     self._micro_batches += 1
 
