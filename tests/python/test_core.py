@@ -1,4 +1,5 @@
 """hostopt._core through the package: zero-copy intake, errors naming the argument, the GIL."""
+import os
 import faulthandler
 import sys
 import threading
@@ -487,3 +488,14 @@ def test_the_docstring_examples_run(name):
 def test_betas_and_beta1_or_beta2_together_are_refused(extra):
   with pytest.raises(ValueError, match="betas and beta"):
     hostopt.Optimizer([{"params": {"w": (3,)}, "betas": (0.9, 0.99), **extra}])
+
+
+@pytest.mark.parametrize("omp, expected", [("3", 3), ("5,2", 5), ("0", None), ("", None), ("two", None)])
+def test_default_threads_honour_omp_num_threads(monkeypatch, omp, expected):
+  """OMP_NUM_THREADS (its first entry) is every front's default when it is a positive count;
+  unset, empty or invalid, the default is the physical cores of the CPU set."""
+  monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+  cores = hostopt.default_threads()
+  assert 1 <= cores <= len(os.sched_getaffinity(0))
+  monkeypatch.setenv("OMP_NUM_THREADS", omp)
+  assert hostopt.default_threads() == (cores if expected is None else expected)

@@ -227,7 +227,7 @@ class Optimizer:
       :meth:`read_moments` / :meth:`write_moments` (float32 copies, the explicit
       conversions) or :meth:`moment_codes`.
     threads (int, default 0): worker threads of each step (0: hostopt's default,
-      :func:`default_threads`, the physical cores of the process's CPU set).
+      :func:`default_threads`, OMP_NUM_THREADS when set, else the physical cores of the process's CPU set).
     kernel (str, default ""): force a kernel by name (:func:`kernels` lists them; "": the
       active one).
 

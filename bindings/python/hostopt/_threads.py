@@ -1,10 +1,11 @@
 """How many worker threads a step gets: one default for every front (hostopt.Optimizer,
 hostopt.adam_step, hostopt.jax, hostopt.optax, hostopt.torch).
 
-``threads=0`` (and hostopt.torch's default, None) means :func:`default_threads`: the
-physical cores of the CPUs this process may run on. A step streams memory, and SMT
-siblings share a core's load/store units, so a hyper-threaded host gains nothing from its
-second hardware threads. Any other count is taken as given (at most
+``threads=0`` (and hostopt.torch's default, None) means :func:`default_threads`:
+``OMP_NUM_THREADS`` when it is set (the knob torch, DeepSpeed and numpy's BLAS users already
+set), else the physical cores of the CPUs this process may run on. A step streams memory,
+and SMT siblings share a core's load/store units, so a hyper-threaded host gains nothing
+from its second hardware threads. Any other count is taken as given (at most
 ``hostopt._core.max_threads()``; each front checks its own range).
 """
 
@@ -29,9 +30,20 @@ def _physical_cores(cpus: FrozenSet[int]) -> int:
   return max(1, len(cores))
 
 
+def _omp_num_threads() -> int:
+  """OMP_NUM_THREADS's first entry (OpenMP allows a list, one per nesting level), or 0 when
+  it is unset or not a positive integer (OpenMP ignores such a value too)."""
+  first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+  return int(first) if first.isdigit() and int(first) > 0 else 0
+
+
 def default_threads() -> int:
-  """Physical cores among the CPUs this process may run on (SMT siblings share a core's
-  load/store units, so a memory-bound step gains nothing from them)."""
+  """OMP_NUM_THREADS when set, else the physical cores among the CPUs this process may run
+  on (SMT siblings share a core's load/store units, so a memory-bound step gains nothing
+  from them)."""
+  omp = _omp_num_threads()
+  if omp:
+    return omp
   try:
     cpus = os.sched_getaffinity(0)
   except AttributeError:

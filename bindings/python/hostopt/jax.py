@@ -647,7 +647,7 @@ def _doc(decoupled: bool) -> str:
       host-accumulated micro-batches without ``grad_norm=``); False: never. Anything else:
       TypeError.
     threads (int, default 0): worker threads of the step (0: hostopt's default,
-      ``hostopt.default_threads()``, the physical cores of the process's CPU set).
+      ``hostopt.default_threads()``, OMP_NUM_THREADS when set, else the physical cores of the process's CPU set).
     offload (str or None, default None): None: params on an accelerator go through the
       offload pipeline, CPU ones are stepped in place. ``"cuda"``: the pipeline, required;
       ``"host"``: the pipeline with CPU arrays standing in for device arrays. Anything

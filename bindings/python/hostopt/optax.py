@@ -142,7 +142,7 @@ class HostoptOptions(TypedDict, total=False):
 
   Attributes:
     threads (int): worker threads of the kernel; 0 (the default) is hostopt's default,
-      ``hostopt.default_threads()`` (the physical cores of the process's CPU set), at most
+      ``hostopt.default_threads()`` (OMP_NUM_THREADS when set, else the physical cores of the process's CPU set), at most
       ``hostopt._core.max_threads()``.
     reuse_state (bool): numpy states only: mu and nu are updated in place, in the caller's
       arrays, saving two copies per step (default False).
@@ -188,7 +188,7 @@ _OTHER_ARG = (None, "an argument of optax {version} that hostopt.optax does not 
 # hostopt's options as the factories' docstrings list them: (name, type, description).
 _HOSTOPT_ARGS = (
     ("threads", "int",
-     "worker threads of the kernel: 0 is hostopt's default, ``hostopt.default_threads()`` (the physical cores "
+     "worker threads of the kernel: 0 is hostopt's default, ``hostopt.default_threads()`` (OMP_NUM_THREADS when set, else the physical cores "
      "of the process's CPU set). An int in ``[0, hostopt._core.max_threads()]``, else ValueError."),
     ("reuse_state", "bool",
      "numpy states only: mu and nu are updated in place, in the caller's arrays (the state passed in is "

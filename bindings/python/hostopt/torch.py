@@ -78,7 +78,7 @@ training, before v is averaged; the warning waits for saturation that lasts).
 
 ``foreach`` and ``fused`` are accepted for compatibility and change nothing: hostopt's step is
 always one fused pass. ``amsgrad``, ``capturable`` and ``differentiable`` are refused.
-Threads: all physical cores of the process's CPU set unless ``threads=`` says otherwise
+Threads: OMP_NUM_THREADS when set, else all physical cores of the process's CPU set, unless ``threads=`` says otherwise
 (``default_threads()``, hostopt's default on every front).
 """
 
@@ -1117,7 +1117,7 @@ def _doc(mode: str) -> str:
       True decays as AdamW (``p *= 1 - lr * weight_decay``), False as Adam (L2 added to
       the gradient), as torch 2's ``Adam(decoupled_weight_decay=...)``; per group.
     threads (int or None, default None): CPU threads of the step. None or 0: hostopt's
-      default for every front, every physical core of the process's CPU set
+      default for every front, OMP_NUM_THREADS when set, else every physical core of the process's CPU set
       (``hostopt.default_threads()``). An integer (a float, bool or string: TypeError, never truncated);
       more than 4 times the hardware threads (``hostopt._core.max_threads()``, at most
       1024), or a negative count: ValueError.
