@@ -490,12 +490,19 @@ def test_betas_and_beta1_or_beta2_together_are_refused(extra):
     hostopt.Optimizer([{"params": {"w": (3,)}, "betas": (0.9, 0.99), **extra}])
 
 
-@pytest.mark.parametrize("omp, expected", [("3", 3), ("5,2", 5), ("0", None), ("", None), ("two", None)])
+@pytest.mark.parametrize("omp, expected", [("3", 3), ("5,2", 5), ("0", None), ("", None), ("two", None),
+                                           ("100000", hostopt._core.max_threads())])
 def test_default_threads_honour_omp_num_threads(monkeypatch, omp, expected):
-  """OMP_NUM_THREADS (its first entry) is every front's default when it is a positive count;
-  unset, empty or invalid, the default is the physical cores of the CPU set."""
+  """OMP_NUM_THREADS (its first entry, at most max_threads()) is every front's default when it
+  is a positive count; unset, empty or invalid, the default is the physical cores of the CPU set."""
   monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
   cores = hostopt.default_threads()
   assert 1 <= cores <= len(os.sched_getaffinity(0))
   monkeypatch.setenv("OMP_NUM_THREADS", omp)
   assert hostopt.default_threads() == (cores if expected is None else expected)
+
+
+def test_a_large_omp_num_threads_never_makes_a_step_refuse(monkeypatch):
+  monkeypatch.setenv("OMP_NUM_THREADS", str(hostopt._core.max_threads() + 1))
+  o = hostopt.Optimizer([{"params": {"w": (8,)}, "lr": 0.1}])
+  assert o.step({"w": np.ones(8, np.float32)}).applied

@@ -13,6 +13,8 @@ import functools
 import os
 from typing import FrozenSet
 
+from ._core import max_threads
+
 
 @functools.lru_cache(maxsize=8)
 def _physical_cores(cpus: FrozenSet[int]) -> int:
@@ -38,12 +40,12 @@ def _omp_num_threads() -> int:
 
 
 def default_threads() -> int:
-  """OMP_NUM_THREADS when set, else the physical cores among the CPUs this process may run
+  """OMP_NUM_THREADS when set (at most ``hostopt._core.max_threads()``), else the physical cores among the CPUs this process may run
   on (SMT siblings share a core's load/store units, so a memory-bound step gains nothing
   from them)."""
   omp = _omp_num_threads()
-  if omp:
-    return omp
+  if omp:  # never above what a step accepts: an environment must not make every step refuse
+    return min(omp, max_threads())
   try:
     cpus = os.sched_getaffinity(0)
   except AttributeError:
