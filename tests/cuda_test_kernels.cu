@@ -94,6 +94,9 @@ void launch_bad_configuration(void* stream) {
   empty_kernel<<<1, 4096, 0, static_cast<cudaStream_t>(stream)>>>();
 }
 
+void begin_planted_races() {}
+int end_planted_races() { return -1; } // no checker on the device
+
 void launch_fault(void* stream) {
   fault_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(reinterpret_cast<int*>(std::uintptr_t(8)));
   check_launch("fault_kernel");

@@ -38,6 +38,11 @@ void launch_gated_gradients(void* stream, const std::uint32_t* word, float* g, s
 /// additions, nothing to contract: the host's same expression gives the same bits.
 void launch_model_gradient(void* stream, const std::uint16_t* w, const float* target, float* g, std::size_t n,
                            float offset);
+/// Around a section that races on purpose (a misplaced dependency): the CUDA double, whose
+/// race detector ends the process by default, records the races instead, and
+/// end_planted_races returns how many it reported; a GPU has no checker and returns -1.
+void begin_planted_races();
+int end_planted_races();
 /// Launches a kernel with 4096 threads per block: refused with cudaErrorInvalidConfiguration,
 /// a non-sticky error left pending as the thread's last error (not read here).
 void launch_bad_configuration(void* stream);

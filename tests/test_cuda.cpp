@@ -27,6 +27,8 @@
 #include <thread>
 #include <vector>
 
+#include <unistd.h>
+
 #include <cuda.h> // types only: driver functions come through the runtime's entry point
 #include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
@@ -57,16 +59,13 @@ float test_gradient(std::size_t i, int seed) {
 #endif
 }
 
-// Device work on `s` that takes `ms` before the work after it: a spin kernel, or without
-// a CUDA compiler a host function that sleeps.
+#if !defined(HOSTOPT_TEST_HAVE_KERNELS)
+// Device work on `s` that takes `ms` before the work after it, without a CUDA compiler:
+// a host function that sleeps.
 void delay(copy_engine& e, device_stream s, int ms) {
-#if defined(HOSTOPT_TEST_HAVE_KERNELS)
-  (void)e;
-  hostopt_test::launch_spin(s.handle, std::uint64_t(ms) * 1'000'000);
-#else
   e.launch_host_function(s, [ms] { std::this_thread::sleep_for(std::chrono::milliseconds(ms)); });
-#endif
 }
+#endif
 
 // A "backward" on `s` that writes gradients of step `seed` into `dgrad` only after `ms`.
 // `staging` (pinned, n floats) is the source of the fallback's copy.
@@ -404,7 +403,12 @@ int main(int argc, char** argv) {
 // Runs this test program again with `flag` (a fresh process, for faults that end a CUDA
 // context) and returns its exit status and output.
 std::pair<int, std::string> run_child(const char* flag) {
-  const std::string cmd = std::string("/proc/self/exe ") + flag + " 2>&1";
+  // Resolved here: inside popen's shell, /proc/self/exe names the shell.
+  char self[4096];
+  const ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
+  REQUIRE(len > 0);
+  self[len] = '\0';
+  const std::string cmd = "'" + std::string(self) + "' " + flag + " 2>&1";
   FILE* child = popen(cmd.c_str(), "r");
   REQUIRE(child != nullptr);
   std::string out;
@@ -455,13 +459,18 @@ TEST_CASE("a stream waits for another stream's event; an event never recorded is
   pinned_buffer fresh(*engine, n * 4);
   std::memset(fresh.data(), 0x22, n * 4);
   const device_event written = engine->create_event(), never = engine->create_event();
-  delay(*engine, writer, 50); // the writer is late: the reader must not copy before it
+  host_gate gate(*engine);
+  wait_gate(*engine, writer, gate); // the writer is held: the reader must not copy before it
   engine->copy_async(writer, copy_direction::to_device, dev.data, fresh.data(), n * 4);
   engine->record_event(written, writer);
   engine->stream_wait_event(reader, never);
   engine->stream_wait_event(reader, written);
   engine->copy_async(reader, copy_direction::to_host, dst.data(), dev.data, n * 4);
+  const device_event read = engine->create_event();
+  engine->record_event(read, reader);
   CHECK_FALSE(engine->event_done(written));
+  CHECK_FALSE(engine->event_done(read));
+  gate.open();
   engine->synchronize_stream(reader);
   CHECK(engine->event_done(written));
   CHECK(std::memcmp(dst.data(), fresh.data(), n * 4) == 0);
@@ -785,24 +794,31 @@ TEST_CASE("the device contract on real streams: late gradients, an ordered step,
   for (int step = 0; step < 3; ++step) {
     const bool by_stream = step == 1; // one step ordered by the stream instead of an event
     INFO("step " << step << (by_stream ? ", ordered after the stream" : ", ordered after an event"));
-    // The backward: 40 ms of device work, then the gradients.
-    late_gradients(*engine, compute, static_cast<float*>(dgrad.data), n, step, 40,
-                   static_cast<float*>(staging.data()));
+    // The backward: held by the host until everything below is enqueued (where a gate
+    // would deadlock, 40 ms of device work instead), then the gradients.
+    host_gate gate(*engine);
+    const bool gated = !gates_need_the_callback_thread(*engine);
+    if (gated)
+      gated_gradients(*engine, compute, gate, static_cast<float*>(dgrad.data), n, step,
+                      static_cast<float*>(staging.data()));
+    else
+      late_gradients(*engine, compute, static_cast<float*>(dgrad.data), n, step, 40,
+                     static_cast<float*>(staging.data()));
     engine->record_event(grads_ready, compute);
     const auto order = by_stream ? device_order::after(compute) : device_order::after(grads_ready);
-    const auto issued = std::chrono::steady_clock::now();
     pipeline_handle h = pipe.step_async({dgrad.data, n, dtype::f32}, {dparams.data, n, dtype::bf16}, order);
-    const auto returned = std::chrono::steady_clock::now();
-    // step_async enqueued everything and returned while the backward still runs; its
-    // events are already usable by a stream: the next "forward" waits, then reads.
-    CHECK(returned - issued < std::chrono::milliseconds(20));
-    CHECK_FALSE(engine->event_done(grads_ready));
+    // step_async enqueued everything and returned while the backward is held (had it
+    // waited for the backward it would not have returned); its events are already usable
+    // by a stream: the next "forward" waits, then reads.
+    if (gated) CHECK_FALSE(engine->event_done(grads_ready));
     REQUIRE(h.params_ready());
     REQUIRE(h.grads_consumed());
     engine->stream_wait_event(compute, h.params_ready());
     engine->stream_wait_event(compute, h.grads_consumed());
     engine->copy_async(compute, copy_direction::to_host, params_back.data(), dparams.data, n * 2);
     engine->record_event(copied_back, compute);
+    if (gated) CHECK_FALSE(h.done());
+    gate.open();
     engine->synchronize_event(copied_back); // the host waits on the stream's copy only
     CHECK(h.wait().applied);
     for (std::size_t i = 0; i < n; ++i) g[i] = test_gradient(i, step);
@@ -890,6 +906,7 @@ TEST_CASE(
     clear_gradients();
     const device_event too_early = engine->create_event();
     host_gate gate(*engine);
+    hostopt_test::begin_planted_races();
     engine->record_event(too_early, compute); // before the backward is enqueued
     gated_gradients(*engine, compute, gate, static_cast<float*>(dgrad.data), n, seed,
                     static_cast<float*>(staging.data()));
@@ -903,6 +920,10 @@ TEST_CASE(
     CHECK_FALSE(engine->event_done(backward_done));
     gate.open();
     engine->synchronize_stream(compute);
+    // The step's gradient copies read what the backward writes, with no ordering between
+    // them: the double must report it (whichever of the two started first).
+    const int races = hostopt_test::end_planted_races();
+    if (races >= 0) CHECK(races >= 1);
     std::vector<float> stale_grads(n, 0.0f);
     stale.step(const_view{stale_grads.data(), n, dtype::f32});
     CHECK(same_state(opt, stale));

@@ -202,6 +202,7 @@ public:
       for (auto* p : device_allocations_) forget_own_error(cudaFree(p));
       for (auto* p : pinned_allocations_) forget_own_error(cudaFreeHost(p));
       if (calib_) forget_own_error(cudaEventDestroy(calib_));
+      if (wait_chain_) forget_own_error(cudaEventDestroy(wait_chain_));
       if (private_stream_) forget_own_error(cudaStreamDestroy(private_stream_));
     }
     streams_.clear();
@@ -210,6 +211,7 @@ public:
     device_allocations_.clear();
     pinned_allocations_.clear();
     calib_ = nullptr;
+    wait_chain_ = nullptr;
     private_stream_ = nullptr;
     if (primary_ctx_release_) primary_ctx_release_(cu_device_);
     ctx_ = nullptr;
@@ -436,10 +438,23 @@ public:
     // forward, as the pipeline's do), so that wait costs no host function: fewer blocked
     // callbacks holding CUDA's host-function thread.
     if (flag_reached(fs, value)) return;
+    // CUDA may run host functions of independent streams in any order on one thread
+    // (cudaLaunchHostFunc: "may be serialized"), so a blocked wait could hold back the
+    // wait that must pass first for the CPU to write its flag: the pipeline releasing
+    // chunk k's copy-out while chunk k's copy-in still sits behind its own wait. Chaining
+    // every fallback wait after the previous one (an event: no host function) makes them
+    // run in the order they were enqueued, the order in which callers make them satisfiable.
+    std::lock_guard<std::mutex> chain_lock(chain_mu_);
+    if (!wait_chain_)
+      check(cudaEventCreateWithFlags(&wait_chain_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    else if (wait_chain_recorded_)
+      check(cudaStreamWaitEvent(stream(s), wait_chain_, 0), "cudaStreamWaitEvent");
     auto* w = new flag_wait{this, &fs, value};
     const cudaError_t rc = cudaLaunchHostFunc(stream(s), &flag_wait_trampoline, w);
     if (rc != cudaSuccess) delete w;
     check(rc, "cudaLaunchHostFunc (flag wait)");
+    check(cudaEventRecord(wait_chain_, stream(s)), "cudaEventRecord");
+    wait_chain_recorded_ = true;
   }
 
   // A host store, no CUDA call: the release orders the host's writes before it (e.g. the
@@ -776,6 +791,9 @@ private:
   PFN_cuDeviceGet_v2000 device_get_ = nullptr;
   PFN_cuDevicePrimaryCtxRetain_v7000 primary_ctx_retain_ = nullptr;
   PFN_cuDevicePrimaryCtxRelease_v11000 primary_ctx_release_ = nullptr;
+  std::mutex chain_mu_;              // the fallback's waits run in enqueue order: see stream_wait_flag
+  cudaEvent_t wait_chain_ = nullptr; // recorded after the last fallback wait enqueued
+  bool wait_chain_recorded_ = false;
   std::mutex flag_mu_; // the fallback's waits, write_flag's notify, each flag's highest_wait
   std::condition_variable flag_cv_;
 };

@@ -1,0 +1,230 @@
+// The CUDA double's memory: device memory the host cannot touch, page-locked host memory,
+// and the classification every copy goes through.
+//
+// Device memory is a memfd mapped twice: PROT_NONE at the address cudaMalloc hands out,
+// read/write at an alias only the double's workers use. A host load or store through a
+// device pointer faults at once; the SIGSEGV handler names the allocation, then lets the
+// previous handler (the default, or a sanitizer's) report the fault.
+#include <atomic>
+#include <cerrno>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <iterator>
+#include <map>
+#include <mutex>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "double_internal.hpp"
+
+namespace cuda_double::detail {
+
+namespace {
+
+struct device_allocation {
+  std::size_t bytes;  // as asked
+  std::size_t mapped; // rounded up to pages
+  int device;
+  void* alias;
+  int fd;
+};
+
+struct pinned_allocation {
+  std::size_t bytes;
+  std::size_t mapped;
+  unsigned flags;
+};
+
+// Never destroyed: stream workers may still copy while exit() runs static destructors.
+std::mutex& memory_mu = *new std::mutex;
+std::map<std::uintptr_t, device_allocation>& device_memory = *new std::map<std::uintptr_t, device_allocation>; // by address handed out
+std::map<std::uintptr_t, pinned_allocation>& pinned_memory = *new std::map<std::uintptr_t, pinned_allocation>;
+
+// The fault handler's view of device memory: lock-free slots [begin, end).
+constexpr int fault_slots = 4096;
+std::atomic<std::uintptr_t> slot_begin[fault_slots], slot_end[fault_slots];
+struct sigaction previous_segv{};
+std::atomic<bool> handler_installed{false};
+
+void on_segv(int sig, siginfo_t* info, void* ucontext) {
+  const auto addr = reinterpret_cast<std::uintptr_t>(info->si_addr);
+  for (int i = 0; i < fault_slots; ++i) {
+    const std::uintptr_t b = slot_begin[i].load(std::memory_order_relaxed);
+    if (b && addr >= b && addr < slot_end[i].load(std::memory_order_relaxed)) {
+      char msg[256];
+      const int n = std::snprintf(msg, sizeof msg,
+                                  "cuda double: VIOLATION: the host touched device memory at %p (a cudaMalloc "
+                                  "allocation at %p): device memory is not host-accessible\n",
+                                  info->si_addr, reinterpret_cast<void*>(b));
+      if (n > 0) (void)!write(2, msg, std::size_t(n));
+      break;
+    }
+  }
+  // The previous handler reports (and ends) it: reinstall it and return, so the faulting
+  // access runs again under it.
+  sigaction(SIGSEGV, &previous_segv, nullptr);
+  (void)sig;
+  (void)ucontext;
+}
+
+void install_handler() {
+  bool expected = false;
+  if (!handler_installed.compare_exchange_strong(expected, true)) return;
+  struct sigaction sa{};
+  sa.sa_sigaction = on_segv;
+  sa.sa_flags = SA_SIGINFO;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGSEGV, &sa, &previous_segv);
+}
+
+void add_slot(std::uintptr_t b, std::uintptr_t e) {
+  for (int i = 0; i < fault_slots; ++i) {
+    std::uintptr_t zero = 0;
+    if (slot_begin[i].compare_exchange_strong(zero, b)) {
+      slot_end[i].store(e);
+      return;
+    }
+  }
+}
+
+void remove_slot(std::uintptr_t b) {
+  for (int i = 0; i < fault_slots; ++i)
+    if (slot_begin[i].load() == b) {
+      slot_end[i].store(0);
+      slot_begin[i].store(0);
+      return;
+    }
+}
+
+std::size_t page_round(std::size_t bytes) {
+  const auto page = std::size_t(sysconf(_SC_PAGESIZE));
+  return (bytes + page - 1) / page * page;
+}
+
+template <class Map> typename Map::const_iterator containing(const Map& m, std::uintptr_t p) {
+  auto it = m.upper_bound(p);
+  if (it == m.begin()) return m.end();
+  --it;
+  if (p >= it->first + std::max<std::size_t>(it->second.bytes, 1)) return m.end();
+  return it;
+}
+
+} // namespace
+
+cudaError_t allocate_device_memory(void** out, std::size_t bytes, int device) {
+  install_handler();
+  const std::size_t mapped = page_round(bytes);
+  const int fd = memfd_create("hostopt-cuda-double-device", MFD_CLOEXEC);
+  if (fd < 0) return cudaErrorMemoryAllocation;
+  if (ftruncate(fd, off_t(mapped)) != 0) {
+    close(fd);
+    return cudaErrorMemoryAllocation;
+  }
+  void* handed = mmap(nullptr, mapped, PROT_NONE, MAP_SHARED, fd, 0);
+  void* alias = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (handed == MAP_FAILED || alias == MAP_FAILED) {
+    if (handed != MAP_FAILED) munmap(handed, mapped);
+    if (alias != MAP_FAILED) munmap(alias, mapped);
+    close(fd);
+    return cudaErrorMemoryAllocation;
+  }
+  // CUDA's fresh memory is not zeroed: neither is this (a recognizable pattern).
+  std::memset(alias, 0xa5, mapped);
+  const auto b = reinterpret_cast<std::uintptr_t>(handed);
+  {
+    std::lock_guard<std::mutex> lock(memory_mu);
+    device_memory[b] = {bytes, mapped, device, alias, fd};
+  }
+  add_slot(b, b + mapped);
+  *out = handed;
+  return cudaSuccess;
+}
+
+cudaError_t free_device_memory(void* p) {
+  device_allocation a{};
+  {
+    std::lock_guard<std::mutex> lock(memory_mu);
+    auto it = device_memory.find(reinterpret_cast<std::uintptr_t>(p));
+    if (it == device_memory.end()) return cudaErrorInvalidValue;
+    a = it->second;
+  }
+  wait_until_unused(p, a.bytes); // cudaFree synchronizes: in-flight work finishes first
+  {
+    std::lock_guard<std::mutex> lock(memory_mu);
+    device_memory.erase(reinterpret_cast<std::uintptr_t>(p));
+  }
+  remove_slot(reinterpret_cast<std::uintptr_t>(p));
+  munmap(p, a.mapped);
+  munmap(a.alias, a.mapped);
+  close(a.fd);
+  return cudaSuccess;
+}
+
+cudaError_t allocate_pinned_memory(void** out, std::size_t bytes, unsigned flags) {
+  const std::size_t mapped = page_round(std::max<std::size_t>(bytes, 1));
+  void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return cudaErrorMemoryAllocation;
+  std::memset(p, 0x5a, mapped); // not zeroed, as CUDA's is not
+  std::lock_guard<std::mutex> lock(memory_mu);
+  pinned_memory[reinterpret_cast<std::uintptr_t>(p)] = {bytes, mapped, flags};
+  *out = p;
+  return cudaSuccess;
+}
+
+cudaError_t free_pinned_memory(void* p) {
+  pinned_allocation a{};
+  {
+    std::lock_guard<std::mutex> lock(memory_mu);
+    auto it = pinned_memory.find(reinterpret_cast<std::uintptr_t>(p));
+    if (it == pinned_memory.end()) return cudaErrorInvalidValue;
+    a = it->second;
+  }
+  wait_until_unused(p, a.bytes);
+  {
+    std::lock_guard<std::mutex> lock(memory_mu);
+    pinned_memory.erase(reinterpret_cast<std::uintptr_t>(p));
+  }
+  munmap(p, a.mapped);
+  return cudaSuccess;
+}
+
+bool pinned_flags(const void* p, unsigned& flags) {
+  std::lock_guard<std::mutex> lock(memory_mu);
+  auto it = containing(pinned_memory, reinterpret_cast<std::uintptr_t>(p));
+  if (it == pinned_memory.end()) return false;
+  flags = it->second.flags;
+  return true;
+}
+
+memory_span classify(const void* p, std::size_t bytes) {
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  memory_span span;
+  std::lock_guard<std::mutex> lock(memory_mu);
+  if (auto it = containing(device_memory, a); it != device_memory.end()) {
+    span.kind = memory_kind::device;
+    span.device = it->second.device;
+    span.base = reinterpret_cast<const void*>(it->first);
+    span.view = static_cast<char*>(it->second.alias) + (a - it->first);
+    span.inside = a + bytes <= it->first + it->second.bytes;
+    return span;
+  }
+  if (auto it = containing(pinned_memory, a); it != pinned_memory.end()) {
+    span.kind = memory_kind::pinned;
+    span.base = reinterpret_cast<const void*>(it->first);
+    span.inside = a + bytes <= it->first + it->second.bytes;
+  }
+  span.view = const_cast<void*>(p);
+  return span;
+}
+
+} // namespace cuda_double::detail
+
+namespace cuda_double {
+
+void* device_view(const void* p) {
+  const detail::memory_span span = detail::classify(p, 0);
+  return span.view;
+}
+
+} // namespace cuda_double
