@@ -39,8 +39,8 @@ struct buffer_use {
 /// time) and may touch only the memory it names in `uses` (checked by the race detector),
 /// through device_view. `flops`, when given, adds the modelled device's time for them.
 /// Returns the launch's error (also the thread's last error), as a kernel launch does.
-cudaError_t launch(cudaStream_t stream, const char* name, std::vector<buffer_use> uses, std::function<void()> body,
-                   std::uint64_t duration_ns = 0, double flops = 0);
+cudaError_t launch(cudaStream_t stream, const char* name, std::vector<buffer_use> uses,
+                   std::function<void()> body, std::uint64_t duration_ns = 0, double flops = 0);
 
 /// Inside device work: the address at which the double's worker reads and writes device
 /// memory `p` (page-locked memory is returned as it is).

@@ -38,13 +38,14 @@ struct pinned_allocation {
 
 // Never destroyed: stream workers may still copy while exit() runs static destructors.
 std::mutex& memory_mu = *new std::mutex;
-std::map<std::uintptr_t, device_allocation>& device_memory = *new std::map<std::uintptr_t, device_allocation>; // by address handed out
+std::map<std::uintptr_t, device_allocation>& device_memory =
+    *new std::map<std::uintptr_t, device_allocation>; // by address handed out
 std::map<std::uintptr_t, pinned_allocation>& pinned_memory = *new std::map<std::uintptr_t, pinned_allocation>;
 
 // The fault handler's view of device memory: lock-free slots [begin, end).
 constexpr int fault_slots = 4096;
 std::atomic<std::uintptr_t> slot_begin[fault_slots], slot_end[fault_slots];
-struct sigaction previous_segv{};
+struct sigaction previous_segv {};
 std::atomic<bool> handler_installed{false};
 
 void on_segv(int sig, siginfo_t* info, void* ucontext) {
@@ -53,10 +54,11 @@ void on_segv(int sig, siginfo_t* info, void* ucontext) {
     const std::uintptr_t b = slot_begin[i].load(std::memory_order_relaxed);
     if (b && addr >= b && addr < slot_end[i].load(std::memory_order_relaxed)) {
       char msg[256];
-      const int n = std::snprintf(msg, sizeof msg,
-                                  "cuda double: VIOLATION: the host touched device memory at %p (a cudaMalloc "
-                                  "allocation at %p): device memory is not host-accessible\n",
-                                  info->si_addr, reinterpret_cast<void*>(b));
+      const int n =
+          std::snprintf(msg, sizeof msg,
+                        "cuda double: VIOLATION: the host touched device memory at %p (a cudaMalloc "
+                        "allocation at %p): device memory is not host-accessible\n",
+                        info->si_addr, reinterpret_cast<void*>(b));
       if (n > 0) (void)!write(2, msg, std::size_t(n));
       break;
     }
@@ -71,7 +73,7 @@ void on_segv(int sig, siginfo_t* info, void* ucontext) {
 void install_handler() {
   bool expected = false;
   if (!handler_installed.compare_exchange_strong(expected, true)) return;
-  struct sigaction sa{};
+  struct sigaction sa {};
   sa.sa_sigaction = on_segv;
   sa.sa_flags = SA_SIGINFO;
   sigemptyset(&sa.sa_mask);

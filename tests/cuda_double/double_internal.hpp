@@ -24,7 +24,7 @@ struct settings {
   std::uint64_t seed = 0;
   int devices = 2;
   std::uint64_t max_delay_ns = 200'000;
-  double link_bytes_per_ns = 0;  // 0: copies take no modelled time
+  double link_bytes_per_ns = 0;   // 0: copies take no modelled time
   double device_flops_per_ns = 0; // 0: launches' flops take no modelled time
 };
 const settings& config();
@@ -55,7 +55,7 @@ std::string describe(const call_site& site);
 // --- contexts and per-thread runtime state ----------------------------------------------------
 struct context {
   int device = 0;
-  int retains = 0;           // cuDevicePrimaryCtxRetain minus releases
+  int retains = 0;             // cuDevicePrimaryCtxRetain minus releases
   bool runtime_active = false; // the runtime initialized it (a runtime call, cudaSetDevice)
 };
 context* primary_context(int device); // null for a device that does not exist
@@ -120,7 +120,8 @@ struct work {
 std::shared_ptr<struct completion> enqueue(CUstream_st* s, work w);
 /// cuStreamWaitValue32: the stream waits until (int32_t)(*word - value) >= 0 (GEQ), or the
 /// other flags' conditions.
-cudaError_t enqueue_wait_value(CUstream_st* s, const std::uint32_t* word, std::uint32_t value, unsigned flags);
+cudaError_t enqueue_wait_value(CUstream_st* s, const std::uint32_t* word, std::uint32_t value,
+                               unsigned flags);
 cudaError_t enqueue_host_function(CUstream_st* s, cudaHostFn_t fn, void* user);
 cudaError_t enqueue_event_wait(CUstream_st* s, CUevent_st* e);
 cudaError_t record_event(CUevent_st* e, CUstream_st* s);

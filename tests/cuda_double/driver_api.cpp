@@ -63,7 +63,8 @@ CUresult CUDAAPI primary_ctx_release(CUdevice d) {
   context* c = primary_context(d);
   if (!c) return CUDA_ERROR_INVALID_DEVICE;
   if (c->retains == 0) {
-    violation("cuDevicePrimaryCtxRelease of device " + std::to_string(d) + " more often than it was retained");
+    violation("cuDevicePrimaryCtxRelease of device " + std::to_string(d) +
+              " more often than it was retained");
     return CUDA_ERROR_INVALID_CONTEXT;
   }
   --c->retains;
@@ -81,7 +82,8 @@ CUresult CUDAAPI primary_ctx_get_state(CUdevice d, unsigned* flags, int* active)
 
 // cuStreamWaitValue32 (v2): the stream waits on a word of device-visible memory (mapped
 // page-locked here). Like the runtime's stream calls, it works in the current context.
-CUresult CUDAAPI stream_wait_value32(CUstream stream, CUdeviceptr addr, cuuint32_t value, unsigned int flags) {
+CUresult CUDAAPI stream_wait_value32(CUstream stream, CUdeviceptr addr, cuuint32_t value,
+                                     unsigned int flags) {
   if (CUresult r = driver_enter("cuStreamWaitValue32"); r != CUDA_SUCCESS) return r;
   context* c = current_context();
   if (!c) return CUDA_ERROR_INVALID_CONTEXT;
@@ -128,7 +130,8 @@ cudaError_t lookup(const char* symbol, void** fn, unsigned version, cudaDriverEn
       if (status) *status = cudaDriverEntryPointSuccess;
       return cudaSuccess;
     }
-  std::fprintf(stderr, "cuda double: driver entry point '%s' is not implemented (answered: not found)\n", symbol);
+  std::fprintf(stderr, "cuda double: driver entry point '%s' is not implemented (answered: not found)\n",
+               symbol);
   if (status) *status = cudaDriverEntryPointSymbolNotFound;
   return cudaSuccess;
 }
@@ -138,7 +141,8 @@ cudaError_t lookup(const char* symbol, void** fn, unsigned version, cudaDriverEn
 extern "C" {
 
 cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** fn, unsigned int version,
-                                             unsigned long long flags, cudaDriverEntryPointQueryResult* status) {
+                                             unsigned long long flags,
+                                             cudaDriverEntryPointQueryResult* status) {
   if (cudaError_t e = enter("cudaGetDriverEntryPointByVersion"); e != cudaSuccess) return result(e);
   (void)flags;
   return lookup(symbol, fn, version, status);

@@ -14,7 +14,8 @@ struct runtime_entry {
   const char* name;
   const char* text;
 };
-#define HOSTOPT_RT(c, t) {c, #c, t}
+#define HOSTOPT_RT(c, t)                                                                                     \
+  { c, #c, t }
 constexpr runtime_entry runtime_errors[] = {
     HOSTOPT_RT(cudaSuccess, "no error"),
     HOSTOPT_RT(cudaErrorInvalidValue, "invalid argument"),
@@ -35,7 +36,8 @@ constexpr runtime_entry runtime_errors[] = {
     HOSTOPT_RT(cudaErrorStreamCaptureInvalidated, "operation failed due to a previous error during capture"),
     HOSTOPT_RT(cudaErrorIllegalState, "the operation cannot be performed in the present state"),
     HOSTOPT_RT(cudaErrorSymbolNotFound, "named symbol not found"),
-    HOSTOPT_RT(cudaErrorHostMemoryAlreadyRegistered, "part or all of the requested memory range is already mapped"),
+    HOSTOPT_RT(cudaErrorHostMemoryAlreadyRegistered,
+               "part or all of the requested memory range is already mapped"),
     HOSTOPT_RT(cudaErrorUnknown, "unknown error"),
 };
 #undef HOSTOPT_RT
@@ -45,7 +47,8 @@ struct driver_entry {
   const char* name;
   const char* text;
 };
-#define HOSTOPT_DRV(c, t) {c, #c, t}
+#define HOSTOPT_DRV(c, t)                                                                                    \
+  { c, #c, t }
 constexpr driver_entry driver_errors[] = {
     HOSTOPT_DRV(CUDA_SUCCESS, "no error"),
     HOSTOPT_DRV(CUDA_ERROR_INVALID_VALUE, "invalid argument"),

@@ -37,8 +37,8 @@ std::uint64_t env_u64(const char* name, std::uint64_t fallback) {
 
 settings read_settings() {
   settings s;
-  const auto clock_seed =
-      std::uint64_t(std::chrono::steady_clock::now().time_since_epoch().count()) ^ std::uint64_t(getpid()) << 32;
+  const auto clock_seed = std::uint64_t(std::chrono::steady_clock::now().time_since_epoch().count()) ^
+                          std::uint64_t(getpid()) << 32;
   s.seed = env_u64("HOSTOPT_CUDA_DOUBLE_SEED", clock_seed);
   s.devices = int(env_u64("HOSTOPT_CUDA_DOUBLE_DEVICES", 2));
   s.max_delay_ns = env_u64("HOSTOPT_CUDA_DOUBLE_MAX_DELAY_US", 200) * 1000;
@@ -57,8 +57,10 @@ settings read_settings() {
       else if (key == "device_tflops" && value > 0)
         s.device_flops_per_ns = value * 1e3;
       else {
-        std::fprintf(stderr, "cuda double: HOSTOPT_CUDA_DOUBLE_MODEL item '%s' (expected link_gbps=X or device_tflops=X)\n",
-                     item.c_str());
+        std::fprintf(
+            stderr,
+            "cuda double: HOSTOPT_CUDA_DOUBLE_MODEL item '%s' (expected link_gbps=X or device_tflops=X)\n",
+            item.c_str());
         std::abort();
       }
       if (comma == std::string::npos) break;
@@ -100,7 +102,8 @@ process_state& state() {
 std::string resolve_frame(void* pc) {
   Dl_info info{};
   if (!dladdr(pc, &info) || !info.dli_fname) return "?";
-  const auto offset = reinterpret_cast<std::uintptr_t>(pc) - reinterpret_cast<std::uintptr_t>(info.dli_fbase) - 1;
+  const auto offset =
+      reinterpret_cast<std::uintptr_t>(pc) - reinterpret_cast<std::uintptr_t>(info.dli_fbase) - 1;
   // addr2line names static and anonymous-namespace functions too (dladdr sees exports only).
   char cmd[1024];
   std::snprintf(cmd, sizeof cmd, "addr2line -C -f -e '%s' 0x%" PRIxPTR " 2>/dev/null", info.dli_fname,
@@ -116,7 +119,8 @@ std::string resolve_frame(void* pc) {
   while (!where.empty() && where.back() == '\n') where.pop_back();
   if (function.empty() || function == "??") {
     int status = 0;
-    char* demangled = info.dli_sname ? abi::__cxa_demangle(info.dli_sname, nullptr, nullptr, &status) : nullptr;
+    char* demangled =
+        info.dli_sname ? abi::__cxa_demangle(info.dli_sname, nullptr, nullptr, &status) : nullptr;
     function = demangled ? demangled : info.dli_sname ? info.dli_sname : "?";
     std::free(demangled);
   }
@@ -243,8 +247,9 @@ int take_fault(const char* api, bool at_execution) {
 
 cudaError_t enter(const char* api) {
   if (in_host_function()) {
-    violation(std::string(api) + " called from inside a host function (cudaLaunchHostFunc): CUDA forbids "
-                                 "any CUDA call there; called from " +
+    violation(std::string(api) +
+              " called from inside a host function (cudaLaunchHostFunc): CUDA forbids "
+              "any CUDA call there; called from " +
               describe(capture_call_site()));
     return cudaErrorNotPermitted;
   }
@@ -284,7 +289,8 @@ std::vector<fault_rule> parse_faults(const std::string& spec) {
     r.countdown = std::atoi(item.substr(hash + 1, eq - hash - 1).c_str());
     bool driver = false;
     if (r.countdown < 1 || !error_by_name(item.substr(eq + 1), r.error, driver))
-      throw std::invalid_argument("cuda double: fault '" + item + "': N must be >= 1 and ERROR a known error name");
+      throw std::invalid_argument("cuda double: fault '" + item +
+                                  "': N must be >= 1 and ERROR a known error name");
     rules.push_back(r);
   }
   return rules;

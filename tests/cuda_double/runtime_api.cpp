@@ -30,7 +30,8 @@ struct device_call {
 cudaError_t stream_for(cudaStream_t s, int device, const char* api, CUstream_st*& out) {
   out = resolve_stream(s, device, api);
   if (!out) return cudaErrorInvalidResourceHandle;
-  if (stream_device(out) != device) return cudaErrorInvalidResourceHandle; // stricter: current device's streams only
+  if (stream_device(out) != device)
+    return cudaErrorInvalidResourceHandle; // stricter: current device's streams only
   if (capturing(out)) {
     invalidate_capture(out);
     return cudaErrorStreamCaptureUnsupported; // the double does not build graphs
@@ -217,11 +218,13 @@ cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* attr, const void* p)
   return cudaSuccess;
 }
 
-cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t stream) {
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
+                            cudaStream_t stream) {
   device_call call("cudaMemcpyAsync");
   if (call.error != cudaSuccess) return result(call.error);
   CUstream_st* s = nullptr;
-  if (cudaError_t e = stream_for(stream, call.device, "cudaMemcpyAsync", s); e != cudaSuccess) return result(e);
+  if (cudaError_t e = stream_for(stream, call.device, "cudaMemcpyAsync", s); e != cudaSuccess)
+    return result(e);
   if (bytes == 0) return cudaSuccess;
   if (!dst || !src) return result(cudaErrorInvalidValue);
   const memory_span d = classify(dst, bytes), r = classify(src, bytes);
@@ -260,7 +263,8 @@ cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t strea
   device_call call("cudaMemsetAsync");
   if (call.error != cudaSuccess) return result(call.error);
   CUstream_st* s = nullptr;
-  if (cudaError_t e = stream_for(stream, call.device, "cudaMemsetAsync", s); e != cudaSuccess) return result(e);
+  if (cudaError_t e = stream_for(stream, call.device, "cudaMemsetAsync", s); e != cudaSuccess)
+    return result(e);
   if (bytes == 0) return cudaSuccess;
   const memory_span d = classify(p, bytes);
   if (d.kind != memory_kind::device || !d.inside) return result(cudaErrorInvalidValue);
@@ -316,7 +320,8 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned
   device_call call("cudaStreamWaitEvent");
   if (call.error != cudaSuccess) return result(call.error);
   CUstream_st* s = nullptr;
-  if (cudaError_t e = stream_for(stream, call.device, "cudaStreamWaitEvent", s); e != cudaSuccess) return result(e);
+  if (cudaError_t e = stream_for(stream, call.device, "cudaStreamWaitEvent", s); e != cudaSuccess)
+    return result(e);
   CUevent_st* e = resolve_event(event, "cudaStreamWaitEvent");
   if (!e) return result(cudaErrorInvalidResourceHandle);
   if (flags != 0) return result(cudaErrorInvalidValue);
@@ -327,7 +332,8 @@ cudaError_t cudaLaunchHostFunc(cudaStream_t stream, cudaHostFn_t fn, void* user)
   device_call call("cudaLaunchHostFunc");
   if (call.error != cudaSuccess) return result(call.error);
   CUstream_st* s = nullptr;
-  if (cudaError_t e = stream_for(stream, call.device, "cudaLaunchHostFunc", s); e != cudaSuccess) return result(e);
+  if (cudaError_t e = stream_for(stream, call.device, "cudaLaunchHostFunc", s); e != cudaSuccess)
+    return result(e);
   if (!fn) return result(cudaErrorInvalidValue);
   return result(enqueue_host_function(s, fn, user));
 }
@@ -351,7 +357,9 @@ cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t* graph) {
   return result(end_capture(s) ? cudaErrorNotSupported : cudaErrorStreamCaptureInvalidated);
 }
 
-cudaError_t cudaGraphDestroy(cudaGraph_t graph) { return graph ? cudaErrorNotSupported : cudaErrorInvalidValue; }
+cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
+  return graph ? cudaErrorNotSupported : cudaErrorInvalidValue;
+}
 
 // --- events ------------------------------------------------------------------------------------
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* out, unsigned int flags) {
@@ -374,7 +382,8 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   device_call call("cudaEventRecord");
   if (call.error != cudaSuccess) return result(call.error);
   CUstream_st* s = nullptr;
-  if (cudaError_t e = stream_for(stream, call.device, "cudaEventRecord", s); e != cudaSuccess) return result(e);
+  if (cudaError_t e = stream_for(stream, call.device, "cudaEventRecord", s); e != cudaSuccess)
+    return result(e);
   CUevent_st* e = resolve_event(event, "cudaEventRecord");
   if (!e || event_device(e) != stream_device(s)) return result(cudaErrorInvalidResourceHandle);
   return result(record_event(e, s));
@@ -402,7 +411,8 @@ cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) 
   CUevent_st* a = resolve_event(start, "cudaEventElapsedTime");
   CUevent_st* b = resolve_event(end, "cudaEventElapsedTime");
   if (!ms || !a || !b) return result(cudaErrorInvalidResourceHandle);
-  if ((event_flags(a) | event_flags(b)) & cudaEventDisableTiming) return result(cudaErrorInvalidResourceHandle);
+  if ((event_flags(a) | event_flags(b)) & cudaEventDisableTiming)
+    return result(cudaErrorInvalidResourceHandle);
   const auto ra = event_record(a), rb = event_record(b);
   if (!ra || !rb) return result(cudaErrorInvalidResourceHandle);
   if (!host_queries(ra) || !host_queries(rb)) return result(cudaErrorNotReady);
@@ -414,8 +424,8 @@ cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) 
 
 namespace cuda_double {
 
-cudaError_t launch(cudaStream_t stream, const char* name, std::vector<buffer_use> uses, std::function<void()> body,
-                   std::uint64_t duration_ns, double flops) {
+cudaError_t launch(cudaStream_t stream, const char* name, std::vector<buffer_use> uses,
+                   std::function<void()> body, std::uint64_t duration_ns, double flops) {
   device_call call("cudaLaunchKernel");
   if (call.error != cudaSuccess) return result(call.error);
   CUstream_st* s = nullptr;
@@ -439,7 +449,8 @@ cudaError_t launch_fault(cudaStream_t stream, cudaError_t error) {
   device_call call("cudaLaunchKernel");
   if (call.error != cudaSuccess) return result(call.error);
   CUstream_st* s = nullptr;
-  if (cudaError_t e = stream_for(stream, call.device, "faulting kernel", s); e != cudaSuccess) return result(e);
+  if (cudaError_t e = stream_for(stream, call.device, "faulting kernel", s); e != cudaSuccess)
+    return result(e);
   work w;
   w.api = "faulting kernel";
   w.fault = error;

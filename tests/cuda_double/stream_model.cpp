@@ -47,7 +47,8 @@ using cuda_double::detail::completion;
 namespace {
 
 std::int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
 
@@ -166,8 +167,9 @@ void check_races(const op& o, std::uint32_t stream) {
       if (covers(o.done->vc, r.stream, r.seq)) continue;
       std::ostringstream text;
       text << "race: " << o.w.api << " on stream " << stream << " " << verb(a.write) << " [0x" << std::hex
-           << a.begin << ", 0x" << a.end << ") while " << r.api << " on stream " << std::dec << r.stream << " "
-           << verb(r.range.write) << " [0x" << std::hex << r.range.begin << ", 0x" << r.range.end << std::dec
+           << a.begin << ", 0x" << a.end << ") while " << r.api << " on stream " << std::dec << r.stream
+           << " " << verb(r.range.write) << " [0x" << std::hex << r.range.begin << ", 0x" << r.range.end
+           << std::dec
            << "), with no ordering between them (stream order, event, flag wait or host synchronization); "
            << "this one enqueued at " << describe(o.site) << "; the other at " << describe(r.site);
       violation(text.str());
@@ -340,7 +342,8 @@ std::shared_ptr<completion> enqueue(CUstream_st* s, work w) {
   return push(s, std::move(o));
 }
 
-cudaError_t enqueue_wait_value(CUstream_st* s, const std::uint32_t* word, std::uint32_t value, unsigned flags) {
+cudaError_t enqueue_wait_value(CUstream_st* s, const std::uint32_t* word, std::uint32_t value,
+                               unsigned flags) {
   auto o = std::make_unique<op>();
   o->kind = op_kind::wait_value;
   o->w.api = "cuStreamWaitValue32";

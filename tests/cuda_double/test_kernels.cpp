@@ -8,8 +8,8 @@
 #include <string>
 #include <thread>
 
-#include "cuda_double.hpp"
 #include "../cuda_test_kernels.hpp"
+#include "cuda_double.hpp"
 
 namespace hostopt_test {
 
@@ -58,7 +58,8 @@ void launch_late_gradients(void* s, float* g, std::size_t n, int seed, std::uint
 void launch_fault(void* s) { launched(cuda_double::launch_fault(stream(s)), "launch_fault"); }
 
 void launch_wait_word(void* s, const std::uint32_t* word, std::uint64_t timeout_ns) {
-  launched(cuda_double::launch(stream(s), "wait word kernel", {}, [word, timeout_ns] { wait_word(word, timeout_ns); }),
+  launched(cuda_double::launch(stream(s), "wait word kernel", {},
+                               [word, timeout_ns] { wait_word(word, timeout_ns); }),
            "launch_wait_word");
 }
 
@@ -81,7 +82,8 @@ void launch_model_gradient(void* s, const std::uint16_t* w, const float* target,
                                  const std::uint16_t* wv = cuda_double::device_view(w);
                                  const float* tv = cuda_double::device_view(target);
                                  float* gv = cuda_double::device_view(g);
-                                 for (std::size_t i = 0; i < n; ++i) gv[i] = (bf16_to_float(wv[i]) - tv[i]) + offset;
+                                 for (std::size_t i = 0; i < n; ++i)
+                                   gv[i] = (bf16_to_float(wv[i]) - tv[i]) + offset;
                                }),
            "launch_model_gradient");
 }
@@ -91,7 +93,8 @@ void begin_planted_races() { cuda_double::record_violations(true); }
 int end_planted_races() {
   int races = 0;
   for (const std::string& v : cuda_double::take_violations()) {
-    if (v.find("race: ") == std::string::npos) throw std::logic_error("a planted race section broke a rule: " + v);
+    if (v.find("race: ") == std::string::npos)
+      throw std::logic_error("a planted race section broke a rule: " + v);
     ++races;
   }
   cuda_double::record_violations(false);

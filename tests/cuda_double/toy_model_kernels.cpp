@@ -17,8 +17,8 @@ namespace {
 
 void check(cudaError_t rc, const char* what) {
   if (rc != cudaSuccess)
-    throw std::runtime_error(std::string("toy model (cuda double): ") + what + " failed: " + cudaGetErrorName(rc) +
-                             ": " + cudaGetErrorString(rc));
+    throw std::runtime_error(std::string("toy model (cuda double): ") + what +
+                             " failed: " + cudaGetErrorName(rc) + ": " + cudaGetErrorString(rc));
 }
 
 /// The engine's device current for a launch, the caller's back afterwards (as the .cu does).
@@ -66,7 +66,8 @@ public:
     engine_.free_device(loss_sum_);
   }
 
-  void forward_backward(hostopt::device_stream s, const std::uint16_t* params, float* grads, int mb) override {
+  void forward_backward(hostopt::device_stream s, const std::uint16_t* params, float* grads,
+                        int mb) override {
     const float offset = 0.01f * float(mb % 3 - 1);
     device_scope scope(device_);
     const std::size_t n = n_;
@@ -97,7 +98,8 @@ public:
 
   void reset_loss(hostopt::device_stream s) override {
     device_scope scope(device_);
-    check(cudaMemsetAsync(loss_sum_, 0, sizeof(double), static_cast<cudaStream_t>(s.handle)), "cudaMemsetAsync");
+    check(cudaMemsetAsync(loss_sum_, 0, sizeof(double), static_cast<cudaStream_t>(s.handle)),
+          "cudaMemsetAsync");
   }
 
   double read_loss(hostopt::device_stream s) override {
@@ -119,8 +121,8 @@ private:
 
 std::unique_ptr<toy_model> make_cuda_toy_model(hostopt::copy_engine& engine, std::size_t n) {
   if (engine.name() != "cuda")
-    throw std::invalid_argument("make_cuda_toy_model: needs the cuda engine, got '" + std::string(engine.name()) +
-                                "'");
+    throw std::invalid_argument("make_cuda_toy_model: needs the cuda engine, got '" +
+                                std::string(engine.name()) + "'");
   return std::make_unique<double_toy_model>(engine, n);
 }
 
