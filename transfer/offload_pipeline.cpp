@@ -23,8 +23,8 @@
 #include "steady_clock.hpp"
 
 #include <algorithm>
-#include <cmath>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <deque>
@@ -34,7 +34,6 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
-
 
 namespace hostopt {
 
@@ -51,7 +50,8 @@ void check_device_view(const char* what, const void* data, std::size_t size, dty
     throw std::invalid_argument(std::string(what) + ".size = " + std::to_string(size) + ": expected " +
                                 std::to_string(expected) + " elements (the optimizer's arena_size())");
   if (!data && size)
-    throw std::invalid_argument(std::string(what) + ".data is null for " + std::to_string(size) + " elements");
+    throw std::invalid_argument(std::string(what) + ".data is null for " + std::to_string(size) +
+                                " elements");
 }
 
 } // namespace
@@ -163,7 +163,9 @@ bool pipeline_handle::done() const {
   return state_->finished;
 }
 
-device_event pipeline_handle::grads_consumed() const { return state_ ? state_->events->consumed : device_event{}; }
+device_event pipeline_handle::grads_consumed() const {
+  return state_ ? state_->events->consumed : device_event{};
+}
 
 device_event pipeline_handle::params_ready() const {
   return state_ && state_->writes_params ? state_->events->ready : device_event{};
@@ -180,7 +182,7 @@ struct offload_pipeline::impl {
     void* params;
     step_options checks;
     std::vector<std::size_t> without_grad; // tensors the step leaves alone
-    std::uint64_t first_chunk; // g of chunk 0
+    std::uint64_t first_chunk;             // g of chunk 0
     std::int64_t issued_ns;
     std::shared_ptr<pipeline_handle::state> handle;
   };
@@ -203,16 +205,18 @@ struct offload_pipeline::impl {
   std::deque<operation> queue; // front: the one running
   std::uint64_t next_chunk = 0;
   bool stop = false;
-  std::string device_failure;     // sticky: the engine failed
-  bool lost_micro_batch = false;  // an accumulation failed: the next step must not apply
+  std::string device_failure;    // sticky: the engine failed
+  bool lost_micro_batch = false; // an accumulation failed: the next step must not apply
   pipeline_timeline current, last;
   std::thread worker;
 
-  impl(chunk_updater& o, copy_engine& e, pipeline_options opts) : opt(o), engine(e), options(std::move(opts)) {
+  impl(chunk_updater& o, copy_engine& e, pipeline_options opts)
+      : opt(o), engine(e), options(std::move(opts)) {
     if (options.depth < 2 || options.depth > 64)
       throw std::invalid_argument("pipeline_options.depth = " + std::to_string(options.depth) +
                                   ": expected 2 (double buffering) to 64 buffers per direction");
-    if (options.chunk_elems == 0) throw std::invalid_argument("pipeline_options.chunk_elems = 0: expected > 0");
+    if (options.chunk_elems == 0)
+      throw std::invalid_argument("pipeline_options.chunk_elems = 0: expected > 0");
     dtype_size(options.grad_type); // throws for a value outside the enum
     dtype_size(options.param_type);
     arena = opt.arena_size();
@@ -288,8 +292,9 @@ struct offload_pipeline::impl {
   // The order's waits, enqueued first: a bad handle is refused before any work is queued.
   static void check_order(const device_order& order) {
     if (!order.grads_ready && !order.grads_stream)
-      throw std::invalid_argument("device_order: no gradient dependency: pass grads_ready (an event recorded after "
-                                  "the work that wrote the gradients) or grads_stream (the stream that wrote them)");
+      throw std::invalid_argument(
+          "device_order: no gradient dependency: pass grads_ready (an event recorded after "
+          "the work that wrote the gradients) or grads_stream (the stream that wrote them)");
     if (order.grads_ready && order.grads_stream)
       throw std::invalid_argument("device_order: both grads_ready and grads_stream are set: pass one");
     if (order.params_free && order.params_stream)
@@ -298,8 +303,9 @@ struct offload_pipeline::impl {
 
   void check_chunk_events(const device_order& order) const {
     if (!order.chunk_grads_ready.empty() && order.chunk_grads_ready.size() != chunks)
-      throw std::invalid_argument("device_order.chunk_grads_ready: " + std::to_string(order.chunk_grads_ready.size()) +
-                                  " events: expected none or one per chunk (" + std::to_string(chunks) + ")");
+      throw std::invalid_argument(
+          "device_order.chunk_grads_ready: " + std::to_string(order.chunk_grads_ready.size()) +
+          " events: expected none or one per chunk (" + std::to_string(chunks) + ")");
   }
 
   void wait_on(device_stream copy_stream, device_event ev, device_stream after) {
@@ -316,8 +322,10 @@ struct offload_pipeline::impl {
   void enqueue_order(const device_order& order, bool params) {
     if (order.chunk_grads_ready.empty()) wait_on(in_stream, order.grads_ready, order.grads_stream);
     if (!params) return;
-    if (order.params_free || order.params_stream) wait_on(out_stream, order.params_free, order.params_stream);
-    else wait_on(out_stream, order.grads_ready, order.grads_stream);
+    if (order.params_free || order.params_stream)
+      wait_on(out_stream, order.params_free, order.params_stream);
+    else
+      wait_on(out_stream, order.grads_ready, order.grads_stream);
   }
 
   pipeline_handle submit(operation op, const device_order& order) {
@@ -343,7 +351,8 @@ struct offload_pipeline::impl {
       } catch (...) {
       }
       throw std::runtime_error("offload_pipeline: the device failed while the operation was enqueued (" +
-                               std::string(e.what()) + "); nothing was updated: the optimizer state is unchanged");
+                               std::string(e.what()) +
+                               "); nothing was updated: the optimizer state is unchanged");
     }
     next_chunk += chunks;
     queue.push_back(op);
@@ -351,7 +360,9 @@ struct offload_pipeline::impl {
     return pipeline_handle(op.handle);
   }
 
-  std::pair<std::size_t, std::size_t> range(std::size_t k) const { return {k * chunk, std::min(arena, (k + 1) * chunk)}; }
+  std::pair<std::size_t, std::size_t> range(std::size_t k) const {
+    return {k * chunk, std::min(arena, (k + 1) * chunk)};
+  }
 
   // Enqueued in the order the device runs it — copy-in of the first `depth` chunks, then
   // for each chunk k its copy-out and the copy-in of k + depth — so that even where both
@@ -444,12 +455,13 @@ struct offload_pipeline::impl {
     return out;
   }
 
-  static outcome failed(const std::string& msg) { return {{}, std::make_exception_ptr(std::runtime_error(msg))}; }
+  static outcome failed(const std::string& msg) {
+    return {{}, std::make_exception_ptr(std::runtime_error(msg))};
+  }
 
   // Chunk k's turn on the CPU: its gradients are in, its parameter buffer is free; `fill`
   // writes the parameter buffer, then the flag lets both streams go on.
-  template <class Fill>
-  void process_chunk(const operation& op, std::size_t k, Fill&& fill) {
+  template <class Fill> void process_chunk(const operation& op, std::size_t k, Fill&& fill) {
     const op_events& ev = *op.handle->events;
     const std::uint64_t g = op.first_chunk + k;
     wait_copy(op, ev.in_start[k], ev.in_end[k], k, pipeline_stage::copy_in);
@@ -515,9 +527,12 @@ struct offload_pipeline::impl {
       lost_micro_batch = false;
       micro_batches = 0;
       const bool valid = release_rest(op, 0);
-      return failed(std::string("offload step not applied: an accumulation before it failed, so its micro-batches "
-                                "are incomplete; the optimizer state is unchanged") +
-                    (valid ? "" : "; the device parameter buffer was not written with valid parameters: call push_params()"));
+      return failed(
+          std::string("offload step not applied: an accumulation before it failed, so its micro-batches "
+                      "are incomplete; the optimizer state is unchanged") +
+          (valid
+               ? ""
+               : "; the device parameter buffer was not written with valid parameters: call push_params()"));
     }
     const bool use_acc = micro_batches > 0;
     std::size_t updated = 0, k = 0;
@@ -531,8 +546,10 @@ struct offload_pipeline::impl {
       if (!begun.applied) { // skipped by the checks: the device still gets (unchanged) parameters
         micro_batches = 0;  // a skipped step drops its accumulated micro-batches too
         const bool valid = release_rest(op, 0);
-        if (const std::string e = engine.sticky_error(); !e.empty()) return failed("offload step: device error: " + e);
-        if (!valid) return failed("offload step skipped, but the device parameter buffer could not be rewritten");
+        if (const std::string e = engine.sticky_error(); !e.empty())
+          return failed("offload step: device error: " + e);
+        if (!valid)
+          return failed("offload step skipped, but the device parameter buffer could not be rewritten");
         return {begun, nullptr};
       }
       begun_step = true;
@@ -555,8 +572,8 @@ struct offload_pipeline::impl {
       if (copy_out_error) throw std::runtime_error(*copy_out_error);
     } catch (const std::exception& e) {
       const std::string device = engine.sticky_error();
-      std::string msg = "offload step failed at chunk " + std::to_string(k) + " of " + std::to_string(chunks) +
-                        " (stage " + stage_name(stage) + "): " + e.what();
+      std::string msg = "offload step failed at chunk " + std::to_string(k) + " of " +
+                        std::to_string(chunks) + " (stage " + stage_name(stage) + "): " + e.what();
       if (!begun_step) {
         msg += "; the optimizer state is unchanged";
       } else if (updated == 0) {
@@ -565,10 +582,11 @@ struct offload_pipeline::impl {
         msg += "; every chunk was updated: the optimizer state holds step " + std::to_string(before + 1) +
                " but the device parameters may be stale: call push_params()";
       } else {
-        msg += "; chunks [0, " + std::to_string(updated) + ") hold step " + std::to_string(before + 1) +
-               " and the rest step " + std::to_string(before) +
-               ": the pipeline and the optimizer are not usable until the state is restored (load a checkpoint, "
-               "then push_params())";
+        msg +=
+            "; chunks [0, " + std::to_string(updated) + ") hold step " + std::to_string(before + 1) +
+            " and the rest step " + std::to_string(before) +
+            ": the pipeline and the optimizer are not usable until the state is restored (load a checkpoint, "
+            "then push_params())";
       }
       if (begun_step && updated == chunks && device.empty()) {
         micro_batches = 0;
@@ -577,8 +595,9 @@ struct offload_pipeline::impl {
       // The chunks not updated get their unchanged parameters, read while this thread's
       // step is still open (after abort_step a poisoned optimizer would refuse the read).
       if (!release_rest(op, std::min(k, chunks)))
-        msg += "; the device parameter buffer was not written with valid parameters: call push_params() (after "
-               "restoring the state if the optimizer is not usable)";
+        msg +=
+            "; the device parameter buffer was not written with valid parameters: call push_params() (after "
+            "restoring the state if the optimizer is not usable)";
       if (begun_step) opt.abort_step(msg); // poisons the optimizer when chunks were updated
       micro_batches = 0;
       return failed(msg);
@@ -610,8 +629,9 @@ struct offload_pipeline::impl {
       const int lost = micro_batches;
       micro_batches = 0;
       lost_micro_batch = true; // the step these micro-batches belong to must not apply
-      return failed("offload accumulation failed at chunk " + std::to_string(k) + " (stage " + stage_name(stage) +
-                    "): " + e.what() + "; the accumulator was reset, discarding " + std::to_string(lost) +
+      return failed("offload accumulation failed at chunk " + std::to_string(k) + " (stage " +
+                    stage_name(stage) + "): " + e.what() + "; the accumulator was reset, discarding " +
+                    std::to_string(lost) +
                     " earlier micro-batch(es); the optimizer state is unchanged, and the next step will fail "
                     "instead of applying without them");
     }
@@ -643,8 +663,15 @@ pipeline_handle offload_pipeline::step_async(const_view device_grads, mut_view d
                     s.options.grad_type);
   check_device_view("device_params", device_params.data, device_params.size, device_params.type, s.arena,
                     s.options.param_type);
+  {
+    // An unusable pipeline refuses as documented (std::logic_error) before the optimizer's
+    // own option check would report its unusable state its own way.
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.refuse_if_unusable();
+  }
   // Bad options are refused here, on the caller's thread, before anything is enqueued.
-  s.opt.check_options({s.options.grad_type, true, s.options.param_type, false, options, tensors_without_grad});
+  s.opt.check_options(
+      {s.options.grad_type, true, s.options.param_type, false, options, tensors_without_grad});
   return s.submit({impl::op_kind::step, device_grads.data, device_params.data, options,
                    std::move(tensors_without_grad), 0, 0, nullptr},
                   order);
@@ -654,7 +681,8 @@ pipeline_handle offload_pipeline::accumulate_async(const_view device_grads, cons
   impl& s = *impl_;
   check_device_view("device_grads", device_grads.data, device_grads.size, device_grads.type, s.arena,
                     s.options.grad_type);
-  return s.submit({impl::op_kind::accumulate, device_grads.data, nullptr, step_options{}, {}, 0, 0, nullptr}, order);
+  return s.submit({impl::op_kind::accumulate, device_grads.data, nullptr, step_options{}, {}, 0, 0, nullptr},
+                  order);
 }
 
 step_result offload_pipeline::step(const_view device_grads, mut_view device_params, const device_order& order,
@@ -674,8 +702,8 @@ void offload_pipeline::push_params(mut_view device_params) {
       const auto [lo, hi] = s.range(k);
       void* buf = s.param_bufs[0].data();
       s.opt.read_params(lo, hi, buf, s.options.param_type);
-      s.engine.copy_async(s.out_stream, copy_direction::to_device, static_cast<char*>(device_params.data) + lo * s.psz,
-                          buf, (hi - lo) * s.psz);
+      s.engine.copy_async(s.out_stream, copy_direction::to_device,
+                          static_cast<char*>(device_params.data) + lo * s.psz, buf, (hi - lo) * s.psz);
       s.engine.record_event(s.push_event, s.out_stream);
       s.engine.synchronize_event(s.push_event); // the buffer is reused by the next chunk
     }
