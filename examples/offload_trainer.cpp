@@ -15,9 +15,11 @@
 // kernels) and on the host engine (the model's kernels are host functions on the stream).
 //
 //   offload_trainer [sync|dpu] [steps] [micro_batches]
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <string_view>
 
 #include <hostopt/hostopt.hpp>
 #include <hostopt/offload_pipeline.hpp>
@@ -39,7 +41,11 @@ int main(int argc, char** argv) {
     hostopt::optimizer opt({{config, {{"w", {4096}}}}});
     const std::size_t n = opt.arena_size();
 #if defined(HOSTOPT_EXAMPLE_HAVE_CUDA)
-    auto engine = hostopt::make_default_copy_engine(); // CUDA when a device exists
+    // CUDA when a device exists; HOSTOPT_EXAMPLE_ENGINE=host picks the host engine anyway
+    // (its results are the CUDA run's, bit for bit: the digest printed below).
+    const char* pick = std::getenv("HOSTOPT_EXAMPLE_ENGINE");
+    auto engine = pick && std::string(pick) == "host" ? hostopt::make_host_copy_engine()
+                                                      : hostopt::make_default_copy_engine();
 #else
     auto engine = hostopt::make_host_copy_engine(); // no CUDA model kernels were compiled in
 #endif
@@ -78,13 +84,19 @@ int main(int argc, char** argv) {
       if (step + 1 == steps) loss = model->read_loss(compute) / micro;
       // 1/micro averages the accumulated micro-batches inside the same fused pass.
       before_previous = previous;
-      previous = last_reader = pipe.step_async({grads, n, dtype::f32}, {params[buf], n, dtype::bf16}, after_compute,
-                                               1.0f / float(micro));
+      previous = last_reader = pipe.step_async({grads, n, dtype::f32}, {params[buf], n, dtype::bf16},
+                                               after_compute, 1.0f / float(micro));
     }
     const hostopt::step_result last = previous.wait();
-    std::printf("%s: %d steps of %d micro-batches on the %s engine (flags: %s): loss %.5f -> %.5f (step count %lld)\n",
-                mode.c_str(), steps, micro, std::string(engine->name()).c_str(), engine->flag_mechanism().c_str(),
-                first_loss, loss, (long long)last.step);
+    std::printf("%s: %d steps of %d micro-batches on the %s engine (flags: %s): loss %.5f -> %.5f (step "
+                "count %lld)\n",
+                mode.c_str(), steps, micro, std::string(engine->name()).c_str(),
+                engine->flag_mechanism().c_str(), first_loss, loss, (long long)last.step);
+    // FNV-1a of the master weights: equal digests are equal runs, bit for bit.
+    std::uint64_t digest = 0xcbf29ce484222325ull;
+    for (const unsigned char b : std::string_view(reinterpret_cast<const char*>(opt.params().data()), n * 4))
+      digest = (digest ^ b) * 0x100000001b3ull;
+    std::printf("master weights digest %016llx\n", (unsigned long long)digest);
     engine->synchronize_stream(compute);
     engine->free_device(grads);
     for (auto* p : params) engine->free_device(p);
