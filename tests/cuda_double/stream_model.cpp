@@ -472,8 +472,10 @@ void invalidate_capture(CUstream_st* s) {
 }
 
 namespace {
-std::vector<CUevent_st*> events; // never freed: handles are never reused
-}
+// Never freed (a reference to a leaked vector, as above): handles are never reused, so a
+// destroyed one is recognized.
+std::vector<CUevent_st*>& events = *new std::vector<CUevent_st*>;
+} // namespace
 
 cudaError_t create_event(CUevent_st** out, int device, unsigned flags) {
   std::lock_guard<std::mutex> lock(mu);
@@ -502,6 +504,7 @@ cudaError_t destroy_event(CUevent_st* e) {
   // As CUDA: a pending record completes on its own; the handle is dead from now on.
   std::lock_guard<std::mutex> lock(mu);
   e->destroyed = true;
+  e->record.reset(); // waits already enqueued hold their own reference
   return cudaSuccess;
 }
 
