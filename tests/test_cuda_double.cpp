@@ -322,6 +322,110 @@ TEST_CASE("a malformed fault spec is refused with its text", "[cuda_double][faul
 }
 
 namespace {
+// The text of what `call` throws as E ("" when it throws nothing; anything else fails).
+template <class E, class F> std::string thrown(F&& call) {
+  try {
+    call();
+  } catch (const E& e) {
+    return e.what();
+  }
+  return "";
+}
+
+struct scoped_env {
+  const char* name;
+  scoped_env(const char* n, const char* v) : name(n) { setenv(n, v, 1); }
+  ~scoped_env() { unsetenv(name); }
+};
+} // namespace
+
+TEST_CASE("every CUDA call site of the engine reports its failure as hostopt documents",
+          "[cuda_double][faults][engine]") {
+  // Each fault is the next call of one API only (counted from inject_faults) and none makes
+  // the double's device sticky, so the checks share one process.
+  SECTION("construction: no device, a device that does not exist, the driver refusing") {
+    cuda_double::inject_faults("cudaGetDeviceCount#1=cudaErrorNoDevice");
+    CHECK_THAT(thrown<std::runtime_error>([] { (void)make_cuda_copy_engine(0); }),
+               Catch::Contains("cudaGetDeviceCount failed: cudaErrorNoDevice"));
+    CHECK_THAT(thrown<std::runtime_error>([] { (void)make_cuda_copy_engine(5); }),
+               Catch::Contains("device 5 does not exist (2 visible)"));
+    cuda_double::inject_faults("cuDeviceGet#1=CUDA_ERROR_INVALID_DEVICE");
+    CHECK_THAT(thrown<std::runtime_error>([] { (void)make_cuda_copy_engine(0); }),
+               Catch::Contains("cuDeviceGet(0) failed: CUDA_ERROR_INVALID_DEVICE"));
+    cuda_double::inject_faults("cuDevicePrimaryCtxRetain#1=CUDA_ERROR_OUT_OF_MEMORY");
+    CHECK_THAT(thrown<std::runtime_error>([] { (void)make_cuda_copy_engine(0); }),
+               Catch::Contains("cuDevicePrimaryCtxRetain failed: CUDA_ERROR_OUT_OF_MEMORY"));
+    cuda_double::clear_faults();
+  }
+  SECTION("the flag mechanism: a bad HOSTOPT_CUDA_FLAG_WAIT, and stream memory operations refused") {
+    {
+      scoped_env env("HOSTOPT_CUDA_FLAG_WAIT", "sometimes");
+      CHECK_THAT(thrown<std::invalid_argument>([] { (void)make_cuda_copy_engine(0); }),
+                 Catch::Contains("HOSTOPT_CUDA_FLAG_WAIT='sometimes'"));
+    }
+    // The probe fails: the engine falls back, or refuses where the user demanded them.
+    cuda_double::inject_faults("cuStreamWaitValue32#1=CUDA_ERROR_NOT_SUPPORTED");
+    CHECK(make_cuda_copy_engine(0)->flag_mechanism() ==
+          "host function (cudaLaunchHostFunc) blocking the stream");
+    {
+      scoped_env env("HOSTOPT_CUDA_FLAG_WAIT", "stream_memory_operations");
+      cuda_double::inject_faults("cuStreamWaitValue32#1=CUDA_ERROR_NOT_SUPPORTED");
+      CHECK_THAT(thrown<std::runtime_error>([] { (void)make_cuda_copy_engine(0); }),
+                 Catch::Contains("cuStreamWaitValue32 returned CUDA_ERROR_NOT_SUPPORTED"));
+    }
+    cuda_double::clear_faults();
+  }
+  SECTION("calls on a working engine: bad arguments refused, out of memory, a failed flag allocation") {
+    auto engine = make_cuda_copy_engine(0);
+    const device_stream s = engine->create_stream();
+    void* dev = engine->allocate_device(64);
+    const pinned_allocation host = engine->allocate_pinned(64);
+    CHECK_THAT(thrown<std::invalid_argument>(
+                   [&] { engine->copy_async(s, copy_direction::to_device, dev, nullptr, 64); }),
+               Catch::Contains("with a null source"));
+    CHECK_THAT(
+        thrown<std::invalid_argument>([&] { engine->copy_async(s, copy_direction(7), dev, host.data, 64); }),
+        Catch::Contains("copy direction 7"));
+    CHECK_THAT(thrown<std::invalid_argument>([&] { engine->record_event(device_event{}, s); }),
+               Catch::Contains("with an empty device_event"));
+    cuda_double::inject_faults("cudaMalloc#1=cudaErrorMemoryAllocation");
+    CHECK_THAT(thrown<std::runtime_error>([&] { (void)engine->allocate_device(1 << 20); }),
+               Catch::Contains("cudaErrorMemoryAllocation"));
+    cuda_double::inject_faults("cudaHostGetDevicePointer#1=cudaErrorInvalidValue");
+    CHECK_THAT(thrown<std::invalid_argument>([&] { (void)engine->allocate_flag(); }),
+               Catch::Contains("cudaHostGetDevicePointer (flag word)"));
+    // None of that is sticky: the engine still works.
+    CHECK(engine->sticky_error().empty());
+    void* more = engine->allocate_device(1 << 20);
+    engine->free_device(more);
+    // An event whose record is still pending has no time yet.
+    gate g;
+    g.enqueue(static_cast<cudaStream_t>(s.handle));
+    const device_event e = engine->create_event();
+    engine->record_event(e, s);
+    CHECK_THAT(thrown<std::logic_error>([&] { (void)engine->event_time_ns(e); }),
+               Catch::Contains("has not completed"));
+    g.open.store(1, std::memory_order_release);
+    engine->synchronize_stream(s);
+    CHECK(engine->event_time_ns(e) > 0);
+    // A driver call refusing an argument is the caller's error; a driver failure is sticky.
+    const device_flag f = engine->allocate_flag();
+    cuda_double::inject_faults("cuStreamWaitValue32#1=CUDA_ERROR_INVALID_VALUE");
+    CHECK_THAT(thrown<std::invalid_argument>([&] { engine->stream_wait_flag(s, f, 1); }),
+               Catch::Contains("cuStreamWaitValue32 failed: CUDA_ERROR_INVALID_VALUE"));
+    CHECK(engine->sticky_error().empty());
+    cuda_double::inject_faults("cuStreamWaitValue32#1=CUDA_ERROR_LAUNCH_FAILED");
+    CHECK_THAT(thrown<std::runtime_error>([&] { engine->stream_wait_flag(s, f, 1); }),
+               Catch::Contains("cuStreamWaitValue32 failed: CUDA_ERROR_LAUNCH_FAILED"));
+    CHECK_THAT(engine->sticky_error(), Catch::Contains("CUDA_ERROR_LAUNCH_FAILED"));
+    CHECK_THAT(thrown<std::runtime_error>([&] { (void)engine->create_event(); }),
+               Catch::Contains("CUDA_ERROR_LAUNCH_FAILED"));
+    cuda_double::clear_faults();
+    engine->free_pinned(host, 64);
+  }
+}
+
+namespace {
 std::vector<param_group> small_model() {
   adam_config c;
   c.lr = 1e-2;

@@ -38,6 +38,7 @@ const char* driver_error_string(CUresult e);
 bool error_by_name(const std::string& name, int& value, bool& driver);
 /// The driver's code for a runtime error an operation ended with.
 CUresult to_driver(cudaError_t e);
+cudaError_t from_driver(CUresult e); // the runtime error that maps to it, else cudaErrorUnknown
 
 // --- violations ------------------------------------------------------------------------------
 /// A broken rule or a race: printed with the seed, then the process aborts (unless recording).
@@ -73,6 +74,8 @@ void set_sticky_error(int device, cudaError_t e);
 /// Every API function starts here: refuses a call made from a host function (a violation),
 /// returns an injected fault if one is due. cudaSuccess: go on.
 cudaError_t enter(const char* api);
+/// enter() for a driver function: an injected fault as the CUresult it was named by.
+CUresult enter_driver(const char* api);
 /// Records `e` as the thread's last error (when it is one) and returns it.
 cudaError_t result(cudaError_t e);
 /// An injected execution fault for the next operation of `api`, or cudaSuccess.

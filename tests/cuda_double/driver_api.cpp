@@ -12,10 +12,7 @@ using namespace cuda_double::detail;
 
 namespace {
 
-CUresult driver_enter(const char* api) {
-  const cudaError_t e = enter(api);
-  return e == cudaSuccess ? CUDA_SUCCESS : to_driver(e);
-}
+CUresult driver_enter(const char* api) { return enter_driver(api); }
 
 CUresult CUDAAPI get_error_name(CUresult e, const char** out) {
   if (!out) return CUDA_ERROR_INVALID_VALUE;

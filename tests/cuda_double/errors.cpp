@@ -121,4 +121,10 @@ CUresult to_driver(cudaError_t e) {
   }
 }
 
+cudaError_t from_driver(CUresult e) {
+  for (const auto& r : runtime_errors)
+    if (to_driver(r.code) == e) return r.code;
+  return cudaErrorUnknown;
+}
+
 } // namespace cuda_double::detail

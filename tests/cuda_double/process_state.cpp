@@ -74,6 +74,7 @@ struct fault_rule {
   std::string api;
   int countdown;
   int error;
+  bool driver; // error is a CUresult (else a cudaError_t)
   bool at_execution;
 };
 
@@ -232,28 +233,44 @@ bool& in_host_function() {
 }
 
 namespace {
-int take_fault(const char* api, bool at_execution) {
+struct fault {
+  int error = 0;
+  bool driver = false;
+};
+
+fault take_fault(const char* api, bool at_execution) {
   auto& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
   for (auto it = s.faults.begin(); it != s.faults.end(); ++it)
     if (it->at_execution == at_execution && it->api == api && --it->countdown == 0) {
-      const int e = it->error;
+      const fault f{it->error, it->driver};
       s.faults.erase(it);
-      return e;
+      return f;
     }
-  return 0;
+  return {};
+}
+
+cudaError_t as_runtime(fault f) { return f.driver ? from_driver(CUresult(f.error)) : cudaError_t(f.error); }
+
+bool refused_in_host_function(const char* api) {
+  if (!in_host_function()) return false;
+  violation(std::string(api) +
+            " called from inside a host function (cudaLaunchHostFunc): CUDA forbids "
+            "any CUDA call there; called from " +
+            describe(capture_call_site()));
+  return true;
 }
 } // namespace
 
 cudaError_t enter(const char* api) {
-  if (in_host_function()) {
-    violation(std::string(api) +
-              " called from inside a host function (cudaLaunchHostFunc): CUDA forbids "
-              "any CUDA call there; called from " +
-              describe(capture_call_site()));
-    return cudaErrorNotPermitted;
-  }
-  return cudaError_t(take_fault(api, false));
+  if (refused_in_host_function(api)) return cudaErrorNotPermitted;
+  return as_runtime(take_fault(api, false));
+}
+
+CUresult enter_driver(const char* api) {
+  if (refused_in_host_function(api)) return CUDA_ERROR_NOT_PERMITTED;
+  const fault f = take_fault(api, false);
+  return f.driver ? CUresult(f.error) : to_driver(cudaError_t(f.error));
 }
 
 cudaError_t result(cudaError_t e) {
@@ -261,7 +278,7 @@ cudaError_t result(cudaError_t e) {
   return e;
 }
 
-cudaError_t execution_fault(const char* api) { return cudaError_t(take_fault(api, true)); }
+cudaError_t execution_fault(const char* api) { return as_runtime(take_fault(api, true)); }
 
 } // namespace cuda_double::detail
 
@@ -287,8 +304,7 @@ std::vector<fault_rule> parse_faults(const std::string& spec) {
       throw std::invalid_argument("cuda double: fault '" + item + "': expected API#N=ERROR");
     r.api = item.substr(0, hash);
     r.countdown = std::atoi(item.substr(hash + 1, eq - hash - 1).c_str());
-    bool driver = false;
-    if (r.countdown < 1 || !error_by_name(item.substr(eq + 1), r.error, driver))
+    if (r.countdown < 1 || !error_by_name(item.substr(eq + 1), r.error, r.driver))
       throw std::invalid_argument("cuda double: fault '" + item +
                                   "': N must be >= 1 and ERROR a known error name");
     rules.push_back(r);
