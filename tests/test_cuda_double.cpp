@@ -425,6 +425,34 @@ TEST_CASE("every CUDA call site of the engine reports its failure as hostopt doc
   }
 }
 
+TEST_CASE("a host-function flag wait orders its stream after the flag and after nothing else",
+          "[cuda_double][engine][flags]") {
+  scoped_env env("HOSTOPT_CUDA_FLAG_WAIT", "host_function");
+  auto engine = make_cuda_copy_engine(0);
+  REQUIRE(engine->flag_mechanism() == "host function (cudaLaunchHostFunc) blocking the stream");
+  const device_stream a = engine->create_stream(), b = engine->create_stream();
+  const device_flag fa = engine->allocate_flag(), fb = engine->allocate_flag();
+  const device_event a_passed = engine->create_event(), b_passed = engine->create_event();
+  gate held; // device work on `a`, not a host function: it holds `a` and nothing else
+  held.enqueue(static_cast<cudaStream_t>(a.handle));
+  engine->stream_wait_flag(a, fa, 1);
+  engine->record_event(a_passed, a);
+  engine->stream_wait_flag(b, fb, 1); // enqueued after a's wait
+  engine->record_event(b_passed, b);
+  engine->write_flag(fa, 1);
+  engine->write_flag(fb, 1);
+  // b's wait passes while `a` is still held: nothing orders `b` after a's earlier work.
+  // (Chaining each wait after the previous one by an event recorded on its stream, as the
+  // engine once did, hangs here: b's wait came after a's, which came after the gate.)
+  engine->synchronize_event(b_passed);
+  CHECK_FALSE(engine->event_done(a_passed));
+  held.open.store(1, std::memory_order_release);
+  engine->synchronize_event(a_passed);
+  CHECK(engine->sticky_error().empty());
+  engine->free_flag(fa);
+  engine->free_flag(fb);
+}
+
 namespace {
 std::vector<param_group> small_model() {
   adam_config c;
