@@ -33,6 +33,7 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
 
+#include "child_process.hpp"
 #include "hostopt/offload_pipeline.hpp"
 #include "hostopt/optimizer.hpp"
 #if defined(HOSTOPT_TEST_HAVE_KERNELS)
@@ -400,23 +401,6 @@ int main(int argc, char** argv) {
   return Catch::Session().run(argc, argv);
 }
 
-// Runs this test program again with `flag` (a fresh process, for faults that end a CUDA
-// context) and returns its exit status and output.
-std::pair<int, std::string> run_child(const char* flag) {
-  // Resolved here: inside popen's shell, /proc/self/exe names the shell.
-  char self[4096];
-  const ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
-  REQUIRE(len > 0);
-  self[len] = '\0';
-  const std::string cmd = "'" + std::string(self) + "' " + flag + " 2>&1";
-  FILE* child = popen(cmd.c_str(), "r");
-  REQUIRE(child != nullptr);
-  std::string out;
-  char buf[512];
-  while (std::fgets(buf, sizeof buf, child)) out += buf;
-  return {pclose(child), out};
-}
-
 TEST_CASE("the CUDA engine copies both ways; event times lie on steady_clock", "[cuda][engine]") {
   auto engine = make_cuda_copy_engine(0);
   CHECK(engine->name() == "cuda");
@@ -594,7 +578,7 @@ TEST_CASE("misuse throws and leaves the engine usable; a failed host function is
 TEST_CASE("an engine on a thread without a context leaves it without one, and creates none on device 0",
           "[cuda][engine][context]") {
   // A fresh process: nothing has touched any device yet (this one has).
-  const auto [status, out] = run_child("--context-child");
+  const auto [status, out] = hostopt_test::run_child("--context-child");
   INFO(out);
   CHECK(status == 0);
   CHECK(out.find("no thread was left with a context") != std::string::npos);
@@ -713,7 +697,7 @@ TEST_CASE("a sticky error lets the fallback's blocked flag waits go (CUDA's call
 TEST_CASE("an illegal address in a kernel is sticky: named, kept, thrown by every later call",
           "[cuda][engine][errors]") {
   // The fault ends this process's CUDA context, so it happens in a child.
-  const auto [status, out] = run_child("--illegal-address-child");
+  const auto [status, out] = hostopt_test::run_child("--illegal-address-child");
   INFO(out);
   CHECK(status == 0);
   CHECK(out.find("cudaErrorIllegalAddress") != std::string::npos);

@@ -21,6 +21,7 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
 
+#include "child_process.hpp"
 #include "cuda_double/cuda_double.hpp"
 #include "hostopt/offload_pipeline.hpp"
 #include "hostopt/optimizer.hpp"
@@ -53,21 +54,6 @@ std::string joined(const std::vector<std::string>& v) {
   std::string out;
   for (const auto& s : v) out += s + "\n";
   return out;
-}
-
-// Runs this program again with `flag` and returns its exit status and output.
-std::pair<int, std::string> run_child(const char* flag) {
-  char self[4096];
-  const ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
-  REQUIRE(len > 0);
-  self[len] = '\0';
-  const std::string cmd = "'" + std::string(self) + "' " + flag + " 2>&1";
-  FILE* child = popen(cmd.c_str(), "r");
-  REQUIRE(child != nullptr);
-  std::string out;
-  char buf[512];
-  while (std::fgets(buf, sizeof buf, child)) out += buf;
-  return {pclose(child), out};
 }
 
 int touch_device_memory() {
@@ -151,7 +137,7 @@ TEST_CASE("an unordered write and read of one device range is a race, named with
 }
 
 TEST_CASE("the host touching device memory faults at once, naming the allocation", "[cuda_double][memory]") {
-  const auto [status, out] = run_child("--touch-device-memory");
+  const auto [status, out] = hostopt_test::run_child("--touch-device-memory");
   INFO(out);
   CHECK(status != 0);
   CHECK_THAT(out, Catch::Contains("reading device memory from the host"));
@@ -281,7 +267,7 @@ TEST_CASE("cuStreamWaitValue32 waits as the driver documents (GEQ with wrap-arou
 
 TEST_CASE("injected faults surface where CUDA reports them, and a device fault is sticky",
           "[cuda_double][faults]") {
-  const auto [status, out] = run_child("--sticky-fault");
+  const auto [status, out] = hostopt_test::run_child("--sticky-fault");
   INFO(out);
   CHECK(status == 0);
   CHECK_THAT(out, Catch::Contains("sticky: ok"));
@@ -472,7 +458,7 @@ TEST_CASE("a copy that fails mid-pipeline surfaces as the pipeline's error, the 
       const std::string spec =
           std::string(mode) + "cudaMemcpyAsync#" + std::to_string(nth) + "=cudaErrorLaunchFailure";
       INFO(spec);
-      const auto [status, out] = run_child(("--pipeline-fault '" + spec + "'").c_str());
+      const auto [status, out] = hostopt_test::run_child(("--pipeline-fault '" + spec + "'").c_str());
       INFO(out);
       CHECK(status == 0);
       CHECK_THAT(out, Catch::Contains("pipeline fault: ok"));
