@@ -15,8 +15,10 @@
 // Environment: HOSTOPT_CUDA_DOUBLE_SEED (the delays' seed; printed with every violation),
 // HOSTOPT_CUDA_DOUBLE_DEVICES (default 2), HOSTOPT_CUDA_DOUBLE_MAX_DELAY_US (default 200;
 // 0 = no delays), HOSTOPT_CUDA_DOUBLE_FAULTS (fault specs, see inject_faults), and
-// HOSTOPT_CUDA_DOUBLE_MODEL ("link_gbps=25,device_tflops=100": copies and modelled work
-// take the time the named link and device would).
+// HOSTOPT_CUDA_DOUBLE_MODEL ("link_gbps=25,device_tflops=100,move_data=0": copies take
+// at least the time the named link would, one at a time per direction per device as a
+// GPU's copy engines do; launches' flops the time the named device would; move_data=0
+// makes copies move nothing, for timing runs on a machine whose cores the optimizer needs).
 #include <cstddef>
 #include <cstdint>
 #include <functional>

@@ -26,6 +26,7 @@ struct settings {
   std::uint64_t max_delay_ns = 200'000;
   double link_bytes_per_ns = 0;   // 0: copies take no modelled time
   double device_flops_per_ns = 0; // 0: launches' flops take no modelled time
+  bool move_data = true;          // false: copies take their time and move nothing (timing runs)
 };
 const settings& config();
 
@@ -115,8 +116,9 @@ int stream_device(CUstream_st* s);
 struct work {
   const char* api = "";
   std::vector<memory_access> accesses;
-  std::function<void()> body; // runs on the stream's worker; null for a marker
-  std::uint64_t modelled_ns = 0;
+  std::function<void()> body;    // runs on the stream's worker; null for a marker
+  std::uint64_t modelled_ns = 0; // it takes at least this long (the body's time included)
+  int link = -1;                 // a copy's direction on its device's link (0: to the device, 1: to the host)
   cudaError_t fault = cudaSuccess; // the device fault it raises when it executes
 };
 /// Enqueues `w` on `s`; returns its completion token.

@@ -43,7 +43,7 @@ settings read_settings() {
   s.devices = int(env_u64("HOSTOPT_CUDA_DOUBLE_DEVICES", 2));
   s.max_delay_ns = env_u64("HOSTOPT_CUDA_DOUBLE_MAX_DELAY_US", 200) * 1000;
   if (const char* m = std::getenv("HOSTOPT_CUDA_DOUBLE_MODEL")) {
-    // "link_gbps=25,device_tflops=100"
+    // "link_gbps=25,device_tflops=100,move_data=0"
     std::string spec = m;
     std::size_t at = 0;
     while (at < spec.size()) {
@@ -56,11 +56,14 @@ settings read_settings() {
         s.link_bytes_per_ns = value; // GB/s = bytes per ns
       else if (key == "device_tflops" && value > 0)
         s.device_flops_per_ns = value * 1e3;
+      else if (key == "move_data" && eq != std::string::npos &&
+               (item.substr(eq + 1) == "0" || item.substr(eq + 1) == "1"))
+        s.move_data = item.substr(eq + 1) == "1";
       else {
-        std::fprintf(
-            stderr,
-            "cuda double: HOSTOPT_CUDA_DOUBLE_MODEL item '%s' (expected link_gbps=X or device_tflops=X)\n",
-            item.c_str());
+        std::fprintf(stderr,
+                     "cuda double: HOSTOPT_CUDA_DOUBLE_MODEL item '%s' (expected link_gbps=X, "
+                     "device_tflops=X or move_data=0|1)\n",
+                     item.c_str());
         std::abort();
       }
       if (comma == std::string::npos) break;

@@ -243,8 +243,10 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
   work w;
   w.api = "cudaMemcpyAsync";
   w.accesses = {range_of(src, bytes, false), range_of(dst, bytes, true)};
-  w.body = [to = d.view, from = r.view, bytes] { std::memcpy(to, from, bytes); };
+  // A timing run (move_data=0) leaves the host's cores to the code under test.
+  if (config().move_data) w.body = [to = d.view, from = r.view, bytes] { std::memcpy(to, from, bytes); };
   w.modelled_ns = copy_time_ns(bytes);
+  if (dst_dev != src_dev) w.link = dst_dev ? 0 : 1;
   w.fault = execution_fault("cudaMemcpyAsync");
   auto done = enqueue(s, std::move(w));
   // Pageable host memory: CUDA stages it, so the call returns only once the copy is done.

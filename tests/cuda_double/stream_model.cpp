@@ -213,6 +213,19 @@ void callback_thread() {
   }
 }
 
+// Device work and copies: the body, then the rest of the modelled time. A device's link has
+// one copy engine per direction, as PCIe and NVLink-C2C devices do: copies in one direction
+// take turns (from any stream), so a modelled link never moves more than its bandwidth.
+void run_modelled(int device, const work& w) {
+  static std::mutex* const links = new std::mutex[2 * 64]; // leaked: workers may outlive exit
+  std::unique_lock<std::mutex> link;
+  if (w.link >= 0 && w.modelled_ns && device >= 0 && device < 64)
+    link = std::unique_lock<std::mutex>(links[2 * device + w.link]);
+  const auto begin = std::chrono::steady_clock::now();
+  if (w.body) w.body();
+  if (w.modelled_ns) std::this_thread::sleep_until(begin + std::chrono::nanoseconds(w.modelled_ns));
+}
+
 void worker(CUstream_st* s) {
   std::unique_lock<std::mutex> lock(mu);
   for (;;) {
@@ -248,8 +261,7 @@ void worker(CUstream_st* s) {
         run_host_function(lock, *owned);
       } else if (owned->w.body || owned->w.modelled_ns) {
         lock.unlock();
-        if (owned->w.modelled_ns) std::this_thread::sleep_for(std::chrono::nanoseconds(owned->w.modelled_ns));
-        if (owned->w.body) owned->w.body();
+        run_modelled(s->device, owned->w);
         lock.lock();
       }
     }

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include <cuda_runtime_api.h>
 
@@ -44,8 +45,8 @@ private:
 
 class double_toy_model final : public toy_model {
 public:
-  double_toy_model(hostopt::copy_engine& engine, std::size_t n)
-      : engine_(engine), n_(n), host_loss_(engine, sizeof(double)) {
+  double_toy_model(hostopt::copy_engine& engine, std::size_t n, int work_us)
+      : engine_(engine), n_(n), work_us_(work_us), host_loss_(engine, sizeof(double)) {
     if (n == 0) throw std::invalid_argument("toy model (cuda double): n must be > 0");
     target_ = static_cast<float*>(engine.allocate_device(n * sizeof(float)));
     loss_sum_ = static_cast<double*>(engine.allocate_device(sizeof(double)));
@@ -73,10 +74,19 @@ public:
     const std::size_t n = n_;
     const float* target = target_;
     double* loss = loss_sum_;
+    const std::vector<cuda_double::buffer_use> uses = {
+        {params, n * 2, false}, {target, n * 4, false}, {grads, n * 4, true}, {loss, 8, true}};
+    if (work_us_ > 0) {
+      // A modelled forward/backward: its time and its memory uses, no arithmetic, so that
+      // the CPU is left to the optimizer as it would be with a real device.
+      check(cuda_double::launch(static_cast<cudaStream_t>(s.handle), "forward_backward_kernel (modelled)",
+                                uses, nullptr, 1000ull * unsigned(work_us_)),
+            "launching forward_backward_kernel (modelled)");
+      return;
+    }
     // Modelled device time: ~10 flops per element.
     check(cuda_double::launch(
-              static_cast<cudaStream_t>(s.handle), "forward_backward_kernel",
-              {{params, n * 2, false}, {target, n * 4, false}, {grads, n * 4, true}, {loss, 8, true}},
+              static_cast<cudaStream_t>(s.handle), "forward_backward_kernel", uses,
               [=] {
                 const std::uint16_t* w = cuda_double::device_view(params);
                 const float* t = cuda_double::device_view(target);
@@ -111,6 +121,7 @@ public:
 private:
   hostopt::copy_engine& engine_;
   std::size_t n_;
+  int work_us_;
   hostopt::pinned_buffer host_loss_;
   float* target_ = nullptr;
   double* loss_sum_ = nullptr;
@@ -119,11 +130,11 @@ private:
 
 } // namespace
 
-std::unique_ptr<toy_model> make_cuda_toy_model(hostopt::copy_engine& engine, std::size_t n) {
+std::unique_ptr<toy_model> make_cuda_toy_model(hostopt::copy_engine& engine, std::size_t n, int work_us) {
   if (engine.name() != "cuda")
     throw std::invalid_argument("make_cuda_toy_model: needs the cuda engine, got '" +
                                 std::string(engine.name()) + "'");
-  return std::make_unique<double_toy_model>(engine, n);
+  return std::make_unique<double_toy_model>(engine, n, work_us);
 }
 
 } // namespace example
