@@ -19,7 +19,8 @@ public:
   virtual ~toy_model() = default;
   /// Enqueues forward + backward of micro-batch `mb` on `s`: reads `params` (n bf16),
   /// writes `grads` (n f32), adds the loss to the device-side sum.
-  virtual void forward_backward(hostopt::device_stream s, const std::uint16_t* params, float* grads, int mb) = 0;
+  virtual void forward_backward(hostopt::device_stream s, const std::uint16_t* params, float* grads,
+                                int mb) = 0;
   /// Enqueues a reset of the device-side loss sum on `s`.
   virtual void reset_loss(hostopt::device_stream s) = 0;
   /// Waits for `s`, then returns the device-side loss sum (mean over elements, summed
@@ -28,11 +29,14 @@ public:
 };
 
 /// The host-function model on the host engine, the CUDA-kernel model on the CUDA engine.
-/// `work_us`: on the host engine, how long each forward_backward takes at least.
+/// `work_us` > 0 models a real forward/backward: each one holds the stream that long at
+/// least (the host engine sleeps; the CUDA kernels add one that spins on the device's
+/// timer; the test-only CUDA double models the time and skips the arithmetic, leaving the
+/// CPU to the optimizer, so only the timing of such a run means anything there).
 std::unique_ptr<toy_model> make_toy_model(hostopt::copy_engine& engine, std::size_t n, int work_us = 0);
 
 #if defined(HOSTOPT_EXAMPLE_HAVE_CUDA)
-std::unique_ptr<toy_model> make_cuda_toy_model(hostopt::copy_engine& engine, std::size_t n);
+std::unique_ptr<toy_model> make_cuda_toy_model(hostopt::copy_engine& engine, std::size_t n, int work_us = 0);
 #endif
 
 } // namespace example

@@ -42,6 +42,16 @@ __global__ void forward_backward_kernel(const std::uint16_t* __restrict__ w, con
   if (threadIdx.x == 0) atomicAdd(loss_sum, partial[0]);
 }
 
+// Holds the stream for `ns` nanoseconds of the device's global timer: the rest of a real
+// forward/backward, when the trainer models one (work_us).
+__global__ void busy_kernel(unsigned long long ns) {
+  unsigned long long start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < ns);
+}
+
 void check(cudaError_t rc, const char* what) {
   if (rc != cudaSuccess)
     throw std::runtime_error(std::string("toy model (cuda): ") + what + " failed: " + cudaGetErrorName(rc) +
@@ -71,8 +81,8 @@ private:
 
 class cuda_toy_model final : public toy_model {
 public:
-  cuda_toy_model(hostopt::copy_engine& engine, std::size_t n)
-      : engine_(engine), n_(n), host_loss_(engine, sizeof(double)) {
+  cuda_toy_model(hostopt::copy_engine& engine, std::size_t n, int work_us)
+      : engine_(engine), n_(n), work_us_(work_us), host_loss_(engine, sizeof(double)) {
     if (n == 0) throw std::invalid_argument("toy model (cuda): n must be > 0");
     target_ = static_cast<float*>(engine.allocate_device(n * sizeof(float)));
     loss_sum_ = static_cast<double*>(engine.allocate_device(sizeof(double)));
@@ -108,6 +118,10 @@ public:
     forward_backward_kernel<<<blocks, block_size, 0, static_cast<cudaStream_t>(s.handle)>>>(
         params, target_, grads, n_, offset, loss_sum_);
     check(cudaGetLastError(), "launching forward_backward_kernel");
+    if (work_us_ > 0) {
+      busy_kernel<<<1, 1, 0, static_cast<cudaStream_t>(s.handle)>>>(1000ull * unsigned(work_us_));
+      check(cudaGetLastError(), "launching busy_kernel");
+    }
   }
 
   void reset_loss(hostopt::device_stream s) override {
@@ -125,6 +139,7 @@ public:
 private:
   hostopt::copy_engine& engine_;
   std::size_t n_;
+  int work_us_;
   hostopt::pinned_buffer host_loss_;
   float* target_ = nullptr;
   double* loss_sum_ = nullptr;
@@ -134,11 +149,11 @@ private:
 
 } // namespace
 
-std::unique_ptr<toy_model> make_cuda_toy_model(hostopt::copy_engine& engine, std::size_t n) {
+std::unique_ptr<toy_model> make_cuda_toy_model(hostopt::copy_engine& engine, std::size_t n, int work_us) {
   if (engine.name() != "cuda")
     throw std::invalid_argument("make_cuda_toy_model: needs the cuda engine, got '" +
                                 std::string(engine.name()) + "'");
-  return std::make_unique<cuda_toy_model>(engine, n);
+  return std::make_unique<cuda_toy_model>(engine, n, work_us);
 }
 
 } // namespace example

@@ -31,7 +31,8 @@ public:
   }
   ~host_toy_model() override { engine_.free_device(device_loss_); }
 
-  void forward_backward(hostopt::device_stream s, const std::uint16_t* params, float* grads, int mb) override {
+  void forward_backward(hostopt::device_stream s, const std::uint16_t* params, float* grads,
+                        int mb) override {
     engine_.launch_host_function(s, [this, params, grads, mb] {
       const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(work_us_);
       double loss = 0;
@@ -69,10 +70,11 @@ private:
 std::unique_ptr<toy_model> make_toy_model(hostopt::copy_engine& engine, std::size_t n, int work_us) {
   if (engine.name() == "cuda") {
 #if defined(HOSTOPT_EXAMPLE_HAVE_CUDA)
-    return make_cuda_toy_model(engine, n);
+    return make_cuda_toy_model(engine, n, work_us);
 #else
-    throw std::runtime_error("this example was built without a CUDA compiler: its model kernels (toy_model_cuda.cu) "
-                             "are missing, so it cannot run on the CUDA engine");
+    throw std::runtime_error(
+        "this example was built without a CUDA compiler: its model kernels (toy_model_cuda.cu) "
+        "are missing, so it cannot run on the CUDA engine");
 #endif
   }
   return std::make_unique<host_toy_model>(engine, n, work_us);
