@@ -588,9 +588,14 @@ struct offload_pipeline::impl {
             ": the pipeline and the optimizer are not usable until the state is restored (load a checkpoint, "
             "then push_params())";
       }
-      if (begun_step && updated == chunks && device.empty()) {
+      if (begun_step && updated == chunks) {
+        // The host state is whole at the new step, device error or not: finish it, so that
+        // a trainer whose GPU failed can still save the optimizer (the pipeline, on a
+        // sticky device error, refuses from now on).
         micro_batches = 0;
-        return {opt.finish_step(), std::make_exception_ptr(std::runtime_error(msg))};
+        const step_result r = opt.finish_step();
+        if (device.empty()) return {r, std::make_exception_ptr(std::runtime_error(msg))};
+        return failed(msg);
       }
       // The chunks not updated get their unchanged parameters, read while this thread's
       // step is still open (after abort_step a poisoned optimizer would refuse the read).

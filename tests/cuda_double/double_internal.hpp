@@ -120,6 +120,7 @@ struct work {
   std::uint64_t modelled_ns = 0; // it takes at least this long (the body's time included)
   int link = -1;                 // a copy's direction on its device's link (0: to the device, 1: to the host)
   cudaError_t fault = cudaSuccess; // the device fault it raises when it executes
+  std::function<void()> on_fault;  // what it leaves behind then (a copy: its first half)
 };
 /// Enqueues `w` on `s`; returns its completion token.
 std::shared_ptr<struct completion> enqueue(CUstream_st* s, work w);

@@ -244,7 +244,11 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
   w.api = "cudaMemcpyAsync";
   w.accesses = {range_of(src, bytes, false), range_of(dst, bytes, true)};
   // A timing run (move_data=0) leaves the host's cores to the code under test.
-  if (config().move_data) w.body = [to = d.view, from = r.view, bytes] { std::memcpy(to, from, bytes); };
+  if (config().move_data) {
+    w.body = [to = d.view, from = r.view, bytes] { std::memcpy(to, from, bytes); };
+    // A copy that faults has moved some of its bytes: nobody may trust its destination.
+    w.on_fault = [to = d.view, from = r.view, bytes] { std::memcpy(to, from, bytes / 2); };
+  }
   w.modelled_ns = copy_time_ns(bytes);
   if (dst_dev != src_dev) w.link = dst_dev ? 0 : 1;
   w.fault = execution_fault("cudaMemcpyAsync");

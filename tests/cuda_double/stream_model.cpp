@@ -255,6 +255,7 @@ void worker(CUstream_st* s) {
     cudaError_t error = sticky_error(s->device);
     if (error == cudaSuccess) {
       if (owned->w.fault != cudaSuccess) {
+        if (owned->w.on_fault) owned->w.on_fault();
         set_sticky_error(s->device, owned->w.fault);
         error = owned->w.fault;
       } else if (owned->kind == op_kind::host_function) {
