@@ -281,12 +281,29 @@ int sticky_fault() {
   if (cudaMalloc(&p, 64) != cudaErrorMemoryAllocation) return 3;
   if (cudaGetLastError() != cudaErrorMemoryAllocation || cudaGetLastError() != cudaSuccess) return 4;
   if (cudaMalloc(&p, 64) != cudaSuccess) return 5; // one call, not sticky
-  cudaStream_t s;
-  if (cudaStreamCreate(&s) != cudaSuccess) return 6;
+  cudaStream_t s, blocked;
+  if (cudaStreamCreate(&s) != cudaSuccess || cudaStreamCreate(&blocked) != cudaSuccess) return 6;
+  // A stream held by a flag wait nobody will satisfy: the fault must end it, as CUDA
+  // ends every stream's pending work when the context fails.
+  void* word = nullptr;
+  void* word_dev = nullptr;
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  if (cudaHostAlloc(&word, 4, cudaHostAllocMapped) != cudaSuccess ||
+      cudaHostGetDevicePointer(&word_dev, word, 0) != cudaSuccess ||
+      cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &fn, 11070, cudaEnableDefault, &found) !=
+          cudaSuccess)
+    return 15;
+  std::memset(word, 0, 4);
+  if (reinterpret_cast<PFN_cuStreamWaitValue32_v11070>(fn)(reinterpret_cast<CUstream>(blocked),
+                                                           reinterpret_cast<CUdeviceptr>(word_dev), 1,
+                                                           CU_STREAM_WAIT_VALUE_GEQ) != CUDA_SUCCESS)
+    return 16;
   cuda_double::inject_faults("exec:cudaMemsetAsync#1=cudaErrorIllegalAddress");
   if (cudaMemsetAsync(p, 0, 64, s) != cudaSuccess) return 7;         // enqueued fine...
   if (cudaStreamSynchronize(s) != cudaErrorIllegalAddress) return 8; // ...fails when it runs
   if (cudaGetLastError() != cudaErrorIllegalAddress) return 9;
+  if (cudaStreamSynchronize(blocked) != cudaErrorIllegalAddress) return 17; // an answer, not a hang
   // Sticky: every later call on the device reports it, and reading it does not clear it.
   if (cudaMemsetAsync(p, 0, 64, s) != cudaErrorIllegalAddress) return 10;
   if (cudaGetLastError() != cudaErrorIllegalAddress) return 11;

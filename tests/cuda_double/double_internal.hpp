@@ -1,6 +1,7 @@
 #pragma once
 // The CUDA double's shared internals: the process state (settings, contexts, last and
 // sticky errors, faults, violations), the memory model and the stream model's interface.
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -55,10 +56,10 @@ call_site capture_call_site();
 std::string describe(const call_site& site);
 
 // --- contexts and per-thread runtime state ----------------------------------------------------
-struct context {
+struct context { // shared by every thread: the counts are atomic
   int device = 0;
-  int retains = 0;             // cuDevicePrimaryCtxRetain minus releases
-  bool runtime_active = false; // the runtime initialized it (a runtime call, cudaSetDevice)
+  std::atomic<int> retains{0};             // cuDevicePrimaryCtxRetain minus releases
+  std::atomic<bool> runtime_active{false}; // the runtime initialized it (a runtime call, cudaSetDevice)
 };
 context* primary_context(int device); // null for a device that does not exist
 bool is_context(const void* c);

@@ -59,12 +59,14 @@ CUresult CUDAAPI primary_ctx_release(CUdevice d) {
   if (CUresult r = driver_enter("cuDevicePrimaryCtxRelease"); r != CUDA_SUCCESS) return r;
   context* c = primary_context(d);
   if (!c) return CUDA_ERROR_INVALID_DEVICE;
-  if (c->retains == 0) {
-    violation("cuDevicePrimaryCtxRelease of device " + std::to_string(d) +
-              " more often than it was retained");
-    return CUDA_ERROR_INVALID_CONTEXT;
-  }
-  --c->retains;
+  int held = c->retains.load();
+  do {
+    if (held == 0) {
+      violation("cuDevicePrimaryCtxRelease of device " + std::to_string(d) +
+                " more often than it was retained");
+      return CUDA_ERROR_INVALID_CONTEXT;
+    }
+  } while (!c->retains.compare_exchange_weak(held, held - 1));
   return CUDA_SUCCESS;
 }
 CUresult CUDAAPI primary_ctx_get_state(CUdevice d, unsigned* flags, int* active) {

@@ -233,8 +233,11 @@ void worker(CUstream_st* s) {
     if (s->queue.empty()) return; // destroyed and drained
     op& o = *s->queue.front();
     for (const auto& d : o.deps) cv.wait(lock, [&] { return d->done; });
+    // A plain host store releases it, or the device failing (CUDA ends every stream's
+    // pending work then; the operation completes with the sticky error).
     if (o.kind == op_kind::wait_value)
-      while (!value_reached(o)) cv.wait_for(lock, std::chrono::microseconds(100)); // a plain host store
+      while (!value_reached(o) && sticky_error(s->device) == cudaSuccess)
+        cv.wait_for(lock, std::chrono::microseconds(100));
     // The operation starts: its clock, then the race check.
     vclock vc = o.host_vc;
     join(vc, s->last_vc);
