@@ -7,13 +7,12 @@
 // (__fsub_rn/__fadd_rn, which the compiler may not fuse). The loss is only printed: each
 // block sums in double and adds its sum with atomicAdd, so its last bits vary run to run.
 #include <algorithm>
-#include <cmath>
 #include <stdexcept>
 #include <string>
 
 #include <cuda_runtime.h>
 
-#include "toy_model.hpp"
+#include "toy_model_device.hpp"
 
 namespace example {
 
@@ -52,98 +51,31 @@ __global__ void busy_kernel(unsigned long long ns) {
   } while (now - start < ns);
 }
 
-void check(cudaError_t rc, const char* what) {
-  if (rc != cudaSuccess)
-    throw std::runtime_error(std::string("toy model (cuda): ") + what + " failed: " + cudaGetErrorName(rc) +
-                             ": " + cudaGetErrorString(rc));
-}
-
-/// The engine's device current for a launch, the caller's back afterwards (as the engine does).
-class device_scope {
-public:
-  explicit device_scope(int device) {
-    check(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) {
-      check(cudaSetDevice(device), "cudaSetDevice");
-      restore_ = true;
-    }
-  }
-  ~device_scope() {
-    if (restore_) cudaSetDevice(previous_);
-  }
-  device_scope(const device_scope&) = delete;
-  device_scope& operator=(const device_scope&) = delete;
-
-private:
-  int previous_ = 0;
-  bool restore_ = false;
-};
-
-class cuda_toy_model final : public toy_model {
+class cuda_toy_model final : public device_toy_model {
 public:
   cuda_toy_model(hostopt::copy_engine& engine, std::size_t n, int work_us)
-      : engine_(engine), n_(n), work_us_(work_us), host_loss_(engine, sizeof(double)) {
-    if (n == 0) throw std::invalid_argument("toy model (cuda): n must be > 0");
-    target_ = static_cast<float*>(engine.allocate_device(n * sizeof(float)));
-    loss_sum_ = static_cast<double*>(engine.allocate_device(sizeof(double)));
-    // The device the engine allocates on is the one its streams and our launches use.
-    cudaPointerAttributes attr{};
-    check(cudaPointerGetAttributes(&attr, target_), "cudaPointerGetAttributes");
-    device_ = attr.device;
+      : device_toy_model(engine, n, work_us) {
     int sms = 0;
-    check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_), "cudaDeviceGetAttribute");
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_),
+               "cudaDeviceGetAttribute");
     max_blocks_ = std::max(1, sms) * 8;
-    // Targets from the host's sinf, so the host model and this one agree bit for bit.
-    hostopt::pinned_buffer staging(engine, n * sizeof(float));
-    auto* t = static_cast<float*>(staging.data());
-    for (std::size_t i = 0; i < n; ++i) t[i] = std::sin(0.001f * float(i));
-    const hostopt::device_stream s = engine.create_stream();
-    engine.copy_async(s, hostopt::copy_direction::to_device, target_, t, n * sizeof(float));
-    reset_loss(s);
-    engine.synchronize_stream(s);
-    engine.destroy_stream(s);
-  }
-
-  ~cuda_toy_model() override {
-    engine_.free_device(target_);
-    engine_.free_device(loss_sum_);
   }
 
   void forward_backward(hostopt::device_stream s, const std::uint16_t* params, float* grads,
                         int mb) override {
-    const float offset = 0.01f * float(mb % 3 - 1);
     const auto blocks =
         unsigned(std::min<std::size_t>((n_ + block_size - 1) / block_size, std::size_t(max_blocks_)));
     device_scope scope(device_);
     forward_backward_kernel<<<blocks, block_size, 0, static_cast<cudaStream_t>(s.handle)>>>(
-        params, target_, grads, n_, offset, loss_sum_);
-    check(cudaGetLastError(), "launching forward_backward_kernel");
+        params, target_, grads, n_, offset_of(mb), loss_sum_);
+    check_cuda(cudaGetLastError(), "launching forward_backward_kernel");
     if (work_us_ > 0) {
       busy_kernel<<<1, 1, 0, static_cast<cudaStream_t>(s.handle)>>>(1000ull * unsigned(work_us_));
-      check(cudaGetLastError(), "launching busy_kernel");
+      check_cuda(cudaGetLastError(), "launching busy_kernel");
     }
   }
 
-  void reset_loss(hostopt::device_stream s) override {
-    device_scope scope(device_);
-    check(cudaMemsetAsync(loss_sum_, 0, sizeof(double), static_cast<cudaStream_t>(s.handle)),
-          "cudaMemsetAsync");
-  }
-
-  double read_loss(hostopt::device_stream s) override {
-    engine_.copy_async(s, hostopt::copy_direction::to_host, host_loss_.data(), loss_sum_, sizeof(double));
-    engine_.synchronize_stream(s);
-    return *static_cast<const double*>(host_loss_.data()) / double(n_);
-  }
-
 private:
-  hostopt::copy_engine& engine_;
-  std::size_t n_;
-  int work_us_;
-  hostopt::pinned_buffer host_loss_;
-  float* target_ = nullptr;
-  double* loss_sum_ = nullptr;
-  int device_ = 0;
   int max_blocks_ = 1;
 };
 
