@@ -134,7 +134,8 @@ cudaError_t enqueue_event_wait(CUstream_st* s, CUevent_st* e);
 cudaError_t record_event(CUevent_st* e, CUstream_st* s);
 
 /// Waits for `c` and tells the race detector the host now knows it happened.
-void host_waits(const std::shared_ptr<completion>& c);
+/// The host blocks until `c` completes and, when `learn`, knows all that came before it.
+void host_waits(const std::shared_ptr<completion>& c, bool learn = true);
 bool host_queries(const std::shared_ptr<completion>& c);
 std::shared_ptr<completion> stream_tail(CUstream_st* s);
 /// Every operation enqueued so far on the device's streams.

@@ -253,9 +253,13 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
   if (dst_dev != src_dev) w.link = dst_dev ? 0 : 1;
   w.fault = execution_fault("cudaMemcpyAsync");
   auto done = enqueue(s, std::move(w));
-  // Pageable host memory: CUDA stages it, so the call returns only once the copy is done.
-  if ((!dst_dev && d.kind == memory_kind::pageable) || (!src_dev && r.kind == memory_kind::pageable))
+  // Pageable host memory: CUDA stages it, so the call returns only once the bytes are in
+  // (to the host) or taken (from the host). Only the first tells the host anything about the
+  // device: a copy to the device may still be on its way when the call returns.
+  if (!dst_dev && d.kind == memory_kind::pageable)
     host_waits(done);
+  else if (!src_dev && r.kind == memory_kind::pageable)
+    host_waits(done, /*learn=*/false);
   return cudaSuccess;
 }
 

@@ -405,11 +405,11 @@ cudaError_t record_event(CUevent_st* e, CUstream_st* s) {
   return cudaSuccess;
 }
 
-void host_waits(const std::shared_ptr<completion>& c) {
+void host_waits(const std::shared_ptr<completion>& c, bool learn) {
   if (!c) return;
   std::unique_lock<std::mutex> lock(mu);
   cv.wait(lock, [&] { return c->done; });
-  host_learns(c->vc);
+  if (learn) host_learns(c->vc);
 }
 
 bool host_queries(const std::shared_ptr<completion>& c) {
