@@ -440,32 +440,30 @@ TEST_CASE("every CUDA call site of the engine reports its failure as hostopt doc
   }
 }
 
-TEST_CASE("a host-function flag wait orders its stream after the flag and after nothing else",
+TEST_CASE("a host-function flag wait starts blocking only once its stream reached it",
           "[cuda_double][engine][flags]") {
+  // A trainer's backward ends in a host function; the pipeline's copy stream waits for the
+  // backward, then for a flag the CPU writes once it saw the host function run. CUDA may run
+  // every host function on one thread: a wait that blocked it before its stream got there
+  // (e.g. one queued on a stream of its own) would keep the trainer's host function, and so
+  // the flag, from ever coming. On the old engine that did so, this hangs.
   scoped_env env("HOSTOPT_CUDA_FLAG_WAIT", "host_function");
   auto engine = make_cuda_copy_engine(0);
   REQUIRE(engine->flag_mechanism() == "host function (cudaLaunchHostFunc) blocking the stream");
-  const device_stream a = engine->create_stream(), b = engine->create_stream();
-  const device_flag fa = engine->allocate_flag(), fb = engine->allocate_flag();
-  const device_event a_passed = engine->create_event(), b_passed = engine->create_event();
-  gate held; // device work on `a`, not a host function: it holds `a` and nothing else
-  held.enqueue(static_cast<cudaStream_t>(a.handle));
-  engine->stream_wait_flag(a, fa, 1);
-  engine->record_event(a_passed, a);
-  engine->stream_wait_flag(b, fb, 1); // enqueued after a's wait
-  engine->record_event(b_passed, b);
-  engine->write_flag(fa, 1);
-  engine->write_flag(fb, 1);
-  // b's wait passes while `a` is still held: nothing orders `b` after a's earlier work.
-  // (Chaining each wait after the previous one by an event recorded on its stream, as the
-  // engine once did, hangs here: b's wait came after a's, which came after the gate.)
-  engine->synchronize_event(b_passed);
-  CHECK_FALSE(engine->event_done(a_passed));
-  held.open.store(1, std::memory_order_release);
-  engine->synchronize_event(a_passed);
+  const device_stream compute = engine->create_stream(), copies = engine->create_stream();
+  const device_flag f = engine->allocate_flag();
+  const device_event backward_done = engine->create_event(), passed = engine->create_event();
+  std::atomic<bool> ran{false};
+  engine->launch_host_function(compute, [&] { ran.store(true, std::memory_order_release); });
+  engine->record_event(backward_done, compute);
+  engine->stream_wait_event(copies, backward_done);
+  engine->stream_wait_flag(copies, f, 1);
+  engine->record_event(passed, copies);
+  while (!ran.load(std::memory_order_acquire)) usleep(50); // the CPU's side: after the host function
+  engine->write_flag(f, 1);
+  engine->synchronize_event(passed);
   CHECK(engine->sticky_error().empty());
-  engine->free_flag(fa);
-  engine->free_flag(fb);
+  engine->free_flag(f);
 }
 
 namespace {

@@ -202,9 +202,7 @@ public:
       for (auto* p : device_allocations_) forget_own_error(cudaFree(p));
       for (auto* p : pinned_allocations_) forget_own_error(cudaFreeHost(p));
       if (calib_) forget_own_error(cudaEventDestroy(calib_));
-      if (wait_stream_) forget_own_error(cudaStreamSynchronize(wait_stream_));
-      if (wait_passed_) forget_own_error(cudaEventDestroy(wait_passed_));
-      if (wait_stream_) forget_own_error(cudaStreamDestroy(wait_stream_));
+      if (wait_chain_) forget_own_error(cudaEventDestroy(wait_chain_));
       if (private_stream_) forget_own_error(cudaStreamDestroy(private_stream_));
     }
     streams_.clear();
@@ -213,8 +211,7 @@ public:
     device_allocations_.clear();
     pinned_allocations_.clear();
     calib_ = nullptr;
-    wait_passed_ = nullptr;
-    wait_stream_ = nullptr;
+    wait_chain_ = nullptr;
     private_stream_ = nullptr;
     if (primary_ctx_release_) primary_ctx_release_(cu_device_);
     ctx_ = nullptr;
@@ -444,31 +441,24 @@ public:
     // CUDA may run host functions of independent streams in any order on one thread
     // (cudaLaunchHostFunc: "may be serialized"), so a blocked wait could hold back the
     // wait that must pass first for the CPU to write its flag: the pipeline releasing
-    // chunk k's copy-out while chunk k's copy-in still sits behind its own wait. So every
-    // fallback wait blocks on one private stream of the engine, in the order waits were
-    // enqueued (the order in which callers make them satisfiable), and `s` waits for an
-    // event recorded there: `s` is ordered after its flag and nothing else, no other
-    // stream's earlier work. (On a capturing stream CUDA refuses that event wait: capture
-    // needs stream memory operations.)
-    std::lock_guard<std::mutex> wait_lock(wait_stream_mu_);
-    if (!wait_stream_) {
-      cudaStream_t ws = nullptr;
-      check(cudaStreamCreateWithFlags(&ws, cudaStreamNonBlocking), "cudaStreamCreateWithFlags (flag waits)");
-      cudaEvent_t passed = nullptr;
-      const cudaError_t rc = cudaEventCreateWithFlags(&passed, cudaEventDisableTiming);
-      if (rc != cudaSuccess) forget_own_error(cudaStreamDestroy(ws));
-      check(rc, "cudaEventCreateWithFlags (flag waits)");
-      wait_stream_ = ws;
-      wait_passed_ = passed;
-    }
+    // chunk k's copy-out while chunk k's copy-in still sits behind its own wait. Chaining
+    // every fallback wait after the previous one (an event: no host function) makes them
+    // run in the order they were enqueued, the order in which callers make them satisfiable.
+    // The price: a wait is also ordered after the previous wait's stream's earlier work. A
+    // private stream holding the waits instead would start blocking CUDA's host-function
+    // thread before `s` reached the wait, deadlocking when work before it on `s` (or on what
+    // `s` waits for) is itself a host function that must run first.
+    std::lock_guard<std::mutex> chain_lock(chain_mu_);
+    if (!wait_chain_)
+      check(cudaEventCreateWithFlags(&wait_chain_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    else if (wait_chain_recorded_)
+      check(cudaStreamWaitEvent(stream(s), wait_chain_, 0), "cudaStreamWaitEvent");
     auto* w = new flag_wait{this, &fs, value};
-    const cudaError_t rc = cudaLaunchHostFunc(wait_stream_, &flag_wait_trampoline, w);
+    const cudaError_t rc = cudaLaunchHostFunc(stream(s), &flag_wait_trampoline, w);
     if (rc != cudaSuccess) delete w;
     check(rc, "cudaLaunchHostFunc (flag wait)");
-    // One event serves every wait: a stream's wait binds to the record current when it is
-    // enqueued, and both happen here under wait_stream_mu_.
-    check(cudaEventRecord(wait_passed_, wait_stream_), "cudaEventRecord (flag wait passed)");
-    check(cudaStreamWaitEvent(stream(s), wait_passed_, 0), "cudaStreamWaitEvent (flag wait passed)");
+    check(cudaEventRecord(wait_chain_, stream(s)), "cudaEventRecord");
+    wait_chain_recorded_ = true;
   }
 
   // A host store, no CUDA call: the release orders the host's writes before it (e.g. the
@@ -805,10 +795,10 @@ private:
   PFN_cuDeviceGet_v2000 device_get_ = nullptr;
   PFN_cuDevicePrimaryCtxRetain_v7000 primary_ctx_retain_ = nullptr;
   PFN_cuDevicePrimaryCtxRelease_v11000 primary_ctx_release_ = nullptr;
-  std::mutex wait_stream_mu_;          // the fallback's waits run in enqueue order: see stream_wait_flag
-  cudaStream_t wait_stream_ = nullptr; // where they block; created by the first one
-  cudaEvent_t wait_passed_ = nullptr;  // recorded there after each
-  std::mutex flag_mu_;                 // the fallback's waits, write_flag's notify, each flag's highest_wait
+  std::mutex chain_mu_;              // the fallback's waits run in enqueue order: see stream_wait_flag
+  cudaEvent_t wait_chain_ = nullptr; // recorded after the last fallback wait enqueued
+  bool wait_chain_recorded_ = false;
+  std::mutex flag_mu_; // the fallback's waits, write_flag's notify, each flag's highest_wait
   std::condition_variable flag_cv_;
 };
 
