@@ -511,8 +511,9 @@ struct offload_pipeline::impl {
   void finish_copies(const operation& op, std::optional<std::string>* error) noexcept {
     if (op.kind != op_kind::step) return;
     const op_events& ev = *op.handle->events;
-    for (std::size_t i = 0; i < std::min(depth, chunks); ++i) {
-      const std::size_t c = chunks - 1 - i;
+    // In chunk order: after a device fault every later wait fails too, so the first one that
+    // fails names the copy that did.
+    for (std::size_t c = chunks - std::min(depth, chunks); c < chunks; ++c) {
       try {
         wait_copy(op, ev.out_start[c], ev.out_end[c], c, pipeline_stage::copy_out);
       } catch (const std::exception& e) {
@@ -572,15 +573,21 @@ struct offload_pipeline::impl {
       if (copy_out_error) throw std::runtime_error(*copy_out_error);
     } catch (const std::exception& e) {
       const std::string device = engine.sticky_error();
-      std::string msg = "offload step failed at chunk " + std::to_string(k) + " of " +
-                        std::to_string(chunks) + " (stage " + stage_name(stage) + "): " + e.what();
+      std::string msg = "offload step failed " +
+                        (k < chunks ? "at chunk " + std::to_string(k) + " of " + std::to_string(chunks)
+                                    : "after updating all " + std::to_string(chunks) + " chunks") +
+                        " (stage " + stage_name(stage) + "): " + e.what();
       if (!begun_step) {
         msg += "; the optimizer state is unchanged";
       } else if (updated == 0) {
         msg += "; no chunk was updated: the optimizer state is unchanged";
-      } else if (updated == chunks) {
+      } else if (updated == chunks && device.empty()) {
         msg += "; every chunk was updated: the optimizer state holds step " + std::to_string(before + 1) +
                " but the device parameters may be stale: call push_params()";
+      } else if (updated == chunks) {
+        msg += "; every chunk was updated: the optimizer state holds step " + std::to_string(before + 1) +
+               ", whole, but the device failed: the pipeline refuses from now on and the optimizer is marked "
+               "not usable until reset_failure() (then save it with a checkpoint)";
       } else {
         msg +=
             "; chunks [0, " + std::to_string(updated) + ") hold step " + std::to_string(before + 1) +
@@ -590,8 +597,8 @@ struct offload_pipeline::impl {
       }
       if (begun_step && updated == chunks) {
         // The host state is whole at the new step, device error or not: finish it, so that
-        // a trainer whose GPU failed can still save the optimizer (the pipeline, on a
-        // sticky device error, refuses from now on).
+        // after a GPU failure reset_failure() gives a consistent optimizer to save (the
+        // device error marks it not usable, and the pipeline refuses from now on).
         micro_batches = 0;
         const step_result r = opt.finish_step();
         if (device.empty()) return {r, std::make_exception_ptr(std::runtime_error(msg))};
