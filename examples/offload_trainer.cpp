@@ -129,21 +129,26 @@ int main(int argc, char** argv) {
     for (const unsigned char b : std::string_view(reinterpret_cast<const char*>(opt.params().data()), n * 4))
       digest = (digest ^ b) * 0x100000001b3ull;
     std::printf("master weights digest %016llx\n", (unsigned long long)digest);
-    // From the first forward after the warm-up to the last step's parameters on the device.
-    const int warm = steps > 2 ? 2 : 0;
-    const auto t = [&](hostopt::device_event e) { return double(engine->event_time_ns(e)) * 1e-6; };
-    const double begin = t(spans[2 * std::size_t(warm) * micro]), end = t(previous.params_ready());
-    double busy = 0;
-    for (std::size_t i = 2 * std::size_t(warm) * micro; i < spans.size(); i += 2)
-      busy += t(spans[i + 1]) - t(spans[i]);
-    const double step_ms = (end - begin) / (steps - warm);
-    const double update_ms = timeline.busy_seconds(hostopt::pipeline_stage::update) * 1e3;
-    std::printf(
-        "timing over steps %d..%d, %zu parameters, %d chunks: step %.3f ms, device computing %.1f%% of it, "
-        "CPU update %.3f ms (%.1f%% of the step), copy in %.3f ms, copy out %.3f ms per step\n",
-        warm, steps - 1, n, int(pipe.num_chunks()), step_ms, 100 * busy / (end - begin), update_ms,
-        100 * update_ms / step_ms, timeline.busy_seconds(hostopt::pipeline_stage::copy_in) * 1e3,
-        timeline.busy_seconds(hostopt::pipeline_stage::copy_out) * 1e3);
+    // Steady state: from the first forward of step `warm` to the first forward of the last
+    // step, i.e. steps warm .. steps-2 whole, each with what overlaps it (the last step's
+    // update, which nothing follows, is left out). The CPU and copy times are the last
+    // step's (its timeline; the accumulations' passes are not in them).
+    const int warm = steps >= 4 ? 2 : 0;
+    if (steps - 1 > warm) {
+      const auto t = [&](hostopt::device_event e) { return double(engine->event_time_ns(e)) * 1e-6; };
+      const std::size_t first = 2 * std::size_t(warm) * micro, last = 2 * std::size_t(steps - 1) * micro;
+      const double begin = t(spans[first]), end = t(spans[last]);
+      double busy = 0;
+      for (std::size_t i = first; i < last; i += 2) busy += t(spans[i + 1]) - t(spans[i]);
+      const double step_ms = (end - begin) / (steps - 1 - warm);
+      const double update_ms = timeline.busy_seconds(hostopt::pipeline_stage::update) * 1e3;
+      std::printf(
+          "timing over steps %d..%d, %zu parameters, %d chunks: step %.3f ms, device computing %.1f%% of "
+          "it; the last step's CPU update %.3f ms (%.1f%% of a step), copy in %.3f ms, copy out %.3f ms\n",
+          warm, steps - 2, n, int(pipe.num_chunks()), step_ms, 100 * busy / (end - begin), update_ms,
+          100 * update_ms / step_ms, timeline.busy_seconds(hostopt::pipeline_stage::copy_in) * 1e3,
+          timeline.busy_seconds(hostopt::pipeline_stage::copy_out) * 1e3);
+    }
     for (auto e : spans) engine->destroy_event(e);
     engine->synchronize_stream(compute);
     for (auto* g : grad_buffers) engine->free_device(g);
