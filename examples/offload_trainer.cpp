@@ -117,8 +117,7 @@ int main(int argc, char** argv) {
       previous = last_reader[(step * micro + micro - 1) % 2];
     }
     const hostopt::step_result last = previous.wait();
-    engine->synchronize_event(previous.params_ready());
-    engine->synchronize_stream(compute);
+    engine->synchronize_event(previous.params_ready()); // compute is done: the last read_loss waited
     const hostopt::pipeline_timeline timeline = pipe.last_timeline();
     std::printf("%s: %d steps of %d micro-batches on the %s engine (flags: %s): loss %.5f -> %.5f (step "
                 "count %lld)\n",
