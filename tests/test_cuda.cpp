@@ -663,6 +663,52 @@ TEST_CASE("no flag wait outlives the engine: the destructor releases every wait,
   }
 }
 
+// A trainer's own stream may hold the engine's host functions (launch_host_function, the
+// fallback's flag waits) behind work it has not reached yet: freeing a flag, or destroying
+// the engine, then must not leave them pointing at freed memory (the ASan build would say).
+TEST_CASE("host functions on a trainer's stream outlive neither their flag nor the engine",
+          "[cuda][engine][flag]") {
+  auto engine = engine_with_flags("host_function");
+  cudaStream_t own = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking) == cudaSuccess);
+  const device_stream user{own};
+  // A gate the trainer's stream reaches first: it opens only when the test says so.
+  auto open = std::make_shared<std::atomic<bool>>(false);
+  auto ran = std::make_shared<std::atomic<int>>(0);
+  engine->launch_host_function(user, [open] {
+    while (!open->load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  });
+  const device_flag freed = engine->allocate_flag(), kept = engine->allocate_flag();
+  engine->stream_wait_flag(user, freed, 5); // nobody writes 5
+  engine->launch_host_function(user, [ran] { ran->fetch_add(1); });
+  engine->free_flag(freed); // the wait on it has not run: it is let go, the word kept for it
+  engine->stream_wait_flag(user, kept, 9);  // nobody writes 9 either: only the destructor lets it go
+  engine->launch_host_function(user, [ran] { ran->fetch_add(1); });
+  std::atomic<bool> destroyed{false};
+  std::thread destroyer([&] {
+    engine.reset();
+    destroyed.store(true);
+  });
+  // The destructor waits for the host functions it enqueued, however long the trainer's
+  // stream takes to reach them (here: until the gate opens).
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  CHECK_FALSE(destroyed.load());
+  CHECK(ran->load() == 0);
+  open->store(true);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!destroyed.load() && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  if (!destroyed.load()) {
+    std::printf("FAILED: the engine's destructor still waits 20 s after the trainer's stream was let go\n");
+    std::fflush(stdout);
+    std::_Exit(1);
+  }
+  destroyer.join();
+  CHECK(ran->load() == 2); // both waits were let go, and the work after them ran
+  CHECK(cudaStreamSynchronize(own) == cudaSuccess);
+  CHECK(cudaStreamDestroy(own) == cudaSuccess);
+}
+
 TEST_CASE("a sticky error lets the fallback's blocked flag waits go (CUDA's callback thread is not held)",
           "[cuda][engine][flag][errors]") {
   auto engine = engine_with_flags("host_function");

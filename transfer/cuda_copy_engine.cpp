@@ -38,6 +38,12 @@
 // is sticky-failed or being destroyed, and the destructor first writes every flag to the
 // largest value any wait on it asked for (which, the waits being >= with wrap, lets every
 // one of them go), then synchronizes its streams.
+//
+// Host functions the engine enqueued (launch_host_function, fallback flag waits) may sit on
+// streams the engine does not own (a trainer's): the engine outlives none of them. Each
+// counts itself in a block it shares with the engine, and release() waits until every one
+// has run; a flag freed while a fallback wait on it is pending is let go and kept until
+// that wait has returned.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -48,12 +54,14 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <new>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
+#include <vector>
 
 #include <cuda.h> // types and enums only: nothing here links libcuda
 #include <cudaTypedefs.h>
@@ -134,6 +142,30 @@ struct flag_state {
   /// under flag_mu_: the value that lets every wait on this flag go.
   std::uint32_t highest_wait = 0;
   bool waited = false;
+  /// Fallback waits enqueued on this flag and not returned yet (under flag_mu_): a freed
+  /// flag with some is kept (retired) until they have.
+  int pending_waits = 0;
+};
+
+/// The engine's host functions not run yet, shared with each of them: the last one's
+/// decrement and notify must not touch an engine that release() may free right after.
+struct host_calls_in_flight {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::size_t count = 0;
+  void add() {
+    std::lock_guard<std::mutex> lock(mu);
+    ++count;
+  }
+  void done() {
+    std::lock_guard<std::mutex> lock(mu);
+    --count;
+    cv.notify_all();
+  }
+  void wait_none() {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return count == 0; });
+  }
 };
 
 bool flag_reached(const flag_state& f, std::uint32_t value) {
@@ -148,6 +180,7 @@ struct flag_wait {
   cuda_copy_engine* engine;
   flag_state* flag;
   std::uint32_t value;
+  std::shared_ptr<host_calls_in_flight> in_flight;
 };
 
 class cuda_copy_engine final : public copy_engine {
@@ -193,9 +226,16 @@ public:
       // Errors here cannot be reported (noexcept); each one is our own call's.
       for (auto s : streams_) forget_own_error(cudaStreamSynchronize(s));
       if (private_stream_) forget_own_error(cudaStreamSynchronize(private_stream_));
+      // Host functions on streams the engine does not own run when those streams reach
+      // them (the flag waits among them now return at once): until then they use the engine.
+      in_flight_->wait_none();
       for (auto e : events_) forget_own_error(cudaEventDestroy(e));
       for (auto s : streams_) forget_own_error(cudaStreamDestroy(s));
       for (auto* f : flags_) {
+        forget_own_error(cudaFreeHost(f->host));
+        delete f;
+      }
+      for (auto* f : retired_flags_) {
         forget_own_error(cudaFreeHost(f->host));
         delete f;
       }
@@ -208,6 +248,7 @@ public:
     streams_.clear();
     events_.clear();
     flags_.clear();
+    retired_flags_.clear();
     device_allocations_.clear();
     pinned_allocations_.clear();
     calib_ = nullptr;
@@ -385,9 +426,13 @@ public:
     enter("launch_host_function", s);
     if (!fn) throw std::invalid_argument("cuda copy engine: launch_host_function with an empty function");
     device_scope scope(*this);
-    auto* call = new host_call{this, std::move(fn)};
+    auto* call = new host_call{this, std::move(fn), in_flight_};
+    in_flight_->add();
     const cudaError_t rc = cudaLaunchHostFunc(stream(s), &host_call_trampoline, call);
-    if (rc != cudaSuccess) delete call; // not enqueued: the trampoline will never free it
+    if (rc != cudaSuccess) { // not enqueued: the trampoline will never run
+      delete call;
+      in_flight_->done();
+    }
     check(rc, "cudaLaunchHostFunc");
   }
 
@@ -411,16 +456,37 @@ public:
     return {f};
   }
   // No wait on `f` may be pending: its word is freed at once.
+  /// A flag with fallback waits still pending (on some stream that has not reached them)
+  /// is let go and retired: freed once they returned, at the latest with the engine.
   void free_flag(device_flag f) noexcept override {
     if (!f) return;
     auto* fs = static_cast<flag_state*>(f.handle);
+    std::vector<flag_state*> done;
     {
       std::lock_guard<std::mutex> lock(owned_mu_);
       if (flags_.erase(fs) == 0) return;
+      {
+        std::lock_guard<std::mutex> flags(flag_mu_);
+        if (fs->pending_waits > 0) {
+          if (!flag_reached(*fs, fs->highest_wait))
+            std::atomic_ref<std::uint32_t>(*fs->host).store(fs->highest_wait, std::memory_order_release);
+          retired_flags_.push_back(fs);
+          fs = nullptr;
+        }
+        // Retired flags whose waits have all returned since.
+        auto idle = std::stable_partition(retired_flags_.begin(), retired_flags_.end(),
+                                          [](const flag_state* r) { return r->pending_waits > 0; });
+        done.assign(idle, retired_flags_.end());
+        retired_flags_.erase(idle, retired_flags_.end());
+      }
+      if (fs) done.push_back(fs);
     }
+    if (!fs) flag_cv_.notify_all(); // the retired flag's waits go
     device_scope scope(*this, std::nothrow);
-    forget_own_error(cudaFreeHost(fs->host));
-    delete fs;
+    for (auto* d : done) {
+      forget_own_error(cudaFreeHost(d->host));
+      delete d;
+    }
   }
 
   void stream_wait_flag(device_stream s, device_flag f, std::uint32_t value) override {
@@ -453,9 +519,21 @@ public:
       check(cudaEventCreateWithFlags(&wait_chain_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
     else if (wait_chain_recorded_)
       check(cudaStreamWaitEvent(stream(s), wait_chain_, 0), "cudaStreamWaitEvent");
-    auto* w = new flag_wait{this, &fs, value};
+    auto* w = new flag_wait{this, &fs, value, in_flight_};
+    in_flight_->add();
+    {
+      std::lock_guard<std::mutex> lock(flag_mu_);
+      ++fs.pending_waits;
+    }
     const cudaError_t rc = cudaLaunchHostFunc(stream(s), &flag_wait_trampoline, w);
-    if (rc != cudaSuccess) delete w;
+    if (rc != cudaSuccess) { // not enqueued: the trampoline will never run
+      {
+        std::lock_guard<std::mutex> lock(flag_mu_);
+        --fs.pending_waits;
+      }
+      delete w;
+      in_flight_->done();
+    }
     check(rc, "cudaLaunchHostFunc (flag wait)");
     check(cudaEventRecord(wait_chain_, stream(s)), "cudaEventRecord");
     wait_chain_recorded_ = true;
@@ -499,13 +577,18 @@ public:
   /// release must not hold it (and every stream's host functions) forever. The work after
   /// it then runs on data the flag did not vouch for, which is what a failed engine's
   /// remaining work is worth anyway.
-  void wait_for_flag(const flag_state& f, std::uint32_t value) {
+  void wait_for_flag(flag_state& f, std::uint32_t value) {
     std::unique_lock<std::mutex> lock(flag_mu_);
     // The timeout re-reads the word: a write that did not go through write_flag (the
     // device's, or another process's) still lets the wait go.
     while (!flag_reached(f, value) && !closing_.load(std::memory_order_acquire) &&
            !sticky_set_.load(std::memory_order_acquire))
       flag_cv_.wait_for(lock, std::chrono::milliseconds(1));
+  }
+  /// A fallback wait on `f` has returned (or failed): from here on free_flag may free it.
+  void flag_wait_returned(flag_state& f) noexcept {
+    std::lock_guard<std::mutex> lock(flag_mu_);
+    --f.pending_waits;
   }
 
 private:
@@ -541,8 +624,10 @@ private:
   struct host_call {
     cuda_copy_engine* engine;
     std::function<void()> fn;
+    std::shared_ptr<host_calls_in_flight> in_flight;
   };
 
+  // Each trampoline signs off last: once it has, release() may free the engine.
   static void CUDART_CB host_call_trampoline(void* p) {
     auto* call = static_cast<host_call*>(p);
     try {
@@ -552,7 +637,10 @@ private:
     } catch (...) {
       call->engine->host_function_failed("an exception that is not a std::exception");
     }
+    call->fn = nullptr; // the user's captures go before the engine may
+    const auto in_flight = std::move(call->in_flight);
     delete call;
+    in_flight->done();
   }
 
   static void CUDART_CB flag_wait_trampoline(void* p) {
@@ -562,7 +650,10 @@ private:
     } catch (...) {
       w->engine->host_function_failed("waiting for a flag");
     }
+    w->engine->flag_wait_returned(*w->flag);
+    const auto in_flight = std::move(w->in_flight);
     delete w;
+    in_flight->done();
   }
 
   static cudaStream_t stream(device_stream s) { return static_cast<cudaStream_t>(s.handle); }
@@ -774,11 +865,13 @@ private:
   std::string sticky_;
   std::atomic<bool> sticky_set_{false};
   std::atomic<bool> closing_{false}; // release() has begun: fallback waits give up
+  std::shared_ptr<host_calls_in_flight> in_flight_ = std::make_shared<host_calls_in_flight>();
 
   std::mutex owned_mu_; // what the destructor frees
   std::unordered_set<cudaStream_t> streams_;
   std::unordered_set<cudaEvent_t> events_;
   std::unordered_set<flag_state*> flags_;
+  std::vector<flag_state*> retired_flags_; // freed by the user, fallback waits pending (free_flag)
   std::unordered_set<void*> device_allocations_;
   std::unordered_set<void*> pinned_allocations_;
 

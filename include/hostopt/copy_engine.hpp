@@ -62,6 +62,8 @@ struct pinned_allocation {
 /// stream from several threads runs in the order the calls were made.
 class copy_engine {
 public:
+  /// Destroying an engine lets its flag waits go and waits for its streams, and for the host
+  /// functions it enqueued on streams it does not own (a trainer's) to have run.
   virtual ~copy_engine() = default;
   /// "cuda" or "host".
   virtual std::string_view name() const = 0;
