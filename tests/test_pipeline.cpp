@@ -2,7 +2,9 @@
 // overlap shown from its timeline, faults, draining, and refusing mismatched buffers.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <limits>
 #include <cstring>
 #include <filesystem>
@@ -544,6 +546,44 @@ TEST_CASE("pinned buffers and the CUDA engine's absence are reported clearly", "
   host_engine_options bad;
   bad.bandwidth_gbps = -1;
   CHECK_THROWS_WITH(make_host_copy_engine(bad), Catch::Contains("bandwidth_gbps"));
+}
+
+// The projection mode of `hostopt-bench trainer`: copies keep their order and their events
+// but move nothing; the pipeline then updates from zeroed staging, a defined input.
+TEST_CASE("a host engine whose copies move no bytes keeps the stream order and zeroes pinned memory",
+          "[pipeline][engine]") {
+  host_engine_options eo;
+  eo.move_bytes = false;
+  auto engine = make_host_copy_engine(eo);
+  pinned_buffer host(*engine, 4096);
+  const auto* bytes = static_cast<const unsigned char*>(host.data());
+  CHECK(std::all_of(bytes, bytes + 4096, [](unsigned char b) { return b == 0; }));
+  device_buffer dev(*engine, 4096);
+  std::memset(dev.data, 7, 4096);
+  const device_stream s = engine->create_stream();
+  const device_event e = engine->create_event();
+  auto order = std::make_shared<std::vector<int>>();
+  engine->launch_host_function(s, [order] { order->push_back(1); });
+  engine->copy_async(s, copy_direction::to_host, host.data(), dev.data, 4096);
+  engine->launch_host_function(s, [order] { order->push_back(2); });
+  engine->record_event(e, s);
+  engine->synchronize_event(e);
+  CHECK(*order == std::vector<int>{1, 2});
+  CHECK(std::all_of(bytes, bytes + 4096, [](unsigned char b) { return b == 0; })); // nothing moved
+  // The pipeline over it: a whole step, state advanced, from zero gradients.
+  optimizer opt({{adam_config{}, {{"w", {5000}}}}});
+  for (std::size_t i = 0; i < opt.arena_size(); ++i) opt.params()[i] = 1.0f;
+  pipeline_options po;
+  po.chunk_elems = 1024;
+  offload_pipeline pipe(opt, *engine, po);
+  device_buffer g(*engine, opt.arena_size() * 4), p(*engine, opt.arena_size() * 2);
+  std::fill_n(static_cast<float*>(g.data), opt.arena_size(), std::nanf("")); // never read: nothing moves
+  const step_result r = pipe.step({g.data, opt.arena_size(), dtype::f32}, {p.data, opt.arena_size(), dtype::bf16},
+                                  device_order::after(s));
+  CHECK(r.step == 1);
+  CHECK(opt.params()[0] == 1.0f); // zero gradient, no weight decay: Adam moves nothing
+  engine->destroy_event(e);
+  engine->destroy_stream(s);
 }
 
 TEST_CASE("the pipeline checks and clips with a norm computed where the gradients are", "[pipeline][stats]") {

@@ -121,7 +121,11 @@ public:
     return p;
   }
   void free_device(void* p) noexcept override { std::free(p); }
-  pinned_allocation allocate_pinned(std::size_t bytes) override { return detail::allocate_locked_host(bytes); }
+  pinned_allocation allocate_pinned(std::size_t bytes) override {
+    pinned_allocation a = detail::allocate_locked_host(bytes);
+    if (!opts_.move_bytes && a.data) std::memset(a.data, 0, bytes); // no copy will ever fill it
+    return a;
+  }
   void free_pinned(pinned_allocation a, std::size_t bytes) noexcept override { detail::free_locked_host(a, bytes); }
 
   device_stream create_stream() override {
@@ -325,7 +329,7 @@ private:
         const std::int64_t t0 = now_ns();
         try {
           if (opts_.before_copy) opts_.before_copy(c->dir, seq);
-          if (c->bytes) std::memcpy(c->dst, c->src, c->bytes);
+          if (c->bytes && opts_.move_bytes) std::memcpy(c->dst, c->src, c->bytes);
           if (opts_.bandwidth_gbps > 0)
             std::this_thread::sleep_until(std::chrono::steady_clock::time_point(
                 std::chrono::nanoseconds(t0 + std::int64_t(double(c->bytes) / opts_.bandwidth_gbps))));
