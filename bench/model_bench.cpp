@@ -2,7 +2,6 @@
 // tensors), interleaved with the same parameter count as one flat tensor.
 #include <CLI/CLI.hpp>
 
-#include <cstdio>
 
 #include "bench_common.hpp"
 #include "hostopt/optimizer.hpp"
@@ -31,18 +30,8 @@ void add_model_command(CLI::App& app, model_options& o) {
 
 report run_model_bench(const model_options& o, const common_options& c) {
   const std::size_t max_params = parse_size(o.max_params, "--max-params");
-  const auto tensors = o.shapes_file.empty() ? preset_tensors(o.preset) : read_shapes_file(o.shapes_file);
-  if (o.shapes_file.empty() && count_params(tensors) > max_params) {
-    // Never a silent cut: the user asked for this model, so say what running it whole takes.
-    // The flag to pass: whole G from 1G up, whole M below.
-    const std::size_t full = count_params(tensors), M = std::size_t(1) << 20, G = M << 10;
-    const std::string enough = full >= G ? std::to_string((full + G - 1) / G) + "G" : std::to_string((full + M - 1) / M) + "M";
-    char billions[32];
-    std::snprintf(billions, sizeof billions, "%.2f", double(full) / 1e9);
-    throw std::invalid_argument("preset '" + o.preset + "' has " + billions + " billion parameters (" + format_size(full) +
-                                "), more than --max-params " + o.max_params + ": pass --max-params " + enough +
-                                " to run it whole");
-  }
+  const auto tensors = o.shapes_file.empty() ? preset_tensors_within(o.preset, o.max_params, max_params)
+                                             : read_shapes_file(o.shapes_file);
   const dtype_mix mix = parse_mix(o.mix);
   const std::vector<int> threads = parse_threads(o.threads);
   std::vector<hostopt::moment_format> states;

@@ -1,5 +1,8 @@
 #include "model_presets.hpp"
 
+#include "bench_common.hpp"
+
+#include <cstdio>
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
@@ -102,6 +105,22 @@ std::size_t count_params(const std::vector<tensor_spec>& tensors) {
   std::size_t n = 0;
   for (const auto& t : tensors) n += numel(t);
   return n;
+}
+
+std::vector<tensor_spec> preset_tensors_within(const std::string& name, const std::string& max_text,
+                                               std::size_t max_params) {
+  auto tensors = preset_tensors(name);
+  const std::size_t full = count_params(tensors);
+  if (full <= max_params) return tensors;
+  // Never a silent cut: the user asked for this model, so say what running it whole takes.
+  // The flag to pass: whole G from 1G up, whole M below.
+  const std::size_t M = std::size_t(1) << 20, G = M << 10;
+  const std::string enough = full >= G ? std::to_string((full + G - 1) / G) + "G" : std::to_string((full + M - 1) / M) + "M";
+  char billions[32];
+  std::snprintf(billions, sizeof billions, "%.2f", double(full) / 1e9);
+  throw std::invalid_argument("preset '" + name + "' has " + billions + " billion parameters (" + format_size(full) +
+                              "), more than --max-params " + max_text + ": pass --max-params " + enough +
+                              " to run it whole");
 }
 
 } // namespace bench

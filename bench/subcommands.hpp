@@ -68,6 +68,24 @@ struct pipeline_options_cli {
 void add_pipeline_command(CLI::App& app, pipeline_options_cli& o);
 report run_pipeline_bench(const pipeline_options_cli& o, const common_options& c);
 
+struct trainer_options {
+  std::string preset = "gpt2-small";
+  std::string params; // a flat model instead of the preset
+  std::string max_params = "512M";
+  std::vector<std::string> tokens{"8K", "32K", "128K"};
+  int micro = 2;
+  double tflops = 400;
+  std::vector<std::string> links{"pcie4"};
+  std::vector<std::string> modes{"sync", "dpu", "sync-overlap", "dpu-overlap"};
+  std::string threads; // empty: every hardware thread
+  std::string state = "f32";
+  std::string mix = "f32:bf16";
+  std::string chunk = "1M";
+  int steps = 6;
+};
+void add_trainer_command(CLI::App& app, trainer_options& o);
+report run_trainer_bench(const trainer_options& o, const common_options& c);
+
 /// "f32:none" -> grad dtype and copy-out dtype (or none); throws std::invalid_argument.
 struct dtype_mix {
   int grad;  // hostopt::dtype
