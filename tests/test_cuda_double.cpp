@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -62,6 +63,35 @@ int touch_device_memory() {
   std::printf("reading device memory from the host\n");
   std::fflush(stdout);
   return int(*static_cast<volatile char*>(p)); // must fault
+}
+
+// The host touching page-locked memory while a copy of it is in flight (a slow modelled
+// link keeps it there ~0.3 s): `write` stores into the copy's destination (must fault),
+// otherwise it reads the source of a copy to the device (allowed: both only read). The
+// host keeps touching until the copy is done, so it meets the copy in flight however the
+// machine schedules it.
+int touch_pinned_during_copy(bool write) {
+  setenv("HOSTOPT_CUDA_DOUBLE_MODEL", "link_gbps=0.0002", 1); // before the first CUDA call
+  const std::size_t bytes = 64 * 1024;
+  void *host = nullptr, *dev = nullptr;
+  cudaStream_t s = nullptr;
+  if (cudaHostAlloc(&host, bytes, cudaHostAllocDefault) != cudaSuccess || cudaMalloc(&dev, bytes) != cudaSuccess ||
+      cudaStreamCreate(&s) != cudaSuccess)
+    return 2;
+  auto* words = static_cast<volatile std::uint32_t*>(host);
+  const cudaError_t rc = write ? cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, s)
+                               : cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, s);
+  if (rc != cudaSuccess) return 2;
+  std::printf("%s page-locked memory while a copy is in flight\n", write ? "writing" : "reading");
+  std::fflush(stdout);
+  std::uint32_t sum = 0;
+  for (std::uint32_t i = 0; cudaStreamQuery(s) == cudaErrorNotReady; ++i) {
+    const std::size_t at = (i * 1031u) % (bytes / 4);
+    if (write) words[at] = i;
+    else sum += words[at];
+  }
+  std::printf("the copy completed, no fault (%u)\n", unsigned(sum & 1));
+  return 0;
 }
 
 PFN_cuStreamWaitValue32_v11070 wait_value32() {
@@ -155,6 +185,24 @@ TEST_CASE("the host touching device memory faults at once, naming the allocation
   CHECK_THAT(out, Catch::Contains("reading device memory from the host"));
   CHECK_THAT(out, Catch::Contains("the host touched device memory"));
   CHECK_THAT(out, Catch::Contains("a cudaMalloc allocation"));
+}
+
+TEST_CASE("the host touching page-locked memory a copy is writing faults at once; reading a copy's source does not",
+          "[cuda_double][memory]") {
+  {
+    const auto [status, out] = hostopt_test::run_child("--write-pinned-during-copy");
+    INFO(out);
+    CHECK(status != 0);
+    CHECK_THAT(out, Catch::Contains("writing page-locked memory while a copy is in flight"));
+    CHECK_THAT(out, Catch::Contains("the host touched page-locked memory at"));
+    CHECK_THAT(out, Catch::Contains("while a copy in flight writes it"));
+  }
+  {
+    const auto [status, out] = hostopt_test::run_child("--read-pinned-during-copy");
+    INFO(out);
+    CHECK(status == 0);
+    CHECK_THAT(out, Catch::Contains("the copy completed, no fault"));
+  }
 }
 
 TEST_CASE("device memory holds what was copied in, and a copy past an allocation's end is refused",
@@ -581,6 +629,8 @@ int pipeline_fault(const std::string& spec) {
 int main(int argc, char** argv) {
   if (argc == 2 && std::strcmp(argv[1], "--touch-device-memory") == 0) return touch_device_memory();
   if (argc == 2 && std::strcmp(argv[1], "--sticky-fault") == 0) return sticky_fault();
+  if (argc == 2 && std::strcmp(argv[1], "--write-pinned-during-copy") == 0) return touch_pinned_during_copy(true);
+  if (argc == 2 && std::strcmp(argv[1], "--read-pinned-during-copy") == 0) return touch_pinned_during_copy(false);
   if (argc == 3 && std::strcmp(argv[1], "--pipeline-fault") == 0) {
     try {
       return pipeline_fault(argv[2]);

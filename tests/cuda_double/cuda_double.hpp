@@ -45,7 +45,8 @@ cudaError_t launch(cudaStream_t stream, const char* name, std::vector<buffer_use
                    std::function<void()> body, std::uint64_t duration_ns = 0, double flops = 0);
 
 /// Inside device work: the address at which the double's worker reads and writes device
-/// memory `p` (page-locked memory is returned as it is).
+/// or page-locked memory `p` (an alias: the host's own address of page-locked memory may
+/// be guarded while a copy of it runs); other memory is returned as it is.
 void* device_view(const void* p);
 template <class T> T* device_view(T* p) { return static_cast<T*>(device_view(static_cast<const void*>(p))); }
 

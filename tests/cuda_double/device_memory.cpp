@@ -5,6 +5,13 @@
 // read/write at an alias only the double's workers use. A host load or store through a
 // device pointer faults at once; the SIGSEGV handler names the allocation, then lets the
 // previous handler (the default, or a sanitizer's) report the fault.
+//
+// Page-locked memory is mapped twice too, both read/write, and the double's workers copy
+// through the alias. While a copy executes, the pages wholly inside its page-locked range are
+// guarded at the address the host uses: read-only when the copy reads them, no access when
+// it writes them. A host access that collides with a copy in flight (CUDA: undefined, the
+// DMA may read half-written data or overwrite the host's) faults at once and is named. Only
+// whole pages: a neighbour sharing a page with the range is never mistaken for the copy's.
 #include <atomic>
 #include <cerrno>
 #include <csignal>
@@ -34,6 +41,7 @@ struct pinned_allocation {
   std::size_t bytes;
   std::size_t mapped;
   unsigned flags;
+  void* alias;
 };
 
 // Never destroyed: stream workers may still copy while exit() runs static destructors.
@@ -45,11 +53,30 @@ std::map<std::uintptr_t, pinned_allocation>& pinned_memory = *new std::map<std::
 // The fault handler's view of device memory: lock-free slots [begin, end).
 constexpr int fault_slots = 4096;
 std::atomic<std::uintptr_t> slot_begin[fault_slots], slot_end[fault_slots];
+// Guarded page-locked pages: [begin, end) and whether the copy in flight writes them.
+std::atomic<std::uintptr_t> guard_begin[fault_slots], guard_end[fault_slots];
+std::atomic<bool> guard_write[fault_slots];
 struct sigaction previous_segv {};
 std::atomic<bool> handler_installed{false};
 
 void on_segv(int sig, siginfo_t* info, void* ucontext) {
   const auto addr = reinterpret_cast<std::uintptr_t>(info->si_addr);
+  for (int i = 0; i < fault_slots; ++i) {
+    const std::uintptr_t b = guard_begin[i].load(std::memory_order_relaxed);
+    if (b && addr >= b && addr < guard_end[i].load(std::memory_order_relaxed)) {
+      char msg[400];
+      const int n = std::snprintf(
+          msg, sizeof msg,
+          "cuda double: VIOLATION: the host touched page-locked memory at %p while a copy in flight %s it "
+          "(guarded pages at %p): the host may touch a copy's host memory only once it knows the copy "
+          "completed (an event or stream synchronized, or a host function after it)\n",
+          info->si_addr, guard_write[i].load(std::memory_order_relaxed) ? "writes" : "reads",
+          reinterpret_cast<void*>(b));
+      if (n > 0) (void)!write(2, msg, std::size_t(n));
+      sigaction(SIGSEGV, &previous_segv, nullptr);
+      return;
+    }
+  }
   for (int i = 0; i < fault_slots; ++i) {
     const std::uintptr_t b = slot_begin[i].load(std::memory_order_relaxed);
     if (b && addr >= b && addr < slot_end[i].load(std::memory_order_relaxed)) {
@@ -97,6 +124,42 @@ void remove_slot(std::uintptr_t b) {
       slot_begin[i].store(0);
       return;
     }
+}
+
+void add_guard_slot(std::uintptr_t b, std::uintptr_t e, bool write) {
+  for (int i = 0; i < fault_slots; ++i) {
+    std::uintptr_t zero = 0;
+    if (guard_begin[i].compare_exchange_strong(zero, b)) {
+      guard_write[i].store(write);
+      guard_end[i].store(e);
+      return;
+    }
+  }
+}
+
+void remove_guard_slot(std::uintptr_t b, std::uintptr_t e) {
+  for (int i = 0; i < fault_slots; ++i)
+    if (guard_begin[i].load() == b && guard_end[i].load() == e) {
+      guard_end[i].store(0);
+      guard_begin[i].store(0);
+      return;
+    }
+}
+
+// Per guarded page, the copies in flight reading and writing it: its protection is the
+// strictest they need.
+struct page_use {
+  int readers = 0, writers = 0;
+};
+std::mutex& guard_mu = *new std::mutex;
+std::map<std::uintptr_t, page_use>& guarded_pages = *new std::map<std::uintptr_t, page_use>;
+
+void set_page_protection(std::uintptr_t page, std::size_t page_bytes, const page_use& u) {
+  const int prot = u.writers ? PROT_NONE : u.readers ? PROT_READ : PROT_READ | PROT_WRITE;
+  if (mprotect(reinterpret_cast<void*>(page), page_bytes, prot) != 0) {
+    std::fprintf(stderr, "cuda double: mprotect of a page-locked page failed: %s\n", std::strerror(errno));
+    std::abort();
+  }
 }
 
 std::size_t page_round(std::size_t bytes) {
@@ -164,12 +227,25 @@ cudaError_t free_device_memory(void* p) {
 }
 
 cudaError_t allocate_pinned_memory(void** out, std::size_t bytes, unsigned flags) {
+  install_handler();
   const std::size_t mapped = page_round(std::max<std::size_t>(bytes, 1));
-  void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) return cudaErrorMemoryAllocation;
+  const int fd = memfd_create("hostopt-cuda-double-pinned", MFD_CLOEXEC);
+  if (fd < 0) return cudaErrorMemoryAllocation;
+  if (ftruncate(fd, off_t(mapped)) != 0) {
+    close(fd);
+    return cudaErrorMemoryAllocation;
+  }
+  void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  void* alias = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd); // the mappings keep the memory
+  if (p == MAP_FAILED || alias == MAP_FAILED) {
+    if (p != MAP_FAILED) munmap(p, mapped);
+    if (alias != MAP_FAILED) munmap(alias, mapped);
+    return cudaErrorMemoryAllocation;
+  }
   std::memset(p, 0x5a, mapped); // not zeroed, as CUDA's is not
   std::lock_guard<std::mutex> lock(memory_mu);
-  pinned_memory[reinterpret_cast<std::uintptr_t>(p)] = {bytes, mapped, flags};
+  pinned_memory[reinterpret_cast<std::uintptr_t>(p)] = {bytes, mapped, flags, alias};
   *out = p;
   return cudaSuccess;
 }
@@ -188,6 +264,7 @@ cudaError_t free_pinned_memory(void* p) {
     pinned_memory.erase(reinterpret_cast<std::uintptr_t>(p));
   }
   munmap(p, a.mapped);
+  munmap(a.alias, a.mapped);
   return cudaSuccess;
 }
 
@@ -215,9 +292,26 @@ memory_span classify(const void* p, std::size_t bytes) {
     span.kind = memory_kind::pinned;
     span.base = reinterpret_cast<const void*>(it->first);
     span.inside = a + bytes <= it->first + it->second.bytes;
+    span.view = static_cast<char*>(it->second.alias) + (a - it->first);
+    return span;
   }
   span.view = const_cast<void*>(p);
   return span;
+}
+
+void guard_host_range(const memory_access& r, bool on) {
+  const auto page = std::uintptr_t(sysconf(_SC_PAGESIZE));
+  const std::uintptr_t first = (r.begin + page - 1) / page * page, last = r.end / page * page;
+  if (first >= last) return; // no whole page: nothing to guard
+  std::lock_guard<std::mutex> lock(guard_mu);
+  if (on) add_guard_slot(first, last, r.write);
+  for (std::uintptr_t pg = first; pg < last; pg += page) {
+    page_use& u = guarded_pages[pg];
+    (r.write ? u.writers : u.readers) += on ? 1 : -1;
+    set_page_protection(pg, page, u);
+    if (!u.readers && !u.writers) guarded_pages.erase(pg);
+  }
+  if (!on) remove_guard_slot(first, last);
 }
 
 } // namespace cuda_double::detail

@@ -85,6 +85,11 @@ cudaError_t execution_fault(const char* api);
 bool& in_host_function();
 
 // --- memory ------------------------------------------------------------------------------
+/// One operation's byte range, for the race detector and the page-locked guard.
+struct memory_access {
+  std::uintptr_t begin = 0, end = 0;
+  bool write = false;
+};
 enum class memory_kind { pageable, pinned, device };
 struct memory_span {
   memory_kind kind = memory_kind::pageable;
@@ -100,13 +105,10 @@ cudaError_t allocate_pinned_memory(void** p, std::size_t bytes, unsigned flags);
 cudaError_t free_pinned_memory(void* p);
 /// The pinned allocation's flags, or false when `p` is not a pinned allocation's address.
 bool pinned_flags(const void* p, unsigned& flags);
+/// Guards (on) or unguards the whole pages of a page-locked range while a copy that reads
+/// or writes it executes: a host access to them then faults, named by the SIGSEGV handler.
+void guard_host_range(const memory_access& r, bool on);
 
-// --- streams ------------------------------------------------------------------------------
-/// One operation's byte range, for the race detector.
-struct memory_access {
-  std::uintptr_t begin = 0, end = 0;
-  bool write = false;
-};
 
 /// Resolves a stream argument (null, cudaStreamLegacy, cudaStreamPerThread or a stream
 /// created here) on `device`; null when it is not a live stream (a violation is reported
@@ -120,6 +122,7 @@ struct work {
   std::function<void()> body;    // runs on the stream's worker; null for a marker
   std::uint64_t modelled_ns = 0; // it takes at least this long (the body's time included)
   int link = -1;                 // a copy's direction on its device's link (0: to the device, 1: to the host)
+  std::vector<memory_access> host_guards; // page-locked ranges guarded while it executes
   cudaError_t fault = cudaSuccess; // the device fault it raises when it executes
   std::function<void()> on_fault;  // what it leaves behind then (a copy: its first half)
 };

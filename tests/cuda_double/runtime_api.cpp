@@ -243,6 +243,8 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
   work w;
   w.api = "cudaMemcpyAsync";
   w.accesses = {range_of(src, bytes, false), range_of(dst, bytes, true)};
+  if (r.kind == memory_kind::pinned) w.host_guards.push_back(range_of(src, bytes, false));
+  if (d.kind == memory_kind::pinned) w.host_guards.push_back(range_of(dst, bytes, true));
   // A timing run (move_data=0) leaves the host's cores to the code under test.
   if (config().move_data) {
     w.body = [to = d.view, from = r.view, bytes] { std::memcpy(to, from, bytes); };

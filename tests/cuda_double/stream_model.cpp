@@ -252,8 +252,11 @@ void worker(CUstream_st* s) {
     s->queue.pop_front();
     cv.notify_all(); // min_pending_index moved
 
+    // A copy touching page-locked memory spends its delay in flight, its host pages guarded
+    // (guard_host_range): a host access that races it then collides with it.
+    const bool guarded = !owned->w.host_guards.empty();
     lock.unlock();
-    if (owned->delay_ns) std::this_thread::sleep_for(std::chrono::nanoseconds(owned->delay_ns));
+    if (owned->delay_ns && !guarded) std::this_thread::sleep_for(std::chrono::nanoseconds(owned->delay_ns));
     lock.lock();
     cudaError_t error = sticky_error(s->device);
     if (error == cudaSuccess) {
@@ -263,9 +266,12 @@ void worker(CUstream_st* s) {
         error = owned->w.fault;
       } else if (owned->kind == op_kind::host_function) {
         run_host_function(lock, *owned);
-      } else if (owned->w.body || owned->w.modelled_ns) {
+      } else if (owned->w.body || owned->w.modelled_ns || guarded) {
         lock.unlock();
+        for (const auto& g : owned->w.host_guards) guard_host_range(g, true);
+        if (guarded && owned->delay_ns) std::this_thread::sleep_for(std::chrono::nanoseconds(owned->delay_ns));
         run_modelled(s->device, owned->w);
+        for (const auto& g : owned->w.host_guards) guard_host_range(g, false);
         lock.lock();
       }
     }
