@@ -10,15 +10,16 @@
 
 namespace hostopt_test {
 
-/// Runs this program again with `flag` and returns its exit status (as pclose reports it)
-/// and its output, stdout and stderr together.
+/// Runs this program again with `flag` and returns its exit status (as pclose reports it;
+/// 124 << 8 after 120 s) and its output, stdout and stderr together.
 inline std::pair<int, std::string> run_child(const char* flag) {
   // Resolved here: inside popen's shell, /proc/self/exe names the shell.
   char self[4096];
   const ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
   if (len <= 0) throw std::runtime_error("run_child: cannot read /proc/self/exe");
   self[len] = '\0';
-  const std::string cmd = "'" + std::string(self) + "' " + flag + " 2>&1";
+  // A child that hangs (a teardown waiting forever) fails the test instead of holding CI.
+  const std::string cmd = "timeout 120 '" + std::string(self) + "' " + flag + " 2>&1";
   FILE* child = popen(cmd.c_str(), "r");
   if (!child) throw std::runtime_error("run_child: popen failed for " + cmd);
   std::string out;

@@ -377,6 +377,30 @@ int illegal_address_child_body() {
   return 0;
 }
 
+// The child of the teardown-after-fault test: an engine host function queued on a trainer's
+// stream behind a fault, which CUDA will never call; destroying the engine must not wait
+// for it. (Enqueued during the spin before the fault; should the fault come first, the
+// enqueue throws the sticky error and the destructor has nothing to wait for.)
+int destroy_after_fault_child() {
+  try {
+    auto engine = make_cuda_copy_engine(0);
+    cudaStream_t own = nullptr;
+    if (cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking) != cudaSuccess) return 2;
+    hostopt_test::launch_spin(own, 50'000'000);
+    hostopt_test::launch_fault(own);
+    try {
+      engine->launch_host_function(device_stream{own}, [] { std::puts("a host function ran after the fault"); });
+    } catch (const std::runtime_error&) {
+    }
+    engine.reset();
+    std::puts("engine destroyed after the fault");
+    return 0;
+  } catch (const std::exception& e) {
+    std::printf("unexpected exception: %s\n", e.what());
+    return 10;
+  }
+}
+
 int illegal_address_child() {
   try {
     return illegal_address_child_body();
@@ -392,6 +416,7 @@ int illegal_address_child() {
 int main(int argc, char** argv) {
 #if defined(HOSTOPT_TEST_HAVE_KERNELS)
   if (argc == 2 && std::strcmp(argv[1], "--illegal-address-child") == 0) return illegal_address_child();
+  if (argc == 2 && std::strcmp(argv[1], "--destroy-after-fault-child") == 0) return destroy_after_fault_child();
 #endif
   if (argc == 2 && std::strcmp(argv[1], "--context-child") == 0) return context_child();
   if (!cuda_device_available()) {
@@ -668,45 +693,83 @@ TEST_CASE("no flag wait outlives the engine: the destructor releases every wait,
 // the engine, then must not leave them pointing at freed memory (the ASan build would say).
 TEST_CASE("host functions on a trainer's stream outlive neither their flag nor the engine",
           "[cuda][engine][flag]") {
-  auto engine = engine_with_flags("host_function");
-  cudaStream_t own = nullptr;
-  REQUIRE(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking) == cudaSuccess);
-  const device_stream user{own};
-  // A gate the trainer's stream reaches first: it opens only when the test says so.
-  auto open = std::make_shared<std::atomic<bool>>(false);
-  auto ran = std::make_shared<std::atomic<int>>(0);
-  engine->launch_host_function(user, [open] {
-    while (!open->load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  });
-  const device_flag freed = engine->allocate_flag(), kept = engine->allocate_flag();
-  engine->stream_wait_flag(user, freed, 5); // nobody writes 5
-  engine->launch_host_function(user, [ran] { ran->fetch_add(1); });
-  engine->free_flag(freed); // the wait on it has not run: it is let go, the word kept for it
-  engine->stream_wait_flag(user, kept, 9);  // nobody writes 9 either: only the destructor lets it go
-  engine->launch_host_function(user, [ran] { ran->fetch_add(1); });
-  std::atomic<bool> destroyed{false};
-  std::thread destroyer([&] {
-    engine.reset();
-    destroyed.store(true);
-  });
-  // The destructor waits for the host functions it enqueued, however long the trainer's
-  // stream takes to reach them (here: until the gate opens).
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  CHECK_FALSE(destroyed.load());
-  CHECK(ran->load() == 0);
-  open->store(true);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (!destroyed.load() && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  if (!destroyed.load()) {
-    std::printf("FAILED: the engine's destructor still waits 20 s after the trainer's stream was let go\n");
-    std::fflush(stdout);
-    std::_Exit(1);
+  for (const std::string mechanism : {"", "host_function"}) {
+    auto engine = engine_with_flags(mechanism);
+    INFO("flag mechanism: " << engine->flag_mechanism());
+    cudaStream_t own = nullptr;
+    REQUIRE(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking) == cudaSuccess);
+    const device_stream user{own};
+    // A gate the trainer's stream reaches first: it opens only when the test says so.
+    auto open = std::make_shared<std::atomic<bool>>(false);
+    auto ran = std::make_shared<std::atomic<int>>(0);
+    engine->launch_host_function(user, [open] {
+      while (!open->load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    });
+    const device_flag freed = engine->allocate_flag(), kept = engine->allocate_flag();
+    engine->stream_wait_flag(user, freed, 5); // nobody writes 5: freeing the flag lets it go
+    engine->launch_host_function(user, [ran] { ran->fetch_add(1); });
+    engine->stream_wait_flag(user, kept, 9); // nor 9: only the destructor lets it go
+    engine->launch_host_function(user, [ran] { ran->fetch_add(1); });
+    std::atomic<bool> destroyed{false};
+    std::thread destroyer([&] {
+      // Freeing a flag a pending wait reads, then the engine: both wait for the trainer's
+      // stream to pass what the engine enqueued on it (cudaFreeHost waits for the device's
+      // waits; the fallback's host functions are counted), however long it takes.
+      engine->free_flag(freed);
+      engine.reset();
+      destroyed.store(true);
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    CHECK_FALSE(destroyed.load());
+    CHECK(ran->load() == 0);
+    open->store(true);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (!destroyed.load() && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (!destroyed.load()) {
+      std::printf("FAILED: freeing a flag and the engine still waits 20 s after the trainer's stream was let go "
+                  "(flag mechanism '%s')\n",
+                  mechanism.c_str());
+      std::fflush(stdout);
+      std::_Exit(1);
+    }
+    destroyer.join();
+    CHECK(ran->load() == 2); // both waits were let go, and the work after them ran
+    CHECK(cudaStreamSynchronize(own) == cudaSuccess);
+    CHECK(cudaStreamDestroy(own) == cudaSuccess);
   }
-  destroyer.join();
-  CHECK(ran->load() == 2); // both waits were let go, and the work after them ran
-  CHECK(cudaStreamSynchronize(own) == cudaSuccess);
-  CHECK(cudaStreamDestroy(own) == cudaSuccess);
+}
+
+#if defined(HOSTOPT_TEST_HAVE_KERNELS)
+// CUDA does not call a host function once its context has failed: an engine whose host
+// functions sit on a trainer's stream behind the fault must still be destroyable.
+TEST_CASE("after a device fault the engine's destructor does not wait for host functions CUDA will not run",
+          "[cuda][engine][errors]") {
+  const auto [status, out] = hostopt_test::run_child("--destroy-after-fault-child");
+  INFO(out);
+  CHECK(status == 0);
+  CHECK(out.find("engine destroyed after the fault") != std::string::npos);
+}
+#endif
+
+TEST_CASE("the engine refuses its host functions on a stream being captured into a graph", "[cuda][engine]") {
+  auto engine = engine_with_flags("host_function");
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);
+  cudaStream_t capturing = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&capturing, cudaStreamNonBlocking) == cudaSuccess);
+  REQUIRE(cudaStreamBeginCapture(capturing, cudaStreamCaptureModeRelaxed) == cudaSuccess);
+  const device_flag f = engine->allocate_flag();
+  CHECK_THROWS_WITH(engine->launch_host_function(device_stream{capturing}, [] {}),
+                    Catch::Contains("launch_host_function on a stream being captured into a graph"));
+  CHECK_THROWS_WITH(engine->stream_wait_flag(device_stream{capturing}, f, 1),
+                    Catch::Contains("stream_wait_flag (the host-function fallback) on a stream being captured"));
+  CHECK(engine->sticky_error().empty()); // a usage error: the engine stays usable
+  cudaGraph_t graph = nullptr;
+  (void)cudaStreamEndCapture(capturing, &graph);
+  if (graph) cudaGraphDestroy(graph);
+  (void)cudaGetLastError();
+  engine->free_flag(f);
+  CHECK(cudaStreamDestroy(capturing) == cudaSuccess);
 }
 
 TEST_CASE("a sticky error lets the fallback's blocked flag waits go (CUDA's callback thread is not held)",

@@ -66,11 +66,11 @@ int touch_device_memory() {
 }
 
 // The host touching page-locked memory while a copy of it is in flight (a slow modelled
-// link keeps it there ~0.3 s): `write` stores into the copy's destination (must fault),
-// otherwise it reads the source of a copy to the device (allowed: both only read). The
-// host keeps touching until the copy is done, so it meets the copy in flight however the
-// machine schedules it.
-int touch_pinned_during_copy(bool write) {
+// link keeps it there ~0.3 s): `write` stores into it, else loads from it; `to_device`: it
+// is the source of a copy to the device, else the destination of one to the host. Only
+// loads from a copy's source are allowed. The host keeps touching until the copy is done,
+// so it meets the copy in flight however the machine schedules it.
+int touch_pinned_during_copy(bool write, bool to_device) {
   setenv("HOSTOPT_CUDA_DOUBLE_MODEL", "link_gbps=0.0002", 1); // before the first CUDA call
   const std::size_t bytes = 64 * 1024;
   void *host = nullptr, *dev = nullptr;
@@ -79,10 +79,11 @@ int touch_pinned_during_copy(bool write) {
       cudaStreamCreate(&s) != cudaSuccess)
     return 2;
   auto* words = static_cast<volatile std::uint32_t*>(host);
-  const cudaError_t rc = write ? cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, s)
-                               : cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, s);
+  const cudaError_t rc = to_device ? cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, s)
+                                   : cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, s);
   if (rc != cudaSuccess) return 2;
-  std::printf("%s page-locked memory while a copy is in flight\n", write ? "writing" : "reading");
+  std::printf("%s page-locked memory while a copy %s is in flight\n", write ? "writing" : "reading",
+              to_device ? "from it" : "into it");
   std::fflush(stdout);
   std::uint32_t sum = 0;
   for (std::uint32_t i = 0; cudaStreamQuery(s) == cudaErrorNotReady; ++i) {
@@ -187,18 +188,25 @@ TEST_CASE("the host touching device memory faults at once, naming the allocation
   CHECK_THAT(out, Catch::Contains("a cudaMalloc allocation"));
 }
 
-TEST_CASE("the host touching page-locked memory a copy is writing faults at once; reading a copy's source does not",
+TEST_CASE("the host touching page-locked memory a copy in flight writes, or writing what it reads, faults at once",
           "[cuda_double][memory]") {
-  {
-    const auto [status, out] = hostopt_test::run_child("--write-pinned-during-copy");
+  for (const char* mode : {"--write-pinned-during-copy-into", "--read-pinned-during-copy-into"}) {
+    const auto [status, out] = hostopt_test::run_child(mode);
     INFO(out);
     CHECK(status != 0);
-    CHECK_THAT(out, Catch::Contains("writing page-locked memory while a copy is in flight"));
+    CHECK_THAT(out, Catch::Contains("page-locked memory while a copy into it is in flight"));
     CHECK_THAT(out, Catch::Contains("the host touched page-locked memory at"));
     CHECK_THAT(out, Catch::Contains("while a copy in flight writes it"));
   }
   {
-    const auto [status, out] = hostopt_test::run_child("--read-pinned-during-copy");
+    const auto [status, out] = hostopt_test::run_child("--write-pinned-during-copy-from");
+    INFO(out);
+    CHECK(status != 0);
+    CHECK_THAT(out, Catch::Contains("writing page-locked memory while a copy from it is in flight"));
+    CHECK_THAT(out, Catch::Contains("while a copy in flight reads it"));
+  }
+  {
+    const auto [status, out] = hostopt_test::run_child("--read-pinned-during-copy-from");
     INFO(out);
     CHECK(status == 0);
     CHECK_THAT(out, Catch::Contains("the copy completed, no fault"));
@@ -629,8 +637,11 @@ int pipeline_fault(const std::string& spec) {
 int main(int argc, char** argv) {
   if (argc == 2 && std::strcmp(argv[1], "--touch-device-memory") == 0) return touch_device_memory();
   if (argc == 2 && std::strcmp(argv[1], "--sticky-fault") == 0) return sticky_fault();
-  if (argc == 2 && std::strcmp(argv[1], "--write-pinned-during-copy") == 0) return touch_pinned_during_copy(true);
-  if (argc == 2 && std::strcmp(argv[1], "--read-pinned-during-copy") == 0) return touch_pinned_during_copy(false);
+  for (const bool write : {false, true})
+    for (const bool to_device : {false, true})
+      if (argc == 2 && std::string(argv[1]) == std::string(write ? "--write" : "--read") +
+                                                   "-pinned-during-copy-" + (to_device ? "from" : "into"))
+        return touch_pinned_during_copy(write, to_device);
   if (argc == 3 && std::strcmp(argv[1], "--pipeline-fault") == 0) {
     try {
       return pipeline_fault(argv[2]);

@@ -147,24 +147,45 @@ struct flag_state {
   int pending_waits = 0;
 };
 
+/// What one of the engine's host functions carries (its trampoline's argument).
+struct engine_host_call {
+  virtual ~engine_host_call() = default;
+};
+
 /// The engine's host functions not run yet, shared with each of them: the last one's
-/// decrement and notify must not touch an engine that release() may free right after.
+/// sign-off must not touch an engine that release() may free right after. Each call's
+/// block is freed here, under the lock, so that one CUDA will never run (after a device
+/// fault) can be freed by release() without racing a trampoline that is finishing.
 struct host_calls_in_flight {
   std::mutex mu;
   std::condition_variable cv;
-  std::size_t count = 0;
-  void add() {
+  std::unordered_set<engine_host_call*> queued, running;
+  void add(engine_host_call* c) {
     std::lock_guard<std::mutex> lock(mu);
-    ++count;
+    queued.insert(c);
   }
-  void done() {
+  /// CUDA calls it: from here on abandon() leaves it to finish().
+  void start(engine_host_call* c) {
     std::lock_guard<std::mutex> lock(mu);
-    --count;
+    if (queued.erase(c)) running.insert(c);
+  }
+  /// The call ran (or was never enqueued): its block is freed.
+  void finish(engine_host_call* c) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (running.erase(c) || queued.erase(c)) delete c;
     cv.notify_all();
   }
-  void wait_none() {
+  bool wait_none_for(std::chrono::milliseconds timeout) {
     std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [&] { return count == 0; });
+    return cv.wait_for(lock, timeout, [&] { return queued.empty() && running.empty(); });
+  }
+  /// After a device fault: frees the blocks of the calls CUDA will never run, and waits for
+  /// those it is running.
+  void abandon() {
+    std::unique_lock<std::mutex> lock(mu);
+    for (auto* c : queued) delete c;
+    queued.clear();
+    cv.wait(lock, [&] { return running.empty(); });
   }
 };
 
@@ -176,7 +197,9 @@ bool flag_reached(const flag_state& f, std::uint32_t value) {
 class cuda_copy_engine;
 
 /// Argument of the fallback's blocking host function.
-struct flag_wait {
+struct flag_wait final : engine_host_call {
+  flag_wait(cuda_copy_engine* e, flag_state* f, std::uint32_t v, std::shared_ptr<host_calls_in_flight> i)
+      : engine(e), flag(f), value(v), in_flight(std::move(i)) {}
   cuda_copy_engine* engine;
   flag_state* flag;
   std::uint32_t value;
@@ -228,7 +251,14 @@ public:
       if (private_stream_) forget_own_error(cudaStreamSynchronize(private_stream_));
       // Host functions on streams the engine does not own run when those streams reach
       // them (the flag waits among them now return at once): until then they use the engine.
-      in_flight_->wait_none();
+      // A failed context never runs them (cudaLaunchHostFunc's functions are not called
+      // after a device error): then their blocks are freed, never to be run. (An error the
+      // engine keeps with the context healthy does not stop them: they run, and are waited.)
+      while (!in_flight_->wait_none_for(std::chrono::milliseconds(10)))
+        if (context_failed()) {
+          in_flight_->abandon();
+          break;
+        }
       for (auto e : events_) forget_own_error(cudaEventDestroy(e));
       for (auto s : streams_) forget_own_error(cudaStreamDestroy(s));
       for (auto* f : flags_) {
@@ -426,12 +456,12 @@ public:
     enter("launch_host_function", s);
     if (!fn) throw std::invalid_argument("cuda copy engine: launch_host_function with an empty function");
     device_scope scope(*this);
-    auto* call = new host_call{this, std::move(fn), in_flight_};
-    in_flight_->add();
+    refuse_capture(s, "launch_host_function");
+    auto* call = new host_call(this, std::move(fn), in_flight_);
+    in_flight_->add(call);
     const cudaError_t rc = cudaLaunchHostFunc(stream(s), &host_call_trampoline, call);
     if (rc != cudaSuccess) { // not enqueued: the trampoline will never run
-      delete call;
-      in_flight_->done();
+      in_flight_->finish(call);
     }
     check(rc, "cudaLaunchHostFunc");
   }
@@ -455,9 +485,11 @@ public:
     flags_.insert(f);
     return {f};
   }
-  // No wait on `f` may be pending: its word is freed at once.
-  /// A flag with fallback waits still pending (on some stream that has not reached them)
-  /// is let go and retired: freed once they returned, at the latest with the engine.
+  /// Waits on `f` still pending (on streams that have not reached them) are let go: the
+  /// flag is written to the largest value any asked for. Its word is freed once they have
+  /// passed it: cudaFreeHost waits for the device's waits (stream memory operations); a flag
+  /// with fallback waits pending is retired until their host functions returned, at the
+  /// latest until the engine's end.
   void free_flag(device_flag f) noexcept override {
     if (!f) return;
     auto* fs = static_cast<flag_state*>(f.handle);
@@ -467,9 +499,9 @@ public:
       if (flags_.erase(fs) == 0) return;
       {
         std::lock_guard<std::mutex> flags(flag_mu_);
+        if (fs->waited && !flag_reached(*fs, fs->highest_wait))
+          std::atomic_ref<std::uint32_t>(*fs->host).store(fs->highest_wait, std::memory_order_release);
         if (fs->pending_waits > 0) {
-          if (!flag_reached(*fs, fs->highest_wait))
-            std::atomic_ref<std::uint32_t>(*fs->host).store(fs->highest_wait, std::memory_order_release);
           retired_flags_.push_back(fs);
           fs = nullptr;
         }
@@ -481,7 +513,7 @@ public:
       }
       if (fs) done.push_back(fs);
     }
-    if (!fs) flag_cv_.notify_all(); // the retired flag's waits go
+    flag_cv_.notify_all(); // the fallback's waits on it go
     device_scope scope(*this, std::nothrow);
     for (auto* d : done) {
       forget_own_error(cudaFreeHost(d->host));
@@ -519,8 +551,9 @@ public:
       check(cudaEventCreateWithFlags(&wait_chain_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
     else if (wait_chain_recorded_)
       check(cudaStreamWaitEvent(stream(s), wait_chain_, 0), "cudaStreamWaitEvent");
-    auto* w = new flag_wait{this, &fs, value, in_flight_};
-    in_flight_->add();
+    refuse_capture(s, "stream_wait_flag (the host-function fallback)");
+    auto* w = new flag_wait(this, &fs, value, in_flight_);
+    in_flight_->add(w);
     {
       std::lock_guard<std::mutex> lock(flag_mu_);
       ++fs.pending_waits;
@@ -531,8 +564,7 @@ public:
         std::lock_guard<std::mutex> lock(flag_mu_);
         --fs.pending_waits;
       }
-      delete w;
-      in_flight_->done();
+      in_flight_->finish(w);
     }
     check(rc, "cudaLaunchHostFunc (flag wait)");
     check(cudaEventRecord(wait_chain_, stream(s)), "cudaEventRecord");
@@ -621,7 +653,9 @@ private:
     bool restore_ = false;
   };
 
-  struct host_call {
+  struct host_call final : engine_host_call {
+    host_call(cuda_copy_engine* e, std::function<void()> f, std::shared_ptr<host_calls_in_flight> i)
+        : engine(e), fn(std::move(f)), in_flight(std::move(i)) {}
     cuda_copy_engine* engine;
     std::function<void()> fn;
     std::shared_ptr<host_calls_in_flight> in_flight;
@@ -630,6 +664,7 @@ private:
   // Each trampoline signs off last: once it has, release() may free the engine.
   static void CUDART_CB host_call_trampoline(void* p) {
     auto* call = static_cast<host_call*>(p);
+    call->in_flight->start(call);
     try {
       call->fn();
     } catch (const std::exception& e) {
@@ -638,22 +673,21 @@ private:
       call->engine->host_function_failed("an exception that is not a std::exception");
     }
     call->fn = nullptr; // the user's captures go before the engine may
-    const auto in_flight = std::move(call->in_flight);
-    delete call;
-    in_flight->done();
+    const auto in_flight = call->in_flight; // keeps the block alive through finish()
+    in_flight->finish(call);
   }
 
   static void CUDART_CB flag_wait_trampoline(void* p) {
     auto* w = static_cast<flag_wait*>(p);
+    w->in_flight->start(w);
     try {
       w->engine->wait_for_flag(*w->flag, w->value);
     } catch (...) {
       w->engine->host_function_failed("waiting for a flag");
     }
     w->engine->flag_wait_returned(*w->flag);
-    const auto in_flight = std::move(w->in_flight);
-    delete w;
-    in_flight->done();
+    const auto in_flight = w->in_flight; // keeps the block alive through finish()
+    in_flight->finish(w);
   }
 
   static cudaStream_t stream(device_stream s) { return static_cast<cudaStream_t>(s.handle); }
@@ -683,6 +717,26 @@ private:
     std::lock_guard<std::mutex> lock(flag_mu_);
     if (!f.waited || std::int32_t(value - f.highest_wait) > 0) f.highest_wait = value;
     f.waited = true;
+  }
+
+  /// The engine's host functions run once per enqueue, counted until they have: one captured
+  /// into a graph would run once per launch of it, or never.
+  void refuse_capture(device_stream s, const char* call) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    check(cudaStreamIsCapturing(stream(s), &status), "cudaStreamIsCapturing");
+    if (status != cudaStreamCaptureStatusNone)
+      throw std::invalid_argument(std::string("cuda copy engine: ") + call +
+                                  " on a stream being captured into a graph: the engine's host functions are not "
+                                  "graph nodes (enqueue them outside the capture)");
+  }
+
+  /// Whether the context has failed (a device fault): an idle stream's query answers the
+  /// sticky error then. For teardown only: the error is forgotten, not kept.
+  bool context_failed() noexcept {
+    if (!private_stream_) return false;
+    const cudaError_t rc = cudaStreamQuery(private_stream_);
+    forget_own_error(rc);
+    return rc != cudaSuccess && rc != cudaErrorNotReady;
   }
 
   /// The checks every enqueuing or synchronizing call starts with: not poisoned, and no

@@ -12,6 +12,7 @@
 // it writes them. A host access that collides with a copy in flight (CUDA: undefined, the
 // DMA may read half-written data or overwrite the host's) faults at once and is named. Only
 // whole pages: a neighbour sharing a page with the range is never mistaken for the copy's.
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <csignal>
@@ -22,6 +23,7 @@
 #include <mutex>
 #include <sys/mman.h>
 #include <unistd.h>
+#include <vector>
 
 #include "double_internal.hpp"
 
@@ -56,6 +58,7 @@ std::atomic<std::uintptr_t> slot_begin[fault_slots], slot_end[fault_slots];
 // Guarded page-locked pages: [begin, end) and whether the copy in flight writes them.
 std::atomic<std::uintptr_t> guard_begin[fault_slots], guard_end[fault_slots];
 std::atomic<bool> guard_write[fault_slots];
+std::atomic<bool> guards_frozen{false}; // a collision was reported: nothing unguards any more
 struct sigaction previous_segv {};
 std::atomic<bool> handler_installed{false};
 
@@ -73,6 +76,9 @@ void on_segv(int sig, siginfo_t* info, void* ucontext) {
           info->si_addr, guard_write[i].load(std::memory_order_relaxed) ? "writes" : "reads",
           reinterpret_cast<void*>(b));
       if (n > 0) (void)!write(2, msg, std::size_t(n));
+      // The retried access must fault again under the previous handler (which reports it and
+      // ends the process): the guards stay as they are from here on.
+      guards_frozen.store(true);
       sigaction(SIGSEGV, &previous_segv, nullptr);
       return;
     }
@@ -146,19 +152,33 @@ void remove_guard_slot(std::uintptr_t b, std::uintptr_t e) {
     }
 }
 
-// Per guarded page, the copies in flight reading and writing it: its protection is the
-// strictest they need.
-struct page_use {
-  int readers = 0, writers = 0;
+// The guards in force: copies in flight over whole pages of page-locked memory. A page's
+// protection is the strictest its guards need; protections change once per run of pages
+// that share the same guards (one mprotect per copy in the usual, non-overlapping case).
+struct active_guard {
+  std::uintptr_t begin, end;
+  bool write;
 };
 std::mutex& guard_mu = *new std::mutex;
-std::map<std::uintptr_t, page_use>& guarded_pages = *new std::map<std::uintptr_t, page_use>;
+std::vector<active_guard>& active_guards = *new std::vector<active_guard>;
 
-void set_page_protection(std::uintptr_t page, std::size_t page_bytes, const page_use& u) {
-  const int prot = u.writers ? PROT_NONE : u.readers ? PROT_READ : PROT_READ | PROT_WRITE;
-  if (mprotect(reinterpret_cast<void*>(page), page_bytes, prot) != 0) {
-    std::fprintf(stderr, "cuda double: mprotect of a page-locked page failed: %s\n", std::strerror(errno));
-    std::abort();
+void protect_as_guarded(std::uintptr_t begin, std::uintptr_t end) {
+  std::vector<std::uintptr_t> cuts{begin, end};
+  for (const auto& g : active_guards) {
+    if (g.begin > begin && g.begin < end) cuts.push_back(g.begin);
+    if (g.end > begin && g.end < end) cuts.push_back(g.end);
+  }
+  std::sort(cuts.begin(), cuts.end());
+  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+  for (std::size_t i = 0; i + 1 < cuts.size(); ++i) {
+    bool read = false, written = false;
+    for (const auto& g : active_guards)
+      if (g.begin <= cuts[i] && cuts[i + 1] <= g.end) (g.write ? written : read) = true;
+    const int prot = written ? PROT_NONE : read ? PROT_READ : PROT_READ | PROT_WRITE;
+    if (mprotect(reinterpret_cast<void*>(cuts[i]), cuts[i + 1] - cuts[i], prot) != 0) {
+      std::fprintf(stderr, "cuda double: mprotect of page-locked pages failed: %s\n", std::strerror(errno));
+      std::abort();
+    }
   }
 }
 
@@ -304,14 +324,18 @@ void guard_host_range(const memory_access& r, bool on) {
   const std::uintptr_t first = (r.begin + page - 1) / page * page, last = r.end / page * page;
   if (first >= last) return; // no whole page: nothing to guard
   std::lock_guard<std::mutex> lock(guard_mu);
-  if (on) add_guard_slot(first, last, r.write);
-  for (std::uintptr_t pg = first; pg < last; pg += page) {
-    page_use& u = guarded_pages[pg];
-    (r.write ? u.writers : u.readers) += on ? 1 : -1;
-    set_page_protection(pg, page, u);
-    if (!u.readers && !u.writers) guarded_pages.erase(pg);
+  if (on) {
+    add_guard_slot(first, last, r.write);
+    active_guards.push_back({first, last, r.write});
+  } else {
+    if (guards_frozen.load()) return; // a reported collision must fault again
+    const auto it = std::find_if(active_guards.begin(), active_guards.end(), [&](const active_guard& g) {
+      return g.begin == first && g.end == last && g.write == r.write;
+    });
+    if (it != active_guards.end()) active_guards.erase(it);
+    remove_guard_slot(first, last);
   }
-  if (!on) remove_guard_slot(first, last);
+  protect_as_guarded(first, last);
 }
 
 } // namespace cuda_double::detail

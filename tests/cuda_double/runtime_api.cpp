@@ -243,8 +243,9 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
   work w;
   w.api = "cudaMemcpyAsync";
   w.accesses = {range_of(src, bytes, false), range_of(dst, bytes, true)};
-  if (r.kind == memory_kind::pinned) w.host_guards.push_back(range_of(src, bytes, false));
-  if (d.kind == memory_kind::pinned) w.host_guards.push_back(range_of(dst, bytes, true));
+  // Guarded while in flight, unless a timing run (move_data=0) wants the modelled time only.
+  if (config().move_data && r.kind == memory_kind::pinned) w.host_guards.push_back(range_of(src, bytes, false));
+  if (config().move_data && d.kind == memory_kind::pinned) w.host_guards.push_back(range_of(dst, bytes, true));
   // A timing run (move_data=0) leaves the host's cores to the code under test.
   if (config().move_data) {
     w.body = [to = d.view, from = r.view, bytes] { std::memcpy(to, from, bytes); };
@@ -356,6 +357,15 @@ cudaError_t cudaStreamBeginCapture(cudaStream_t stream, cudaStreamCaptureMode) {
   CUstream_st* s = resolve_stream(stream, call.device, "cudaStreamBeginCapture");
   if (!s || !stream) return result(cudaErrorInvalidResourceHandle);
   return result(begin_capture(s) ? cudaSuccess : cudaErrorIllegalState);
+}
+
+cudaError_t cudaStreamIsCapturing(cudaStream_t stream, cudaStreamCaptureStatus* status) {
+  device_call call("cudaStreamIsCapturing");
+  if (call.error != cudaSuccess) return result(call.error);
+  CUstream_st* s = resolve_stream(stream, call.device, "cudaStreamIsCapturing");
+  if (!s || !status) return result(cudaErrorInvalidValue);
+  *status = capturing(s) ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusNone;
+  return cudaSuccess;
 }
 
 cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t* graph) {

@@ -216,14 +216,21 @@ void callback_thread() {
 // Device work and copies: the body, then the rest of the modelled time. A device's link has
 // one copy engine per direction, as PCIe and NVLink-C2C devices do: copies in one direction
 // take turns (from any stream), so a modelled link never moves more than its bandwidth.
-void run_modelled(int device, const work& w) {
+// A copy of page-locked memory is in flight, its host pages guarded, from its start (the
+// seeded delay `in_flight_ns` included) to its end; the guard's own cost is inside the
+// modelled time, not added to it.
+void run_modelled(int device, const work& w, std::uint64_t in_flight_ns) {
   static std::mutex* const links = new std::mutex[2 * 64]; // leaked: workers may outlive exit
   std::unique_lock<std::mutex> link;
   if (w.link >= 0 && w.modelled_ns && device >= 0 && device < 64)
     link = std::unique_lock<std::mutex>(links[2 * device + w.link]);
   const auto begin = std::chrono::steady_clock::now();
+  for (const auto& g : w.host_guards) guard_host_range(g, true);
+  if (in_flight_ns) std::this_thread::sleep_for(std::chrono::nanoseconds(in_flight_ns));
   if (w.body) w.body();
-  if (w.modelled_ns) std::this_thread::sleep_until(begin + std::chrono::nanoseconds(w.modelled_ns));
+  if (w.modelled_ns)
+    std::this_thread::sleep_until(begin + std::chrono::nanoseconds(w.modelled_ns + in_flight_ns));
+  for (const auto& g : w.host_guards) guard_host_range(g, false);
 }
 
 void worker(CUstream_st* s) {
@@ -268,10 +275,7 @@ void worker(CUstream_st* s) {
         run_host_function(lock, *owned);
       } else if (owned->w.body || owned->w.modelled_ns || guarded) {
         lock.unlock();
-        for (const auto& g : owned->w.host_guards) guard_host_range(g, true);
-        if (guarded && owned->delay_ns) std::this_thread::sleep_for(std::chrono::nanoseconds(owned->delay_ns));
-        run_modelled(s->device, owned->w);
-        for (const auto& g : owned->w.host_guards) guard_host_range(g, false);
+        run_modelled(s->device, owned->w, guarded ? owned->delay_ns : 0);
         lock.lock();
       }
     }
@@ -373,6 +377,9 @@ cudaError_t enqueue_wait_value(CUstream_st* s, const std::uint32_t* word, std::u
   o->word = word;
   o->value = value;
   o->flags = flags;
+  // It reads the word until it passes: freeing the word waits for it (cudaFreeHost).
+  const auto w = reinterpret_cast<std::uintptr_t>(word);
+  o->w.accesses = {{w, w + sizeof(std::uint32_t), false}};
   std::lock_guard<std::mutex> lock(mu);
   push(s, std::move(o));
   return cudaSuccess;
