@@ -9,7 +9,9 @@
 // the CUDA engine on the test-only CUDA runtime double, and the two agree (docs/pipeline.md).
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <thread>
@@ -36,8 +38,9 @@ link_model parse_link(const std::string& text) {
   if (text == "nvlink-c2c") return {"NVLink-C2C", 450};
   char* end = nullptr;
   const double gbps = std::strtod(text.c_str(), &end);
-  if (text.empty() || *end != '\0' || !(gbps > 0) || gbps > 1e5)
-    throw std::invalid_argument("--link '" + text + "': expected pcie4, pcie5, nvlink-c2c or GB/s per direction (> 0)");
+  if (text.empty() || *end != '\0' || !(gbps >= 0.1) || gbps > 1e5)
+    throw std::invalid_argument("--link '" + text +
+                                "': expected pcie4, pcie5, nvlink-c2c or GB/s per direction (0.1 to 100000)");
   return {text + " GB/s", gbps};
 }
 
@@ -192,9 +195,26 @@ report run_trainer_bench(const trainer_options& o, const common_options& c) {
   const std::size_t chunk = parse_size(o.chunk, "--chunk");
   const std::size_t n_params = count_params(tensors);
   const auto gt = hostopt::dtype(mix.grad), pt = hostopt::dtype(mix.out);
-  // Master weights and moments (f32 at most), the accumulator, the pinned rings. The
-  // "device" buffers are never touched: copies move nothing.
-  check_memory(n_params * 16 + 8 * chunk * (hostopt::dtype_size(gt) + 4),
+  const auto device_us = [&](std::size_t tok) { return 6.0 * double(n_params) * double(tok) / (o.tflops * 1e12) * 1e6; };
+  // The runs sleep through the modelled time: refuse one that would take hours (or
+  // overflow a clock) before anything is allocated.
+  double modelled_s = 0;
+  for (const link_model& link : links)
+    for (std::size_t tok : tokens) {
+      const double copies_s = double(n_params) * double(o.micro * hostopt::dtype_size(gt) + hostopt::dtype_size(pt)) /
+                              (link.gbps * 1e9);
+      modelled_s += double(modes.size() * threads.size()) * o.steps * (o.micro * device_us(tok) * 1e-6 + copies_s);
+    }
+  if (!(modelled_s <= 3600)) {
+    char text[64];
+    std::snprintf(text, sizeof text, "%.3g hours", modelled_s / 3600);
+    throw std::invalid_argument(std::string("the runs asked for would take ") + text +
+                                " of modelled device and link time (more than an hour): fewer or smaller --tokens, "
+                                "fewer --steps, --micro or --modes, a faster --tflops or --link");
+  }
+  // Master weights and moments (f32 at most), the accumulator, the pinned rings (a chunk is
+  // at most the model). The "device" buffers are never touched: copies move nothing.
+  check_memory(n_params * 16 + 8 * std::min(chunk, n_params) * (hostopt::dtype_size(gt) + 4),
                "trainer projection of " + format_size(n_params) + " parameters");
 
   report r("trainer");
@@ -240,7 +260,7 @@ report run_trainer_bench(const trainer_options& o, const common_options& c) {
       for (std::size_t tok : tokens)
         for (const auto& [mode_name, mode] : modes) {
           prog.update(done++, "trainer " + link.name + " tokens=" + std::to_string(tok) + " " + mode_name);
-          const double us = 6.0 * double(n_params) * double(tok) / (o.tflops * 1e12) * 1e6;
+          const double us = device_us(tok);
           const run_result res = run_trainer(*engine, pipe, n, gt, pt, dev.grads, dev.params, mode, o.steps, o.micro, us);
           nlohmann::ordered_json row;
           row["link"] = link.name;
@@ -259,8 +279,12 @@ report run_trainer_bench(const trainer_options& o, const common_options& c) {
   }
   prog.finish();
   r.add_note("A projection: the CPU update is measured (this machine, hostopt's kernels), the device is modelled: each "
-             "forward+backward takes 6 x parameters x tokens / --tflops (device_ms: per step), copies take bytes / link "
-             "rate, one at a time per direction, and move nothing (their memory traffic is not charged to the update).");
+             "forward+backward takes 6 x parameters x tokens / --tflops (device_ms: per step; attention's flops are not "
+             "counted, ~15% more for gpt2-small at 1024 tokens of context), copies take bytes / link rate, one at a time "
+             "per direction, and move nothing (their memory traffic is not charged to the update). Every micro-batch's "
+             "gradients go to the host (accumulated there), as the example trainer does.");
+  r.add_note("device_busy_% is measured from the modelled work's own timing (sleeps on the engine's threads): where a "
+             "micro-batch's device time is under ~1 ms, their wake-up latency inflates it.");
   r.add_note("step_ms and device_busy_% over the steady state (steps 2..N-2); update_ms: the last step's CPU "
              "update (summed over its chunks; the accumulation passes not included). DPU: the forward reads parameters "
              "one step old, so the update hides behind the next step's device work.");

@@ -544,8 +544,10 @@ TEST_CASE("pinned buffers and the CUDA engine's absence are reported clearly", "
   if (!cuda_device_available()) CHECK_THROWS_AS(make_cuda_copy_engine(0), std::runtime_error);
   CHECK(make_default_copy_engine()->name() == (cuda_device_available() ? "cuda" : "host"));
   host_engine_options bad;
-  bad.bandwidth_gbps = -1;
-  CHECK_THROWS_WITH(make_host_copy_engine(bad), Catch::Contains("bandwidth_gbps"));
+  for (const double gbps : {-1.0, 1e-9, std::nan(""), std::numeric_limits<double>::infinity()}) {
+    bad.bandwidth_gbps = gbps;
+    CHECK_THROWS_WITH(make_host_copy_engine(bad), Catch::Contains("bandwidth_gbps"));
+  }
 }
 
 // The projection mode of `hostopt-bench trainer`: copies keep their order and their events
@@ -570,6 +572,24 @@ TEST_CASE("a host engine whose copies move no bytes keeps the stream order and z
   engine->synchronize_event(e);
   CHECK(*order == std::vector<int>{1, 2});
   CHECK(std::all_of(bytes, bytes + 4096, [](unsigned char b) { return b == 0; })); // nothing moved
+  {
+    // Moving nothing, a copy still takes its modelled time: 40960 bytes at 0.01 GB/s >= 4.096 ms.
+    host_engine_options slow = eo;
+    slow.bandwidth_gbps = 0.01;
+    auto timed = make_host_copy_engine(slow);
+    pinned_buffer h(*timed, 40960);
+    device_buffer d(*timed, 40960);
+    const device_stream ts = timed->create_stream();
+    const device_event before = timed->create_event(), after = timed->create_event();
+    timed->record_event(before, ts);
+    timed->copy_async(ts, copy_direction::to_device, d.data, h.data(), 40960);
+    timed->record_event(after, ts);
+    timed->synchronize_event(after);
+    CHECK(timed->event_time_ns(after) - timed->event_time_ns(before) >= 4'096'000);
+    timed->destroy_event(before);
+    timed->destroy_event(after);
+    timed->destroy_stream(ts);
+  }
   // The pipeline over it: a whole step, state advanced, from zero gradients.
   optimizer opt({{adam_config{}, {{"w", {5000}}}}});
   for (std::size_t i = 0; i < opt.arena_size(); ++i) opt.params()[i] = 1.0f;

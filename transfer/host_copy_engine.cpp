@@ -13,6 +13,7 @@
 //   nobody hangs) and every call throws its text.
 // One mutex guards all of it: the engine's work per operation is tiny next to a copy.
 #include <array>
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -94,9 +95,10 @@ struct stream_impl {
 class host_copy_engine final : public copy_engine {
 public:
   explicit host_copy_engine(host_engine_options o) : opts_(std::move(o)) {
-    if (!(opts_.bandwidth_gbps >= 0))
+    // Below 1e-6 GB/s (1 KB/s) a copy's modelled time would outlast any run.
+    if (!(opts_.bandwidth_gbps == 0 || (opts_.bandwidth_gbps >= 1e-6 && opts_.bandwidth_gbps <= 1e9)))
       throw std::invalid_argument("host_engine_options.bandwidth_gbps = " + std::to_string(opts_.bandwidth_gbps) +
-                                  ": expected >= 0 (0 = uncapped)");
+                                  ": expected 0 (uncapped) or 1e-6 to 1e9 GB/s");
   }
 
   ~host_copy_engine() override {
@@ -331,8 +333,8 @@ private:
           if (opts_.before_copy) opts_.before_copy(c->dir, seq);
           if (c->bytes && opts_.move_bytes) std::memcpy(c->dst, c->src, c->bytes);
           if (opts_.bandwidth_gbps > 0)
-            std::this_thread::sleep_until(std::chrono::steady_clock::time_point(
-                std::chrono::nanoseconds(t0 + std::int64_t(double(c->bytes) / opts_.bandwidth_gbps))));
+            std::this_thread::sleep_until(std::chrono::steady_clock::time_point(std::chrono::nanoseconds(
+                t0 + std::int64_t(std::min(double(c->bytes) / opts_.bandwidth_gbps, 1e18))))); // no overflow
         } catch (const std::exception& e) {
           failure = std::string(kind) + " #" + std::to_string(seq) + " of " + std::to_string(c->bytes) +
                     " bytes failed: " + e.what();
