@@ -110,6 +110,8 @@ public:
   // --- flags (stream memory operations) ---------------------------------------------------
   /// A flag holding 0. Released with free_flag.
   virtual device_flag allocate_flag() = 0;
+  /// Waits on `f` still pending are let go (the work behind them runs, ungated), and the
+  /// flag's memory is freed once no stream reads it any more.
   virtual void free_flag(device_flag f) noexcept = 0;
   /// Later work on `s` waits until the flag reaches `value`: (int32_t)(flag - value) >= 0,
   /// so a counter may wrap (cuStreamWaitValue32 with CU_STREAM_WAIT_VALUE_GEQ).
