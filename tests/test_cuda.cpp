@@ -759,6 +759,18 @@ TEST_CASE("the engine refuses its host functions on a stream being captured into
   REQUIRE(cudaStreamCreateWithFlags(&capturing, cudaStreamNonBlocking) == cudaSuccess);
   REQUIRE(cudaStreamBeginCapture(capturing, cudaStreamCaptureModeRelaxed) == cudaSuccess);
   const device_flag f = engine->allocate_flag();
+  {
+    // An ordinary fallback wait first: later ones are chained after it by an event wait,
+    // which a capture would refuse (and the engine keep) if it came before the refusal.
+    const device_stream plain = engine->create_stream();
+    engine->stream_wait_flag(plain, f, 0);
+    const device_flag g = engine->allocate_flag();
+    engine->stream_wait_flag(plain, g, 1);
+    engine->write_flag(g, 1);
+    engine->synchronize_stream(plain);
+    engine->free_flag(g);
+    engine->destroy_stream(plain);
+  }
   CHECK_THROWS_WITH(engine->launch_host_function(device_stream{capturing}, [] {}),
                     Catch::Contains("launch_host_function on a stream being captured into a graph"));
   CHECK_THROWS_WITH(engine->stream_wait_flag(device_stream{capturing}, f, 1),

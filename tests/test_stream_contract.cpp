@@ -66,6 +66,21 @@ void model_gradient(const std::uint16_t* w, float* g, std::size_t n, int mb) {
 
 } // namespace
 
+// copy_engine::free_flag: waits still pending on a freed flag are let go (the work behind
+// them runs), on the host engine as on CUDA's.
+TEST_CASE("freeing a flag lets the waits still pending on it go", "[contract]") {
+  auto engine = make_host_copy_engine();
+  const device_stream s = engine->create_stream();
+  const device_flag f = engine->allocate_flag();
+  std::atomic<bool> ran{false};
+  engine->stream_wait_flag(s, f, 5); // nobody writes 5
+  engine->launch_host_function(s, [&ran] { ran.store(true); });
+  engine->free_flag(f);
+  engine->synchronize_stream(s); // returns: the wait was let go
+  CHECK(ran.load());
+  engine->destroy_stream(s);
+}
+
 TEST_CASE("the host engine models CUDA streams: FIFO, events as of the wait, flags, sticky errors", "[contract]") {
   auto engine = make_host_copy_engine();
   const device_stream a = engine->create_stream(), b = engine->create_stream();

@@ -156,18 +156,22 @@ struct engine_host_call {
 /// sign-off must not touch an engine that release() may free right after. Each call's
 /// block is freed here, under the lock, so that one CUDA will never run (after a device
 /// fault) can be freed by release() without racing a trampoline that is finishing.
-struct host_calls_in_flight {
+struct host_calls_in_flight : std::enable_shared_from_this<host_calls_in_flight> {
   std::mutex mu;
   std::condition_variable cv;
   std::unordered_set<engine_host_call*> queued, running;
+  bool abandoned = false;
   void add(engine_host_call* c) {
     std::lock_guard<std::mutex> lock(mu);
     queued.insert(c);
   }
-  /// CUDA calls it: from here on abandon() leaves it to finish().
-  void start(engine_host_call* c) {
+  /// CUDA calls it: from here on abandon() leaves it to finish(). False once abandoned:
+  /// the trampoline returns at once, touching nothing.
+  bool start(engine_host_call* c) {
     std::lock_guard<std::mutex> lock(mu);
+    if (abandoned) return false;
     if (queued.erase(c)) running.insert(c);
+    return true;
   }
   /// The call ran (or was never enqueued): its block is freed.
   void finish(engine_host_call* c) {
@@ -179,13 +183,18 @@ struct host_calls_in_flight {
     std::unique_lock<std::mutex> lock(mu);
     return cv.wait_for(lock, timeout, [&] { return queued.empty() && running.empty(); });
   }
-  /// After a device fault: frees the blocks of the calls CUDA will never run, and waits for
-  /// those it is running.
+  /// After a device fault: the calls CUDA has not started are left behind (kept reachable
+  /// for the process's life, never freed: one CUDA was handing over as the fault hit may
+  /// still enter its trampoline, which then returns at once); those running are waited for.
   void abandon() {
+    static std::mutex& left_mu = *new std::mutex;
+    static auto& left_behind = *new std::vector<std::shared_ptr<host_calls_in_flight>>;
     std::unique_lock<std::mutex> lock(mu);
-    for (auto* c : queued) delete c;
-    queued.clear();
+    abandoned = true;
     cv.wait(lock, [&] { return running.empty(); });
+    lock.unlock();
+    std::lock_guard<std::mutex> left(left_mu);
+    left_behind.push_back(shared_from_this());
   }
 };
 
@@ -486,10 +495,11 @@ public:
     return {f};
   }
   /// Waits on `f` still pending (on streams that have not reached them) are let go: the
-  /// flag is written to the largest value any asked for. Its word is freed once they have
-  /// passed it: cudaFreeHost waits for the device's waits (stream memory operations); a flag
-  /// with fallback waits pending is retired until their host functions returned, at the
-  /// latest until the engine's end.
+  /// flag is written to the largest value any asked for. Its word is freed only when no
+  /// wait can read it any more: at once if it was never waited on; a flag with fallback
+  /// waits pending once their host functions returned; one a device wait (stream memory
+  /// operation) read at the engine's end, after its streams (a page-locked word each: an
+  /// engine that makes and frees flags without end should be remade now and then).
   void free_flag(device_flag f) noexcept override {
     if (!f) return;
     auto* fs = static_cast<flag_state*>(f.handle);
@@ -501,13 +511,16 @@ public:
         std::lock_guard<std::mutex> flags(flag_mu_);
         if (fs->waited && !flag_reached(*fs, fs->highest_wait))
           std::atomic_ref<std::uint32_t>(*fs->host).store(fs->highest_wait, std::memory_order_release);
-        if (fs->pending_waits > 0) {
+        // A device wait (stream memory operation) may still read the word, and nothing says
+        // when it has: such a flag is kept until the engine's end, after its streams.
+        if (fs->pending_waits > 0 || (fs->waited && wait_value32_)) {
           retired_flags_.push_back(fs);
           fs = nullptr;
         }
         // Retired flags whose waits have all returned since.
-        auto idle = std::stable_partition(retired_flags_.begin(), retired_flags_.end(),
-                                          [](const flag_state* r) { return r->pending_waits > 0; });
+        auto idle = std::stable_partition(retired_flags_.begin(), retired_flags_.end(), [&](const flag_state* r) {
+          return r->pending_waits > 0 || (r->waited && wait_value32_);
+        });
         done.assign(idle, retired_flags_.end());
         retired_flags_.erase(idle, retired_flags_.end());
       }
@@ -524,8 +537,11 @@ public:
   void stream_wait_flag(device_stream s, device_flag f, std::uint32_t value) override {
     enter("stream_wait_flag", s);
     flag_state& fs = flag(f);
-    note_wait(fs, value);
     device_scope scope(*this);
+    // Before anything is enqueued or noted (the chain's event wait would itself be refused
+    // by a capture, and sticky).
+    if (!wait_value32_) refuse_capture(s, "stream_wait_flag (the host-function fallback)");
+    note_wait(fs, value);
     if (wait_value32_) {
       const CUresult rc =
           wait_value32_(reinterpret_cast<CUstream>(stream(s)), fs.device, value, CU_STREAM_WAIT_VALUE_GEQ);
@@ -551,7 +567,6 @@ public:
       check(cudaEventCreateWithFlags(&wait_chain_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
     else if (wait_chain_recorded_)
       check(cudaStreamWaitEvent(stream(s), wait_chain_, 0), "cudaStreamWaitEvent");
-    refuse_capture(s, "stream_wait_flag (the host-function fallback)");
     auto* w = new flag_wait(this, &fs, value, in_flight_);
     in_flight_->add(w);
     {
@@ -664,7 +679,7 @@ private:
   // Each trampoline signs off last: once it has, release() may free the engine.
   static void CUDART_CB host_call_trampoline(void* p) {
     auto* call = static_cast<host_call*>(p);
-    call->in_flight->start(call);
+    if (!call->in_flight->start(call)) return; // abandoned after a device fault
     try {
       call->fn();
     } catch (const std::exception& e) {
@@ -679,7 +694,7 @@ private:
 
   static void CUDART_CB flag_wait_trampoline(void* p) {
     auto* w = static_cast<flag_wait*>(p);
-    w->in_flight->start(w);
+    if (!w->in_flight->start(w)) return; // abandoned after a device fault
     try {
       w->engine->wait_for_flag(*w->flag, w->value);
     } catch (...) {
@@ -723,7 +738,14 @@ private:
   /// into a graph would run once per launch of it, or never.
   void refuse_capture(device_stream s, const char* call) {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    check(cudaStreamIsCapturing(stream(s), &status), "cudaStreamIsCapturing");
+    const cudaError_t rc = cudaStreamIsCapturing(stream(s), &status);
+    // The legacy stream while another stream of the context is captured: as good as capturing.
+    if (rc == cudaErrorStreamCaptureImplicit) {
+      forget_own_error(rc);
+      status = cudaStreamCaptureStatusActive;
+    } else {
+      check(rc, "cudaStreamIsCapturing");
+    }
     if (status != cudaStreamCaptureStatusNone)
       throw std::invalid_argument(std::string("cuda copy engine: ") + call +
                                   " on a stream being captured into a graph: the engine's host functions are not "
@@ -731,12 +753,27 @@ private:
   }
 
   /// Whether the context has failed (a device fault): an idle stream's query answers the
-  /// sticky error then. For teardown only: the error is forgotten, not kept.
+  /// sticky error then. Only errors that end a context count: another (e.g. a query refused
+  /// during another thread's graph capture) says nothing of it, and CUDA still runs the
+  /// host functions. For teardown only: the error is forgotten, not kept.
   bool context_failed() noexcept {
     if (!private_stream_) return false;
     const cudaError_t rc = cudaStreamQuery(private_stream_);
     forget_own_error(rc);
-    return rc != cudaSuccess && rc != cudaErrorNotReady;
+    switch (rc) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchFailure:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorAssert:
+    case cudaErrorECCUncorrectable:
+    case cudaErrorUnknown: return true;
+    default: return false;
+    }
   }
 
   /// The checks every enqueuing or synchronizing call starts with: not poisoned, and no

@@ -51,6 +51,7 @@ struct event_impl {
 
 struct flag_impl {
   std::uint32_t value = 0;
+  bool freed = false; // free_flag let its waits go
 };
 
 struct copy_op {
@@ -245,7 +246,10 @@ public:
   void free_flag(device_flag h) noexcept override {
     std::lock_guard<std::mutex> lock(mu_);
     auto* f = static_cast<flag_impl*>(h.handle);
-    if (flags_.erase(f)) retired_flags_.emplace_back(f);
+    if (!flags_.erase(f)) return;
+    f->freed = true; // pending waits on it go, as copy_engine::free_flag says
+    retired_flags_.emplace_back(f);
+    cv_.notify_all();
   }
   void stream_wait_flag(device_stream s, device_flag f, std::uint32_t value) override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -310,7 +314,7 @@ private:
     }
     if (auto* w = std::get_if<wait_flag_op>(&op)) {
       object = w->flag;
-      cv_.wait(lock, [&] { return flag_reached(w->flag->value, w->value) || !healthy(); });
+      cv_.wait(lock, [&] { return flag_reached(w->flag->value, w->value) || w->flag->freed || !healthy(); });
       return "wait flag";
     }
     if (auto* r = std::get_if<record_op>(&op)) {

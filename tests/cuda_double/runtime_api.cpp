@@ -185,6 +185,10 @@ cudaError_t cudaFreeHost(void* p) {
   device_call call("cudaFreeHost");
   if (call.error != cudaSuccess) return result(call.error);
   if (!p) return cudaSuccess;
+  // As CUDA in practice: freeing page-locked memory synchronizes the device (whatever the
+  // freed range), so code that frees it while a stream waits on something the caller
+  // would only release later deadlocks here as it would on a GPU.
+  for (const auto& tail : device_tails(call.device)) host_waits(tail, /*learn=*/false);
   return result(free_pinned_memory(p));
 }
 
