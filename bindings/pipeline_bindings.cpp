@@ -50,7 +50,9 @@ void bind_pipeline(py::module_& m) {
       .def_static(
           "host",
           [](double gbps) {
-            return std::shared_ptr<copy_engine>(make_host_copy_engine({gbps, {}, {}}));
+            host_engine_options options;
+            options.bandwidth_gbps = gbps;
+            return std::shared_ptr<copy_engine>(make_host_copy_engine(options));
           },
           py::arg("bandwidth_gbps") = 0.0)
       .def_static(

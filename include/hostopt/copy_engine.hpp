@@ -142,10 +142,6 @@ struct device_op_record {
 struct host_engine_options {
   /// Cap per direction in GB/s (1e9 bytes/s), to mimic PCIe; 0 = as fast as memcpy.
   double bandwidth_gbps = 0;
-  /// false: a copy moves nothing and only takes its time at bandwidth_gbps, as a GPU's DMA
-  /// costs no core (for projections: `hostopt-bench trainer`); pinned memory then starts
-  /// zeroed, so what the update reads from it is defined.
-  bool move_bytes = true;
   /// Test hook called on the stream's thread before each copy with its direction and
   /// 1-based sequence number in that direction; an exception it throws fails the copy and,
   /// as a failed CUDA copy does, makes the error sticky.
@@ -153,6 +149,11 @@ struct host_engine_options {
   /// Called on the stream's thread after each operation (waits included); must not call
   /// the engine.
   std::function<void(const device_op_record&)> on_op;
+  /// false: a copy moves nothing and only takes its time at bandwidth_gbps, as a GPU's DMA
+  /// costs no core (for projections: `hostopt-bench trainer`); pinned memory then starts
+  /// zeroed, so what the update reads from it is defined. (Last: brace-initialized options
+  /// written before it keep their meaning.)
+  bool move_bytes = true;
 };
 
 /// The host engine: a model of CUDA streams on threads ("device" memory is host memory).
