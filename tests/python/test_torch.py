@@ -1309,3 +1309,58 @@ def test_a_stepped_parameters_state_reset_in_place_stays_in_state_dict_as_torch(
   ours, theirs = make(htorch.AdamW), make(torch.optim.AdamW)
   assert sorted(ours.state_dict()["state"]) == sorted(theirs.state_dict()["state"]) == [0, 1]
   assert float(ours.state_dict()["state"][0]["step"]) == 0.0
+
+
+@pytest.mark.parametrize("moments", ["f32", "bf16", "8bit"])
+def test_one_group_at_a_time_as_deepspeed_steps_is_the_whole_step_without_a_rebuild(moments):
+  """DeepSpeed's ZeRO sets param_groups to [its group i], calls step() and restores the list,
+  for each group in turn: the same bits as one step of every group, and the layout (the arena,
+  opt.state's tensors) stays: a rebuild would copy the whole state at every call."""
+  whole, split = make_model(), make_model()
+  opt_whole = htorch.AdamW(groups_of(whole, wd=0.1), lr=1e-2, moments=moments)
+  opt_split = htorch.AdamW(groups_of(split, wd=0.1), lr=1e-2, moments=moments)
+  g = torch.Generator().manual_seed(5)
+  arena = None
+  for step in range(12):
+    if step == 6:  # a resume, as DeepSpeed's load_checkpoint: torch's load makes new group dicts
+      saved = opt_split.state_dict()
+      opt_split = htorch.AdamW(groups_of(split, wd=0.1), lr=1e-2, moments=moments)
+      opt_split.load_state_dict(saved)
+      arena = None
+    x, y = torch.randn(32, 8, generator=g), torch.randn(32, 4, generator=g)
+    for model, opt in ((whole, opt_whole), (split, opt_split)):
+      opt.zero_grad()
+      ((model(x) - y) ** 2).mean().backward()
+    opt_whole.step()
+    every = opt_split.param_groups
+    for group in (every[1], every[0]) if step % 2 else every:
+      opt_split.param_groups = [group]
+      opt_split.step()
+      opt_split.param_groups = every
+    now = [p.data_ptr() for p in split.parameters()] + [
+        t.data_ptr() for st in opt_split.state.values() for t in st.values() if torch.is_tensor(t)]
+    assert arena is None or now == arena, "the layout was rebuilt"
+    arena = now
+    assert all(torch.equal(a, b) for a, b in zip(whole.parameters(), split.parameters())), step
+  a, b = opt_whole.state_dict(), opt_split.state_dict()
+  for k, st in a["state"].items():
+    for key, value in st.items():
+      assert torch.equal(value, b["state"][k][key]) if torch.is_tensor(value) else value == b["state"][k][key]
+
+
+def test_a_group_left_out_of_param_groups_is_not_stepped():
+  """As torch.optim: param_groups holding one group steps that group only, the other's
+  parameters and state stay as they were, and they are stepped again once the list holds them."""
+  ours, theirs = make_model(), make_model()
+  opt_ours, opt_theirs = htorch.AdamW(groups_of(ours), lr=1e-2), torch.optim.AdamW(groups_of(theirs), lr=1e-2)
+  train(ours, opt_ours, steps=3)
+  train(theirs, opt_theirs, steps=3)
+  for opt in (opt_ours, opt_theirs):
+    opt.param_groups = [opt.param_groups[0]] + [opt.param_groups[1]][:0]
+  frozen = [p.detach().clone() for p in list(ours.parameters())[1::2]]  # the biases: group 1
+  train(ours, opt_ours, steps=3, seed=4)
+  train(theirs, opt_theirs, steps=3, seed=4)
+  assert all(torch.equal(p, q) for p, q in zip(list(ours.parameters())[1::2], frozen))
+  for p, q in zip(ours.parameters(), theirs.parameters()):
+    torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+  assert [int(opt_ours.state[p]["step"]) for p in ours.parameters()] == [6, 3, 6, 3]

@@ -288,6 +288,7 @@ class _HostAdam(torch.optim.Optimizer):
     if "rounding_seed" in param_group:
       param_group["rounding_seed"] = _check_seed(param_group["rounding_seed"], "param group rounding_seed")
     super().add_param_group(param_group)
+    self._given_groups = list(self.param_groups)  # (see _whole_list)
     # Rebuilt, with the state kept, at the next step (_params_changed), after the check that
     # every built parameter's group still stores its format (_check_formats).
 
@@ -594,11 +595,13 @@ class _HostAdam(torch.optim.Optimizer):
         t.master.copy_(t.param.detach())
         t.remember()
 
-  def _adopt_user_changes(self, present: Optional[set]):
+  def _adopt_user_changes(self, present: Optional[set], every: Optional[list] = None):
     """Parameters and state the user replaced or wrote since the last step take effect (for
-    the parameters still in param_groups, `present`: their ids, None when all are). Everything is checked before
+    the parameters still in param_groups, `present`: their ids, None when all are; `every`: the
+    whole list param_groups selects from, see _whole_list). Everything is checked before
     anything is taken, so a refusal changes nothing. Returns whether the layout must be
     rebuilt, and the state entries the rebuild reads instead of opt.state's (_build)."""
+    groups = self.param_groups if every is None else every  # what a Tracked's group indexes
     for tag, layout in self._layouts().items():
       tracked, steps, known = layout.tracked, layout.steps, layout.known
       written = steps.tolist() != known
@@ -648,7 +651,7 @@ class _HostAdam(torch.optim.Optimizer):
           st = self.state.get(p, {})
           m_key, v_key = CODES
           if t.format == "8bit" and st.get(m_key) is t.m and st.get(v_key) is t.v:
-            seed = int(self.param_groups[t.group].get("rounding_seed", 0))
+            seed = int(groups[t.group].get("rounding_seed", 0))
             overrides[id(p)] = encoded(*moments_as_f32(st, "8bit", p), "8bit", p, seed)
           rebuild = True
           continue  # the rebuild takes the state as it is
@@ -803,18 +806,26 @@ class _HostAdam(torch.optim.Optimizer):
   @_serialized
   def _step(self) -> None:
     self._drain()
+    every = self._whole_list()
     if self._layout is None:
-      self._build()
+      self._build_for(every)
     else:
       self._check_formats()
-      changed = self._params_changed()  # appended to or replaced in param_groups[i]["params"]: as add_param_group
-      present = {id(p) for g in self.param_groups for p in g["params"]} if changed else None
-      rebuild, overrides = self._adopt_user_changes(present)
+      # Appended to or replaced in param_groups[i]["params"]: as add_param_group.
+      changed = self._params_changed(every if every is not None else self.param_groups)
+      present = {id(p) for g in self.param_groups for p in g["params"]} if changed or every is not None else None
+      rebuild, overrides = self._adopt_user_changes(present, every)
       if rebuild or changed:
-        self._build(overrides)
-    configs = [self._config(g, f"param_groups[{gi}]")  # lr schedulers and edits take effect here
-               for gi, g in enumerate(self.param_groups)]
-    self._check_grads()  # every dtype's, before any is stepped
+        self._build_for(every, overrides)
+    # The built groups stepped (None: all of them), and each given group's place among them.
+    only, places = None, list(range(len(self.param_groups)))
+    if every is not None:
+      index = {id(g): i for i, (g, _) in enumerate(self._built_groups)}
+      places = [index[id(g)] for g in self.param_groups]
+      only = set(places)
+    configs = {places[gi]: self._config(g, f"param_groups[{gi}]")  # lr schedulers and edits take effect here
+               for gi, g in enumerate(self.param_groups)}
+    self._check_grads(only)  # every dtype's, before any is stepped
     # One decision for every dtype's core: the norm of all gradients, when checked.
     skip = self._skip_nonfinite
     if skip is None:
@@ -824,7 +835,7 @@ class _HostAdam(torch.optim.Optimizer):
     results = []
     self._last_chunk_events = 0
     for tag, layout in self._layouts().items():
-      for gi, cfg in enumerate(configs):
+      for gi, cfg in configs.items():
         if self._applied.get((tag, gi)) != cfg:
           layout.core.set_group_config(self._group_of[tag][gi], cfg)
           self._applied[(tag, gi)] = cfg
@@ -839,7 +850,7 @@ class _HostAdam(torch.optim.Optimizer):
       any_grad = False
       for i, t in enumerate(tracked):
         p = t.param
-        g = p.grad
+        g = p.grad if only is None or t.group in only else None
         cached = self._views.get((tag, i))
         if g is None:
           view = None
@@ -873,9 +884,44 @@ class _HostAdam(torch.optim.Optimizer):
       self.last_step = _merged(results)
       _report_blocks(self, self.last_step, "hostopt.torch")
 
+  def _whole_list(self) -> Optional[list]:
+    """DeepSpeed's ZeRO optimizer steps one group at a time: it sets param_groups to a list of
+    just its group i, calls step() and puts the list back. Where param_groups holds only some of
+    the groups this optimizer was last given (the same dicts), returns that whole list: the
+    layout stays built for all of it (rebuilt per call, it would copy the whole state twice per
+    DeepSpeed step, and compressed moments, rounded by arena position, would change bits), and
+    only the groups present are stepped; the others keep their state untouched, as torch.optim
+    leaves them. Otherwise None, and param_groups is the list from now on (torch.optim steps
+    whatever the lists hold). Offloaded parameters take the general path (their gradients
+    arrive through hooks on every group)."""
+    known = self.__dict__.get("_given_groups")
+    given = self.param_groups
+    # (Only while the layout is built for that list, or before the first build: a group removed
+    # after the build is gone, as add_param_group's was never there until built.)
+    if known is not None and len(given) < len(known) and self._offload is None and (
+        self._layout is None or not self._params_changed(known)):
+      index = {id(g): i for i, g in enumerate(known)}
+      places = {index.get(id(g)) for g in given}
+      if None not in places and len(places) == len(given) and all(
+          p.device.type == "cpu" for g in known for p in g["params"]):
+        return known
+    self._given_groups = list(given)
+    return None
+
+  def _build_for(self, every: Optional[list], overrides: Optional[dict] = None) -> None:
+    """_build for param_groups, or for the whole list `every` some of whose groups it holds."""
+    if every is None:
+      return self._build(overrides)
+    given = self.param_groups
+    self.param_groups = every
+    try:
+      self._build(overrides)
+    finally:
+      self.param_groups = given
+
   def _grad_norm(self) -> float:
-    """The global norm of every gradient (float32 per tensor, as the kernel squares them:
-    inf past sqrt(FLT_MAX); NaN with a NaN), one device sync per device."""
+    """The global norm of every gradient of param_groups (float32 per tensor, as the kernel
+    squares them: inf past sqrt(FLT_MAX); NaN with a NaN), one device sync per device."""
     by_device: Dict = {}
     for group in self.param_groups:
       for p in group["params"]:
@@ -886,22 +932,22 @@ class _HostAdam(torch.optim.Optimizer):
       total += float(torch.linalg.vector_norm(torch.stack(norms).double())) ** 2
     return math.sqrt(total)
 
-  def _params_changed(self) -> bool:
-    """Whether param_groups holds other parameters than the layout was built for (torch.optim
-    steps whatever the lists hold at each step)."""
+  def _params_changed(self, groups: list) -> bool:
+    """Whether `groups` (param_groups, or the whole list it selects from) holds other
+    parameters than the layout was built for (torch.optim steps whatever the lists hold)."""
     built = self._built_params
-    return len(built) != len(self.param_groups) or any(
+    return len(built) != len(groups) or any(
         len(old) != len(group["params"]) or any(a is not b for a, b in zip(old, group["params"]))
-        for old, group in zip(built, self.param_groups))
+        for old, group in zip(built, groups))
 
-  def _check_grads(self) -> None:
-    """Refuses gradients no step can take, for every parameter of every dtype before any is
-    stepped (a refused step changes nothing, as in torch.optim)."""
+  def _check_grads(self, only: Optional[set] = None) -> None:
+    """Refuses gradients no step can take, for every parameter of every dtype (of the groups
+    `only` where given) before any is stepped (a refused step changes nothing, as in torch.optim)."""
     for tag, layout in self._layouts().items():
       steps = layout.steps
       for i, t in enumerate(layout.tracked):
         g = t.param.grad
-        if g is None:
+        if g is None or (only is not None and t.group not in only):
           continue
         if g.layout != torch.strided:
           raise RuntimeError(f"{t.where} has a sparse gradient ({g.layout}): hostopt.torch does not support sparse "
@@ -1026,6 +1072,7 @@ class _HostAdam(torch.optim.Optimizer):
     # Built at the next step, when the parameters hold what the caller loaded into the model
     # (before or after this call): the f32 masters are kept exactly when they still fit.
     self._layout, self._hidden = None, {}
+    self._given_groups = list(self.param_groups)  # torch's load made new group dicts (see _whole_list)
     for hook in list((post_hooks or {}).values()):  # torch 2's: they see (and may edit) the loaded state
       hook(self)
 
