@@ -74,7 +74,8 @@ def test_snippet(code, tmp_path):
     pytest.skip("needs a CUDA GPU and a hostopt built with CUDA (hostopt._core.CopyEngine.cuda_available() is False)")
   script = tmp_path / "snippet.py"
   script.write_text(code, encoding="utf-8")
-  env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+  # (DeepSpeed builds its CPU ops under TORCH_EXTENSIONS_DIR: kept in the test's directory.)
+  env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", TORCH_EXTENSIONS_DIR=str(tmp_path / "torch_extensions"))
   r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                      timeout=TIMEOUT_S)
   assert r.returncode == 0, f"exit {r.returncode}\n--- stdout\n{r.stdout[-4000:]}\n--- stderr\n{r.stderr[-4000:]}"
