@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -40,18 +41,26 @@ def ranks(tmp_path_factory):
   env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
              TORCH_EXTENSIONS_DIR=str(out / "torch_extensions"))  # DeepSpeed builds its CPU ops here
   worker = os.path.join(os.path.dirname(__file__), "deepspeed_worker.py")
+  logs = [open(out / f"rank{r}.log", "w+") for r in range(WORLD)]
   procs = [subprocess.Popen([sys.executable, worker, str(out), str(r), str(WORLD), port], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(WORLD)]
-  logs = []
-  for p in procs:
-    try:
-      logs.append(p.communicate(timeout=900)[0])
-    except subprocess.TimeoutExpired:
-      for q in procs:
-        q.kill()
-      pytest.fail("a DeepSpeed rank hung (killed after 900 s)")
+                            stdout=logs[r], stderr=subprocess.STDOUT, text=True) for r in range(WORLD)]
+  try:
+    # Waited on together: a rank that fails stops the others at once (they would wait for it in a
+    # collective), and its own log is the one shown. (The deadline only ends a hang.)
+    deadline = time.monotonic() + 900
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+      if any(p.poll() not in (None, 0) for p in procs):
+        break
+      time.sleep(0.2)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
   for r, (p, log) in enumerate(zip(procs, logs)):
-    assert p.returncode == 0, f"rank {r} failed:\n{log[-4000:]}"
+    log.seek(0)
+    assert p.returncode == 0, f"rank {r} exited {p.returncode} (-9: stopped after another rank failed or a hang):\n" \
+                              f"{log.read()[-4000:]}"
   return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

@@ -1364,3 +1364,67 @@ def test_a_group_left_out_of_param_groups_is_not_stepped():
   for p, q in zip(ours.parameters(), theirs.parameters()):
     torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
   assert [int(opt_ours.state[p]["step"]) for p in ours.parameters()] == [6, 3, 6, 3]
+
+
+def _one_group_at_a_time(opt):
+  every = opt.param_groups
+  for group in every:
+    opt.param_groups = [group]
+    opt.step()
+  opt.param_groups = every
+
+
+def _step_grads(model, seed):
+  g = torch.Generator().manual_seed(seed)
+  for p in model.parameters():
+    p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+
+
+def test_one_group_at_a_time_after_the_group_dicts_were_replaced_and_after_a_copy():
+  """Replaced group dicts (the same parameters) and a deepcopy keep stepping one group at a
+  time on one layout, with the bits of whole steps."""
+  whole, split = make_model(), make_model()
+  opt_whole = htorch.AdamW(groups_of(whole, wd=0.1), lr=1e-2, moments="8bit")
+  opt_split = htorch.AdamW(groups_of(split, wd=0.1), lr=1e-2, moments="8bit")
+  for step in range(6):
+    if step == 2:
+      opt_split.param_groups = [dict(g) for g in opt_split.param_groups]
+    if step == 4:
+      split, opt_split = copy.deepcopy((split, opt_split))
+    for model in (whole, split):
+      _step_grads(model, step)
+    opt_whole.step()
+    if step in (2, 4):
+      opt_split.step()  # a whole step first, then per group from the next one
+    else:
+      _one_group_at_a_time(opt_split)
+    if step == 5:
+      arena = [p.data_ptr() for p in split.parameters()]
+      _step_grads(split, 9)
+      _one_group_at_a_time(opt_split)
+      assert [p.data_ptr() for p in split.parameters()] == arena, "rebuilt"
+      _step_grads(whole, 9)
+      opt_whole.step()
+  assert all(torch.equal(a, b) for a, b in zip(whole.parameters(), split.parameters()))
+
+
+def test_a_group_left_out_keeps_the_users_writes_to_its_16bit_parameters_and_step_counts():
+  model = make_model().to(torch.bfloat16)
+  opt = htorch.AdamW(groups_of(model), lr=1e-2)
+  _step_grads(model, 0)
+  opt.step()
+  every = opt.param_groups
+  bias = model[0].bias  # group 1
+  with torch.no_grad():
+    bias.copy_(torch.full_like(bias, 5.0))
+  opt.param_groups = [every[0]]
+  _step_grads(model, 1)
+  opt.step()
+  opt.param_groups = every
+  _step_grads(model, 2)
+  opt.step()
+  assert float(bias.detach().float().min()) > 4.9  # stepped from 5, not from the master before the write
+  opt.state[bias]["step"].fill_(2.5)  # written in place while its group is left out: refused
+  opt.param_groups = [every[0]]
+  with pytest.raises(ValueError, match="step"):
+    opt.step()

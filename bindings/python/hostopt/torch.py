@@ -31,7 +31,11 @@ take effect at the next step, as in torch. Gradients and parameters in any dense
 from its parameter's is copied once into the parameter's layout. Duplicate parameters are
 refused (torch warns and applies them twice). Parameters appended to or replaced in
 ``param_groups[i]["params"]`` after a step are trained from the next one, as torch.optim does
-(the layout is rebuilt as after ``add_param_group``, the state kept). ``load_state_dict``
+(the layout is rebuilt as after ``add_param_group``, the state kept). ``param_groups`` set to
+some of its groups around a ``step()`` (DeepSpeed's ZeRO steps one group at a time) steps just
+those, on the layout as built: nothing is rebuilt, the groups left out keep their state (and
+the user's writes, taken at their own step), ``skip_nonfinite``'s norm covers the groups
+present, and ``opt.last_step`` reports the last call. ``load_state_dict``
 checks the whole state (moments, steps, masters) before anything changes, and ``step`` every
 gradient before any dtype is stepped: a refused call changes nothing (a rebuilt layout is
 built aside and swapped in whole). ``step``, ``state_dict``, ``load_state_dict``,
@@ -109,6 +113,11 @@ __all__ = ["Adam", "AdamW", "StepStats", "default_threads"]
 
 # What the last step did, over every parameter dtype's core (each steps its own dtype).
 StepStats = collections.namedtuple("StepStats", "applied step skipped_steps grad_norm poisoned_blocks saturated_blocks")
+
+
+def _holds_step_view(st: Optional[dict], t: Tracked) -> bool:
+  """Whether opt.state[p] (or None) still holds t's step view (so a changed count was written in place)."""
+  return st is not None and st.get("step") is t.step
 
 
 def _merged(results) -> StepStats:
@@ -265,6 +274,7 @@ class _HostAdam(torch.optim.Optimizer):
       self.__dict__.setdefault(key, value)
     self._engine, self._engine_stream, self._pending = None, 0, []
     self._layout, self._hidden = None, {}
+    self._given_groups = list(self.param_groups)  # (torch's state carries no attribute of ours: see _whole_list)
     self._hook_handles, self._last_chunk_events = [], 0
     weakref.finalize(self, remove_handles, self._hook_handles)
 
@@ -608,6 +618,8 @@ class _HostAdam(torch.optim.Optimizer):
       for k, t in enumerate(tracked):
         p = t.param
         if present is not None and id(p) not in present:
+          if written and _holds_step_view(self.state.get(p), t) and not float(steps[k]) == known[k]:
+            check_step(t.step, f"opt.state[p]['step'] of {t.where}")  # written in place: taken below
           continue  # no longer the optimizer's (torch.optim keeps its state, and leaves it alone)
         if tuple(p.shape) != t.shape:
           raise ValueError(f"a parameter changed shape from {t.shape} to {tuple(p.shape)} after it was given to "
@@ -819,8 +831,8 @@ class _HostAdam(torch.optim.Optimizer):
         self._build_for(every, overrides)
     # The built groups stepped (None: all of them), and each given group's place among them.
     only, places = None, list(range(len(self.param_groups)))
-    if every is not None:
-      index = {id(g): i for i, (g, _) in enumerate(self._built_groups)}
+    if every is not None:  # (built for `every`: its positions are the layout's groups)
+      index = {id(g): i for i, g in enumerate(every)}
       places = [index[id(g)] for g in self.param_groups]
       only = set(places)
     configs = {places[gi]: self._config(g, f"param_groups[{gi}]")  # lr schedulers and edits take effect here
@@ -879,7 +891,8 @@ class _HostAdam(torch.optim.Optimizer):
       self._show_stepped(tag)
       if tag != "f32":
         for t in tracked:
-          t.remember()  # hostopt's own write (through numpy) is not the user's
+          if only is None or t.group in only:  # (a group left out keeps the user's writes to adopt)
+            t.remember()  # hostopt's own write (through numpy) is not the user's
     if results:
       self.last_step = _merged(results)
       _report_blocks(self, self.last_step, "hostopt.torch")
