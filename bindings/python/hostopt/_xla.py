@@ -273,6 +273,8 @@ def _per_shard(params, ranks):
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     arg_shardings, result_shardings = [replicated, replicated], []
     for i, k in spans:
+      # The gradient's sharding as XLA gave it (decode_shardings=False: any tiling, sub-axes
+      # included, is a tiling of an elementwise call).
       leaf = arg_shapes[i].sharding or replicated
       arg_shardings += [leaf] * k
       result_shardings += [leaf] * 3
@@ -286,8 +288,11 @@ def _per_shard(params, ranks):
   # How _batch_partitioned recognises the op as ours: its batching rule and operand count.
   partition._hostopt_batch = (functools.partial(_batch, **params), 2 + sum(k for _, k in spans))
   op = custom_partitioning(call)
+  # decode_shardings=False: JAX's decoding into a NamedSharding of the mesh raises
+  # IndivisibleError (and the compile fails) for a leaf cut over part of a mesh axis, a
+  # sharding Shardy propagates, e.g. through a reshape; the call takes any sharding as it is.
   op.def_partition(partition=partition, sharding_rule=", ".join(operands) + " -> " + ", ".join(results),
-                   need_replication_factors=("h",))
+                   need_replication_factors=("h",), decode_shardings=False)
   return op
 
 
@@ -465,6 +470,22 @@ def adam_update_compressed(count, hp_values: Sequence, leaves: List[Tuple], scal
   return results, new_scales
 
 
+def _decoded(mesh, sharding, ndim: int):
+  """A sharding XLA hands a custom_partitioning op (decode_shardings=False: a GSPMDSharding)
+  as a NamedSharding over `mesh` where one says the same (custom_partitioning's own
+  decoding); else as it is: a cut over part of a mesh axis (a sub-axis, which Shardy
+  propagates through reshapes) has no PartitionSpec, and decoding it raised IndivisibleError
+  and failed the compile."""
+  if sharding is None or isinstance(sharding, jax.sharding.NamedSharding) or mesh.empty:
+    return sharding
+  try:
+    from jax._src.sharding_impls import parse_flatten_op_sharding
+    spec = parse_flatten_op_sharding(sharding._to_xla_hlo_sharding(ndim), mesh)[0]
+  except (ImportError, ValueError, NotImplementedError, AssertionError):  # IndivisibleError is a ValueError
+    return sharding
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec, *(None,) * (ndim - len(spec))))
+
+
 def _dim0_axes(mesh, sharding, shape, q8: bool):
   """The mesh axes a leaf may run per shard on: those of its sharding's dim 0 when no other
   dim is cut, the cut is even and (8-bit) each shard holds whole 32-element blocks; else
@@ -511,7 +532,7 @@ def _compressed_per_shard(params, ranks, shapes):
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     arg_shardings, result_shardings, pieces = [replicated] * 3, [], []
     for (i, k), shape in zip(spans, shapes):
-      axes = _dim0_axes(mesh, arg_shapes[i].sharding, shape, q8)
+      axes = _dim0_axes(mesh, _decoded(mesh, arg_shapes[i].sharding, len(shape)), shape, q8)
       if axes is None:
         leaf = blocks = replicated
       else:
@@ -542,5 +563,5 @@ def _compressed_per_shard(params, ranks, shapes):
   partition._hostopt_batch = (functools.partial(_compressed_batch, **params), 3 + sum(k for _, k in spans))
   op = custom_partitioning(call)
   op.def_partition(partition=partition, sharding_rule=", ".join(operands) + " -> " + ", ".join(results),
-                   need_replication_factors=tuple(replicated_factors))
+                   need_replication_factors=tuple(replicated_factors), decode_shardings=False)
   return op
