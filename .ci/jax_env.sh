@@ -11,4 +11,10 @@ assert int(numpy.__version__.split('.')[0]) >= 2" 2>/dev/null; then
   /usr/bin/python3 -m venv .venv-jax
   "$HOSTOPT_JAX_PYTHON" -m pip install -q --disable-pip-version-check jax jaxlib optax numpy ml_dtypes pytest
 fi
+# Flax (NNX) for its integration test, kept to the jax, jaxlib, optax and numpy already there.
+if ! "$HOSTOPT_JAX_PYTHON" -c "import flax.nnx" 2>/dev/null; then
+  echo "hostopt: adding flax to .venv-jax" >&2
+  "$HOSTOPT_JAX_PYTHON" -m pip freeze | grep -iE '^(jax|jaxlib|optax|numpy)==' > .venv-jax/keep.txt
+  "$HOSTOPT_JAX_PYTHON" -m pip install -q --disable-pip-version-check -c .venv-jax/keep.txt flax
+fi
 export HOSTOPT_JAX_PYTHON
