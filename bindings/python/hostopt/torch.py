@@ -166,6 +166,7 @@ class _HostAdam(torch.optim.Optimizer):
   # Layout of each dtype tag (None: built at the next step).
   _engine: Any
   _layout: Optional[Dict[str, Layout]]
+  param_groups: List[Dict[str, Any]]  # torch.optim's (assigned here too: see _build_for)
 
   def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                amsgrad: bool = False, *, foreach: Optional[bool] = None, maximize: bool = False,
