@@ -80,6 +80,11 @@ counts the 8-bit blocks a step left NaN (poisoned) or whose range an outlier exc
 in a row that counts saturated ones (a block can be saturated for a step at the start of
 training, before v is averaged; the warning waits for saturation that lasts).
 
+DTensor parameters (FSDP2's ``fully_shard``, tensor parallelism): each rank steps its local
+shards (an f32 master in the arena beside each shard, the result copied into the shard each
+step), and ``opt.state`` shows DTensors, so torch.distributed.checkpoint saves and loads the
+state sharded (``_torch_dtensor``; docs/integrations.md, "FSDP2").
+
 ``foreach`` and ``fused`` are accepted for compatibility and change nothing: hostopt's step is
 always one fused pass. ``amsgrad``, ``capturable`` and ``differentiable`` are refused.
 Threads: OMP_NUM_THREADS when set, else all physical cores of the process's CPU set, unless ``threads=`` says otherwise
@@ -104,6 +109,7 @@ from ._arrays import as_buffer, check_optional_bool, check_seed as _check_seed, 
 from ._block_checks import report as _report_blocks
 from ._dtypes import kernel_tag, tag_of
 from ._threads import default_threads
+from ._torch_dtensor import LocalShards, any_dtensor
 from ._torch_offload import ChunkEvents, DeviceBuffers, grad_hook, remove_handles
 from ._torch_state import (CODES, MASTER, MAX_STEP, MOMENT_ENTRIES, MOMENTS, SCALES, Layout, Tracked, arena_view,
                            check_master, check_moment_state, check_step, dense_order, encoded, flat, hyper_parameters,
@@ -221,6 +227,7 @@ class _HostAdam(torch.optim.Optimizer):
     self._lock = threading.RLock()  # step, state_dict, load_state_dict, ... one at a time
     self._skip_nonfinite = check_optional_bool(skip_nonfinite, "skip_nonfinite")
     self.last_step: Optional[StepStats] = None
+    self._shards: Optional[LocalShards] = None  # DTensor parameters: see _torch_dtensor
     super().__init__(params, defaults)
     if offload == "cuda":  # refused now, not at the first step: nothing could ever run it
       off_gpu = [(gi, k, p.device) for gi, g in enumerate(self.param_groups) for k, p in enumerate(g["params"])
@@ -237,8 +244,23 @@ class _HostAdam(torch.optim.Optimizer):
         p.device.type == "cpu" for g in self.param_groups for p in g["params"]):
       raise ValueError("overlap_backward=True applies to offloaded parameters (CUDA ones, or offload='host'): "
                        "CPU parameters are stepped in place")
+    if any_dtensor(self.param_groups):  # FSDP2, tensor parallel: each rank steps its local shards
+      if self._overlap_backward:
+        raise ValueError("overlap_backward=True with DTensor parameters: their gradients are the engine's (FSDP2 "
+                         "reduce-scatters them); leave it False")
+      self._shards = LocalShards(self, lambda groups: type(self)(
+          groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach, maximize=maximize,
+          fused=fused, decoupled_weight_decay=decoupled_weight_decay, threads=threads, offload=offload,
+          offload_chunk=offload_chunk, overlap=overlap, moments=moments, rounding_seed=rounding_seed,
+          skip_nonfinite=skip_nonfinite))
+
+  def _refuse_copy(self) -> None:
+    if self.__dict__.get("_shards") is not None:
+      raise TypeError("a hostopt.torch optimizer over DTensor parameters cannot be pickled or deep-copied (its "
+                      "parameters belong to a process group): save its state_dict, with torch.distributed.checkpoint")
 
   def __getstate__(self) -> dict:  # pickle (torch.save(opt)): one step's state, taken under the lock
+    self._refuse_copy()
     with self._lock:
       state = self._plain_state()
       state["state"] = collections.defaultdict(dict, {
@@ -256,6 +278,7 @@ class _HostAdam(torch.optim.Optimizer):
   def __deepcopy__(self, memo: dict):
     """copy.deepcopy: copied under the lock (parameters and state of one step, never torn by
     another thread's step), with the caller's memo (a model copied alongside shares them)."""
+    self._refuse_copy()
     with self._lock:
       self._drain()
       new = type(self).__new__(type(self))
@@ -271,7 +294,8 @@ class _HostAdam(torch.optim.Optimizer):
     super().__setstate__(state)
     self.__dict__.setdefault("_threads", default_threads())
     for key, value in (("_offload", None), ("_offload_chunk", 1 << 22), ("_overlap", False),
-                       ("_overlap_backward", False), ("_skip_nonfinite", None), ("last_step", None)):
+                       ("_overlap_backward", False), ("_skip_nonfinite", None), ("last_step", None),
+                       ("_shards", None)):
       self.__dict__.setdefault(key, value)
     self._engine, self._engine_stream, self._pending = None, 0, []
     self._layout, self._hidden = None, {}
@@ -300,6 +324,9 @@ class _HostAdam(torch.optim.Optimizer):
       param_group["rounding_seed"] = _check_seed(param_group["rounding_seed"], "param group rounding_seed")
     super().add_param_group(param_group)
     self._given_groups = list(self.param_groups)  # (see _whole_list)
+    shards = self.__dict__.get("_shards")
+    if shards is not None:  # (None while torch's __init__ adds the first groups)
+      shards.add_group(self.param_groups[-1])
     # Rebuilt, with the state kept, at the next step (_params_changed), after the check that
     # every built parameter's group still stores its format (_check_formats).
 
@@ -598,6 +625,8 @@ class _HostAdam(torch.optim.Optimizer):
   def adopt_params(self) -> None:
     """Takes every parameter's current values as the master weights (after writes the
     optimizer cannot see, e.g. through ``p.data`` of a 16-bit parameter)."""
+    if self._shards is not None:
+      return  # each stand-in takes its shard's values at every step (_torch_dtensor)
     if self._layout is None:
       return
     self._drain()
@@ -818,6 +847,8 @@ class _HostAdam(torch.optim.Optimizer):
 
   @_serialized
   def _step(self) -> None:
+    if self._shards is not None:
+      return self._shards.step()
     self._drain()
     every = self._whole_list()
     if self._layout is None:
@@ -981,6 +1012,8 @@ class _HostAdam(torch.optim.Optimizer):
     parameters add their f32 masters as "master_param". The entries are opt.state's, as in
     torch: a parameter that never received a gradient has none."""
     self._drain()
+    if self._shards is not None:
+      self._shards.refresh()  # opt.state as DTensors (torch.distributed.checkpoint saves them sharded)
     sd = super().state_dict()
     sd["state"] = {k: {key: (v.clone() if torch.is_tensor(v) else v) for key, v in st.items()}
                    for k, st in sd["state"].items()}
@@ -997,6 +1030,8 @@ class _HostAdam(torch.optim.Optimizer):
     of a parameter laid out in another memory order) are refused, with nothing changed,
     unless ``convert_moments=True``: they are then converted here (decoded exactly, then
     encoded: lossy into bf16 or 8-bit)."""
+    if self._shards is not None:  # DTensor entries: their local shards, loaded by the inner optimizer
+      return self._shards.load_state_dict(state_dict, convert_moments)
     self._drain()
     # torch 2's load pre-hooks, as torch.optim runs them: on a shallow copy, and what they
     # return is what is checked and loaded (torch's own load below runs without them).
