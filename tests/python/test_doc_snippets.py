@@ -3,7 +3,8 @@
 A snippet is a complete small program: it runs in a fresh interpreter (this one's, with
 its PYTHONPATH), in an empty directory, and must exit 0 within its timeout. It skips, with
 the reason, when a module it imports is not installed, or when it says `# needs: gpu` on a
-line of its own and there is no CUDA device or hostopt was built without CUDA.
+line of its own and there is no CUDA device or hostopt was built without CUDA, or says
+`# needs: PACKAGE >= VERSION` and the installed one is older.
 
 Also: every relative link of README.md names a file that exists and, with `#anchor`, a
 heading of that file (GitHub's and MyST's anchors: the docs build checks its own links).
@@ -11,6 +12,7 @@ heading of that file (GitHub's and MyST's anchors: the docs build checks its own
 Run by .ci/docs: `python -m pytest -q tests/python/test_doc_snippets.py`.
 """
 import ast
+import importlib.metadata
 import importlib.util
 import os
 import pathlib
@@ -59,6 +61,22 @@ def _missing_modules(code: str):
   return missing
 
 
+def _too_old(code: str):
+  """The first `# needs: PACKAGE >= VERSION` line the installed package does not meet, or None."""
+  for name, wanted in re.findall(r"^# needs: ([\w.-]+) >= ([\d.]+)$", code, re.MULTILINE):
+    try:
+      have = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      return f"{name} >= {wanted} (not installed)"
+
+    def numbers(v):
+      return tuple(int(x) for x in re.findall(r"\d+", v.split("+")[0])[:3])
+
+    if numbers(have) < numbers(wanted):
+      return f"{name} >= {wanted} (installed: {have})"
+  return None
+
+
 def _gpu_usable() -> bool:
   """A CUDA device, and a hostopt built with its CUDA engine (asked in a fresh process)."""
   probe = "import sys, hostopt._core as c; sys.exit(0 if c.CopyEngine.cuda_available() else 1)"
@@ -70,6 +88,9 @@ def test_snippet(code, tmp_path):
   missing = _missing_modules(code)
   if missing:
     pytest.skip(f"needs {', '.join(missing)} (not installed)")
+  too_old = _too_old(code)
+  if too_old:
+    pytest.skip(f"needs {too_old}")
   if re.search(r"^# needs: gpu$", code, re.MULTILINE) and not _gpu_usable():
     pytest.skip("needs a CUDA GPU and a hostopt built with CUDA (hostopt._core.CopyEngine.cuda_available() is False)")
   script = tmp_path / "snippet.py"

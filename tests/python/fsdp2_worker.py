@@ -1,0 +1,167 @@
+"""One rank of test_integration_fsdp2.py: a small model under torch FSDP2 (fully_shard per
+layer and at the root, CPUOffloadPolicy: the sharded parameters, their gradients and the
+optimizer on the CPU) over gloo, trained by hostopt.torch.AdamW on each rank's local shards.
+
+usage: fsdp2_worker.py OUT RANK WORLD PORT MODE
+  MODE "train": for each experiment, 200 steps recording the global loss (the ranks' mean),
+      with a torch.distributed.checkpoint save of the model and optimizer at step 100; then a
+      fresh model (another init), fresh fully_shard and optimizer load that checkpoint and run
+      steps 100-200 again. Rank 0 writes OUT/train-WORLD.json: each experiment's losses, the
+      resumed run's, and whether every rank's final shards and state equal bitwise.
+  MODE "bad": rank 1 alone gets a NaN learning rate at step 3 (hostopt refuses it there).
+"""
+import json
+import math
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+import hostopt.torch
+
+IN, HIDDEN, OUT = 16, 40, 2  # dim 0 of 40 and 2 over 3 ranks: uneven shards, and an empty one
+BATCH = 24  # split evenly over 1, 2 and 3 ranks
+STEPS, SAVE_AT = 200, 100
+LR = 3e-3
+
+
+class Model(torch.nn.Module):
+  def __init__(self):
+    super().__init__()
+    self.inp = torch.nn.Linear(IN, HIDDEN)
+    self.norm = torch.nn.LayerNorm(HIDDEN)
+    self.hidden = torch.nn.Linear(HIDDEN, HIDDEN)
+    self.out = torch.nn.Linear(HIDDEN, OUT)
+
+  def forward(self, x):
+    h = torch.tanh(self.norm(self.inp(x)))
+    return self.out(torch.tanh(self.hidden(h)) + h)
+
+
+def make_model(seed: int) -> Model:
+  torch.manual_seed(seed)
+  return Model()
+
+
+def batch(step: int):
+  """The global batch of a step (every rank, and the one-process run, make the same)."""
+  g = torch.Generator().manual_seed(1000 + step)
+  x = torch.randn(BATCH, IN, generator=g)
+  y = torch.stack([x[:, :8].sum(1).sin(), x[:, 8:].prod(1).tanh()], 1)
+  return x, y
+
+
+def local_loss(model, step: int, rank: int, world: int):
+  x, y = batch(step)
+  rows = BATCH // world
+  x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+  return torch.nn.functional.mse_loss(model(x), y)
+
+
+def make_optimizer(model, kind: str, moments: str, lr: float = LR):
+  decay = [p for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n]
+  rest = [p for n, p in model.named_parameters() if not (n.endswith("weight") and "norm" not in n)]
+  groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+  if kind == "torch":
+    return torch.optim.AdamW(groups, lr=lr)
+  return hostopt.torch.AdamW(groups, lr=lr, moments=moments, threads=1)
+
+
+def sharded(model):
+  policy = CPUOffloadPolicy(pin_memory=False)  # (pinning needs CUDA)
+  for layer in (model.inp, model.hidden, model.out):
+    fully_shard(layer, offload_policy=policy)
+  fully_shard(model, offload_policy=policy)
+  return model
+
+
+def train(model, opt, rank, world, start, stop, clip=1.0):
+  losses = []
+  for step in range(start, stop):
+    loss = local_loss(model, step, rank, world)
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # (the norm of DTensor gradients: global)
+    opt.step()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    losses.append(float(mean) / world)
+  return losses
+
+
+def shards_and_state(model, opt) -> list:
+  """This rank's local shards of every parameter and optimizer state tensor, in a fixed order."""
+  out = [p.to_local().clone() for p in model.parameters()]
+  sd = opt.state_dict()
+  for index in sorted(sd["state"]):
+    for key in sorted(sd["state"][index]):
+      v = sd["state"][index][key]
+      out.append(v.to_local().clone() if hasattr(v, "to_local") else torch.as_tensor(v).clone())
+  return out
+
+
+def run_experiment(out, rank, world, kind, moments):
+  model = sharded(make_model(0))
+  opt = make_optimizer(model, kind, moments)
+  losses = train(model, opt, rank, world, 0, SAVE_AT)
+  where = os.path.join(out, f"ckpt-{world}-{kind}-{moments}")
+  msd, osd = get_state_dict(model, opt)
+  dcp.save({"model": msd, "optim": osd}, checkpoint_id=where)
+  losses += train(model, opt, rank, world, SAVE_AT, STEPS)
+  result = {"losses": losses}
+  if kind == "hostopt":
+    # Resumed by a fresh job's objects: another init, so only the checkpoint carries the state.
+    model2 = sharded(make_model(1))
+    opt2 = make_optimizer(model2, kind, moments)
+    msd2, osd2 = get_state_dict(model2, opt2)
+    state = {"model": msd2, "optim": osd2}
+    dcp.load(state, checkpoint_id=where)
+    set_state_dict(model2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    result["resumed"] = train(model2, opt2, rank, world, SAVE_AT, STEPS)
+    mine, theirs = shards_and_state(model, opt), shards_and_state(model2, opt2)
+    def bits(t):  # (NaN-safe, and -0.0 is not 0.0)
+      return t.reshape(-1).contiguous().view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8)
+
+    same = len(mine) == len(theirs) and all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+                                            for a, b in zip(mine, theirs))
+    flag = torch.tensor([1.0 if same else 0.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    result["bitwise"] = bool(flag.item() == 1.0)
+    result["state_keys"] = sorted({key for st in opt.state_dict()["state"].values() for key in st})
+    result["dtensor_state"] = all(hasattr(v, "to_local") for st in opt.state_dict()["state"].values()
+                                  for key, v in st.items() if key != "step")
+  return result
+
+
+def main():
+  out, rank, world, port, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+  os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+  # The timeout is a safety net that turns a hang into a failure, never a bound on speed.
+  dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+  torch.use_deterministic_algorithms(True)
+  if mode == "bad":
+    model = sharded(make_model(0))
+    opt = make_optimizer(model, "hostopt", "f32")
+    for step in range(10):
+      if step == 3 and rank == 1:
+        opt.param_groups[0]["lr"] = math.nan
+      train(model, opt, rank, world, step, step + 1)
+    print("bad: all steps ran", flush=True)
+    return
+  experiments = {2: [("torch", "f32"), ("hostopt", "f32"), ("hostopt", "8bit")],
+                 3: [("hostopt", "f32"), ("hostopt", "bf16")]}[world]
+  results = {f"{kind}-{moments}": run_experiment(out, rank, world, kind, moments) for kind, moments in experiments}
+  if rank == 0:
+    with open(os.path.join(out, f"train-{world}.json"), "w") as f:
+      json.dump(results, f)
+  dist.barrier()
+  dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,210 @@
+"""hostopt.torch under torch FSDP2 (fully_shard with CPUOffloadPolicy over gloo): 2 and 3 ranks
+(tests/python/fsdp2_worker.py is one rank) train one model whose parameters are DTensors, their
+local shards on the CPU, each rank's stepped by hostopt on that rank.
+
+- The global losses of 200 steps (two param groups, weight decay on one, clipping by the global
+  norm) equal one process training the whole model with hostopt.torch.AdamW, and FSDP2 with
+  torch.optim.AdamW, within 4x the float noise floor (the one-process run against itself with
+  the learning rate moved by 2e-7 relative, both ways). Over 3 ranks one layer's shards are
+  uneven and one rank's shard of the last layer is empty.
+- torch.distributed.checkpoint (get_state_dict, dcp.save / dcp.load, set_state_dict) saves the
+  state sharded (opt.state's tensors are DTensors) and a fresh job resumed from it at step 100
+  continues bit for bit: f32 moments on 2 and 3 ranks, 8-bit on 2 (its blocks' scales sharded
+  by rows), bf16 on 3.
+- A bad input on one rank (a NaN learning rate) is refused there by hostopt, nothing stepped,
+  and the other rank's next collective fails as that rank exits: no rank hangs.
+
+Each rank is given a 120 s gloo timeout: a safety net that turns a hang into a failure, never
+a bound on speed."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+try:
+  from torch.distributed.fsdp import fully_shard  # noqa: F401
+except ImportError:
+  pytest.skip(f"torch {torch.__version__}: FSDP2 (torch.distributed.fsdp.fully_shard) needs torch >= 2.6",
+              allow_module_level=True)
+
+import fsdp2_worker as worker  # noqa: E402
+import hostopt.torch  # noqa: E402
+from integration_support import assert_within_floor, noise_floor  # noqa: E402
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fsdp2_worker.py")
+HANG_NET_S = 600
+
+
+def free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def launch(out, world, mode):
+  """Runs `world` ranks; returns each one's (exit code, log)."""
+  port = str(free_port())
+  env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+  logs = [open(out / f"{mode}-{world}-rank{r}.log", "w+") for r in range(world)]
+  procs = [subprocess.Popen([sys.executable, WORKER, str(out), str(r), str(world), port, mode], env=env,
+                            stdout=logs[r], stderr=subprocess.STDOUT, text=True) for r in range(world)]
+  deadline = time.monotonic() + HANG_NET_S
+  try:
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+      time.sleep(0.2)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  results = []
+  for p, log in zip(procs, logs):
+    log.seek(0)
+    results.append((p.returncode, log.read()))
+    log.close()
+  return results
+
+
+def one_process(lr=worker.LR):
+  """The whole model in one process, no FSDP: hostopt.torch.AdamW on the global batch."""
+  model = worker.make_model(0)
+  opt = worker.make_optimizer(model, "hostopt", "f32", lr)
+  losses = []
+  for step in range(worker.STEPS):
+    loss = worker.local_loss(model, step, 0, 1)
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    losses.append(float(loss))
+  return losses
+
+
+@pytest.fixture(scope="module")
+def reference():
+  losses = one_process()
+  return losses, noise_floor(one_process, worker.LR, losses)
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def trained(request, tmp_path_factory):
+  world = request.param
+  out = tmp_path_factory.mktemp(f"fsdp2-{world}")
+  ranks = launch(out, world, "train")
+  failed = [(r, code, log) for r, (code, log) in enumerate(ranks) if code != 0]
+  if failed:  # the rank that failed first: the others' error is its exit ("Connection closed")
+    r, code, log = next((f for f in failed if "Connection closed" not in f[2]), failed[0])
+    pytest.fail(f"rank {r} of {world} failed (exit {code}):\n{log[-6000:]}")
+  with open(out / f"train-{world}.json") as f:
+    return world, json.load(f)
+
+
+def test_sharded_losses_equal_one_process(trained, reference):
+  world, results = trained
+  losses, floor = reference
+  ours = results["hostopt-f32"]["losses"]
+  assert_within_floor(ours, losses, floor, f"FSDP2 on {world} ranks vs one process")
+  if "torch-f32" in results:  # the engine's own AdamW, sharded the same way
+    assert_within_floor(ours, results["torch-f32"]["losses"], floor, f"FSDP2 on {world} ranks vs torch.optim")
+  assert ours[-1] < 0.5 * ours[0], (ours[0], ours[-1])  # (it learns: the comparisons are not of two flat lines)
+
+
+def test_dcp_resume_is_exact(trained):
+  world, results = trained
+  for name, result in results.items():
+    if "resumed" not in result:
+      continue
+    assert result["dtensor_state"], f"{name} on {world} ranks: opt.state_dict() holds plain tensors, not DTensors"
+    assert result["resumed"] == result["losses"][worker.SAVE_AT:], (
+        f"{name} on {world} ranks: the run resumed from the checkpoint differs from the one that went on")
+    assert result["bitwise"], f"{name} on {world} ranks: the resumed run's shards or state differ bitwise"
+    assert result["losses"][-1] < 0.5 * result["losses"][0], (name, result["losses"][0], result["losses"][-1])
+  formats = {name for name in results if "resumed" in results[name]}
+  assert formats == ({"hostopt-f32", "hostopt-8bit"} if world == 2 else {"hostopt-f32", "hostopt-bf16"})
+  if world == 2:
+    assert "moment_scales" in results["hostopt-8bit"]["state_keys"]
+
+
+def test_bad_input_on_one_rank_fails_every_rank(tmp_path):
+  (code0, log0), (code1, log1) = launch(tmp_path, 2, "bad")
+  assert code1 != 0 and "lr" in log1 and "ValueError" in log1, log1[-4000:]
+  assert code0 != 0, log0[-4000:]  # its next collective failed as rank 1 exited (not a hang: see HANG_NET_S)
+  assert "all steps ran" not in log0 + log1
+
+
+def test_plain_and_dtensor_parameters_in_one_optimizer():
+  """A DTensor parameter beside a plain one, on a one-rank mesh, against the same optimizer over
+  two plain parameters: the DTensor's local shard gets the same bits (8-bit moments round by
+  arena position: the layouts match), opt.state shows DTensors, writes through opt.state take
+  effect at the next step, and a refused step changes nothing."""
+  if not torch.distributed.is_initialized():
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+  from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
+  mesh = init_device_mesh("cpu", (1,))
+
+  def dt(t):
+    return distribute_tensor(t.clone(), mesh, [Shard(0)])
+
+  torch.manual_seed(0)
+  w, b = torch.randn(7, 5), torch.randn(40)
+  for moments in ("f32", "bf16", "8bit"):
+    ref_b, ref_w = torch.nn.Parameter(b.clone()), torch.nn.Parameter(w.clone())
+    our_b, our_w = torch.nn.Parameter(b.clone()), torch.nn.Parameter(dt(w))
+    ref = hostopt.torch.AdamW([ref_b, ref_w], lr=1e-2, moments=moments)
+    ours = hostopt.torch.AdamW([our_b, our_w], lr=1e-2, moments=moments)
+
+    def step(g=None, h=None):
+      g = torch.randn(7, 5) if g is None else g
+      h = torch.randn(40) if h is None else h
+      ref_w.grad, ref_b.grad = g.clone(), h.clone()
+      our_w.grad, our_b.grad = dt(g), h.clone()
+      ref.step()
+      ours.step()
+      assert torch.equal(our_w.to_local(), ref_w.detach()) and torch.equal(our_b, ref_b), moments
+
+    for _ in range(3):
+      step()
+    st = ours.state[our_w]
+    assert all(isinstance(v, DTensor) for k, v in st.items() if k != "step"), {k: type(v) for k, v in st.items()}
+    assert ours.state[our_b] is ours.state[our_b] and not isinstance(ours.state[our_b]["step"], DTensor)
+    sd_ref, sd_ours = ref.state_dict(), ours.state_dict()
+    for key, v in sd_ref["state"][1].items():
+      got = sd_ours["state"][1][key]
+      assert torch.equal(got.to_local() if isinstance(got, DTensor) else got, v), (moments, key)
+    if moments == "f32":  # a written entry, taken at the next step
+      ours.state[our_w]["exp_avg"] = dt(torch.ones(7, 5))
+      ref.state[ref_w]["exp_avg"] = torch.ones(7, 5)
+      step()
+    with torch.no_grad():  # the model written in place (a load): adopted at the next step
+      our_w.to_local().mul_(0.5)
+      ref_w.mul_(0.5)
+    step()
+    ours.load_state_dict(sd_ours)
+    ref.load_state_dict(sd_ref)
+    step()
+    # A group added later, and an lr schedule's edit of the groups: taken at the next step.
+    extra = torch.randn(3, 33)
+    ref_x, our_x = torch.nn.Parameter(extra.clone()), torch.nn.Parameter(dt(extra))
+    ref.add_param_group({"params": [ref_x], "weight_decay": 0.3})
+    ours.add_param_group({"params": [our_x], "weight_decay": 0.3})
+    for opt in (ref, ours):
+      opt.param_groups[0]["lr"] = 3e-3
+    g = torch.randn(3, 33)
+    ref_x.grad, our_x.grad = g.clone(), dt(g)
+    step()
+    assert torch.equal(our_x.to_local(), ref_x.detach())
+    before = our_w.to_local().clone()
+    ours.param_groups[0]["lr"] = float("nan")
+    our_w.grad = dt(torch.randn(7, 5))
+    with pytest.raises(ValueError, match="lr"):
+      ours.step()
+    assert torch.equal(our_w.to_local(), before)
+    with pytest.raises(TypeError, match="DTensor"):
+      import copy
+      copy.deepcopy(ours)
