@@ -8,7 +8,10 @@ of a rounding difference), both ways. hostopt's run must stay within a small mul
 larger of the two differences; a real defect (a wrong bias correction, a dropped group's decay,
 a moment lost at a resume) moves the losses by orders of magnitude more.
 """
-from typing import Callable, Sequence
+import socket
+import subprocess
+import time
+from typing import Callable, List, Sequence
 
 PERTURBATION = 2e-7
 FLOOR_MULTIPLE = 4.0
@@ -32,3 +35,32 @@ def assert_within_floor(ours: Sequence[float], reference: Sequence[float], floor
   assert difference <= FLOOR_MULTIPLE * floor, (
       f"{what}: hostopt's losses differ from the reference by {difference:.3g}, more than {FLOOR_MULTIPLE}x the "
       f"noise floor {floor:.3g}")
+
+
+def free_port() -> int:
+  """A TCP port free now on the loopback (for a process group's rendezvous)."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def run_ranks(commands: Sequence[Sequence[str]], env: dict, logs: Sequence, hang_net_s: float,
+              stop_at_first_failure: bool = False) -> List[int]:
+  """Runs one process per command at once, each writing to its log (an open file), and waits
+  for them all; returns their exit codes (-9: killed). `hang_net_s` only turns a hang into a
+  failure; with `stop_at_first_failure` the others are killed as soon as one fails (they would
+  wait for it in a collective), so the failing rank's log is the one that explains."""
+  procs = [subprocess.Popen(list(cmd), env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+           for cmd, log in zip(commands, logs)]
+  deadline = time.monotonic() + hang_net_s
+  try:
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+      if stop_at_first_failure and any(p.poll() not in (None, 0) for p in procs):
+        break
+      time.sleep(0.2)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  return [p.returncode for p in procs]

@@ -12,10 +12,7 @@ carry hostopt's state_dict) continues bit for bit: f32 and 8-bit moments, fp32 a
 """
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 
 import pytest
 
@@ -23,15 +20,9 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("deepspeed")
 
-from integration_support import assert_within_floor, max_difference  # noqa: E402
+from integration_support import assert_within_floor, free_port, max_difference, run_ranks  # noqa: E402
 
 WORLD = 2
-
-
-def free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -42,24 +33,11 @@ def ranks(tmp_path_factory):
              TORCH_EXTENSIONS_DIR=str(out / "torch_extensions"))  # DeepSpeed builds its CPU ops here
   worker = os.path.join(os.path.dirname(__file__), "deepspeed_worker.py")
   logs = [open(out / f"rank{r}.log", "w+") for r in range(WORLD)]
-  procs = [subprocess.Popen([sys.executable, worker, str(out), str(r), str(WORLD), port], env=env,
-                            stdout=logs[r], stderr=subprocess.STDOUT, text=True) for r in range(WORLD)]
-  try:
-    # Waited on together: a rank that fails stops the others at once (they would wait for it in a
-    # collective), and its own log is the one shown. (The deadline only ends a hang.)
-    deadline = time.monotonic() + 900
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-      if any(p.poll() not in (None, 0) for p in procs):
-        break
-      time.sleep(0.2)
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  for r, (p, log) in enumerate(zip(procs, logs)):
+  codes = run_ranks([[sys.executable, worker, str(out), str(r), str(WORLD), port] for r in range(WORLD)], env, logs,
+                    hang_net_s=900, stop_at_first_failure=True)
+  for r, (code, log) in enumerate(zip(codes, logs)):
     log.seek(0)
-    assert p.returncode == 0, f"rank {r} exited {p.returncode} (-9: stopped after another rank failed or a hang):\n" \
+    assert code == 0, f"rank {r} exited {code} (-9: stopped after another rank failed or a hang):\n" \
                               f"{log.read()[-4000:]}"
   return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 

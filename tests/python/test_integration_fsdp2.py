@@ -18,10 +18,7 @@ Each rank is given a 120 s gloo timeout: a safety net that turns a hang into a f
 a bound on speed."""
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 
 import pytest
 
@@ -34,16 +31,10 @@ except ImportError:
 
 import fsdp2_worker as worker  # noqa: E402
 import hostopt.torch  # noqa: E402
-from integration_support import assert_within_floor, noise_floor  # noqa: E402
+from integration_support import assert_within_floor, free_port, noise_floor, run_ranks  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fsdp2_worker.py")
 HANG_NET_S = 600
-
-
-def free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def launch(out, world, mode):
@@ -51,21 +42,12 @@ def launch(out, world, mode):
   port = str(free_port())
   env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
   logs = [open(out / f"{mode}-{world}-rank{r}.log", "w+") for r in range(world)]
-  procs = [subprocess.Popen([sys.executable, WORKER, str(out), str(r), str(world), port, mode], env=env,
-                            stdout=logs[r], stderr=subprocess.STDOUT, text=True) for r in range(world)]
-  deadline = time.monotonic() + HANG_NET_S
-  try:
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-      time.sleep(0.2)
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
+  codes = run_ranks([[sys.executable, WORKER, str(out), str(r), str(world), port, mode] for r in range(world)],
+                    env, logs, HANG_NET_S)
   results = []
-  for p, log in zip(procs, logs):
+  for code, log in zip(codes, logs):
     log.seek(0)
-    results.append((p.returncode, log.read()))
+    results.append((code, log.read()))
     log.close()
   return results
 

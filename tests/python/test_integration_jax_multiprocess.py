@@ -21,7 +21,6 @@ devices each) train one global model whose params and optimizer state are sharde
 Each process is given HANG_NET_S: a safety net that turns a hang into a failure, never a
 bound on speed."""
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ jax = pytest.importorskip("jax")
 pytest.importorskip("optax")
 
 from hostopt import _xla  # noqa: E402
+from integration_support import free_port  # noqa: E402
 
 if not _xla._SHARDY or not hasattr(jax.config, "jax_num_cpu_devices"):
   pytest.skip(f"jax {jax.__version__}: per-shard calls need Shardy and jax_num_cpu_devices (jax >= 0.5)",
@@ -41,12 +41,6 @@ if not _xla._SHARDY or not hasattr(jax.config, "jax_num_cpu_devices"):
 HANG_NET_S = 120
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jax_multiprocess_worker.py")
 MULTIPLE = 4
-
-
-def free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def launch(tmp_path, mode, *, references=()):
