@@ -4,9 +4,9 @@ devices each) train one global model whose params and optimizer state are sharde
 (tests/python/jax_multiprocess_worker.py is one process).
 
 - hostopt.optax.adamw under jit: its FFI call runs on each device's shards (the call's
-  operands in the compiled step are the shards), and one update of a fixed gradient is bit
-  for bit the one-process update (Adam is elementwise; the clip's global norm is reduced
-  across processes). After 200 steps the results differ from the one-process run's only
+  operands in the compiled step are the shards), and one update of a fixed gradient by adamw
+  alone is bit for bit the one-process update (Adam is elementwise; the clip, whose global
+  norm is summed in another order over the shards, is left out of that probe). After 200 steps the results differ from the one-process run's only
   through the gradients' reductions: no more than 4x the float noise floor, measured as the
   one-process run against itself with the learning rate moved by 2e-7 relative, both ways.
 - hostopt.jax: its arena cannot take a global array spanning other processes' devices (it
