@@ -120,7 +120,8 @@ class LocalShards:
         inner._step()
       finally:
         for s in stepped:
-          s.local.grad = None  # (the caller's gradient shards are not kept alive)
+          s.local.grad = None  # (the caller's gradient shards are not kept alive:
+        inner._views = {}  # its view cache too, which never hits here: to_local() is a new tensor each step)
       with torch.no_grad():
         for s in stepped:  # the result into the shards the engine reads, in place
           shard = s.param.to_local()
