@@ -8,7 +8,14 @@ usage: fsdp2_worker.py OUT RANK WORLD PORT MODE
       fresh model (another init), fresh fully_shard and optimizer load that checkpoint and run
       steps 100-200 again. Rank 0 writes OUT/train-WORLD.json: each experiment's losses, the
       resumed run's, and whether every rank's final shards and state equal bitwise.
-  MODE "bad": rank 1 alone gets a NaN learning rate at step 3 (hostopt refuses it there).
+  MODE "bad": 8-bit moments (non-finite gradients skipped), 10 steps: at step 3 rank 1 alone
+      has an inf in its gradient shard, at step 5 rank 1 alone a NaN learning rate (then put
+      back, and the step taken again). Each rank prints what its optimizer did at each step as
+      one JSON line "steps: [...]", and whether its shards were untouched by the refused step.
+  MODE "reshard": loads OUT/ckpt-2-hostopt-8bit (saved by 2 ranks) into 3 ranks' fresh model
+      and optimizer, and prints "refused: ERROR" where the load is refused; then loads
+      OUT/ckpt-2-hostopt-f32 (f32 moments reshard) and trains steps 100-200, rank 0 printing
+      the losses as one JSON line "resumed: [...]".
 """
 import json
 import math
@@ -145,22 +152,68 @@ def main():
   dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
   torch.use_deterministic_algorithms(True)
   if mode == "bad":
-    model = sharded(make_model(0))
-    opt = make_optimizer(model, "hostopt", "f32")
-    for step in range(10):
-      if step == 3 and rank == 1:
-        opt.param_groups[0]["lr"] = math.nan
-      train(model, opt, rank, world, step, step + 1)
-    print("bad: all steps ran", flush=True)
-    return
-  experiments = {2: [("torch", "f32"), ("hostopt", "f32"), ("hostopt", "8bit")],
-                 3: [("hostopt", "f32"), ("hostopt", "bf16")]}[world]
-  results = {f"{kind}-{moments}": run_experiment(out, rank, world, kind, moments) for kind, moments in experiments}
-  if rank == 0:
-    with open(os.path.join(out, f"train-{world}.json"), "w") as f:
-      json.dump(results, f)
+    bad_inputs(rank, world)
+  elif mode == "reshard":
+    reshard(out, rank, world)
+  else:
+    experiments = {2: [("torch", "f32"), ("hostopt", "f32"), ("hostopt", "8bit")],
+                   3: [("hostopt", "f32"), ("hostopt", "bf16")]}[world]
+    results = {f"{kind}-{moments}": run_experiment(out, rank, world, kind, moments) for kind, moments in experiments}
+    if rank == 0:
+      with open(os.path.join(out, f"train-{world}.json"), "w") as f:
+        json.dump(results, f)
   dist.barrier()
   dist.destroy_process_group()
+
+
+def bad_inputs(rank, world):
+  model = sharded(make_model(0))
+  opt = make_optimizer(model, "hostopt", "8bit")
+  told = []
+  for step in range(10):
+    loss = local_loss(model, step, rank, world)
+    opt.zero_grad()
+    loss.backward()
+    if step == 3 and rank == 1:  # this rank's gradient shard alone is not finite
+      model.hidden.weight.grad.to_local()[0, 0] = math.inf
+    if step == 5 and rank == 1:
+      opt.param_groups[0]["lr"] = math.nan
+    before = [p.to_local().clone() for p in model.parameters()]
+    try:
+      opt.step()
+    except (ValueError, RuntimeError) as e:
+      untouched = all(torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters()))
+      print(f"refused at step {step}: {type(e).__name__}: {e}", flush=True)
+      print("untouched: " + json.dumps(untouched), flush=True)
+      opt.param_groups[0]["lr"] = LR
+      opt.step()  # the same gradients, stepped on every rank
+    s = opt.last_step
+    told.append([step, s.applied, s.skipped_steps, s.grad_norm])
+  print("steps: " + json.dumps(told), flush=True)
+
+
+def reshard(out, rank, world):
+  model = sharded(make_model(1))
+  opt = make_optimizer(model, "hostopt", "8bit")
+  train(model, opt, rank, world, 0, 1)  # (a state to load into)
+  msd, osd = get_state_dict(model, opt)
+  state = {"model": msd, "optim": osd}
+  try:
+    dcp.load(state, checkpoint_id=os.path.join(out, "ckpt-2-hostopt-8bit"))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+  except BaseException as e:  # (DCP's CheckpointException is one; every rank must get here, none may hang)
+    print(f"refused: {type(e).__name__}: {e}", flush=True)
+  else:
+    print("loaded", flush=True)
+  model = sharded(make_model(1))
+  opt = make_optimizer(model, "hostopt", "f32")
+  msd, osd = get_state_dict(model, opt)
+  state = {"model": msd, "optim": osd}
+  dcp.load(state, checkpoint_id=os.path.join(out, "ckpt-2-hostopt-f32"))
+  set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+  losses = train(model, opt, rank, world, SAVE_AT, STEPS)
+  if rank == 0:
+    print("resumed: " + json.dumps(losses), flush=True)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,24 @@ def _shard_type():
   return Shard
 
 
+def _scale_layout(p):
+  """How opt.state shows a DTensor parameter's 8-bit block scales: one row of blocks per shard
+  (the blocks are the shard's, so they cannot be resharded), (shards, blocks, 2) sharded over
+  dim 0 where the parameter is sharded; its global shape differs at another world size, so a
+  checkpoint of another one is refused, not loaded misaligned. Returns (shards, blocks per
+  shard, placements, this rank's shard index)."""
+  shard = _shard_type()
+  sharded = [i for i, pl in enumerate(p.placements) if isinstance(pl, shard)]
+  mesh = p.device_mesh
+  placements = [shard(0) if i in sharded else pl for i, pl in enumerate(p.placements)]
+  coordinate = mesh.get_coordinate() or [0] * mesh.ndim
+  index = 0
+  for i in sharded:
+    index = index * mesh.size(i) + coordinate[i]
+  shards = math.prod(mesh.size(i) for i in sharded)
+  return shards, _moments.q8_blocks(_largest_local_numel(p)), placements, index
+
+
 def _largest_local_numel(p) -> int:
   """An upper bound of the local shard's size on every rank (torch.chunk's split: the first
   chunks are the largest)."""
@@ -61,6 +79,17 @@ def _largest_local_numel(p) -> int:
     if isinstance(placement, shard):
       shape[placement.dim] = -(-shape[placement.dim] // p.device_mesh.size(i))
   return math.prod(shape)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+  """Bit for bit (torch.equal is False where both hold the same NaN)."""
+  if a.is_floating_point() and a.element_size() in _BITS:
+    bits = _BITS[a.element_size()]
+    return torch.equal(a.view(bits), b.view(bits))
+  return torch.equal(a, b)
+
+
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class _StandIn:
@@ -78,6 +107,9 @@ class LocalShards:
   def __init__(self, outer, make_inner):
     self._outer = outer
     self._stand_ins: Dict[int, _StandIn] = {}  # id(DTensor parameter) -> its stand-in
+    self._stand_in_of: Dict[int, _StandIn] = {}  # id(stand-in) -> it
+    self._group: Any = None  # the ranks' process group (_process_group), made at the first step
+    self._device = torch.device("cpu")  # where the group's collectives take their tensors
     self._cls = dtensor_type()
     self.inner = make_inner([self._inner_group(g, f"param_groups[{gi}]") for gi, g in enumerate(outer.param_groups)])
 
@@ -98,6 +130,7 @@ class LocalShards:
         local = torch.nn.Parameter(shard.detach().clone(), requires_grad=p.requires_grad)
       s = _StandIn(p, local)
       self._stand_ins[id(p)] = s
+      self._stand_in_of[id(local)] = s
     return s.local
 
   def _inner_group(self, group: dict, where: str) -> dict:
@@ -107,19 +140,43 @@ class LocalShards:
 
   def add_group(self, group: dict) -> None:
     self.inner.add_param_group(self._inner_group(group, f"param_groups[{len(self.inner.param_groups)}]"))
+    self._group = None  # (found again at the next step: the new parameters may be on another mesh)
+
+  def _drop_removed(self) -> None:
+    """Forgets the stand-ins of DTensor parameters no longer in any group (as the inner
+    optimizer forgets their state when it rebuilds), so they do not keep a shard's copy alive."""
+    present = {id(p) for g in self._outer.param_groups for p in g["params"]}
+    for key in [key for key in self._stand_ins if key not in present]:
+      s = self._stand_ins.pop(key)
+      self._stand_in_of.pop(id(s.local), None)
+      self._outer.state.pop(s.param, None)
+    self._group = None
 
   # --- the step ----------------------------------------------------------------------------
   def step(self) -> None:
+    """Every rank takes and checks its part, then the ranks agree (one all-reduce over the
+    parameters' ranks): a step refused on any rank is refused on every rank, with the same
+    error, and the non-finite check sees the global gradient norm, so every rank skips or
+    applies the same steps. Then each rank steps its shards."""
     outer, inner = self._outer, self.inner
     with inner._lock:
       inner._drain()
-      self._take_groups()
-      self._take_written_state()
-      stepped = self._take_params_and_grads()
+      stepped: List[_StandIn] = []
       try:
-        inner._step()
+        refusal, plan, sum_sq = None, None, 0.0
+        try:
+          self._take_groups()
+          self._take_written_state()
+          stepped = self._take_params_and_grads()
+          plan = inner._prepare_step()
+          if plan.skip:
+            sum_sq = self._local_sum_of_squares()
+        except Exception as e:  # (told to every rank below, then raised)
+          refusal = e
+        skip, norm = self._agree(refusal, plan is not None and plan.skip, sum_sq)
+        inner._run_step(plan._replace(skip=skip), norm)
       finally:
-        for s in stepped:
+        for s in self._stand_ins.values():
           s.local.grad = None  # (the caller's gradient shards are not kept alive:
         inner._views = {}  # its view cache too, which never hits here: to_local() is a new tensor each step)
       with torch.no_grad():
@@ -129,12 +186,101 @@ class LocalShards:
       self._show_state()
       outer.last_step = inner.last_step
 
+  # --- agreement across ranks --------------------------------------------------------------
+  def _meshes(self) -> list:
+    meshes: list = []
+    for group in self._outer.param_groups:
+      for p in group["params"]:
+        if self._is_dtensor(p) and not any(p.device_mesh is m or p.device_mesh == m for m in meshes):
+          meshes.append(p.device_mesh)
+    return meshes
+
+  def _process_group(self):
+    """The process group of every rank holding these parameters' shards (made once): the
+    default group where they are all of its ranks, a one-dimensional mesh's own group, else a
+    group of their ranks. False where there is no DTensor parameter (nothing to agree on)."""
+    if self._group is not None:
+      return self._group
+    import torch.distributed as dist
+    meshes = self._meshes()
+    if not meshes:
+      return False
+    ranks = sorted({int(r) for m in meshes for r in m.mesh.flatten().tolist()})
+    if ranks == list(range(dist.get_world_size())):
+      group = dist.group.WORLD
+    elif len(meshes) == 1 and meshes[0].ndim == 1:
+      group = meshes[0].get_group()
+    else:
+      group = dist.new_group(ranks, use_local_synchronization=True)
+    self._group, self._device = group, self._collective_device(meshes[0].device_type)
+    return group
+
+  @staticmethod
+  def _collective_device(device_type: str) -> torch.device:
+    if device_type == "cuda":
+      return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)
+
+  def _local_sum_of_squares(self) -> float:
+    """This rank's share of the squared global gradient norm: each local gradient's squared
+    norm (float32 per tensor, as the kernel checks them) over the number of ranks holding the
+    same shard (replicated mesh dimensions); a plain parameter beside the DTensors is taken
+    as replicated on every rank of the group."""
+    import torch.distributed as dist
+    group = self._process_group()
+    ranks = dist.get_world_size(group) if group is not False else 1
+    total = 0.0
+    for g in self.inner.param_groups:
+      for q in g["params"]:
+        if q.grad is None:
+          continue
+        s = self._stand_in_of.get(id(q))
+        if s is None:
+          copies = ranks
+        else:
+          mesh = s.param.device_mesh
+          copies = math.prod(mesh.size(i) for i, pl in enumerate(s.param.placements) if pl.is_replicate())
+        norm = float(torch.linalg.vector_norm(q.grad, dtype=torch.float32))
+        total += norm * norm / copies
+    return total
+
+  def _agree(self, refusal: Optional[BaseException], skip: bool, sum_sq: float):
+    """One all-reduce: whether a rank refused the step (then every rank raises its error, named
+    by rank, and nothing is stepped anywhere), whether non-finite gradients are checked, and
+    the global squared gradient norm. Returns (skip, the global norm or None)."""
+    import torch.distributed as dist
+    group = self._process_group() if self._meshes() else False
+    if group is False:  # (no DTensor parameter left: this rank alone)
+      if refusal is not None:
+        raise refusal
+      return skip, math.sqrt(sum_sq) if skip else None
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    told = torch.zeros(2 + size, dtype=torch.float64)
+    told[0], told[1] = sum_sq, float(skip)
+    told[2 + me] = float(refusal is not None)
+    told = told.to(self._device)
+    dist.all_reduce(told, op=dist.ReduceOp.SUM, group=group)
+    told = told.cpu()
+    refused = [r for r in range(size) if told[2 + r] > 0]
+    if refused:
+      why = None if refusal is None else (type(refusal).__name__, str(refusal))
+      whys: List[Any] = [None] * size
+      dist.all_gather_object(whys, (dist.get_rank(), why), group=group)
+      if refusal is not None:
+        raise refusal
+      rank, (kind, text) = next(w for w in whys if w[1] is not None)
+      error = {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)
+      raise error(f"the step was refused on rank {rank} ({kind}: {text}); nothing was stepped on any rank")
+    skip = bool(told[1] > 0)
+    return skip, math.sqrt(float(told[0])) if skip else None
+
   def _take_groups(self) -> None:
     """The outer param groups' hyper-parameters and parameter lists, as the caller left them."""
     outer, inner = self._outer.param_groups, self.inner.param_groups
     if len(outer) != len(inner):
       raise ValueError(f"param_groups has {len(outer)} groups, the optimizer was given {len(inner)}: add groups "
                        "with add_param_group (hostopt steps the local shards of the groups it was given)")
+    changed = False
     for gi, (og, ig) in enumerate(zip(outer, inner)):
       for key, value in og.items():
         if key != "params":
@@ -143,6 +289,9 @@ class LocalShards:
       if len(params) != len(ig["params"]) or any(
           self._local_of(p, "") is not q for p, q in zip(params, ig["params"])):
         ig["params"] = [self._local_of(p, f"param_groups[{gi}]['params'][{k}]") for k, p in enumerate(params)]
+        changed = True
+    if changed:
+      self._drop_removed()
 
   def _stand_ins_of(self) -> List[_StandIn]:
     return [self._stand_ins[id(p)] for g in self._outer.param_groups for p in g["params"] if self._is_dtensor(p)]
@@ -176,7 +325,7 @@ class LocalShards:
       for s, shard, g in found:
         # Written by the caller since the last step (a checkpoint loaded, a re-init)? Compared, not
         # told by the version counter: torch.distributed.checkpoint loads into the shard unseen.
-        if not torch.equal(shard, s.local):
+        if not _same_bits(shard, s.local):
           s.local.copy_(shard)
         if g is not None and tuple(g.placements) != tuple(s.param.placements):
           g = g.redistribute(s.param.device_mesh, s.param.placements)
@@ -197,31 +346,49 @@ class LocalShards:
     p = s.param
     with torch.no_grad():
       if key == SCALES:
-        rows = _moments.q8_blocks(_largest_local_numel(p))
+        shards, rows, placements, _ = _scale_layout(p)
         local = value.reshape(-1, 2)
         if local.shape[0] < rows:
           local = torch.cat([local, local.new_zeros(rows - local.shape[0], 2)])
-        shard = _shard_type()
-        placements = [shard(0) if isinstance(pl, shard) else pl for pl in p.placements]
-        ranks = math.prod(p.device_mesh.size(i) for i, pl in enumerate(p.placements) if isinstance(pl, shard))
-        return self._cls.from_local(local, p.device_mesh, placements, run_check=False, shape=(rows * ranks, 2),
-                                    stride=(2, 1))
+        return self._cls.from_local(local.reshape(1, rows, 2), p.device_mesh, placements, run_check=False,
+                                    shape=(shards, rows, 2), stride=(rows * 2, 2, 1))
       if tuple(value.shape) != tuple(s.local.shape):
         return value
       return self._cls.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                   stride=p.stride())
 
-  def _unwrap(self, key: str, value, s: _StandIn):
+  def _unwrap(self, key: str, value, s: _StandIn, where: str):
     """An outer state entry (a DTensor, or a plain tensor) as the stand-in's local one."""
+    if key == SCALES and torch.is_tensor(value) and value.dim() == 3:
+      return self._unwrap_scales(value, s, where)
     if not self._is_dtensor(value):
       return value
     with torch.no_grad():
-      if key == SCALES:  # (sharded by rows as _wrap shows them: the first rows are this rank's blocks)
-        return value.to_local().reshape(-1, 2)[:_moments.q8_blocks(s.local.numel())]
+      if key == SCALES:
+        return self._unwrap_scales(value, s, where)
       if tuple(value.placements) != tuple(s.param.placements):
         value = value.redistribute(s.param.device_mesh, s.param.placements)
       local = value.to_local()
     return local
+
+  def _unwrap_scales(self, value, s: _StandIn, where: str) -> torch.Tensor:
+    """This rank's row of 8-bit block scales laid out as _wrap shows them (a DTensor, or the
+    whole (shards, blocks, 2) tensor); another layout is refused by name."""
+    shards, rows, placements, index = _scale_layout(s.param)
+    if tuple(value.shape) != (shards, rows, 2):
+      raise ValueError(f"{where}['{SCALES}'] has shape {tuple(value.shape)}: 8-bit moments of this parameter, "
+                       f"sharded as it is now, have ({shards}, {rows}, 2) (shards, blocks per shard, 2). 8-bit "
+                       "moments resume only at the world size and sharding they were saved with (their blocks are "
+                       "the shards'); load them there and save f32 or bf16 moments to reshard (convert_moments=True "
+                       "on a bf16/f32 optimizer); nothing was loaded")
+    with torch.no_grad():
+      if self._is_dtensor(value):
+        if tuple(value.placements) != tuple(placements):
+          value = value.redistribute(s.param.device_mesh, placements)
+        local = value.to_local()
+      else:
+        local = value[index]
+      return local.reshape(-1, 2)[:_moments.q8_blocks(s.local.numel())]
 
   def _show_state(self) -> None:
     """opt.state[p] of each parameter from the inner's: the same dict for a plain parameter,
@@ -241,19 +408,25 @@ class LocalShards:
             s.shown = {}
           continue
         shown = {key: self._wrap(key, value, s) for key, value in st.items()}
-        outer_state[p] = dict(shown)
+        entry = outer_state.get(p)
+        if entry is None:
+          outer_state[p] = entry = {}
+        if entry.keys() != shown.keys() or any(entry[key] is not value for key, value in shown.items()):
+          entry.clear()  # (the same dict, as torch.optim's: a reference the caller holds stays live)
+          entry.update(shown)
         s.shown = shown
 
   def _take_written_state(self) -> None:
     """Entries the caller replaced, added or deleted in opt.state[p] since they were shown go
     to the inner's state (checked and taken by its step, as any written state)."""
     outer_state, inner_state = self._outer.state, self.inner.state
-    for group in self._outer.param_groups:
-      for p in group["params"]:
+    writes = []  # (a parameter, its entries as written), every one unwrapped before any is taken
+    for gi, group in enumerate(self._outer.param_groups):
+      for k, p in enumerate(group["params"]):
         if not self._is_dtensor(p):
           st = outer_state.get(p)
           if st is not None and st is not inner_state.get(p):
-            inner_state[p] = st
+            writes.append((p, None, st))
           continue
         s = self._stand_ins[id(p)]
         st = outer_state.get(p)
@@ -261,13 +434,20 @@ class LocalShards:
           st = {}
         if st.keys() == s.shown.keys() and all(st[key] is s.shown[key] for key in st):
           continue
-        inner = inner_state[s.local]
-        for key in [key for key in inner if key not in st]:
-          del inner[key]
-        for key, value in st.items():
-          if s.shown.get(key) is not value:
-            inner[key] = self._unwrap(key, value, s)
-        s.shown = dict(st)
+        where = f"opt.state[param_groups[{gi}]['params'][{k}]]"
+        writes.append((s.local, s, {key: value if s.shown.get(key) is value else self._unwrap(key, value, s, where)
+                                    for key, value in st.items()}))
+    for q, s, st in writes:
+      if s is None:
+        inner_state[q] = st
+        continue
+      inner = inner_state[q]
+      for key in [key for key in inner if key not in st]:
+        del inner[key]
+      for key, value in st.items():
+        if s.shown.get(key) is not value:
+          inner[key] = value
+      s.shown = dict(outer_state.get(s.param) or {})
 
   # --- state_dict ------------------------------------------------------------------------
   def refresh(self) -> None:
@@ -279,20 +459,21 @@ class LocalShards:
   def load_state_dict(self, state_dict: dict, convert_moments: bool) -> None:
     """Loads through the inner optimizer (every check before anything changes), with each
     DTensor entry taken as its local shard."""
-    params = [p for g in self._outer.param_groups for p in g["params"]]
-    ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-    local_state = {}
-    by_index = dict(zip(ids, params))
-    for index, st in state_dict["state"].items():
-      p = by_index.get(index)
-      if p is None or not self._is_dtensor(p):
-        local_state[index] = st
-        continue
-      s = self._stand_ins[id(p)]
-      local_state[index] = {key: self._unwrap(key, value, s) for key, value in st.items()}
     with self.inner._lock:
       self.inner._drain()
-      self._take_groups()
+      self._take_groups()  # (stand-ins for DTensors appended since the last step)
+      params = [p for g in self._outer.param_groups for p in g["params"]]
+      ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+      local_state = {}
+      by_index = dict(zip(ids, params))
+      for index, st in state_dict["state"].items():
+        p = by_index.get(index)
+        if p is None or not self._is_dtensor(p):
+          local_state[index] = st
+          continue
+        s = self._stand_ins[id(p)]
+        local_state[index] = {key: self._unwrap(key, value, s, f"state_dict['state'][{index!r}]")
+                              for key, value in st.items()}
       self.inner.load_state_dict(dict(state_dict, state=local_state), convert_moments=convert_moments)
       for og, ig in zip(self._outer.param_groups, self.inner.param_groups):
         og.update({key: value for key, value in ig.items() if key != "params"})

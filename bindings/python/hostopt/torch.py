@@ -119,6 +119,9 @@ __all__ = ["Adam", "AdamW", "StepStats", "default_threads"]
 
 # What the last step did, over every parameter dtype's core (each steps its own dtype).
 StepStats = collections.namedtuple("StepStats", "applied step skipped_steps grad_norm poisoned_blocks saturated_blocks")
+# A checked step, not yet taken: the groups stepped (None: all), their configs, whether
+# non-finite gradients are checked (see _prepare_step).
+_StepPlan = collections.namedtuple("_StepPlan", "only configs skip")
 
 
 def _holds_step_view(st: Optional[dict], t: Tracked) -> bool:
@@ -253,6 +256,7 @@ class _HostAdam(torch.optim.Optimizer):
           fused=fused, decoupled_weight_decay=decoupled_weight_decay, threads=threads, offload=offload,
           offload_chunk=offload_chunk, overlap=overlap, moments=moments, rounding_seed=rounding_seed,
           skip_nonfinite=skip_nonfinite))
+    self._made = True  # (add_param_group: torch's __init__ adds the first groups before this)
 
   def _refuse_copy(self) -> None:
     if self.__dict__.get("_shards") is not None:
@@ -295,7 +299,7 @@ class _HostAdam(torch.optim.Optimizer):
     self.__dict__.setdefault("_threads", default_threads())
     for key, value in (("_offload", None), ("_offload_chunk", 1 << 22), ("_overlap", False),
                        ("_overlap_backward", False), ("_skip_nonfinite", None), ("last_step", None),
-                       ("_shards", None)):
+                       ("_shards", None), ("_made", True)):
       self.__dict__.setdefault(key, value)
     self._engine, self._engine_stream, self._pending = None, 0, []
     self._layout, self._hidden = None, {}
@@ -322,6 +326,9 @@ class _HostAdam(torch.optim.Optimizer):
       param_group["moments"] = _moment_format(param_group["moments"], "param group moments")
     if "rounding_seed" in param_group:
       param_group["rounding_seed"] = _check_seed(param_group["rounding_seed"], "param group rounding_seed")
+    if self.__dict__.get("_made") and self._shards is None:
+      params = param_group["params"]
+      self._refuse_dtensors([{"params": [params] if torch.is_tensor(params) else list(params)}])
     super().add_param_group(param_group)
     self._given_groups = list(self.param_groups)  # (see _whole_list)
     shards = self.__dict__.get("_shards")
@@ -329,6 +336,15 @@ class _HostAdam(torch.optim.Optimizer):
       shards.add_group(self.param_groups[-1])
     # Rebuilt, with the state kept, at the next step (_params_changed), after the check that
     # every built parameter's group still stores its format (_check_formats).
+
+  @staticmethod
+  def _refuse_dtensors(groups: list) -> None:
+    """DTensors reaching an optimizer made over plain tensors (stepped in place, as views of the
+    arena, which a DTensor cannot be): refused, by name, with nothing changed."""
+    if any_dtensor(groups):
+      raise ValueError("a DTensor parameter (FSDP2's fully_shard, tensor parallel) was given to a hostopt.torch "
+                       "optimizer made over plain tensors: make the optimizer after fully_shard, over the DTensor "
+                       "parameters (it can hold plain ones beside them); nothing was changed")
 
   def _group_format(self, group: dict) -> str:
     return group.get("moments", "f32")
@@ -368,6 +384,7 @@ class _HostAdam(torch.optim.Optimizer):
     refused build leaves the optimizer as it was (the earlier layout, its step counts).
     `overrides`: id(p) -> state entries read instead of opt.state[p]'s (8-bit codes
     re-encoded for a new memory order, written to opt.state only when the build stands)."""
+    self._refuse_dtensors(self.param_groups)
     overrides = overrides or {}
     by_dtype: Dict[str, list] = {}
     seen, where_of, source = set(), {}, {}
@@ -625,8 +642,8 @@ class _HostAdam(torch.optim.Optimizer):
   def adopt_params(self) -> None:
     """Takes every parameter's current values as the master weights (after writes the
     optimizer cannot see, e.g. through ``p.data`` of a 16-bit parameter)."""
-    if self._shards is not None:
-      return  # each stand-in takes its shard's values at every step (_torch_dtensor)
+    if self._shards is not None:  # (each stand-in takes its shard's values at every step anyway)
+      return self._shards.inner.adopt_params()
     if self._layout is None:
       return
     self._drain()
@@ -849,6 +866,14 @@ class _HostAdam(torch.optim.Optimizer):
   def _step(self) -> None:
     if self._shards is not None:
       return self._shards.step()
+    plan = self._prepare_step()
+    self._run_step(plan, self._grad_norm() if plan.skip else None)
+
+  def _prepare_step(self) -> _StepPlan:
+    """Everything a step takes and checks before any parameter or moment changes: the user's
+    changes adopted, the layout (re)built, every group's hyper-parameters and every gradient
+    checked. A refused step raises here (nothing stepped); the DTensor path agrees across
+    ranks between this and _run_step."""
     self._drain()
     every = self._whole_list()
     if self._layout is None:
@@ -875,7 +900,12 @@ class _HostAdam(torch.optim.Optimizer):
     if skip is None:
       skip = (any(self._group_format(g) == "8bit" for g in self.param_groups)
               and all(entry.dev is None for entry in self._layouts().values()))
-    norm = self._grad_norm() if skip else None
+    return _StepPlan(only, configs, bool(skip))
+
+  def _run_step(self, plan: _StepPlan, norm: Optional[float]) -> None:
+    """The step _prepare_step checked; `norm` is the gradients' global norm where plan.skip
+    (the non-finite check), else None."""
+    only, configs, skip = plan
     results = []
     self._last_chunk_events = 0
     for tag, layout in self._layouts().items():
@@ -1030,8 +1060,6 @@ class _HostAdam(torch.optim.Optimizer):
     of a parameter laid out in another memory order) are refused, with nothing changed,
     unless ``convert_moments=True``: they are then converted here (decoded exactly, then
     encoded: lossy into bf16 or 8-bit)."""
-    if self._shards is not None:  # DTensor entries: their local shards, loaded by the inner optimizer
-      return self._shards.load_state_dict(state_dict, convert_moments)
     self._drain()
     # torch 2's load pre-hooks, as torch.optim runs them: on a shallow copy, and what they
     # return is what is checked and loaded (torch's own load below runs without them).
@@ -1042,6 +1070,11 @@ class _HostAdam(torch.optim.Optimizer):
       result = hook(self, state_dict)
       if result is not None:
         state_dict = result
+    if self._shards is not None:  # DTensor entries: their local shards, loaded by the inner optimizer
+      self._shards.load_state_dict(state_dict, convert_moments)
+      for hook in list((post_hooks or {}).values()):
+        hook(self)
+      return
     saved_groups = state_dict["param_groups"]
     for gi, group in enumerate(saved_groups):
       self._refuse_unsupported(group, f"state_dict['param_groups'][{gi}]")
