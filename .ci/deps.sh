@@ -11,6 +11,8 @@ HOSTOPT_BUILD_PACKAGES=(
   g++ cmake ninja-build pkg-config
   # C++ libraries (header-only or shared; never vendored)
   libxsimd-dev libtbb-dev catch2 libcli11-dev nlohmann-json3-dev
+  # optional: io_uring for hostopt-bench disk (a thread pool does the I/O without it)
+  liburing-dev
 )
 
 HOSTOPT_DEBIAN_PACKAGES=(
