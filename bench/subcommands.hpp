@@ -86,6 +86,17 @@ struct trainer_options {
 void add_trainer_command(CLI::App& app, trainer_options& o);
 report run_trainer_bench(const trainer_options& o, const common_options& c);
 
+struct disk_options {
+  std::string dir;
+  std::string size = "1G";
+  std::vector<std::string> blocks{"256K", "1M", "4M"};
+  std::vector<unsigned> depths{1, 4, 16, 32};
+  std::string io = "auto";
+  int iterations = 1;
+};
+void add_disk_command(CLI::App& app, disk_options& o);
+report run_disk_bench(const disk_options& o, const common_options& c);
+
 /// "f32:none" -> grad dtype and copy-out dtype (or none); throws std::invalid_argument.
 struct dtype_mix {
   int grad;  // hostopt::dtype
