@@ -131,9 +131,6 @@ def run_experiment(out, rank, world, kind, moments):
     set_state_dict(model2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
     result["resumed"] = train(model2, opt2, rank, world, SAVE_AT, STEPS)
     mine, theirs = shards_and_state(model, opt), shards_and_state(model2, opt2)
-    def bits(t):  # (NaN-safe, and -0.0 is not 0.0)
-      return t.reshape(-1).contiguous().view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8)
-
     same = len(mine) == len(theirs) and all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
                                             for a, b in zip(mine, theirs))
     flag = torch.tensor([1.0 if same else 0.0])
@@ -190,6 +187,64 @@ def bad_inputs(rank, world):
     s = opt.last_step
     told.append([step, s.applied, s.skipped_steps, s.grad_norm])
   print("steps: " + json.dumps(told), flush=True)
+  # A load refused on rank 1 alone (a NaN lr in its copy): refused on both, each rank's state as it
+  # was (rank 0's copy is a valid other state, which it loads first and then puts back).
+  before = shards_and_state(model, opt)
+  sd = opt.state_dict()
+  if rank == 0:
+    sd["state"][0]["step"] = sd["state"][0]["step"] + 5
+  if rank == 1:
+    sd["param_groups"][0]["lr"] = math.nan
+  try:
+    opt.load_state_dict(sd)
+  except ValueError as e:
+    print(f"load refused: {e}", flush=True)
+  after = shards_and_state(model, opt)
+  print("load untouched: " + json.dumps(all(torch.equal(bits(a), bits(b)) for a, b in zip(before, after))), flush=True)
+  tensor_parallel(rank, world)
+
+
+def tensor_parallel(rank, world):
+  """DTensors as tensor parallelism makes them, outside FSDP2: a sharded weight, and a replicated
+  one whose gradient is Partial (hostopt redistributes it, a collective every rank must reach)."""
+  from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+  mesh = init_device_mesh("cpu", (world,))
+  a = torch.nn.Parameter(distribute_tensor(torch.ones(4, 6), mesh, [Shard(0)]))
+  b = torch.nn.Parameter(distribute_tensor(torch.zeros(6), mesh, [Replicate()]))
+  opt = hostopt.torch.AdamW([a, b], lr=0.1, threads=1)
+
+  def grads(a_plain=False, b_none=False):
+    a.grad = torch.ones(4, 6) if a_plain else DTensor.from_local(torch.ones(2, 6), mesh, [Shard(0)], run_check=False)
+    b.grad = None if b_none else DTensor.from_local(torch.full((6,), rank + 1.0), mesh, [Partial()], run_check=False)
+
+  told = []
+  for label, bad in (("plain gradient", dict(a_plain=True)), ("missing gradient", dict(b_none=True))):
+    grads(**(bad if rank == 0 else {}))
+    try:
+      opt.step()
+      told.append([label, "stepped"])
+    except ValueError as e:
+      told.append([label, str(e)])
+  grads()
+  opt.step()
+  told.append(["then", b.to_local().tolist(), a.to_local().tolist()])
+  print("tp: " + json.dumps(told), flush=True)
+  # 8-bit state of a Shard(0) weight loaded into a Shard(1) one: another box per rank, refused.
+  w0 = torch.nn.Parameter(distribute_tensor(torch.ones(4, 64), mesh, [Shard(0)]))
+  q0 = hostopt.torch.AdamW([w0], lr=0.1, moments="8bit", threads=1)
+  w0.grad = distribute_tensor(torch.ones(4, 64), mesh, [Shard(0)])
+  q0.step()
+  w1 = torch.nn.Parameter(distribute_tensor(torch.ones(4, 64), mesh, [Shard(1)]))
+  q1 = hostopt.torch.AdamW([w1], lr=0.1, moments="8bit", threads=1)
+  try:
+    q1.load_state_dict(q0.state_dict())
+    print("resharded 8-bit: loaded", flush=True)
+  except ValueError as e:
+    print(f"resharded 8-bit: {e}", flush=True)
+
+
+def bits(t):  # (NaN-safe, and -0.0 is not 0.0)
+  return t.reshape(-1).contiguous().view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8)
 
 
 def reshard(out, rank, world):

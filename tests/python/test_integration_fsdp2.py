@@ -140,6 +140,19 @@ def test_bad_input_on_one_rank_fails_every_rank(tmp_path):
   told = lines(log0, "refused at step 5: ValueError: ")
   assert len(told) == 1 and "refused on rank 1" in told[0] and "lr" in told[0], log0[-4000:]
   assert lines(log0, "untouched: ") == ["true"] and lines(log1, "untouched: ") == ["true"]
+  # A load refused on rank 1 alone: refused on both, rank 0 (which had loaded) put back.
+  assert "lr" in lines(log1, "load refused: ")[0], log1[-4000:]
+  assert "refused on rank 1" in lines(log0, "load refused: ")[0], log0[-4000:]
+  assert lines(log0, "load untouched: ") == ["true"] and lines(log1, "load untouched: ") == ["true"]
+  # Tensor-parallel DTensors (a Partial gradient redistributed): rank 0's plain gradient and its
+  # missing one refused on both ranks, no rank left in a collective; then the step goes on alike.
+  tp0, tp1 = json.loads(lines(log0, "tp: ")[0]), json.loads(lines(log1, "tp: ")[0])
+  assert "gradient is a plain Tensor" in tp0[0][1] and "refused on rank 0" in tp1[0][1], (tp0, tp1)
+  assert "has a gradient on 1 of the 2 ranks" in tp0[1][1] and tp0[1] == tp1[1], (tp0, tp1)
+  assert tp0[2][1] == tp1[2][1] and tp0[2][1] == [pytest.approx(-0.1)] * 6, (tp0, tp1)  # one Adam step of the sum
+  # 8-bit state of a Shard(0) weight into a Shard(1) one (the same shapes, other boxes): refused.
+  for log in (log0, log1):
+    assert "another sharding" in lines(log, "resharded 8-bit: ")[0], log[-4000:]
 
 
 def test_checkpoint_of_another_world_size(trained, reference, tmp_path):

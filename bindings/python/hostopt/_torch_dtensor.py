@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from . import _moments
+from ._torch_agreement import Agreement
 from ._torch_state import SCALES
 
 
@@ -70,6 +71,18 @@ def _scale_layout(p):
   return shards, _moments.q8_blocks(_largest_local_numel(p)), placements, index
 
 
+def _shard_box(p) -> List[int]:
+  """This rank's shard of DTensor p as a box in the whole tensor: its local shape, then its
+  offset (8-bit moments' blocks are 32 consecutive elements of the local shard, so state saved
+  from another box is not this shard's)."""
+  try:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+  except ImportError:  # (older torch: the local shape alone)
+    shape, offset = p.to_local().shape, [0] * p.dim()
+  return [int(n) for n in shape] + [int(o) for o in offset]
+
+
 def _largest_local_numel(p) -> int:
   """An upper bound of the local shard's size on every rank (torch.chunk's split: the first
   chunks are the largest)."""
@@ -91,13 +104,19 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
+SHARDS = "moment_shards"  # opt.state key of an 8-bit DTensor parameter's shard boxes (LocalShards._box_of)
+_RESHARD = ("8-bit moments resume only at the world size and sharding they were saved with (their blocks are the "
+            "shards'); to reshard, load them where they were saved into an optimizer with f32 moments "
+            "(convert_moments=True), save that, and load it here")
+
 
 class _StandIn:
   """One DTensor parameter's stand-in, and its opt.state entries as last shown."""
-  __slots__ = ("param", "local", "shown")
+  __slots__ = ("param", "local", "shown", "box")
 
   def __init__(self, param, local: torch.Tensor):
     self.param, self.local = param, local
+    self.box = None  # opt.state[param][SHARDS] as shown (8-bit moments only)
     self.shown: Dict[str, Any] = {}  # opt.state[param] entries as last shown (to notice the user's writes)
 
 
@@ -108,8 +127,8 @@ class LocalShards:
     self._outer = outer
     self._stand_ins: Dict[int, _StandIn] = {}  # id(DTensor parameter) -> its stand-in
     self._stand_in_of: Dict[int, _StandIn] = {}  # id(stand-in) -> it
-    self._group: Any = None  # the ranks' process group (_process_group), made at the first step
-    self._device = torch.device("cpu")  # where the group's collectives take their tensors
+    self._agreement_of: Optional[Agreement] = None  # over the DTensors' ranks (_agreement)
+    self._agreement_key: Any = None  # (their meshes, when it was made)
     self._cls = dtensor_type()
     self.inner = make_inner([self._inner_group(g, f"param_groups[{gi}]") for gi, g in enumerate(outer.param_groups)])
 
@@ -140,7 +159,6 @@ class LocalShards:
 
   def add_group(self, group: dict) -> None:
     self.inner.add_param_group(self._inner_group(group, f"param_groups[{len(self.inner.param_groups)}]"))
-    self._group = None  # (found again at the next step: the new parameters may be on another mesh)
 
   def _drop_removed(self) -> None:
     """Forgets the stand-ins of DTensor parameters no longer in any group (as the inner
@@ -150,31 +168,21 @@ class LocalShards:
       s = self._stand_ins.pop(key)
       self._stand_in_of.pop(id(s.local), None)
       self._outer.state.pop(s.param, None)
-    self._group = None
 
   # --- the step ----------------------------------------------------------------------------
   def step(self) -> None:
-    """Every rank takes and checks its part, then the ranks agree (one all-reduce over the
-    parameters' ranks): a step refused on any rank is refused on every rank, with the same
-    error, and the non-finite check sees the global gradient norm, so every rank skips or
-    applies the same steps. Then each rank steps its shards."""
+    """Every rank checks what it was given, then the ranks agree (Agreement) before anything
+    changes: a step refused on any rank is refused on every rank, and a parameter has a
+    gradient on every rank or on none. Then, alike on every rank, the gradients are
+    redistributed to their parameters' placements where they differ (a collective), the step
+    is checked again (written state, hyper-parameters), and the ranks agree once more, on that
+    and on the global gradient norm for the non-finite check, so every rank skips or applies
+    the same step. Then each rank steps its shards."""
     outer, inner = self._outer, self.inner
     with inner._lock:
       inner._drain()
-      stepped: List[_StandIn] = []
       try:
-        refusal, plan, sum_sq = None, None, 0.0
-        try:
-          self._take_groups()
-          self._take_written_state()
-          stepped = self._take_params_and_grads()
-          plan = inner._prepare_step()
-          if plan.skip:
-            sum_sq = self._local_sum_of_squares()
-        except Exception as e:  # (told to every rank below, then raised)
-          refusal = e
-        skip, norm = self._agree(refusal, plan is not None and plan.skip, sum_sq)
-        inner._run_step(plan._replace(skip=skip), norm)
+        stepped = self._agreed_step()
       finally:
         for s in self._stand_ins.values():
           s.local.grad = None  # (the caller's gradient shards are not kept alive:
@@ -186,49 +194,71 @@ class LocalShards:
       self._show_state()
       outer.last_step = inner.last_step
 
-  # --- agreement across ranks --------------------------------------------------------------
-  def _meshes(self) -> list:
+  def _dtensors(self) -> list:
+    """(where, parameter) of each DTensor parameter, in param_groups' order."""
+    return [(f"param_groups[{gi}]['params'][{k}]", p) for gi, g in enumerate(self._outer.param_groups)
+            for k, p in enumerate(g["params"]) if self._is_dtensor(p)]
+
+  def _agreement(self) -> Optional[Agreement]:
+    """The agreement over the DTensor parameters' ranks (found again when they change), or None
+    where there is none."""
     meshes: list = []
-    for group in self._outer.param_groups:
-      for p in group["params"]:
-        if self._is_dtensor(p) and not any(p.device_mesh is m or p.device_mesh == m for m in meshes):
-          meshes.append(p.device_mesh)
-    return meshes
-
-  def _process_group(self):
-    """The process group of every rank holding these parameters' shards (made once): the
-    default group where they are all of its ranks, a one-dimensional mesh's own group, else a
-    group of their ranks. False where there is no DTensor parameter (nothing to agree on)."""
-    if self._group is not None:
-      return self._group
-    import torch.distributed as dist
-    meshes = self._meshes()
+    for _, p in self._dtensors():
+      if not any(p.device_mesh is m for m in meshes):
+        meshes.append(p.device_mesh)
     if not meshes:
-      return False
-    ranks = sorted({int(r) for m in meshes for r in m.mesh.flatten().tolist()})
-    if ranks == list(range(dist.get_world_size())):
-      group = dist.group.WORLD
-    elif len(meshes) == 1 and meshes[0].ndim == 1:
-      group = meshes[0].get_group()
+      return None
+    key = tuple(id(m) for m in meshes)
+    if self._agreement_key != key:
+      self._agreement_of, self._agreement_key = Agreement(meshes), key
+    return self._agreement_of
+
+  def _agreed_step(self) -> List[_StandIn]:
+    inner = self.inner
+    agreement = self._agreement()
+    dtensors = self._dtensors()
+    refusal, found = None, []
+    try:  # this rank's checks: nothing changed, no collective
+      self._take_groups()
+      found = self._check_params_and_grads()
+    except BaseException as e:  # (told to every rank, then raised)
+      refusal = e
+    if agreement is None:
+      if refusal is not None:
+        raise refusal
     else:
-      group = dist.new_group(ranks, use_local_synchronization=True)
-    self._group, self._device = group, self._collective_device(meshes[0].device_type)
-    return group
+      counts = agreement.reduce(refusal, [float(p.grad is not None) for _, p in dtensors], "the step")
+      some = [(where, int(c)) for (where, _), c in zip(dtensors, counts.tolist()) if 0 < c < agreement.size]
+      if some:
+        where, c = some[0]
+        raise ValueError(f"{where} has a gradient on {c} of the {agreement.size} ranks and none on the others (each "
+                         "rank needs its shard's gradient, or none does): nothing was stepped on any rank")
+    refusal, plan, sum_sq, stepped = None, None, 0.0, []
+    try:  # alike on every rank
+      stepped = self._take_params_and_grads(found)
+      self._take_written_state()
+      plan = inner._prepare_step()
+      if plan.skip:
+        sum_sq = self._local_sum_of_squares(agreement)
+    except BaseException as e:
+      refusal = e
+    if agreement is None:
+      if refusal is not None:
+        raise refusal
+      assert plan is not None
+      inner._run_step(plan, math.sqrt(sum_sq) if plan.skip else None)
+      return stepped
+    skip, total = agreement.reduce(refusal, [float(plan is not None and plan.skip), sum_sq], "the step").tolist()
+    assert plan is not None  # (reduce raised where any rank refused)
+    inner._run_step(plan._replace(skip=skip > 0), math.sqrt(total) if skip > 0 else None)
+    return stepped
 
-  @staticmethod
-  def _collective_device(device_type: str) -> torch.device:
-    if device_type == "cuda":
-      return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(device_type)
-
-  def _local_sum_of_squares(self) -> float:
+  def _local_sum_of_squares(self, agreement: Optional[Agreement]) -> float:
     """This rank's share of the squared global gradient norm: each local gradient's squared
     norm (float32 per tensor, as the kernel checks them) over the number of ranks holding the
     same shard (replicated mesh dimensions); a plain parameter beside the DTensors is taken
-    as replicated on every rank of the group."""
-    import torch.distributed as dist
-    group = self._process_group()
-    ranks = dist.get_world_size(group) if group is not False else 1
+    as replicated on every rank."""
+    ranks = agreement.size if agreement is not None else 1
     total = 0.0
     for g in self.inner.param_groups:
       for q in g["params"]:
@@ -243,36 +273,6 @@ class LocalShards:
         norm = float(torch.linalg.vector_norm(q.grad, dtype=torch.float32))
         total += norm * norm / copies
     return total
-
-  def _agree(self, refusal: Optional[BaseException], skip: bool, sum_sq: float):
-    """One all-reduce: whether a rank refused the step (then every rank raises its error, named
-    by rank, and nothing is stepped anywhere), whether non-finite gradients are checked, and
-    the global squared gradient norm. Returns (skip, the global norm or None)."""
-    import torch.distributed as dist
-    group = self._process_group() if self._meshes() else False
-    if group is False:  # (no DTensor parameter left: this rank alone)
-      if refusal is not None:
-        raise refusal
-      return skip, math.sqrt(sum_sq) if skip else None
-    size, me = dist.get_world_size(group), dist.get_rank(group)
-    told = torch.zeros(2 + size, dtype=torch.float64)
-    told[0], told[1] = sum_sq, float(skip)
-    told[2 + me] = float(refusal is not None)
-    told = told.to(self._device)
-    dist.all_reduce(told, op=dist.ReduceOp.SUM, group=group)
-    told = told.cpu()
-    refused = [r for r in range(size) if told[2 + r] > 0]
-    if refused:
-      why = None if refusal is None else (type(refusal).__name__, str(refusal))
-      whys: List[Any] = [None] * size
-      dist.all_gather_object(whys, (dist.get_rank(), why), group=group)
-      if refusal is not None:
-        raise refusal
-      rank, (kind, text) = next(w for w in whys if w[1] is not None)
-      error = {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)
-      raise error(f"the step was refused on rank {rank} ({kind}: {text}); nothing was stepped on any rank")
-    skip = bool(told[1] > 0)
-    return skip, math.sqrt(float(told[0])) if skip else None
 
   def _take_groups(self) -> None:
     """The outer param groups' hyper-parameters and parameter lists, as the caller left them."""
@@ -293,33 +293,32 @@ class LocalShards:
     if changed:
       self._drop_removed()
 
-  def _stand_ins_of(self) -> List[_StandIn]:
-    return [self._stand_ins[id(p)] for g in self._outer.param_groups for p in g["params"] if self._is_dtensor(p)]
-
-  def _take_params_and_grads(self) -> List[_StandIn]:
-    """Every check first (nothing is changed by a refused step), then each stand-in takes its
-    shard's new values and its gradient's local shard. Returns the stand-ins with a gradient."""
+  def _check_params_and_grads(self) -> list:
+    """Every DTensor parameter's shard and gradient checked (nothing changed, no collective):
+    (stand-in, local shard, gradient or None) of each."""
     found = []
-    for gi, group in enumerate(self._outer.param_groups):
-      for k, p in enumerate(group["params"]):
-        if not self._is_dtensor(p):
-          continue
-        where = f"param_groups[{gi}]['params'][{k}]"
-        s = self._stand_ins[id(p)]
-        shard = p.to_local()
-        if tuple(shard.shape) != tuple(s.local.shape) or shard.dtype != s.local.dtype:
-          raise ValueError(f"{where}: its local shard changed from {tuple(s.local.shape)} {s.local.dtype} to "
-                           f"{tuple(shard.shape)} {shard.dtype} after it was given to the optimizer (resharded): "
-                           "make a new optimizer, or load a state into one")
-        g = p.grad
-        if g is not None:
-          if not self._is_dtensor(g):
-            raise ValueError(f"{where} is a DTensor but its gradient is a plain {type(g).__name__}: expected a "
-                             "DTensor on the parameter's mesh; nothing was stepped")
-          if g.device_mesh != p.device_mesh or tuple(g.shape) != tuple(p.shape):
-            raise ValueError(f"{where} has a gradient of shape {tuple(g.shape)} on {g.device_mesh}: expected the "
-                             f"parameter's, {tuple(p.shape)} on {p.device_mesh}; nothing was stepped")
-        found.append((s, shard, g))
+    for where, p in self._dtensors():
+      s = self._stand_ins[id(p)]
+      shard = p.to_local()
+      if tuple(shard.shape) != tuple(s.local.shape) or shard.dtype != s.local.dtype:
+        raise ValueError(f"{where}: its local shard changed from {tuple(s.local.shape)} {s.local.dtype} to "
+                         f"{tuple(shard.shape)} {shard.dtype} after it was given to the optimizer (resharded): "
+                         "make a new optimizer, or load a state into one")
+      g = p.grad
+      if g is not None:
+        if not self._is_dtensor(g):
+          raise ValueError(f"{where} is a DTensor but its gradient is a plain {type(g).__name__}: expected a "
+                           "DTensor on the parameter's mesh; nothing was stepped")
+        if g.device_mesh != p.device_mesh or tuple(g.shape) != tuple(p.shape):
+          raise ValueError(f"{where} has a gradient of shape {tuple(g.shape)} on {g.device_mesh}: expected the "
+                           f"parameter's, {tuple(p.shape)} on {p.device_mesh}; nothing was stepped")
+      found.append((s, shard, g))
+    return found
+
+  def _take_params_and_grads(self, found: list) -> List[_StandIn]:
+    """Each stand-in takes its shard's new values and its gradient's local shard (redistributed
+    to the parameter's placements first where they differ: a collective, reached alike by every
+    rank once they agree). Returns the stand-ins with a gradient."""
     stepped = []
     with torch.no_grad():
       for s, shard, g in found:
@@ -377,10 +376,8 @@ class LocalShards:
     shards, rows, placements, index = _scale_layout(s.param)
     if tuple(value.shape) != (shards, rows, 2):
       raise ValueError(f"{where}['{SCALES}'] has shape {tuple(value.shape)}: 8-bit moments of this parameter, "
-                       f"sharded as it is now, have ({shards}, {rows}, 2) (shards, blocks per shard, 2). 8-bit "
-                       "moments resume only at the world size and sharding they were saved with (their blocks are "
-                       "the shards'); load them there and save f32 or bf16 moments to reshard (convert_moments=True "
-                       "on a bf16/f32 optimizer); nothing was loaded")
+                       f"sharded as it is now, have ({shards}, {rows}, 2) (shards, blocks per shard, 2): {_RESHARD}; "
+                       "nothing was loaded")
     with torch.no_grad():
       if self._is_dtensor(value):
         if tuple(value.placements) != tuple(placements):
@@ -389,6 +386,38 @@ class LocalShards:
       else:
         local = value[index]
       return local.reshape(-1, 2)[:_moments.q8_blocks(s.local.numel())]
+
+  def _box_of(self, s: _StandIn):
+    """opt.state[p][SHARDS] of an 8-bit DTensor parameter: each shard's box (_shard_box), a
+    (shards, 2 x dims) int64 DTensor sharded as the block scales, so a checkpoint says which
+    elements its 8-bit blocks cover and a load into another sharding is refused by name."""
+    if s.box is None:
+      shards, _, placements, _ = _scale_layout(s.param)
+      box = torch.tensor([_shard_box(s.param)], dtype=torch.int64)
+      s.box = self._cls.from_local(box, s.param.device_mesh, placements, run_check=False,
+                                   shape=(shards, box.shape[1]), stride=(box.shape[1], 1))
+    return s.box
+
+  def _check_box(self, value, s: _StandIn, where: str) -> None:
+    """A saved SHARDS entry against this rank's shard: the same box, or a ValueError."""
+    shards, _, placements, index = _scale_layout(s.param)
+    mine = _shard_box(s.param)
+    dims = len(mine) // 2
+    if not torch.is_tensor(value) or tuple(value.shape) != (shards, 2 * dims):
+      shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+      raise ValueError(f"{where}['{SHARDS}'] is {shape}: expected ({shards}, {2 * dims}) for this parameter's "
+                       f"{shards} shards ({_RESHARD}); nothing was loaded")
+    with torch.no_grad():
+      if self._is_dtensor(value):
+        if tuple(value.placements) != tuple(placements):
+          value = value.redistribute(s.param.device_mesh, placements)
+        saved = value.to_local().reshape(-1).tolist()
+      else:
+        saved = value[index].tolist()
+    if [int(n) for n in saved] != mine:
+      raise ValueError(f"{where}: these 8-bit moments were saved from a shard of shape {tuple(saved[:dims])} at offset "
+                       f"{tuple(saved[dims:])}, this rank's shard is {tuple(mine[:dims])} at {tuple(mine[dims:])} "
+                       f"(another sharding): {_RESHARD}; nothing was loaded")
 
   def _show_state(self) -> None:
     """opt.state[p] of each parameter from the inner's: the same dict for a plain parameter,
@@ -408,6 +437,8 @@ class LocalShards:
             s.shown = {}
           continue
         shown = {key: self._wrap(key, value, s) for key, value in st.items()}
+        if SCALES in shown:
+          shown[SHARDS] = self._box_of(s)
         entry = outer_state.get(p)
         if entry is None:
           outer_state[p] = entry = {}
@@ -420,7 +451,7 @@ class LocalShards:
     """Entries the caller replaced, added or deleted in opt.state[p] since they were shown go
     to the inner's state (checked and taken by its step, as any written state)."""
     outer_state, inner_state = self._outer.state, self.inner.state
-    writes = []  # (a parameter, its entries as written), every one unwrapped before any is taken
+    writes: List[Any] = []  # (a parameter, its stand-in or None, its entries as written), every one unwrapped first
     for gi, group in enumerate(self._outer.param_groups):
       for k, p in enumerate(group["params"]):
         if not self._is_dtensor(p):
@@ -435,8 +466,10 @@ class LocalShards:
         if st.keys() == s.shown.keys() and all(st[key] is s.shown[key] for key in st):
           continue
         where = f"opt.state[param_groups[{gi}]['params'][{k}]]"
+        if SHARDS in st and st[SHARDS] is not s.shown.get(SHARDS):
+          self._check_box(st[SHARDS], s, where)
         writes.append((s.local, s, {key: value if s.shown.get(key) is value else self._unwrap(key, value, s, where)
-                                    for key, value in st.items()}))
+                                    for key, value in st.items() if key != SHARDS}))
     for q, s, st in writes:
       if s is None:
         inner_state[q] = st
@@ -458,28 +491,49 @@ class LocalShards:
 
   def load_state_dict(self, state_dict: dict, convert_moments: bool) -> None:
     """Loads through the inner optimizer (every check before anything changes), with each
-    DTensor entry taken as its local shard."""
-    with self.inner._lock:
-      self.inner._drain()
-      self._take_groups()  # (stand-ins for DTensors appended since the last step)
-      params = [p for g in self._outer.param_groups for p in g["params"]]
-      ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-      local_state = {}
-      by_index = dict(zip(ids, params))
-      for index, st in state_dict["state"].items():
-        p = by_index.get(index)
-        if p is None or not self._is_dtensor(p):
-          local_state[index] = st
-          continue
-        s = self._stand_ins[id(p)]
-        local_state[index] = {key: self._unwrap(key, value, s, f"state_dict['state'][{index!r}]")
-                              for key, value in st.items()}
-      self.inner.load_state_dict(dict(state_dict, state=local_state), convert_moments=convert_moments)
-      for og, ig in zip(self._outer.param_groups, self.inner.param_groups):
+    DTensor entry taken as its local shard; then the ranks agree: a load refused on any rank
+    is refused on every rank, and a rank that had loaded puts its state back (from a copy
+    taken first, so a load costs one more copy of this rank's state while it runs)."""
+    inner = self.inner
+    with inner._lock:
+      inner._drain()
+      agreement = self._agreement()
+      refusal, before = None, None
+      try:
+        self._take_groups()  # (stand-ins for DTensors appended since the last step)
+        params = [p for g in self._outer.param_groups for p in g["params"]]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        local_state = {}
+        by_index = dict(zip(ids, params))
+        for index, st in state_dict["state"].items():
+          p = by_index.get(index)
+          if p is None or not self._is_dtensor(p):
+            local_state[index] = st
+            continue
+          s = self._stand_ins[id(p)]
+          where = f"state_dict['state'][{index!r}]"
+          if SHARDS in st:
+            self._check_box(st[SHARDS], s, where)
+          local_state[index] = {key: self._unwrap(key, value, s, where) for key, value in st.items() if key != SHARDS}
+        if agreement is not None:
+          before = inner.state_dict()
+        inner.load_state_dict(dict(state_dict, state=local_state), convert_moments=convert_moments)
+      except BaseException as e:  # (told to every rank, then raised)
+        refusal = e
+      if agreement is None:
+        if refusal is not None:
+          raise refusal
+      else:
+        try:
+          agreement.reduce(refusal, [], "the load")
+        except BaseException:
+          if refusal is None:  # loaded here, refused elsewhere: this rank's state as it was
+            inner.load_state_dict(before)
+          raise
+      for og, ig in zip(self._outer.param_groups, inner.param_groups):
         og.update({key: value for key, value in ig.items() if key != "params"})
       for p in params:
         self._outer.state.pop(p, None)
       for s in self._stand_ins.values():
         s.shown = {}
       self._show_state()
-
