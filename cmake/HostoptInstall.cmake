@@ -2,7 +2,7 @@
 include(CMakePackageConfigHelpers)
 
 set(HOSTOPT_CMAKE_DIR ${CMAKE_INSTALL_LIBDIR}/cmake/hostopt)
-install(TARGETS hostopt hostopt_transfer EXPORT hostoptTargets
+install(TARGETS hostopt hostopt_transfer hostopt_checksum EXPORT hostoptTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})

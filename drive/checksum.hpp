@@ -1,6 +1,6 @@
 #pragma once
-// The checksum of a checkpoint file: 64 bits over its bytes in order, fed in pieces of any
-// length (a file is checksummed as it streams through a staging block).
+// A 64-bit checksum of bytes kept on drives (a checkpoint file, a slot of the state store),
+// fed in pieces of any length (a file is checksummed as it streams through a staging block).
 
 #include <cstddef>
 #include <cstdint>
