@@ -1,0 +1,318 @@
+#include "chunk_store.hpp"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <stdexcept>
+#include <system_error>
+#include <utility>
+
+#include "checksum.hpp"
+
+namespace hostopt::drive {
+
+namespace {
+
+namespace fs = std::filesystem;
+constexpr std::uint32_t format_version = 1;
+constexpr char slot_magic[8] = {'H', 'O', 'S', 'T', 'O', 'P', 'T', 'C'};
+constexpr char record_magic[8] = {'H', 'O', 'S', 'T', 'O', 'P', 'T', 'R'};
+
+// The first bytes of each slot: whose chunk of which step it holds, and the checksum of its bytes.
+struct slot_stamp {
+  char magic[8];
+  std::uint32_t version, unused;
+  std::uint64_t store_id, chunk, step, bytes, payload_sum, stamp_sum; // stamp_sum: of the fields before it
+};
+// A commit record (two places in the commit file: step % 2).
+struct commit_record {
+  char magic[8];
+  std::uint32_t version, unused;
+  std::uint64_t store_id, step, chunks, chunk_bytes, fingerprint, record_sum; // record_sum: of the fields before it
+};
+
+std::uint64_t sum_of(const void* p, std::size_t n) {
+  hostopt::detail::checksum64 c;
+  c.add(p, n);
+  return c.finish();
+}
+
+[[noreturn]] void fail_errno(int error, const std::string& what) {
+  throw std::system_error(error, std::generic_category(), what);
+}
+
+int lock_store(const std::string& dir) {
+  const std::string path = (fs::path(dir) / "lock").string();
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (fd < 0) fail_errno(errno, "cannot open the store's lock file " + path);
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int error = errno;
+    ::close(fd);
+    if (error == EWOULDBLOCK)
+      throw std::runtime_error("the store in " + dir + " is open elsewhere (its lock file is held): one process, "
+                               "one optimizer at a time");
+    fail_errno(error, "cannot lock " + path);
+  }
+  return fd;
+}
+
+std::string shape_text(const store_shape& s) {
+  return std::to_string(s.chunks) + " chunks of " + std::to_string(s.chunk_bytes) + " bytes, fingerprint " +
+         std::to_string(s.fingerprint);
+}
+
+std::size_t slot_bytes_of(const store_shape& s) { return direct_alignment + s.chunk_bytes; }
+
+void check_shape(const store_shape& s) {
+  if (s.chunks == 0 || s.chunk_bytes == 0 || s.chunk_bytes % direct_alignment != 0)
+    throw std::invalid_argument("chunk_store: " + shape_text(s) + ": expected at least one chunk of a positive "
+                                "multiple of 4096 bytes");
+}
+
+} // namespace
+
+chunk_store::chunk_store(std::string dir, const store_shape& shape, durability d, unsigned depth, io_backend backend,
+                         int lock_fd, direct_file chunks, direct_file commits)
+    : dir_(std::move(dir)), shape_(shape), durability_(d), lock_fd_(lock_fd), chunks_(std::move(chunks)),
+      commits_(std::move(commits)), queue_(make_io_queue(depth, backend)), requests_(depth), written_(shape.chunks) {
+  for (unsigned i = 0; i < depth; ++i) free_.push_back(depth - 1 - i);
+}
+
+chunk_store::chunk_store(chunk_store&& o) noexcept
+    : dir_(std::move(o.dir_)), shape_(o.shape_), durability_(o.durability_), lock_fd_(std::exchange(o.lock_fd_, -1)),
+      chunks_(std::move(o.chunks_)), commits_(std::move(o.commits_)), queue_(std::move(o.queue_)),
+      store_id_(o.store_id_), committed_(o.committed_), requests_(std::move(o.requests_)), free_(std::move(o.free_)),
+      written_(std::move(o.written_)), written_count_(o.written_count_) {}
+
+chunk_store& chunk_store::operator=(chunk_store&& o) noexcept {
+  if (this != &o) {
+    this->~chunk_store();
+    new (this) chunk_store(std::move(o));
+  }
+  return *this;
+}
+
+chunk_store::~chunk_store() {
+  queue_.reset(); // (waits for requests in flight: their buffers are the caller's)
+  if (lock_fd_ >= 0) ::close(lock_fd_);
+}
+
+chunk_store chunk_store::create(const std::string& dir, const store_shape& shape, durability d, unsigned depth,
+                                io_backend backend) {
+  check_shape(shape);
+  if (!fs::is_directory(dir)) throw std::runtime_error("cannot make a store in " + dir + ": not a directory");
+  const int lock_fd = lock_store(dir);
+  try {
+    if (fs::exists(fs::path(dir) / "commit"))
+      throw std::runtime_error("a store exists in " + dir + " (its commit file): open it, or remove its files first");
+    const std::uint64_t bytes = shape.chunks * 2 * slot_bytes_of(shape);
+    direct_file chunks = direct_file::create((fs::path(dir) / "chunks").string(), bytes);
+    direct_file commits = direct_file::create((fs::path(dir) / "commit").string(), 2 * direct_alignment);
+    chunk_store s(dir, shape, d, depth, backend, lock_fd, std::move(chunks), std::move(commits));
+    s.store_id_ = (std::uint64_t(std::random_device{}()) << 32) ^ std::random_device{}();
+    return s;
+  } catch (...) {
+    ::close(lock_fd);
+    throw;
+  }
+}
+
+chunk_store chunk_store::open(const std::string& dir, const store_shape& expected, durability d, unsigned depth,
+                              io_backend backend) {
+  check_shape(expected);
+  if (!fs::exists(fs::path(dir) / "commit")) throw std::runtime_error("no store in " + dir + " (no commit file)");
+  const int lock_fd = lock_store(dir);
+  try {
+    direct_file commits = direct_file::open((fs::path(dir) / "commit").string());
+    direct_file chunks = direct_file::open((fs::path(dir) / "chunks").string());
+    // The commit record of the highest step whose checksum holds (the other is the step before,
+    // or a record torn by a crash while it was written).
+    direct_buffer buf = make_direct_buffer(2 * direct_alignment);
+    if (::pread(commits.fd(), buf.get(), 2 * direct_alignment, 0) != ssize_t(2 * direct_alignment))
+      throw std::runtime_error("the store in " + dir + ": its commit file is truncated or unreadable");
+    const commit_record* best = nullptr;
+    commit_record records[2];
+    for (int i = 0; i < 2; ++i) {
+      std::memcpy(&records[i], buf.get() + i * direct_alignment, sizeof(commit_record));
+      const commit_record& r = records[i];
+      if (std::memcmp(r.magic, record_magic, 8) != 0 || r.version != format_version ||
+          r.record_sum != sum_of(&r, offsetof(commit_record, record_sum)) || r.step % 2 != std::uint64_t(i))
+        continue;
+      if (best == nullptr || r.step > best->step) best = &r;
+    }
+    if (best == nullptr)
+      throw std::runtime_error("the store in " + dir + " holds no committed step (its commit records are empty or "
+                               "corrupt)");
+    const store_shape saved{best->chunks, best->chunk_bytes, best->fingerprint};
+    if (!(saved == expected))
+      throw std::runtime_error("the store in " + dir + " holds " + shape_text(saved) + ", not " +
+                               shape_text(expected) + " (another model, layout or format)");
+    const std::uint64_t bytes = expected.chunks * 2 * slot_bytes_of(expected);
+    if (chunks.size() != bytes)
+      throw std::runtime_error("the store in " + dir + ": its chunks file has " + std::to_string(chunks.size()) +
+                               " bytes, expected " + std::to_string(bytes) + " (truncated?)");
+    chunk_store s(dir, expected, d, depth, backend, lock_fd, std::move(chunks), std::move(commits));
+    s.store_id_ = best->store_id;
+    s.committed_ = best->step;
+    s.verify_all();
+    return s;
+  } catch (...) {
+    ::close(lock_fd);
+    throw;
+  }
+}
+
+std::uint64_t chunk_store::verify_all() {
+  // Every committed chunk read and checked (finish() checks each read), depth at a time: a
+  // buffer is given to the next read only once its own read has finished.
+  std::vector<staging> bufs(queue_->depth());
+  std::vector<std::size_t> free_bufs, buf_of(shape_.chunks);
+  for (std::size_t i = 0; i < bufs.size(); ++i) {
+    bufs[i] = make_staging();
+    free_bufs.push_back(i);
+  }
+  auto settle = [&](std::size_t at_least) {
+    for (std::uint64_t k : finish(at_least)) free_bufs.push_back(buf_of[k]);
+  };
+  for (std::uint64_t k = 0; k < shape_.chunks; ++k) {
+    if (free_bufs.empty()) settle(1);
+    buf_of[k] = free_bufs.back();
+    free_bufs.pop_back();
+    start_read(k, bufs[buf_of[k]]);
+  }
+  settle(in_flight());
+  return shape_.chunks;
+}
+
+chunk_store::staging chunk_store::make_staging() const {
+  staging s;
+  s.memory_ = make_direct_buffer(slot_bytes_of(shape_));
+  return s;
+}
+
+std::uint64_t chunk_store::slot_offset(std::uint64_t chunk, std::uint64_t step) const {
+  return (2 * chunk + step % 2) * slot_bytes_of(shape_);
+}
+
+void chunk_store::start_read(std::uint64_t chunk, staging& s) {
+  if (chunk >= shape_.chunks) throw std::out_of_range("chunk_store: chunk " + std::to_string(chunk) + " of " +
+                                                      std::to_string(shape_.chunks));
+  if (committed_ == no_step) throw std::logic_error("chunk_store: nothing committed yet to read");
+  if (free_.empty()) throw std::logic_error("chunk_store: the queue is full (finish some first)");
+  const std::uint64_t tag = free_.back();
+  queue_->submit({chunks_.fd(), false, s.memory_.get(), slot_bytes_of(shape_), slot_offset(chunk, committed_), tag});
+  free_.pop_back();
+  requests_[tag] = {chunk, false, &s};
+}
+
+void chunk_store::start_write(std::uint64_t chunk, staging& s) {
+  if (chunk >= shape_.chunks) throw std::out_of_range("chunk_store: chunk " + std::to_string(chunk) + " of " +
+                                                      std::to_string(shape_.chunks));
+  if (free_.empty()) throw std::logic_error("chunk_store: the queue is full (finish some first)");
+  slot_stamp st{};
+  std::memcpy(st.magic, slot_magic, 8);
+  st.version = format_version;
+  st.store_id = store_id_;
+  st.chunk = chunk;
+  st.step = next_step();
+  st.bytes = shape_.chunk_bytes;
+  st.payload_sum = sum_of(s.payload(), shape_.chunk_bytes);
+  st.stamp_sum = sum_of(&st, offsetof(slot_stamp, stamp_sum));
+  std::memset(s.memory_.get(), 0, direct_alignment);
+  std::memcpy(s.memory_.get(), &st, sizeof st);
+  const std::uint64_t tag = free_.back();
+  queue_->submit({chunks_.fd(), true, s.memory_.get(), slot_bytes_of(shape_), slot_offset(chunk, next_step()), tag});
+  free_.pop_back();
+  requests_[tag] = {chunk, true, &s};
+}
+
+void chunk_store::check_stamp(const request& r, std::int64_t result) const {
+  const std::string where = "chunk " + std::to_string(r.chunk) + " of the store in " + dir_;
+  if (result < 0)
+    throw std::runtime_error(std::string(r.write ? "cannot write " : "cannot read ") + where + ": " +
+                             std::strerror(static_cast<int>(-result)));
+  if (std::uint64_t(result) != slot_bytes_of(shape_))
+    throw std::runtime_error("a short " + std::string(r.write ? "write of " : "read of ") + where + " (" +
+                             std::to_string(result) + " of " + std::to_string(slot_bytes_of(shape_)) + " bytes)");
+  if (r.write) return;
+  slot_stamp st{};
+  std::memcpy(&st, r.s->memory_.get(), sizeof st);
+  if (std::memcmp(st.magic, slot_magic, 8) != 0 || st.version != format_version ||
+      st.stamp_sum != sum_of(&st, offsetof(slot_stamp, stamp_sum)))
+    throw std::runtime_error(where + ": its slot for step " + std::to_string(committed_) + " has no valid stamp "
+                             "(corrupt, or never written)");
+  if (st.store_id != store_id_ || st.chunk != r.chunk || st.step != committed_ || st.bytes != shape_.chunk_bytes)
+    throw std::runtime_error(where + ": its slot holds chunk " + std::to_string(st.chunk) + " of step " +
+                             std::to_string(st.step) + ", expected step " + std::to_string(committed_) +
+                             " (a torn or foreign slot)");
+  if (st.payload_sum != sum_of(r.s->payload(), shape_.chunk_bytes))
+    throw std::runtime_error(where + ": its bytes for step " + std::to_string(committed_) + " fail their checksum "
+                             "(corrupt)");
+}
+
+std::vector<std::uint64_t> chunk_store::finish(std::size_t at_least) {
+  std::vector<std::uint64_t> done;
+  const auto completions = queue_->wait(at_least);
+  std::string error;
+  for (const auto& c : completions) { // (every completion's tag freed, even past an error)
+    const request r = requests_[c.tag];
+    free_.push_back(c.tag);
+    try {
+      check_stamp(r, c.result);
+    } catch (const std::exception& e) {
+      if (error.empty()) error = e.what();
+      continue;
+    }
+    if (r.write && !written_[r.chunk]) {
+      written_[r.chunk] = true;
+      ++written_count_;
+    }
+    done.push_back(r.chunk);
+  }
+  if (!error.empty()) throw std::runtime_error(error);
+  return done;
+}
+
+void chunk_store::commit() {
+  if (in_flight() != 0)
+    throw std::logic_error("chunk_store::commit: " + std::to_string(in_flight()) + " requests still in flight");
+  if (written_count_ != shape_.chunks) {
+    std::uint64_t missing = 0;
+    while (written_[missing]) ++missing;
+    throw std::logic_error("chunk_store::commit: chunk " + std::to_string(missing) + " was not written for step " +
+                           std::to_string(next_step()) + " (" + std::to_string(written_count_) + " of " +
+                           std::to_string(shape_.chunks) + " were); nothing committed");
+  }
+  const std::uint64_t step = next_step();
+  if (durability_ == durability::sync && ::fdatasync(chunks_.fd()) != 0)
+    fail_errno(errno, "cannot make the chunks of step " + std::to_string(step) + " durable in " + dir_);
+  commit_record r{};
+  std::memcpy(r.magic, record_magic, 8);
+  r.version = format_version;
+  r.store_id = store_id_;
+  r.step = step;
+  r.chunks = shape_.chunks;
+  r.chunk_bytes = shape_.chunk_bytes;
+  r.fingerprint = shape_.fingerprint;
+  r.record_sum = sum_of(&r, offsetof(commit_record, record_sum));
+  direct_buffer page = make_direct_buffer(direct_alignment);
+  std::memcpy(page.get(), &r, sizeof r);
+  const off_t at = off_t(step % 2) * off_t(direct_alignment);
+  ssize_t n;
+  do n = ::pwrite(commits_.fd(), page.get(), direct_alignment, at);
+  while (n < 0 && errno == EINTR);
+  if (n != ssize_t(direct_alignment))
+    fail_errno(n < 0 ? errno : EIO, "cannot write the commit record of step " + std::to_string(step) + " in " + dir_);
+  if (durability_ == durability::sync && ::fdatasync(commits_.fd()) != 0)
+    fail_errno(errno, "cannot make the commit of step " + std::to_string(step) + " durable in " + dir_);
+  committed_ = step;
+  written_.assign(shape_.chunks, false);
+  written_count_ = 0;
+}
+
+} // namespace hostopt::drive

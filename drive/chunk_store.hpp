@@ -1,0 +1,114 @@
+#pragma once
+// Chunks of bytes kept on a drive so that after every committed step what is on the drive IS
+// that step, verified. Each chunk has two slots: a step writes the slot that does not hold the
+// committed state, each slot stamped with (store, chunk, step, checksum of its bytes); then a
+// commit record names the step, written last into one of two places (the other keeps the
+// previous record). Killed at any moment, the store opens at step t or t-1, bit for bit, never
+// a mix (SQLite's and LMDB's rule: never overwrite the only copy; the commit is one small
+// write). It knows nothing of what the bytes are: the optimizer's state store builds on it.
+//
+// Files in its directory: chunks (2 slots per chunk, each a 4 KiB stamp then the chunk's
+// bytes), commit (two 4 KiB records), lock (held while open: one process at a time).
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "direct_file.hpp"
+#include "io_queue.hpp"
+
+namespace hostopt::drive {
+
+/// What a store holds: `chunks` chunks of `chunk_bytes` each (a multiple of 4 KiB), and the
+/// caller's fingerprint of their meaning (a model's layout and formats): a store opened with
+/// another shape is refused.
+struct store_shape {
+  std::uint64_t chunks = 0;
+  std::size_t chunk_bytes = 0;
+  std::uint64_t fingerprint = 0;
+  bool operator==(const store_shape&) const = default;
+};
+
+/// sync: each commit is durable (fdatasync of the chunks, then of the record): a power loss
+/// keeps it too. none: a killed process keeps every commit (O_DIRECT writes are the drive's
+/// once done), a power loss may take the last ones (the store still opens at an earlier step).
+enum class durability { sync, none };
+
+class chunk_store {
+public:
+  static constexpr std::uint64_t no_step = ~std::uint64_t(0);
+
+  /// A new store in the existing directory `dir` (refused where one is), space reserved for
+  /// every slot. Nothing is committed until the first commit().
+  static chunk_store create(const std::string& dir, const store_shape& shape, durability d, unsigned depth = 8,
+                            io_backend backend = io_backend::automatic);
+  /// The store in `dir` at its last committed step, every chunk of it read and verified
+  /// first. std::runtime_error naming the problem: no store, another shape, a store open in
+  /// another process, nothing committed, a chunk whose stamp or checksum is wrong.
+  static chunk_store open(const std::string& dir, const store_shape& expected, durability d, unsigned depth = 8,
+                          io_backend backend = io_backend::automatic);
+
+  chunk_store(chunk_store&&) noexcept;
+  chunk_store& operator=(chunk_store&&) noexcept;
+  ~chunk_store();
+
+  const store_shape& shape() const { return shape_; }
+  /// The last committed step (no_step: none yet), and the step writes are for.
+  std::uint64_t committed_step() const { return committed_; }
+  std::uint64_t next_step() const { return committed_ == no_step ? 0 : committed_ + 1; }
+  io_backend backend() const { return queue_->backend(); }
+
+  /// One chunk's staging memory: its stamp, then its bytes (payload()), aligned for O_DIRECT.
+  class staging {
+  public:
+    std::byte* payload() const { return memory_.get() + direct_alignment; }
+
+  private:
+    friend class chunk_store;
+    direct_buffer memory_;
+  };
+  staging make_staging() const;
+
+  /// Starts reading chunk `chunk` of the committed step into `s` (checked by finish()).
+  void start_read(std::uint64_t chunk, staging& s);
+  /// Starts writing `s`'s payload as chunk `chunk` of next_step() (stamped now).
+  void start_write(std::uint64_t chunk, staging& s);
+  /// Waits for at least min(at_least, in flight) started requests; returns their chunks.
+  /// std::runtime_error naming the chunk on an I/O error, a short transfer, or a read whose
+  /// stamp or checksum is not the committed step's.
+  std::vector<std::uint64_t> finish(std::size_t at_least = 1);
+  std::size_t in_flight() const { return queue_->in_flight(); }
+
+  /// Commits next_step(): every chunk written for it and finished, nothing in flight
+  /// (std::logic_error naming a missing chunk otherwise, nothing changed).
+  void commit();
+
+private:
+  struct request {
+    std::uint64_t chunk;
+    bool write;
+    staging* s;
+  };
+  chunk_store(std::string dir, const store_shape& shape, durability d, unsigned depth, io_backend backend,
+              int lock_fd, direct_file chunks, direct_file commits);
+  std::uint64_t slot_offset(std::uint64_t chunk, std::uint64_t step) const;
+  void check_stamp(const request& r, std::int64_t result) const;
+  std::uint64_t verify_all(); // open's check of every committed chunk
+
+  std::string dir_;
+  store_shape shape_;
+  durability durability_;
+  int lock_fd_ = -1;
+  direct_file chunks_, commits_;
+  std::unique_ptr<io_queue> queue_;
+  std::uint64_t store_id_ = 0;
+  std::uint64_t committed_ = no_step;
+  std::vector<request> requests_;     // by tag (slot in flight)
+  std::vector<std::uint64_t> free_;   // free request tags
+  std::vector<bool> written_;         // chunks written for next_step()
+  std::uint64_t written_count_ = 0;
+};
+
+} // namespace hostopt::drive
