@@ -133,8 +133,11 @@ chunk_store chunk_store::open(const std::string& dir, const store_shape& expecte
     // The commit record of the highest step whose checksum holds (the other is the step before,
     // or a record torn by a crash while it was written).
     direct_buffer buf = make_direct_buffer(2 * direct_alignment);
-    if (::pread(commits.fd(), buf.get(), 2 * direct_alignment, 0) != ssize_t(2 * direct_alignment))
-      throw std::runtime_error("the store in " + dir + ": its commit file is truncated or unreadable");
+    const ssize_t got = ::pread(commits.fd(), buf.get(), 2 * direct_alignment, 0);
+    if (got < 0) fail_errno(errno, "cannot read the commit file of the store in " + dir);
+    if (got != ssize_t(2 * direct_alignment)) // (created, and killed before it was sized)
+      throw std::runtime_error("the store in " + dir + " holds no committed step (its commit file has " +
+                               std::to_string(got) + " bytes: its creation was interrupted, or it was truncated)");
     const commit_record* best = nullptr;
     commit_record records[2];
     for (int i = 0; i < 2; ++i) {

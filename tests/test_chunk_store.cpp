@@ -221,6 +221,7 @@ TEST_CASE("chunk_store: kill -9 at random moments of a stepping process leaves s
       ++opened_at_a_step;
     } catch (const std::runtime_error& e) { // killed before its first commit (or before the files existed)
       const std::string what = e.what();
+      INFO("round " << round << ": " << what);
       CHECK(last == chunk_store::no_step);
       CHECK((what.find("no committed step") != std::string::npos || what.find("no store") != std::string::npos));
     }

@@ -12,6 +12,10 @@ usage: fsdp2_worker.py OUT RANK WORLD PORT MODE
       has an inf in its gradient shard, at step 5 rank 1 alone a NaN learning rate (then put
       back, and the step taken again). Each rank prints what its optimizer did at each step as
       one JSON line "steps: [...]", and whether its shards were untouched by the refused step.
+  MODE "fsdp_tp": 4 ranks, a (2, 2) mesh: tensor parallelism (colwise, rowwise) inside, FSDP2
+      over the other dimension (its _StridedShard placements), 8-bit moments: 3 steps, a DCP
+      save, a fresh model and optimizer loading it, then 2 more steps on both; prints
+      "fsdp_tp: {...}": whether the loaded state and the final shards equal bitwise.
   MODE "reshard": loads OUT/ckpt-2-hostopt-8bit (saved by 2 ranks) into 3 ranks' fresh model
       and optimizer, and prints "refused: ERROR" where the load is refused; then loads
       OUT/ckpt-2-hostopt-f32 (f32 moments reshard) and trains steps 100-200, rank 0 printing
@@ -152,6 +156,8 @@ def main():
     bad_inputs(rank, world)
   elif mode == "reshard":
     reshard(out, rank, world)
+  elif mode == "fsdp_tp":
+    fsdp_with_tensor_parallel(out, rank)
   else:
     experiments = {2: [("torch", "f32"), ("hostopt", "f32"), ("hostopt", "8bit")],
                    3: [("hostopt", "f32"), ("hostopt", "bf16")]}[world]
@@ -241,6 +247,57 @@ def tensor_parallel(rank, world):
     print("resharded 8-bit: loaded", flush=True)
   except ValueError as e:
     print(f"resharded 8-bit: {e}", flush=True)
+
+
+def fsdp_with_tensor_parallel(out, rank):
+  from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                       set_model_state_dict, set_optimizer_state_dict)
+  from torch.distributed.device_mesh import init_device_mesh
+  from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+  mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+  class Net(torch.nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.up, self.down, self.norm = torch.nn.Linear(16, 36), torch.nn.Linear(36, 16), torch.nn.LayerNorm(16)
+
+    def forward(self, x):
+      return self.norm(self.down(torch.relu(self.up(x))))
+
+  torch.manual_seed(0)
+  init = Net().state_dict()
+  xs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+
+  def build():
+    m = Net()
+    m.load_state_dict(init)
+    parallelize_module(m, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    fully_shard(m, mesh=mesh["dp"])
+    return m, hostopt.torch.AdamW(m.parameters(), lr=0.01, moments="8bit", threads=1)
+
+  def train(m, o, i):
+    m(xs[i]).pow(2).mean().backward()
+    o.step()
+    o.zero_grad()
+
+  m, o = build()
+  for i in range(3):
+    train(m, o, i)
+  where = os.path.join(out, "ckpt-fsdp-tp")
+  dcp.save({"model": get_model_state_dict(m), "optim": get_optimizer_state_dict(m, o)}, checkpoint_id=where)
+  m2, o2 = build()
+  sd = {"model": get_model_state_dict(m2), "optim": get_optimizer_state_dict(m2, o2)}
+  dcp.load(sd, checkpoint_id=where)
+  set_model_state_dict(m2, sd["model"])
+  set_optimizer_state_dict(m2, o2, sd["optim"])
+  same = lambda a, b: len(a) == len(b) and all(torch.equal(bits(x), bits(y)) for x, y in zip(a, b))
+  state_equal = same(shards_and_state(m, o), shards_and_state(m2, o2))
+  for i in (3, 4):
+    train(m, o, i)
+    train(m2, o2, i)
+  placements = sorted({str(p.placements) for p in m.parameters()})
+  print("fsdp_tp: " + json.dumps({"state": state_equal, "after": same(shards_and_state(m, o), shards_and_state(m2, o2)),
+                                  "placements": placements}), flush=True)
 
 
 def bits(t):  # (NaN-safe, and -0.0 is not 0.0)

@@ -15,6 +15,8 @@ local shards on the CPU, each rank's stepped by hostopt on that rank.
   the step (8-bit moments check non-finite gradients: the global norm decides), and a bad
   input on one rank (a NaN learning rate) is refused on every rank with one error naming that
   rank, nothing stepped anywhere, no hang; the job goes on once it is put right.
+- FSDP2 over tensor parallelism (4 ranks, a (2, 2) mesh) with 8-bit moments resumes from DCP
+  bit for bit.
 - 8-bit moments saved by 2 ranks are refused by name when 3 ranks load them (their blocks are
   the shards'), on every rank; f32 moments saved by 2 ranks reshard onto 3, whose run goes on
   as the 2-rank run did, within the noise floor.
@@ -174,6 +176,17 @@ def test_checkpoint_of_another_world_size(trained, reference, tmp_path):
   resumed = json.loads(lines(ranks[0][1], "resumed: ")[0])
   assert_within_floor(resumed, results["hostopt-f32"]["losses"][worker.SAVE_AT:], reference[1],
                       "f32 state of 2 ranks resumed on 3")
+
+
+def test_fsdp2_with_tensor_parallel_8bit_resume_is_exact(tmp_path):
+  """FSDP2 over tensor parallelism (a (2, 2) mesh, 4 ranks: FSDP2's _StridedShard placements)
+  with 8-bit moments: a DCP resume gives the same state bit for bit and the same next steps."""
+  ranks = launch(tmp_path, 4, "fsdp_tp")
+  for r, (code, log) in enumerate(ranks):
+    assert code == 0, f"rank {r}:\n{log[-6000:]}"
+    told = json.loads(lines(log, "fsdp_tp: ")[0])
+    assert told["state"] and told["after"], (r, told)
+    assert any("Strided" in p for p in told["placements"]), told  # (the case this test is for)
 
 
 def test_plain_and_dtensor_parameters_in_one_optimizer():

@@ -60,7 +60,7 @@ def _scale_layout(p):
   checkpoint of another one is refused, not loaded misaligned. Returns (shards, blocks per
   shard, placements, this rank's shard index)."""
   shard = _shard_type()
-  sharded = [i for i, pl in enumerate(p.placements) if isinstance(pl, shard)]
+  sharded = [i for i, pl in enumerate(p.placements) if _is_sharded(pl)]
   mesh = p.device_mesh
   placements = [shard(0) if i in sharded else pl for i, pl in enumerate(p.placements)]
   coordinate = mesh.get_coordinate() or [0] * mesh.ndim
@@ -83,13 +83,20 @@ def _shard_box(p) -> List[int]:
   return [int(n) for n in shape] + [int(o) for o in offset]
 
 
+def _is_sharded(placement) -> bool:
+  """Whether a mesh dimension splits the tensor: Shard, and FSDP2's _StridedShard (under tensor
+  parallelism), which is not a Shard subclass in every torch."""
+  return not placement.is_replicate() and not placement.is_partial()
+
+
 def _largest_local_numel(p) -> int:
-  """An upper bound of the local shard's size on every rank (torch.chunk's split: the first
-  chunks are the largest)."""
+  """An upper bound of the local shard's size on every rank, the same on every rank
+  (torch.chunk's split: the first chunks are the largest; a strided shard's pieces are not
+  bounded so simply: its dimension counts whole, a few more rows of scales)."""
   shape = list(p.shape)
   shard = _shard_type()
   for i, placement in enumerate(p.placements):
-    if isinstance(placement, shard):
+    if type(placement) is shard:
       shape[placement.dim] = -(-shape[placement.dim] // p.device_mesh.size(i))
   return math.prod(shape)
 
@@ -112,10 +119,11 @@ _RESHARD = ("8-bit moments resume only at the world size and sharding they were 
 
 class _StandIn:
   """One DTensor parameter's stand-in, and its opt.state entries as last shown."""
-  __slots__ = ("param", "local", "shown", "box")
+  __slots__ = ("param", "local", "shown", "box", "sources")
 
   def __init__(self, param, local: torch.Tensor):
     self.param, self.local = param, local
+    self.sources: Dict[str, Any] = {}  # the inner tensor each shown DTensor was made from (_wrap's cache)
     self.box = None  # opt.state[param][SHARDS] as shown (8-bit moments only)
     self.shown: Dict[str, Any] = {}  # opt.state[param] entries as last shown (to notice the user's writes)
 
@@ -221,6 +229,7 @@ class LocalShards:
     try:  # this rank's checks: nothing changed, no collective
       self._take_groups()
       found = self._check_params_and_grads()
+      self._check_written_state()
     except BaseException as e:  # (told to every rank, then raised)
       refusal = e
     if agreement is None:
@@ -267,9 +276,10 @@ class LocalShards:
         s = self._stand_in_of.get(id(q))
         if s is None:
           copies = ranks
-        else:
+        else:  # (replicated within its mesh, and over the agreed ranks its mesh does not span)
           mesh = s.param.device_mesh
           copies = math.prod(mesh.size(i) for i, pl in enumerate(s.param.placements) if pl.is_replicate())
+          copies *= ranks / mesh.size()
         norm = float(torch.linalg.vector_norm(q.grad, dtype=torch.float32))
         total += norm * norm / copies
     return total
@@ -340,15 +350,17 @@ class LocalShards:
     if not torch.is_tensor(value) or key == "step":
       return value
     old = s.shown.get(key)
-    if old is not None and self._is_dtensor(old) and old._local_tensor is value:
-      return old
+    if old is not None and s.sources.get(key) is value:
+      return old  # (from_local keeps a view of `value`, not `value`: the source is remembered)
+    s.sources[key] = value
     p = s.param
     with torch.no_grad():
       if key == SCALES:
         shards, rows, placements, _ = _scale_layout(p)
         local = value.reshape(-1, 2)
-        if local.shape[0] < rows:
+        if local.shape[0] < rows:  # padded: a copy, made afresh each time (never a stale one)
           local = torch.cat([local, local.new_zeros(rows - local.shape[0], 2)])
+          del s.sources[key]
         return self._cls.from_local(local.reshape(1, rows, 2), p.device_mesh, placements, run_check=False,
                                     shape=(shards, rows, 2), stride=(rows * 2, 2, 1))
       if tuple(value.shape) != tuple(s.local.shape):
@@ -356,36 +368,49 @@ class LocalShards:
       return self._cls.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                   stride=p.stride())
 
-  def _unwrap(self, key: str, value, s: _StandIn, where: str):
-    """An outer state entry (a DTensor, or a plain tensor) as the stand-in's local one."""
-    if key == SCALES and torch.is_tensor(value) and value.dim() == 3:
-      return self._unwrap_scales(value, s, where)
-    if not self._is_dtensor(value):
-      return value
-    with torch.no_grad():
-      if key == SCALES:
-        return self._unwrap_scales(value, s, where)
-      if tuple(value.placements) != tuple(s.param.placements):
-        value = value.redistribute(s.param.device_mesh, s.param.placements)
-      local = value.to_local()
-    return local
-
-  def _unwrap_scales(self, value, s: _StandIn, where: str) -> torch.Tensor:
-    """This rank's row of 8-bit block scales laid out as _wrap shows them (a DTensor, or the
-    whole (shards, blocks, 2) tensor); another layout is refused by name."""
-    shards, rows, placements, index = _scale_layout(s.param)
-    if tuple(value.shape) != (shards, rows, 2):
+  def _check_entry(self, key: str, value, s: _StandIn, where: str) -> None:
+    """What can be checked of an outer state entry with no collective (so a refusal on one rank
+    never leaves another in one): the global shape of 8-bit block scales and shard boxes."""
+    if key not in (SCALES, SHARDS) or not torch.is_tensor(value):
+      if key == SHARDS:
+        raise ValueError(f"{where}['{SHARDS}'] is a {type(value).__name__}: expected a tensor ({_RESHARD}); "
+                         "nothing was loaded")
+      return
+    shards, rows, _, _ = _scale_layout(s.param)
+    if key == SCALES and (self._is_dtensor(value) or value.dim() == 3) and tuple(value.shape) != (shards, rows, 2):
       raise ValueError(f"{where}['{SCALES}'] has shape {tuple(value.shape)}: 8-bit moments of this parameter, "
                        f"sharded as it is now, have ({shards}, {rows}, 2) (shards, blocks per shard, 2): {_RESHARD}; "
                        "nothing was loaded")
+    dims = 2 * s.param.dim()
+    if key == SHARDS and tuple(value.shape) != (shards, dims):
+      raise ValueError(f"{where}['{SHARDS}'] has shape {tuple(value.shape)}: expected ({shards}, {dims}) for this "
+                       f"parameter's {shards} shards ({_RESHARD}); nothing was loaded")
+
+  def _localize(self, key: str, value, s: _StandIn):
+    """An outer state entry (a DTensor, or a plain tensor) as the stand-in's local one: DTensors
+    redistributed to the layout _wrap shows (a collective, reached alike by every rank: nothing
+    here refuses). 8-bit block scales: this rank's row; shard boxes: this rank's, as a list."""
+    if not torch.is_tensor(value):
+      return value
     with torch.no_grad():
-      if self._is_dtensor(value):
-        if tuple(value.placements) != tuple(placements):
-          value = value.redistribute(s.param.device_mesh, placements)
-        local = value.to_local()
-      else:
-        local = value[index]
-      return local.reshape(-1, 2)[:_moments.q8_blocks(s.local.numel())]
+      if key in (SCALES, SHARDS):
+        _, _, placements, index = _scale_layout(s.param)
+        if self._is_dtensor(value):
+          if tuple(value.placements) != tuple(placements):
+            value = value.redistribute(s.param.device_mesh, placements)
+          local = value.to_local()
+        elif value.dim() == (3 if key == SCALES else 2):
+          local = value[index]
+        else:
+          local = value  # (a plain local tensor: the inner optimizer checks it)
+        if key == SHARDS:
+          return [int(n) for n in local.reshape(-1).tolist()]
+        return local.reshape(-1, 2)[:_moments.q8_blocks(s.local.numel())]
+      if not self._is_dtensor(value):
+        return value
+      if tuple(value.placements) != tuple(s.param.placements):
+        value = value.redistribute(s.param.device_mesh, s.param.placements)
+      return value.to_local()
 
   def _box_of(self, s: _StandIn):
     """opt.state[p][SHARDS] of an 8-bit DTensor parameter: each shard's box (_shard_box), a
@@ -398,23 +423,12 @@ class LocalShards:
                                    shape=(shards, box.shape[1]), stride=(box.shape[1], 1))
     return s.box
 
-  def _check_box(self, value, s: _StandIn, where: str) -> None:
-    """A saved SHARDS entry against this rank's shard: the same box, or a ValueError."""
-    shards, _, placements, index = _scale_layout(s.param)
+  @staticmethod
+  def _check_box(saved: List[int], s: _StandIn, where: str) -> None:
+    """A saved shard box (this rank's, localized) against this rank's shard, or a ValueError."""
     mine = _shard_box(s.param)
     dims = len(mine) // 2
-    if not torch.is_tensor(value) or tuple(value.shape) != (shards, 2 * dims):
-      shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
-      raise ValueError(f"{where}['{SHARDS}'] is {shape}: expected ({shards}, {2 * dims}) for this parameter's "
-                       f"{shards} shards ({_RESHARD}); nothing was loaded")
-    with torch.no_grad():
-      if self._is_dtensor(value):
-        if tuple(value.placements) != tuple(placements):
-          value = value.redistribute(s.param.device_mesh, placements)
-        saved = value.to_local().reshape(-1).tolist()
-      else:
-        saved = value[index].tolist()
-    if [int(n) for n in saved] != mine:
+    if saved != mine:
       raise ValueError(f"{where}: these 8-bit moments were saved from a shard of shape {tuple(saved[:dims])} at offset "
                        f"{tuple(saved[dims:])}, this rank's shard is {tuple(mine[:dims])} at {tuple(mine[dims:])} "
                        f"(another sharding): {_RESHARD}; nothing was loaded")
@@ -447,30 +461,49 @@ class LocalShards:
           entry.update(shown)
         s.shown = shown
 
-  def _take_written_state(self) -> None:
-    """Entries the caller replaced, added or deleted in opt.state[p] since they were shown go
-    to the inner's state (checked and taken by its step, as any written state)."""
+  def _written(self) -> list:
+    """(stand-in or None, the parameter or stand-in to write, its entries as written, where) of
+    each parameter whose opt.state the caller replaced, added to or deleted from since shown."""
     outer_state, inner_state = self._outer.state, self.inner.state
-    writes: List[Any] = []  # (a parameter, its stand-in or None, its entries as written), every one unwrapped first
+    found: List[Any] = []
     for gi, group in enumerate(self._outer.param_groups):
       for k, p in enumerate(group["params"]):
+        st = outer_state.get(p)
         if not self._is_dtensor(p):
-          st = outer_state.get(p)
           if st is not None and st is not inner_state.get(p):
-            writes.append((p, None, st))
+            found.append((None, p, st, ""))
           continue
         s = self._stand_ins[id(p)]
-        st = outer_state.get(p)
-        if st is None:
-          st = {}
+        st = {} if st is None else st
         if st.keys() == s.shown.keys() and all(st[key] is s.shown[key] for key in st):
           continue
-        where = f"opt.state[param_groups[{gi}]['params'][{k}]]"
-        if SHARDS in st and st[SHARDS] is not s.shown.get(SHARDS):
-          self._check_box(st[SHARDS], s, where)
-        writes.append((s.local, s, {key: value if s.shown.get(key) is value else self._unwrap(key, value, s, where)
-                                    for key, value in st.items() if key != SHARDS}))
-    for q, s, st in writes:
+        found.append((s, s.local, st, f"opt.state[param_groups[{gi}]['params'][{k}]]"))
+    return found
+
+  def _check_written_state(self) -> None:
+    """The caller's writes checked with no collective (before the ranks agree)."""
+    for s, _, st, where in self._written():
+      if s is not None:
+        for key, value in st.items():
+          if s.shown.get(key) is not value:
+            self._check_entry(key, value, s, where)
+
+  def _take_written_state(self) -> None:
+    """Entries the caller replaced, added or deleted in opt.state[p] since they were shown go
+    to the inner's state (checked and taken by its step, as any written state): every one
+    localized first (collectives), then checked, then taken."""
+    outer_state, inner_state = self._outer.state, self.inner.state
+    writes: List[Any] = []
+    for s, q, st, where in self._written():
+      if s is None:
+        writes.append((s, q, st, where))
+        continue
+      writes.append((s, q, {key: value if s.shown.get(key) is value else self._localize(key, value, s)
+                            for key, value in st.items()}, where))
+    for s, q, st, where in writes:
+      if s is not None and SHARDS in st and st[SHARDS] is not s.shown.get(SHARDS):
+        self._check_box(st[SHARDS], s, where)
+    for s, q, st, where in writes:
       if s is None:
         inner_state[q] = st
         continue
@@ -478,7 +511,7 @@ class LocalShards:
       for key in [key for key in inner if key not in st]:
         del inner[key]
       for key, value in st.items():
-        if s.shown.get(key) is not value:
+        if key != SHARDS and s.shown.get(key) is not value:
           inner[key] = value
       s.shown = dict(outer_state.get(s.param) or {})
 
@@ -491,49 +524,66 @@ class LocalShards:
 
   def load_state_dict(self, state_dict: dict, convert_moments: bool) -> None:
     """Loads through the inner optimizer (every check before anything changes), with each
-    DTensor entry taken as its local shard; then the ranks agree: a load refused on any rank
-    is refused on every rank, and a rank that had loaded puts its state back (from a copy
-    taken first, so a load costs one more copy of this rank's state while it runs)."""
+    DTensor entry taken as its local shard. As a step: each rank checks what needs no
+    collective, the ranks agree, every rank localizes the DTensor entries alike (collectives),
+    then checks and loads, and the ranks agree again: a load refused on any rank is refused on
+    every rank, and a rank that had loaded puts its state back (from a copy taken first, so a
+    load holds one more copy of this rank's state while it runs)."""
     inner = self.inner
     with inner._lock:
       inner._drain()
       agreement = self._agreement()
-      refusal, before = None, None
+      refusal, entries = None, []
       try:
         self._take_groups()  # (stand-ins for DTensors appended since the last step)
         params = [p for g in self._outer.param_groups for p in g["params"]]
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        local_state = {}
         by_index = dict(zip(ids, params))
         for index, st in state_dict["state"].items():
           p = by_index.get(index)
-          if p is None or not self._is_dtensor(p):
-            local_state[index] = st
-            continue
-          s = self._stand_ins[id(p)]
+          s = self._stand_ins[id(p)] if p is not None and self._is_dtensor(p) else None
           where = f"state_dict['state'][{index!r}]"
-          if SHARDS in st:
-            self._check_box(st[SHARDS], s, where)
-          local_state[index] = {key: self._unwrap(key, value, s, where) for key, value in st.items() if key != SHARDS}
+          if s is not None:
+            for key, value in st.items():
+              self._check_entry(key, value, s, where)
+          entries.append((index, s, st, where))
+      except BaseException as e:  # (told to every rank, then raised)
+        refusal = e
+      if agreement is not None:
+        agreement.reduce(refusal, [], "the load")
+      elif refusal is not None:
+        raise refusal
+      refusal, before = None, None
+      try:
+        local_state = {}
+        for index, s, st, where in entries:  # every DTensor entry localized (alike on every rank)
+          local_state[index] = st if s is None else {key: self._localize(key, value, s) for key, value in st.items()}
+        for index, s, st, where in entries:
+          if s is not None and SHARDS in local_state[index]:
+            self._check_box(local_state[index].pop(SHARDS), s, where)
         if agreement is not None:
           before = inner.state_dict()
         inner.load_state_dict(dict(state_dict, state=local_state), convert_moments=convert_moments)
-      except BaseException as e:  # (told to every rank, then raised)
+      except BaseException as e:
         refusal = e
-      if agreement is None:
-        if refusal is not None:
-          raise refusal
-      else:
-        try:
+      try:
+        if agreement is not None:
           agreement.reduce(refusal, [], "the load")
-        except BaseException:
-          if refusal is None:  # loaded here, refused elsewhere: this rank's state as it was
-            inner.load_state_dict(before)
-          raise
+        elif refusal is not None:
+          raise refusal
+      except BaseException:
+        if refusal is None and before is not None:  # loaded here, refused elsewhere: this rank's state as it was
+          inner.load_state_dict(before)
+          self._reshow()
+        raise
       for og, ig in zip(self._outer.param_groups, inner.param_groups):
         og.update({key: value for key, value in ig.items() if key != "params"})
-      for p in params:
-        self._outer.state.pop(p, None)
-      for s in self._stand_ins.values():
-        s.shown = {}
-      self._show_state()
+      self._reshow()
+
+  def _reshow(self) -> None:
+    """opt.state shown afresh from the inner's (after a load: its tensors are new)."""
+    for p in [p for g in self._outer.param_groups for p in g["params"]]:
+      self._outer.state.pop(p, None)
+    for s in self._stand_ins.values():
+      s.shown, s.sources = {}, {}
+    self._show_state()
