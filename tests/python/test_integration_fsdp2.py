@@ -189,19 +189,24 @@ def test_fsdp2_with_tensor_parallel_8bit_resume_is_exact(tmp_path):
     assert any("Strided" in p for p in told["placements"]), told  # (the case this test is for)
 
 
+def one_rank_dtensor():
+  """A function making a DTensor sharded over a one-rank mesh of this process (its process
+  group made once)."""
+  if not torch.distributed.is_initialized():
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+  from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+  mesh = init_device_mesh("cpu", (1,))
+  return lambda t: distribute_tensor(t.clone(), mesh, [Shard(0)])
+
+
 def test_plain_and_dtensor_parameters_in_one_optimizer():
   """A DTensor parameter beside a plain one, on a one-rank mesh, against the same optimizer over
   two plain parameters: the DTensor's local shard gets the same bits (8-bit moments round by
   arena position: the layouts match), opt.state shows DTensors, writes through opt.state take
   effect at the next step, and a refused step changes nothing."""
-  if not torch.distributed.is_initialized():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-  from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
-  mesh = init_device_mesh("cpu", (1,))
-
-  def dt(t):
-    return distribute_tensor(t.clone(), mesh, [Shard(0)])
+  from torch.distributed.tensor import DTensor
+  dt = one_rank_dtensor()
 
   torch.manual_seed(0)
   w, b = torch.randn(7, 5), torch.randn(40)
@@ -268,14 +273,7 @@ def test_dtensor_edges_on_one_rank():
   group and loaded into before its first step, load_state_dict hooks, opt.state[p] kept as one
   dict, a bf16 parameter holding a NaN (its f32 master kept, not re-read every step), and a
   DTensor given to an optimizer made over plain tensors (refused by name, nothing changed)."""
-  if not torch.distributed.is_initialized():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-  from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
-  mesh = init_device_mesh("cpu", (1,))
-
-  def dt(t):
-    return distribute_tensor(t.clone(), mesh, [Shard(0)])
+  dt = one_rank_dtensor()
 
   torch.manual_seed(1)
   w = torch.randn(6, 4).bfloat16()
