@@ -200,9 +200,9 @@ TEST_CASE("a failed copy-in is a sticky device error: the state is unchanged and
   pipeline_options po;
   po.chunk_elems = 1024;
   po.param_type = dtype::f32;
-  offload_pipeline pipe(opt, *engine, po);
   const std::size_t n = opt.arena_size();
   device_buffer g(*engine, n * 4), p(*engine, n * 4);
+  offload_pipeline pipe(opt, *engine, po);
   std::fill_n(static_cast<float*>(g.data), n, 0.25f);
   try {
     pipe.step({g.data, n, dtype::f32}, {p.data, n, dtype::f32}, ready);
@@ -292,9 +292,9 @@ TEST_CASE("a step that fails midway still sends every chunk it did not update un
   po.before_update = [](std::size_t k) {
     if (k == 3) throw std::runtime_error("injected update error");
   };
-  offload_pipeline pipe(opt, *engine, po);
   const std::size_t n = opt.arena_size();
   device_buffer g(*engine, n * 4), p(*engine, n * 4);
+  offload_pipeline pipe(opt, *engine, po);
   std::fill_n(static_cast<float*>(p.data), n, -1.0f);
   std::fill_n(static_cast<float*>(g.data), n, 0.5f);
   CHECK_THROWS_WITH(pipe.step({g.data, n, dtype::f32}, {p.data, n, dtype::f32}, ready), Catch::Contains("chunk 3 of 8"));
@@ -320,9 +320,9 @@ TEST_CASE("a failed accumulation makes the step it belongs to fail instead of ap
   po.before_update = [&](std::size_t k) { // the 2nd accumulation fails at its chunk 1
     if (calls++ == 4 && k == 1) throw std::runtime_error("injected accumulate error");
   };
-  offload_pipeline pipe(opt, *engine, po);
   const std::size_t n = opt.arena_size();
   device_buffer g(*engine, n * 4), p(*engine, n * 4);
+  offload_pipeline pipe(opt, *engine, po);
   std::fill_n(static_cast<float*>(g.data), n, 0.5f);
   // All three queued at once, as a trainer does: the step must not apply.
   auto a1 = pipe.accumulate_async({g.data, n, dtype::f32}, ready);
@@ -351,9 +351,9 @@ TEST_CASE("restoring a checkpoint makes a poisoned optimizer and its pipeline us
   po.before_update = [&](std::size_t k) {
     if (fail && k == 2) throw std::runtime_error("injected update error");
   };
-  offload_pipeline pipe(opt, *engine, po);
   const std::size_t n = opt.arena_size();
   device_buffer g(*engine, n * 4), p(*engine, n * 4);
+  offload_pipeline pipe(opt, *engine, po);
   std::fill_n(static_cast<float*>(g.data), n, 0.25f);
   const std::string path = (std::filesystem::temp_directory_path() /
                             ("hostopt_pipeline_restore_" + std::to_string(::getpid()) + ".safetensors")).string();
@@ -383,9 +383,9 @@ TEST_CASE("a save while a pipeline step is in flight waits for it and writes a w
   po.param_type = dtype::f32;
   std::atomic<bool> updating{false};
   po.before_update = [&](std::size_t) { updating = true; };
-  offload_pipeline pipe(opt, *engine, po);
   const std::size_t n = opt.arena_size();
   device_buffer g(*engine, n * 4), p(*engine, n * 4);
+  offload_pipeline pipe(opt, *engine, po);
   std::fill_n(static_cast<float*>(g.data), n, 0.25f);
   const std::string path = (std::filesystem::temp_directory_path() /
                             ("hostopt_pipeline_save_" + std::to_string(::getpid()) + ".safetensors")).string();
@@ -410,9 +410,11 @@ TEST_CASE("a failed parameter copy is a sticky device error named by the pipelin
   pipeline_options po;
   po.chunk_elems = 1024;
   po.param_type = dtype::f32;
-  offload_pipeline pipe(opt, *engine, po);
+  // The buffers outlive the pipeline, whose streams drain as it goes: the failed step does not
+  // wait for the other direction's copies still running (a use after free under ASan).
   const std::size_t n = opt.arena_size();
   device_buffer g(*engine, n * 4), p(*engine, n * 4);
+  offload_pipeline pipe(opt, *engine, po);
   std::fill_n(static_cast<float*>(g.data), n, 1.0f);
   CHECK_THROWS_WITH(pipe.step({g.data, n, dtype::f32}, {p.data, n, dtype::f32}, ready),
                     Catch::Contains("injected H2D error"));
@@ -467,9 +469,9 @@ TEST_CASE("steps called while one is in flight are queued behind it, in order", 
   pipeline_options po;
   po.chunk_elems = 8192;
   po.param_type = dtype::f32;
-  offload_pipeline pipe(opt, *engine, po);
   const std::size_t n = opt.arena_size();
   device_buffer g(*engine, n * 4), p(*engine, n * 4);
+  offload_pipeline pipe(opt, *engine, po);
   std::fill_n(static_cast<float*>(g.data), n, 0.5f);
   std::vector<pipeline_handle> h;
   for (int i = 0; i < 20; ++i) // more than the 16 that may be queued: the 17th call waits
