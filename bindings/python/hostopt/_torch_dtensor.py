@@ -207,11 +207,11 @@ class LocalShards:
     return [(f"param_groups[{gi}]['params'][{k}]", p) for gi, g in enumerate(self._outer.param_groups)
             for k, p in enumerate(g["params"]) if self._is_dtensor(p)]
 
-  def _agreement(self) -> Optional[Agreement]:
+  def _agreement(self, dtensors: Optional[list] = None) -> Optional[Agreement]:
     """The agreement over the DTensor parameters' ranks (found again when they change), or None
-    where there is none."""
+    where there is none. `dtensors`: _dtensors(), where the caller has it."""
     meshes: list = []
-    for _, p in self._dtensors():
+    for _, p in self._dtensors() if dtensors is None else dtensors:
       if not any(p.device_mesh is m for m in meshes):
         meshes.append(p.device_mesh)
     if not meshes:
@@ -223,12 +223,12 @@ class LocalShards:
 
   def _agreed_step(self) -> List[_StandIn]:
     inner = self.inner
-    agreement = self._agreement()
-    dtensors = self._dtensors()
+    dtensors = self._dtensors()  # (one walk of param_groups per step: _take_groups changes no list)
+    agreement = self._agreement(dtensors)
     refusal, found = None, []
     try:  # this rank's checks: nothing changed, no collective
       self._take_groups()
-      found = self._check_params_and_grads()
+      found = self._check_params_and_grads(dtensors)
       self._check_written_state()
     except BaseException as e:  # (told to every rank, then raised)
       refusal = e
@@ -303,11 +303,11 @@ class LocalShards:
     if changed:
       self._drop_removed()
 
-  def _check_params_and_grads(self) -> list:
+  def _check_params_and_grads(self, dtensors: list) -> list:
     """Every DTensor parameter's shard and gradient checked (nothing changed, no collective):
-    (stand-in, local shard, gradient or None) of each."""
+    (stand-in, local shard, gradient or None) of each of `dtensors` (_dtensors())."""
     found = []
-    for where, p in self._dtensors():
+    for where, p in dtensors:
       s = self._stand_ins[id(p)]
       shard = p.to_local()
       if tuple(shard.shape) != tuple(s.local.shape) or shard.dtype != s.local.dtype:
