@@ -65,6 +65,27 @@ struct scratch_file {
 
 } // namespace
 
+mixed_roofline::mixed_roofline(const std::string& dir, std::uint64_t bytes, std::size_t block, unsigned depth,
+                               const std::string& io)
+    : path_((std::filesystem::path(dir) / ("hostopt-bench-mixed." + std::to_string(::getpid()) + ".tmp")).string()),
+      block_(block), blocks_(bytes / block) {
+  auto f = std::make_unique<drive::direct_file>(drive::direct_file::create(path_, blocks_ * block_));
+  queue_ = drive::make_io_queue(depth, drive::parse_io_backend(io, "--io"));
+  std::vector<drive::direct_buffer> buffers;
+  for (unsigned i = 0; i < depth; ++i) buffers.push_back(drive::make_direct_buffer(block));
+  for (std::size_t i = 0; i < depth; ++i)
+    for (std::size_t j = 0; j < block; j += 64) buffers[i][j] = std::byte(i * 131 + j / 64);
+  file_ = std::move(f);
+  buffers_ = std::move(buffers);
+  pass(*queue_, *file_, buffers_, block_, blocks_, pattern::write); // (a reserved, unwritten extent reads as zeros for free)
+}
+mixed_roofline::~mixed_roofline() {
+  file_.reset();
+  std::remove(path_.c_str());
+}
+double mixed_roofline::seconds() { return pass(*queue_, *file_, buffers_, block_, blocks_, pattern::mixed); }
+double mixed_roofline::bytes() const { return double(blocks_) * double(block_); }
+
 void add_disk_command(CLI::App& app, disk_options& o) {
   auto* cmd = app.add_subcommand("disk", "Measure a drive's O_DIRECT write, read and mixed bandwidth (the roofline "
                                          "of optimizer state on local drives)");

@@ -52,6 +52,13 @@ void add_kernel_command(CLI::App& app, kernel_options& o) {
                   "Moment formats, timed interleaved: f32, bf16, 8bit (compressed rows report their speedup over "
                   "f32 when it is listed)")
       ->capture_default_str()->delimiter(',');
+  cmd->add_option("--store", o.store, "A directory on a local drive: keep the state there (stored_optimizer) and "
+                                     "time the streamed step against the drive's mixed bandwidth");
+  cmd->add_option("--staging", o.staging, "With --store: RAM for staging buffers, suffixes K/M/G")->capture_default_str();
+  cmd->add_option("--buffers", o.buffers, "With --store: staging buffers (chunks in flight: buffers - 2 read ahead, "
+                                         "2 written back)")->capture_default_str()->check(CLI::Range(3u, 1024u));
+  cmd->add_flag("--sync", o.store_sync, "With --store: make every step's commit durable (fdatasync)");
+  cmd->add_option("--io", o.io, "With --store: auto, io_uring or threads")->capture_default_str();
   cmd->add_option("--baseline", o.baseline,
                   "Also time 'two-pass': the f32 step, then a separate cast pass to OUT (for mixes with a 16-bit OUT)")
       ->capture_default_str()->check(CLI::IsMember({"none", "two-pass"}));
@@ -112,6 +119,7 @@ struct compressed_buffers {
 } // namespace
 
 report run_kernel_bench(const kernel_options& o, const common_options& c) {
+  if (!o.store.empty()) return run_store_bench(o, c);
   std::vector<std::size_t> sizes;
   for (const auto& s : o.sizes) sizes.push_back(parse_size(s, "--size"));
   std::vector<dtype_mix> mixes;

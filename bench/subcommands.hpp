@@ -2,9 +2,12 @@
 // The subcommands of hostopt-bench: each registers its flags on the CLI and runs into a
 // report.
 
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "direct_file.hpp"
+#include "io_queue.hpp"
 #include "report.hpp"
 
 namespace CLI {
@@ -29,7 +32,15 @@ struct kernel_options {
   std::string kernel;
   std::string baseline = "none";
   std::vector<std::string> states{"f32"}; // moment formats: f32, bf16, 8bit
+  // --store DIR: the state on a drive (stored_optimizer), streamed through staging buffers.
+  std::string store;
+  std::string staging = "256M";
+  unsigned buffers = 8;
+  bool store_sync = false;
+  std::string io = "auto";
 };
+/// `kernel --store DIR`: the streamed step against the drive's mixed roofline (store_bench.cpp).
+report run_store_bench(const kernel_options& o, const common_options& c);
 void add_kernel_command(CLI::App& app, kernel_options& o);
 report run_kernel_bench(const kernel_options& o, const common_options& c);
 
@@ -95,6 +106,25 @@ struct disk_options {
   int iterations = 1;
 };
 void add_disk_command(CLI::App& app, disk_options& o);
+
+/// The drive's mixed pattern (half the blocks read, half written, `depth` in flight) over a
+/// scratch file of `bytes` in `dir`, written once first; removed with the object. The
+/// roofline of a streamed step moving the same bytes.
+class mixed_roofline {
+public:
+  mixed_roofline(const std::string& dir, std::uint64_t bytes, std::size_t block, unsigned depth, const std::string& io);
+  ~mixed_roofline();
+  double seconds(); ///< one timed pass
+  double bytes() const;
+
+private:
+  std::string path_;
+  std::size_t block_;
+  std::uint64_t blocks_;
+  std::unique_ptr<hostopt::drive::io_queue> queue_;
+  std::unique_ptr<hostopt::drive::direct_file> file_;
+  std::vector<std::unique_ptr<std::byte[], hostopt::drive::direct_buffer_deleter>> buffers_;
+};
 report run_disk_bench(const disk_options& o, const common_options& c);
 
 /// "f32:none" -> grad dtype and copy-out dtype (or none); throws std::invalid_argument.

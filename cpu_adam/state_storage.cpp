@@ -18,7 +18,33 @@ state_storage::state_storage(std::span<const moment_format> formats, const held_
   } else {
     state_ = aligned_floats(size_);
     lay_out_group_moments(layout.pieces());
+    moments_ = aligned_floats(moments_used_ / sizeof(float)); // a multiple of 64 bytes
+    moments_base_ = reinterpret_cast<char*>(moments_.data());
   }
+  params_ = state_.data();
+}
+
+state_storage::state_storage(std::span<const moment_format> formats, const held_layout& layout, external_memory)
+    : size_(layout.size()) {
+  for (const moment_format f : formats) {
+    stores_.push_back({f});
+    flat_moments_ = flat_moments_ && f == moment_format::f32;
+  }
+  if (!flat_moments_) lay_out_group_moments(layout.pieces());
+}
+
+namespace {
+std::size_t align64(std::size_t b) { return (b + 63) / 64 * 64; }
+} // namespace
+
+std::size_t state_storage::contiguous_bytes() const {
+  if (flat_moments_) return 3 * size_ * sizeof(float);
+  return align64(size_ * sizeof(float)) + moments_used_;
+}
+
+void state_storage::bind(std::byte* memory) {
+  params_ = reinterpret_cast<float*>(memory);
+  if (!flat_moments_) moments_base_ = reinterpret_cast<char*>(memory) + align64(size_ * sizeof(float));
 }
 
 // Each group's part: its held pieces' flat span (whole blocks for 8-bit), every array
@@ -44,7 +70,6 @@ void state_storage::lay_out_group_moments(std::span<const update_piece> pieces) 
     bytes = align64(bytes + moment_scale_bytes(st.format, n));
   }
   moments_used_ = bytes;
-  moments_ = aligned_floats(bytes / sizeof(float)); // a multiple of 64 bytes
 }
 
 void state_storage::first_touch(int threads) {

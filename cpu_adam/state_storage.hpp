@@ -24,19 +24,27 @@ public:
   /// Storage for the elements `layout` holds, group g's moments in formats[g]. Not
   /// zeroed: see first_touch.
   state_storage(std::span<const moment_format> formats, const held_layout& layout);
+  /// The same layout in caller-owned memory (the state store's staging buffers): nothing is
+  /// allocated; bind() points it at contiguous_bytes() bytes, 64-byte aligned, before use.
+  struct external_memory {};
+  state_storage(std::span<const moment_format> formats, const held_layout& layout, external_memory);
+  /// Bytes of the whole state in one block: params, then the moments (64-byte aligned).
+  std::size_t contiguous_bytes() const;
+  /// Points external storage at `memory` (contiguous_bytes() bytes, 64-byte aligned).
+  void bind(std::byte* memory);
 
   /// Zeroes params and moments, each slice by the thread (and the partition) that will
   /// update it, so that its pages are first touched there.
   void first_touch(int threads);
 
-  float* params() const { return state_.data(); }
+  float* params() const { return params_; }
   /// Whether every group's moments are f32: the flat arrays of flat_array(1 and 2).
   bool flat_moments() const { return flat_moments_; }
   /// Array k of the flat layout: 0 params, 1 exp_avg, 2 exp_avg_sq; the moments are empty
   /// (null) unless flat_moments().
   std::span<float> flat_array(int k) const {
     if (k > 0 && !flat_moments_) return {};
-    return {state_.data() + std::size_t(k) * size_, size_};
+    return {params_ + std::size_t(k) * size_, size_};
   }
   moment_format format(std::size_t group) const { return stores_[group].format; }
   std::vector<moment_format> formats() const;
@@ -65,7 +73,7 @@ private:
     std::size_t m = 0, v = 0, scales = 0; // byte offsets in moments_
   };
   void lay_out_group_moments(std::span<const update_piece> pieces);
-  char* moment_base() const { return reinterpret_cast<char*>(moments_.data()); }
+  char* moment_base() const { return moments_base_; }
 
   std::size_t size_;
   std::vector<group_store> stores_;
@@ -73,6 +81,8 @@ private:
   aligned_floats state_;   // params, then (flat_moments_) exp_avg and exp_avg_sq, each size_ floats
   aligned_floats moments_; // the groups' moment storage (not flat_moments_)
   std::size_t moments_used_ = 0;
+  float* params_ = nullptr;      // state_'s, or the bound external memory
+  char* moments_base_ = nullptr; // moments_', or in the bound external memory after the params
 };
 
 } // namespace hostopt::detail

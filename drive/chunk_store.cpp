@@ -4,6 +4,7 @@
 #include <sys/file.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -19,7 +20,7 @@ namespace hostopt::drive {
 namespace {
 
 namespace fs = std::filesystem;
-constexpr std::uint32_t format_version = 1;
+constexpr std::uint32_t format_version = 2; // 2: commit records carry the caller's words; sums of 1 MiB pieces
 constexpr char slot_magic[8] = {'H', 'O', 'S', 'T', 'O', 'P', 'T', 'C'};
 constexpr char record_magic[8] = {'H', 'O', 'S', 'T', 'O', 'P', 'T', 'R'};
 
@@ -33,7 +34,9 @@ struct slot_stamp {
 struct commit_record {
   char magic[8];
   std::uint32_t version, unused;
-  std::uint64_t store_id, step, chunks, chunk_bytes, fingerprint, record_sum; // record_sum: of the fields before it
+  std::uint64_t store_id, step, chunks, chunk_bytes, fingerprint, num_words;
+  std::uint64_t words[chunk_store::max_words];
+  std::uint64_t record_sum; // of the fields before it
 };
 
 std::uint64_t sum_of(const void* p, std::size_t n) {
@@ -86,8 +89,8 @@ chunk_store::chunk_store(std::string dir, const store_shape& shape, durability d
 chunk_store::chunk_store(chunk_store&& o) noexcept
     : dir_(std::move(o.dir_)), shape_(o.shape_), durability_(o.durability_), lock_fd_(std::exchange(o.lock_fd_, -1)),
       chunks_(std::move(o.chunks_)), commits_(std::move(o.commits_)), queue_(std::move(o.queue_)),
-      store_id_(o.store_id_), committed_(o.committed_), requests_(std::move(o.requests_)), free_(std::move(o.free_)),
-      written_(std::move(o.written_)), written_count_(o.written_count_) {}
+      store_id_(o.store_id_), committed_(o.committed_), words_(std::move(o.words_)), requests_(std::move(o.requests_)), free_(std::move(o.free_)),
+      written_(std::move(o.written_)), written_count_(o.written_count_), run_(std::move(o.run_)) {}
 
 chunk_store& chunk_store::operator=(chunk_store&& o) noexcept {
   if (this != &o) {
@@ -122,6 +125,45 @@ chunk_store chunk_store::create(const std::string& dir, const store_shape& shape
   }
 }
 
+namespace {
+
+// The commit record of the highest step whose checksum holds (the other is the step before,
+// or a record torn by a crash while it was written).
+commit_record last_record(const std::string& dir, int fd) {
+  direct_buffer buf = make_direct_buffer(2 * direct_alignment);
+  const ssize_t got = ::pread(fd, buf.get(), 2 * direct_alignment, 0);
+  if (got < 0) fail_errno(errno, "cannot read the commit file of the store in " + dir);
+  if (got != ssize_t(2 * direct_alignment)) // (created, and killed before it was sized)
+    throw std::runtime_error("the store in " + dir + " holds no committed step (its commit file has " +
+                             std::to_string(got) + " bytes: its creation was interrupted, or it was truncated)");
+  const commit_record* best = nullptr;
+  commit_record records[2];
+  for (int i = 0; i < 2; ++i) {
+    std::memcpy(&records[i], buf.get() + i * direct_alignment, sizeof(commit_record));
+    const commit_record& r = records[i];
+    if (std::memcmp(r.magic, record_magic, 8) != 0 || r.version != format_version ||
+        r.record_sum != sum_of(&r, offsetof(commit_record, record_sum)) || r.step % 2 != std::uint64_t(i) ||
+        r.num_words > chunk_store::max_words)
+      continue;
+    if (best == nullptr || r.step > best->step) best = &r;
+  }
+  if (best == nullptr)
+    throw std::runtime_error("the store in " + dir + " holds no committed step (its commit records are empty or "
+                             "corrupt, or of another version of hostopt)");
+  return *best;
+}
+
+std::vector<std::uint64_t> words_of(const commit_record& r) { return {r.words, r.words + r.num_words}; }
+
+} // namespace
+
+std::pair<store_shape, std::vector<std::uint64_t>> chunk_store::peek(const std::string& dir) {
+  if (!fs::exists(fs::path(dir) / "commit")) throw std::runtime_error("no store in " + dir + " (no commit file)");
+  direct_file commits = direct_file::open((fs::path(dir) / "commit").string());
+  const commit_record r = last_record(dir, commits.fd());
+  return {store_shape{r.chunks, r.chunk_bytes, r.fingerprint}, words_of(r)};
+}
+
 chunk_store chunk_store::open(const std::string& dir, const store_shape& expected, durability d, unsigned depth,
                               io_backend backend) {
   check_shape(expected);
@@ -130,28 +172,8 @@ chunk_store chunk_store::open(const std::string& dir, const store_shape& expecte
   try {
     direct_file commits = direct_file::open((fs::path(dir) / "commit").string());
     direct_file chunks = direct_file::open((fs::path(dir) / "chunks").string());
-    // The commit record of the highest step whose checksum holds (the other is the step before,
-    // or a record torn by a crash while it was written).
-    direct_buffer buf = make_direct_buffer(2 * direct_alignment);
-    const ssize_t got = ::pread(commits.fd(), buf.get(), 2 * direct_alignment, 0);
-    if (got < 0) fail_errno(errno, "cannot read the commit file of the store in " + dir);
-    if (got != ssize_t(2 * direct_alignment)) // (created, and killed before it was sized)
-      throw std::runtime_error("the store in " + dir + " holds no committed step (its commit file has " +
-                               std::to_string(got) + " bytes: its creation was interrupted, or it was truncated)");
-    const commit_record* best = nullptr;
-    commit_record records[2];
-    for (int i = 0; i < 2; ++i) {
-      std::memcpy(&records[i], buf.get() + i * direct_alignment, sizeof(commit_record));
-      const commit_record& r = records[i];
-      if (std::memcmp(r.magic, record_magic, 8) != 0 || r.version != format_version ||
-          r.record_sum != sum_of(&r, offsetof(commit_record, record_sum)) || r.step % 2 != std::uint64_t(i))
-        continue;
-      if (best == nullptr || r.step > best->step) best = &r;
-    }
-    if (best == nullptr)
-      throw std::runtime_error("the store in " + dir + " holds no committed step (its commit records are empty or "
-                               "corrupt)");
-    const store_shape saved{best->chunks, best->chunk_bytes, best->fingerprint};
+    const commit_record best = last_record(dir, commits.fd());
+    const store_shape saved{best.chunks, best.chunk_bytes, best.fingerprint};
     if (!(saved == expected))
       throw std::runtime_error("the store in " + dir + " holds " + shape_text(saved) + ", not " +
                                shape_text(expected) + " (another model, layout or format)");
@@ -160,8 +182,9 @@ chunk_store chunk_store::open(const std::string& dir, const store_shape& expecte
       throw std::runtime_error("the store in " + dir + ": its chunks file has " + std::to_string(chunks.size()) +
                                " bytes, expected " + std::to_string(bytes) + " (truncated?)");
     chunk_store s(dir, expected, d, depth, backend, lock_fd, std::move(chunks), std::move(commits));
-    s.store_id_ = best->store_id;
-    s.committed_ = best->step;
+    s.store_id_ = best.store_id;
+    s.committed_ = best.step;
+    s.words_ = words_of(best);
     s.verify_all();
     return s;
   } catch (...) {
@@ -190,6 +213,19 @@ std::uint64_t chunk_store::verify_all() {
   }
   settle(in_flight());
   return shape_.chunks;
+}
+
+std::uint64_t chunk_store::payload_sum(const std::byte* p) const {
+  // Pieces of 1 MiB, summed where the runner puts them, then the sum of their sums: the same
+  // bits whatever the threads.
+  constexpr std::size_t piece = std::size_t(1) << 20;
+  const std::size_t n = shape_.chunk_bytes, pieces = (n + piece - 1) / piece;
+  std::vector<std::uint64_t> sums(pieces);
+  auto body = [&](std::size_t i) { sums[i] = sum_of(p + i * piece, std::min(piece, n - i * piece)); };
+  if (run_) run_(pieces, body);
+  else
+    for (std::size_t i = 0; i < pieces; ++i) body(i);
+  return sum_of(sums.data(), pieces * sizeof(std::uint64_t));
 }
 
 chunk_store::staging chunk_store::make_staging() const {
@@ -224,7 +260,7 @@ void chunk_store::start_write(std::uint64_t chunk, staging& s) {
   st.chunk = chunk;
   st.step = next_step();
   st.bytes = shape_.chunk_bytes;
-  st.payload_sum = sum_of(s.payload(), shape_.chunk_bytes);
+  st.payload_sum = payload_sum(s.payload());
   st.stamp_sum = sum_of(&st, offsetof(slot_stamp, stamp_sum));
   std::memset(s.memory_.get(), 0, direct_alignment);
   std::memcpy(s.memory_.get(), &st, sizeof st);
@@ -253,7 +289,7 @@ void chunk_store::check_stamp(const request& r, std::int64_t result) const {
     throw std::runtime_error(where + ": its slot holds chunk " + std::to_string(st.chunk) + " of step " +
                              std::to_string(st.step) + ", expected step " + std::to_string(committed_) +
                              " (a torn or foreign slot)");
-  if (st.payload_sum != sum_of(r.s->payload(), shape_.chunk_bytes))
+  if (st.payload_sum != payload_sum(r.s->payload()))
     throw std::runtime_error(where + ": its bytes for step " + std::to_string(committed_) + " fail their checksum "
                              "(corrupt)");
 }
@@ -281,7 +317,10 @@ std::vector<std::uint64_t> chunk_store::finish(std::size_t at_least) {
   return done;
 }
 
-void chunk_store::commit() {
+void chunk_store::commit(const std::vector<std::uint64_t>& words) {
+  if (words.size() > max_words)
+    throw std::invalid_argument("chunk_store::commit: " + std::to_string(words.size()) + " words, at most " +
+                                std::to_string(max_words));
   if (in_flight() != 0)
     throw std::logic_error("chunk_store::commit: " + std::to_string(in_flight()) + " requests still in flight");
   if (written_count_ != shape_.chunks) {
@@ -302,6 +341,8 @@ void chunk_store::commit() {
   r.chunks = shape_.chunks;
   r.chunk_bytes = shape_.chunk_bytes;
   r.fingerprint = shape_.fingerprint;
+  r.num_words = words.size();
+  std::copy(words.begin(), words.end(), r.words);
   r.record_sum = sum_of(&r, offsetof(commit_record, record_sum));
   direct_buffer page = make_direct_buffer(direct_alignment);
   std::memcpy(page.get(), &r, sizeof r);
@@ -314,6 +355,7 @@ void chunk_store::commit() {
   if (durability_ == durability::sync && ::fdatasync(commits_.fd()) != 0)
     fail_errno(errno, "cannot make the commit of step " + std::to_string(step) + " durable in " + dir_);
   committed_ = step;
+  words_ = words;
   written_.assign(shape_.chunks, false);
   written_count_ = 0;
 }

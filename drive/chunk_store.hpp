@@ -12,8 +12,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "direct_file.hpp"
@@ -59,6 +61,15 @@ public:
   std::uint64_t committed_step() const { return committed_; }
   std::uint64_t next_step() const { return committed_ == no_step ? 0 : committed_ + 1; }
   io_backend backend() const { return queue_->backend(); }
+  /// How the checksums of chunks' bytes are computed in parallel: `run(pieces, body)` calls
+  /// body(i) once for every i < pieces, from any threads, and returns when all are done. The
+  /// sum is the same however it runs (a checksum of the checksums of 1 MiB pieces); the
+  /// default runs the pieces in order on the calling thread.
+  using parallel_runner = std::function<void(std::size_t pieces, const std::function<void(std::size_t)>& body)>;
+  void set_parallel_runner(parallel_runner run) { run_ = std::move(run); }
+
+  /// Pages of the chunks file in the page cache (direct_file::cached_pages: 0 when bypassed).
+  std::uint64_t cached_pages() const { return chunks_.cached_pages(); }
 
   /// One chunk's staging memory: its stamp, then its bytes (payload()), aligned for O_DIRECT.
   class staging {
@@ -81,9 +92,18 @@ public:
   std::vector<std::uint64_t> finish(std::size_t at_least = 1);
   std::size_t in_flight() const { return queue_->in_flight(); }
 
-  /// Commits next_step(): every chunk written for it and finished, nothing in flight
-  /// (std::logic_error naming a missing chunk otherwise, nothing changed).
-  void commit();
+  /// Words the caller keeps with each commit (e.g. its own counters), at most max_words.
+  static constexpr std::size_t max_words = 16;
+  /// Commits next_step() with the caller's `words`: every chunk written for it and finished,
+  /// nothing in flight (std::logic_error naming a missing chunk otherwise, nothing changed).
+  void commit(const std::vector<std::uint64_t>& words = {});
+  /// The words of the committed step (empty before the first commit).
+  const std::vector<std::uint64_t>& committed_words() const { return words_; }
+
+  /// The shape and words of the store in `dir` as its last commit record says (nothing
+  /// verified, no lock taken: for a caller that derives the expected shape from them).
+  /// std::runtime_error as open() for no store or no committed step.
+  static std::pair<store_shape, std::vector<std::uint64_t>> peek(const std::string& dir);
 
 private:
   struct request {
@@ -96,6 +116,7 @@ private:
   std::uint64_t slot_offset(std::uint64_t chunk, std::uint64_t step) const;
   void check_stamp(const request& r, std::int64_t result) const;
   std::uint64_t verify_all(); // open's check of every committed chunk
+  std::uint64_t payload_sum(const std::byte* p) const;
 
   std::string dir_;
   store_shape shape_;
@@ -105,10 +126,12 @@ private:
   std::unique_ptr<io_queue> queue_;
   std::uint64_t store_id_ = 0;
   std::uint64_t committed_ = no_step;
+  std::vector<std::uint64_t> words_;
   std::vector<request> requests_;     // by tag (slot in flight)
   std::vector<std::uint64_t> free_;   // free request tags
   std::vector<bool> written_;         // chunks written for next_step()
   std::uint64_t written_count_ = 0;
+  parallel_runner run_;
 };
 
 } // namespace hostopt::drive

@@ -1,0 +1,513 @@
+// The optimizer state on a drive, streamed through staging buffers each step: chunks of the
+// arena are laid out as an optimizer holding that range (a shard) would lay them out in RAM,
+// so each chunk is updated in its staging buffer by the in-RAM optimizer's own plan and
+// kernels (same bits), and drive::chunk_store makes each step a commit.
+#include "stored_optimizer.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+
+#include "buffer_checks.hpp"
+#include "checksum.hpp"
+#include "chunk_store.hpp"
+#include "exclusive_state.hpp"
+#include "held_layout.hpp"
+#include "hostopt/gradient_checks.hpp"
+#include "kernel_registry.hpp"
+#include "parallel.hpp"
+#include "state_storage.hpp"
+#include "step_plan.hpp"
+#include "update_engine.hpp"
+
+namespace hostopt {
+
+using namespace detail;
+
+namespace {
+
+// The commit words: what kind of store, its chunking, and the optimizer's counters.
+constexpr std::uint64_t store_kind = 0x686f73746f707431; // "hostopt1"
+enum word : std::size_t { w_kind, w_chunk_elements, w_count, w_skipped, num_words };
+
+drive::durability durability_of(const state_store_options& o) {
+  return o.sync_every_step ? drive::durability::sync : drive::durability::none;
+}
+
+void check_options(const state_store_options& o) {
+  if (o.dir.empty()) throw std::invalid_argument("state_store_options.dir is empty: name a directory on a local drive");
+  if (o.buffers < 3)
+    throw std::invalid_argument("state_store_options.buffers = " + std::to_string(o.buffers) +
+                                ": expected at least 3 (one read ahead, one updated, one written back)");
+  if (o.buffers > 1024)
+    throw std::invalid_argument("state_store_options.buffers = " + std::to_string(o.buffers) + ": at most 1024");
+  drive::parse_io_backend(o.io, "state_store_options.io");
+}
+
+std::vector<moment_format> formats_of(const std::vector<param_group>& groups) {
+  std::vector<moment_format> f;
+  for (const param_group& g : groups) f.push_back(g.moments);
+  return f;
+}
+
+std::size_t round_up(std::size_t x, std::size_t unit) { return (x + unit - 1) / unit * unit; }
+
+} // namespace
+
+struct stored_optimizer::impl {
+  // One chunk of the arena: laid out as an optimizer holding [range) lays out its state.
+  struct chunk {
+    arena_range range;
+    held_layout layout;
+    state_storage storage; // external: bound to its staging buffer when used
+    std::vector<update_piece> pieces;
+  };
+
+  mutable std::mutex lock; // every public operation, one at a time
+  execution_options exec;
+  const kernel_set* kernels;
+  std::vector<param_group> groups;
+  held_layout whole;
+  std::vector<update_piece> whole_pieces;
+  std::vector<adam_config> configs;
+  std::vector<std::uint64_t> seeds;
+  std::size_t chunk_elements = 0, chunk_bytes = 0;
+  std::vector<chunk> chunks;
+  std::uint64_t fingerprint = 0;
+  std::unique_ptr<drive::chunk_store> store;
+  std::vector<drive::chunk_store::staging> staging;
+  std::int64_t count = 0, skipped = 0;
+  // Scratch of a step.
+  std::vector<group_kernel> group_kernels, chunk_kernels;
+  std::vector<const_view> stat_views;
+  std::vector<char> read_done, write_done;
+
+  impl(std::vector<param_group> gs, execution_options e)
+      : exec(std::move(e)), kernels(nullptr), groups(std::move(gs)),
+        whole(groups, arena_range{0, arena_end(arena_layout(groups))}), whole_pieces(whole.pieces()) {
+    check_threads(exec.threads);
+    kernels = &kernel_set_by_name(exec.kernel);
+    for (const param_group& g : groups) {
+      configs.push_back(g.config);
+      seeds.push_back(g.rounding_seed);
+    }
+    group_kernels.resize(configs.size());
+    chunk_kernels.resize(configs.size());
+  }
+
+  std::size_t end() const { return whole.size(); }
+
+  // Chunks of `elements` each (the last shorter) and the bytes of the largest.
+  void lay_out_chunks(std::size_t elements) {
+    chunk_elements = elements;
+    chunks.clear();
+    const std::vector<moment_format> formats = formats_of(groups);
+    std::size_t largest = 0;
+    for (std::size_t b = 0; b == 0 || b < end(); b += elements) {
+      const arena_range r{b, std::min(end(), b + elements)};
+      held_layout layout(groups, r);
+      state_storage storage(formats, layout, state_storage::external_memory{});
+      largest = std::max(largest, storage.contiguous_bytes());
+      std::vector<update_piece> pieces = layout.pieces();
+      chunks.push_back({r, std::move(layout), std::move(storage), std::move(pieces)});
+    }
+    chunk_bytes = round_up(std::max<std::size_t>(largest, 1), drive::direct_alignment);
+    fingerprint = fingerprint_of();
+  }
+
+  // Chunking from the staging budget: each of `buffers` buffers holds a chunk and its stamp.
+  void choose_chunks(const state_store_options& o) {
+    const std::size_t unit = whole.unit();
+    if (o.chunk_elements) {
+      if (o.chunk_elements % unit)
+        throw std::invalid_argument("state_store_options.chunk_elements = " + std::to_string(o.chunk_elements) +
+                                    ": expected a multiple of " + std::to_string(unit) +
+                                    " (8-bit blocks and 64-byte units are never cut)");
+      lay_out_chunks(o.chunk_elements);
+      check_budget(o, o.buffers);
+      return;
+    }
+    const std::size_t per_buffer = o.staging_bytes / o.buffers;
+    const std::size_t stamp = drive::direct_alignment;
+    const std::size_t whole_bytes =
+        state_storage(formats_of(groups), whole, state_storage::external_memory{}).contiguous_bytes();
+    const double per_element = end() ? double(whole_bytes) / double(end()) : 12.0;
+    std::size_t elements = per_buffer > stamp ? std::size_t(double(per_buffer - stamp) / per_element) / unit * unit : 0;
+    elements = std::min(elements, round_up(std::max<std::size_t>(end(), 1), unit));
+    for (;;) { // chunks of uneven groups may hold more than the average: shrink until each fits
+      if (elements < unit) {
+        lay_out_chunks(unit);
+        check_budget(o, o.buffers); // names the smallest budget
+      }
+      lay_out_chunks(elements);
+      if ((chunk_bytes + stamp) * o.buffers <= o.staging_bytes) return;
+      elements = std::max(unit, elements - std::max(unit, elements / 16 / unit * unit));
+    }
+  }
+
+  void check_budget(const state_store_options& o, unsigned buffers) const {
+    const std::size_t need = (chunk_bytes + drive::direct_alignment) * buffers;
+    if (need > o.staging_bytes)
+      throw std::invalid_argument("state_store_options.staging_bytes = " + std::to_string(o.staging_bytes) +
+                                  ": " + std::to_string(buffers) + " buffers of " + std::to_string(chunk_elements) +
+                                  "-element chunks need " + std::to_string(need) +
+                                  " bytes (raise the budget, or lower buffers or chunk_elements)");
+  }
+
+  // What a store's bytes mean: the layout, the formats, the rounding seeds and the chunking.
+  std::uint64_t fingerprint_of() const {
+    checksum64 c;
+    auto add = [&](std::uint64_t x) { c.add(&x, sizeof x); };
+    add(store_kind);
+    add(chunk_elements);
+    add(end());
+    for (const segment& s : whole.segments()) {
+      add(s.name.size());
+      c.add(s.name.data(), s.name.size());
+      add(s.shape.size());
+      for (const std::int64_t e : s.shape) add(std::uint64_t(e));
+      add(s.offset);
+      add(s.group);
+    }
+    for (std::size_t g = 0; g < groups.size(); ++g) {
+      add(std::uint64_t(groups[g].moments));
+      add(seeds[g]);
+    }
+    return c.finish();
+  }
+
+  drive::store_shape shape() const { return {chunks.size(), chunk_bytes, fingerprint}; }
+
+  void make_staging(unsigned buffers) {
+    // The chunks' checksums on the step's threads (2 x its bytes per step: on one thread they
+    // would keep the drive waiting).
+    store->set_parallel_runner([threads = exec.threads](std::size_t pieces, const std::function<void(std::size_t)>& body) {
+      auto slice = [&](int tid, int nthreads) {
+        const auto [lo, hi] = partition(0, pieces, tid, nthreads, 1);
+        for (std::size_t i = lo; i < hi; ++i) body(i);
+      };
+      run_parallel(threads, slice);
+    });
+    staging.clear();
+    for (unsigned i = 0; i < buffers; ++i) staging.push_back(store->make_staging());
+    read_done.assign(chunks.size(), 0);
+    write_done.assign(chunks.size(), 0);
+  }
+
+  std::vector<std::uint64_t> words() const {
+    std::vector<std::uint64_t> w(num_words);
+    w[w_kind] = store_kind;
+    w[w_chunk_elements] = chunk_elements;
+    w[w_count] = std::uint64_t(count);
+    w[w_skipped] = std::uint64_t(skipped);
+    return w;
+  }
+
+  // Waits for requests, marking each finished chunk's read (the first time) or write.
+  void settle(std::size_t at_least) {
+    for (const std::uint64_t k : store->finish(at_least)) (read_done[k] ? write_done[k] : read_done[k]) = 1;
+  }
+  // After a failure: every request in flight finished (their buffers are ours), errors dropped.
+  void drain() noexcept {
+    while (store->in_flight()) try {
+        store->finish(store->in_flight());
+      } catch (...) {
+      }
+  }
+
+  // Streams every chunk through the staging buffers: `visit(k, storage bound to its buffer)`,
+  // then (write) written back. Reads run buffers - 2 chunks ahead. Writing without reading
+  // (fill) starts from zeroed buffers.
+  template <class Visit>
+  void stream(bool read, bool write, Visit&& visit) {
+    const std::size_t n = chunks.size(), buffers = staging.size();
+    const std::size_t ahead = read ? buffers - 2 : 0;
+    std::fill(read_done.begin(), read_done.end(), char(!read));
+    std::fill(write_done.begin(), write_done.end(), 0);
+    try {
+      for (std::size_t k = 0; k < std::min(ahead, n); ++k) store->start_read(k, staging[k % buffers]);
+      for (std::size_t k = 0; k < n; ++k) {
+        drive::chunk_store::staging& buf = staging[k % buffers];
+        if (read) {
+          while (!read_done[k]) settle(1);
+        } else if (write && k >= buffers) {
+          while (!write_done[k - buffers]) settle(1);
+        }
+        if (!read) std::memset(buf.payload(), 0, chunk_bytes);
+        chunks[k].storage.bind(buf.payload());
+        visit(k, chunks[k]);
+        if (write) store->start_write(k, buf);
+        const std::size_t next = k + ahead;
+        if (read && next < n) {
+          if (next >= buffers)
+            while (write && !write_done[next - buffers]) settle(1);
+          store->start_read(next, staging[next % buffers]);
+        }
+      }
+      while (store->in_flight()) settle(store->in_flight());
+    } catch (...) {
+      drain();
+      throw;
+    }
+  }
+
+  // One chunk's update by the step's kernels, in its staging buffer.
+  block_counts update(const chunk& c, const void* grad, std::size_t grad_bytes, void* out, std::size_t out_bytes) {
+    for (std::size_t g = 0; g < configs.size(); ++g) {
+      chunk_kernels[g] = group_kernels[g];
+      chunk_kernels[g].storage = c.storage.kernel_storage(g, seeds[g]);
+    }
+    update_job j;
+    j.params = c.storage.params();
+    j.exp_avg = c.storage.flat_array(1).data();
+    j.exp_avg_sq = c.storage.flat_array(2).data();
+    j.pieces = c.pieces.data();
+    j.num_pieces = c.pieces.size();
+    j.groups = chunk_kernels.data();
+    j.grad_elem_bytes = grad_bytes;
+    j.out_elem_bytes = out_bytes;
+    j.begin = 0;
+    j.end = c.range.size();
+    j.index_origin = c.range.begin; // compressed moments round by layout index, as in RAM
+    j.flat_grad = static_cast<const char*>(grad) + c.range.begin * grad_bytes;
+    j.flat_out = out ? static_cast<char*>(out) + c.range.begin * out_bytes : nullptr;
+    return run_update(j, exec.threads);
+  }
+
+  // A piece's params and moments between a chunk's storage and an in-RAM optimizer's state
+  // (its held flat element = layout element): to_ram or from it.
+  void copy_piece(const chunk& c, const update_piece& piece, const exclusive_state& ram, bool to_ram) const {
+    if (!piece.size) return;
+    const std::size_t g = piece.group, at = c.range.begin + piece.offset;
+    const moment_format f = groups[g].moments;
+    auto move = [&](char* chunk_side, char* ram_side, std::size_t bytes) {
+      if (to_ram) std::memcpy(ram_side, chunk_side, bytes);
+      else std::memcpy(chunk_side, ram_side, bytes);
+    };
+    move(reinterpret_cast<char*>(c.storage.params() + piece.offset), ram.data_at(0, g, at), piece.size * 4);
+    for (int k = 1; k <= 2; ++k)
+      move(c.storage.moment_at(k, g, piece.offset), ram.data_at(k, g, at), piece.size * moment_code_bytes(f));
+    if (f == moment_format::q8)
+      move(c.storage.moment_at(3, g, piece.offset), ram.data_at(3, g, at),
+           2 * ((piece.size + q8_block - 1) / q8_block));
+  }
+
+  void check_same_state(const exclusive_state& ram, const char* what) const {
+    const auto segs = ram.segments();
+    bool same = ram.range().begin == 0 && ram.range().end == end() && segs.size() == whole.segments().size() &&
+                ram.formats() == formats_of(groups);
+    for (std::size_t i = 0; same && i < segs.size(); ++i) {
+      const segment &a = segs[i], &b = whole.segments()[i];
+      same = a.name == b.name && a.shape == b.shape && a.offset == b.offset && a.group == b.group;
+    }
+    if (!same)
+      throw std::invalid_argument(std::string(what) + ": the in-RAM optimizer holds another layout, range or "
+                                  "moment formats than this store's groups");
+    if (!ram.tensor_lags().empty())
+      throw std::invalid_argument(std::string(what) + ": the in-RAM optimizer's tensors have their own step counts "
+                                  "(per-tensor steps): a store keeps one count for all");
+  }
+
+  void create_store(const state_store_options& o) {
+    store = std::make_unique<drive::chunk_store>(drive::chunk_store::create(
+        o.dir, shape(), durability_of(o), o.buffers, drive::parse_io_backend(o.io, "state_store_options.io")));
+    make_staging(o.buffers);
+  }
+};
+
+stored_optimizer::stored_optimizer(std::unique_ptr<impl> s) : impl_(std::move(s)) {}
+stored_optimizer::stored_optimizer(stored_optimizer&&) noexcept = default;
+stored_optimizer& stored_optimizer::operator=(stored_optimizer&&) noexcept = default;
+stored_optimizer::~stored_optimizer() = default;
+
+stored_optimizer stored_optimizer::create(std::vector<param_group> groups, const state_store_options& options,
+                                          execution_options exec, const_view initial_params) {
+  check_options(options);
+  auto s = std::make_unique<impl>(std::move(groups), std::move(exec));
+  const bool has_params = initial_params.data != nullptr || initial_params.size != 0;
+  if (has_params) {
+    check_view("initial_params", initial_params.data, initial_params.size, initial_params.type, s->end());
+    if (initial_params.type != dtype::f32)
+      throw std::invalid_argument("initial_params: expected f32 (the master parameters), got " +
+                                  std::string(dtype_name(initial_params.type)));
+  }
+  s->choose_chunks(options);
+  s->create_store(options);
+  const float* p = static_cast<const float*>(initial_params.data);
+  s->stream(false, true, [&](std::size_t, impl::chunk& c) {
+    if (!has_params) return;
+    for (const update_piece& piece : c.pieces)
+      if (piece.size)
+        std::memcpy(c.storage.params() + piece.offset, p + c.range.begin + piece.offset, piece.size * sizeof(float));
+  });
+  s->store->commit(s->words());
+  return stored_optimizer(std::move(s));
+}
+
+stored_optimizer stored_optimizer::create(const optimizer& ram, std::vector<param_group> groups,
+                                          const state_store_options& options) {
+  check_options(options);
+  auto s = std::make_unique<impl>(std::move(groups), ram.execution());
+  const exclusive_state es(ram, "stored_optimizer::create");
+  s->check_same_state(es, "stored_optimizer::create");
+  s->configs = es.configs();
+  s->seeds = es.seeds();
+  s->count = es.step_count();
+  s->skipped = es.skipped_steps();
+  s->choose_chunks(options);
+  s->create_store(options);
+  s->stream(false, true, [&](std::size_t, impl::chunk& c) {
+    for (const update_piece& piece : c.pieces) s->copy_piece(c, piece, es, false);
+  });
+  s->store->commit(s->words());
+  return stored_optimizer(std::move(s));
+}
+
+stored_optimizer stored_optimizer::open(std::vector<param_group> groups, const state_store_options& options,
+                                        execution_options exec) {
+  check_options(options);
+  auto s = std::make_unique<impl>(std::move(groups), std::move(exec));
+  const auto [saved, words] = drive::chunk_store::peek(options.dir);
+  if (words.size() != num_words || words[w_kind] != store_kind)
+    throw std::runtime_error("the store in " + options.dir + " is not a hostopt optimizer's state store");
+  const std::size_t elements = words[w_chunk_elements];
+  if (elements == 0 || elements % s->whole.unit())
+    throw std::runtime_error("the store in " + options.dir + " has chunks of " + std::to_string(elements) +
+                             " elements, which this layout cannot have (another model)");
+  s->lay_out_chunks(elements);
+  if (!(saved == s->shape()))
+    throw std::runtime_error("the store in " + options.dir + " holds another state than these groups: " +
+                             std::to_string(saved.chunks) + " chunks of " + std::to_string(saved.chunk_bytes) +
+                             " bytes where they need " + std::to_string(s->chunks.size()) + " of " +
+                             std::to_string(s->chunk_bytes) +
+                             (saved.chunks == s->chunks.size() && saved.chunk_bytes == s->chunk_bytes
+                                  ? ", and another fingerprint (tensor names, shapes, groups, moment formats or "
+                                    "rounding seeds differ)"
+                                  : " (another model, layout or moment format)"));
+  // The store's chunking, in as many buffers as the budget holds (at least 3).
+  unsigned buffers = options.buffers;
+  while (buffers > 3 && (s->chunk_bytes + drive::direct_alignment) * buffers > options.staging_bytes) --buffers;
+  s->check_budget(options, buffers);
+  s->store = std::make_unique<drive::chunk_store>(drive::chunk_store::open(
+      options.dir, s->shape(), durability_of(options), buffers, drive::parse_io_backend(options.io, "state_store_options.io")));
+  const auto& committed = s->store->committed_words();
+  s->count = std::int64_t(committed[w_count]);
+  s->skipped = std::int64_t(committed[w_skipped]);
+  s->make_staging(buffers);
+  return stored_optimizer(std::move(s));
+}
+
+step_result stored_optimizer::step(const_view flat_grad, mut_view flat_out, float grad_scale) {
+  return step(flat_grad, flat_out, unchecked(grad_scale));
+}
+
+step_result stored_optimizer::step(const_view flat_grad, mut_view flat_out, const step_options& opts) {
+  impl& s = *impl_;
+  const std::lock_guard<std::mutex> lock(s.lock);
+  check_grad_scale(opts.grad_scale);
+  const std::size_t n = s.end();
+  check_view("flat_grad", flat_grad.data, flat_grad.size, flat_grad.type, n);
+  const bool has_out = flat_out.data != nullptr || flat_out.size != 0;
+  if (has_out) {
+    check_view("flat_out", flat_out.data, flat_out.size, flat_out.type, n);
+    std::vector<byte_range> ranges{range_of(flat_grad.data, n * dtype_size(flat_grad.type), false, 0, 0),
+                                   range_of(flat_out.data, n * dtype_size(flat_out.type), true, 1, 0)};
+    const char* const kinds[] = {"flat_grad", "flat_out"};
+    check_no_overlap(ranges, kinds);
+  }
+  s.stat_views.clear();
+  for (const update_piece& piece : s.whole_pieces) // per tensor: padding is never read
+    s.stat_views.push_back({static_cast<const char*>(flat_grad.data) + piece.offset * dtype_size(flat_grad.type),
+                            piece.size, flat_grad.type});
+  const step_io io{flat_grad.type, has_out ? std::optional<dtype>(flat_out.type) : std::nullopt, false, false};
+  for (std::size_t g = 0; g < s.configs.size(); ++g) { // the plan picks kernels and rounding keys from these
+    s.group_kernels[g].storage = moment_storage{};
+    s.group_kernels[g].storage.format = s.groups[g].moments;
+    s.group_kernels[g].storage.seed = s.seeds[g];
+  }
+  const step_plan pl = step_plan::make(*s.kernels, s.configs, s.count, io, opts,
+                                       [&] { return gradient_stats(s.stat_views, s.exec).norm; }, s.group_kernels);
+  if (!pl.decision().apply) {
+    step_plan::check_count(s.skipped); // (the skipped count shares the step count's limit)
+    ++s.skipped;
+    return make_step_result(pl.decision(), s.count, s.skipped);
+  }
+  block_counts seen;
+  const std::size_t gb = dtype_size(flat_grad.type), ob = has_out ? dtype_size(flat_out.type) : 0;
+  s.stream(true, true, [&](std::size_t, impl::chunk& c) {
+    const block_counts b = s.update(c, flat_grad.data, gb, has_out ? flat_out.data : nullptr, ob);
+    seen.poisoned += b.poisoned;
+    seen.saturated += b.saturated;
+  });
+  ++s.count;
+  try {
+    s.store->commit(s.words());
+  } catch (...) {
+    --s.count;
+    throw;
+  }
+  return make_step_result(pl.decision(), s.count, s.skipped, seen);
+}
+
+void stored_optimizer::copy_state_to(optimizer& ram) const {
+  impl& s = *impl_;
+  const std::lock_guard<std::mutex> lock(s.lock);
+  exclusive_state es(ram, "stored_optimizer::copy_state_to", true);
+  s.check_same_state(es, "stored_optimizer::copy_state_to");
+  try {
+    s.stream(true, false, [&](std::size_t, impl::chunk& c) {
+      for (const update_piece& piece : c.pieces) s.copy_piece(c, piece, es, true);
+    });
+    es.set_counters(s.configs, s.count, s.skipped);
+    es.set_seeds(s.seeds);
+  } catch (const std::exception& e) {
+    es.mark_failed(std::string("stored_optimizer::copy_state_to failed midway: ") + e.what());
+    throw;
+  }
+  es.clear_failure();
+}
+
+std::int64_t stored_optimizer::step_count() const {
+  const std::lock_guard<std::mutex> lock(impl_->lock);
+  return impl_->count;
+}
+std::int64_t stored_optimizer::skipped_steps() const {
+  const std::lock_guard<std::mutex> lock(impl_->lock);
+  return impl_->skipped;
+}
+std::size_t stored_optimizer::arena_size() const { return impl_->end(); }
+std::span<const segment> stored_optimizer::segments() const { return impl_->whole.segments(); }
+std::size_t stored_optimizer::num_groups() const { return impl_->configs.size(); }
+adam_config stored_optimizer::group_config(std::size_t group) const {
+  const std::lock_guard<std::mutex> lock(impl_->lock);
+  if (group >= impl_->configs.size())
+    throw std::invalid_argument("group = " + std::to_string(group) + ": expected an index below " +
+                                std::to_string(impl_->configs.size()));
+  return impl_->configs[group];
+}
+void stored_optimizer::set_group_config(std::size_t group, const adam_config& config) {
+  const std::lock_guard<std::mutex> lock(impl_->lock);
+  if (group >= impl_->configs.size())
+    throw std::invalid_argument("group = " + std::to_string(group) + ": expected an index below " +
+                                std::to_string(impl_->configs.size()));
+  validate(config, "set_group_config");
+  impl_->configs[group] = config;
+}
+void stored_optimizer::set_lr(std::size_t group, double lr) {
+  adam_config c = group_config(group);
+  c.lr = lr;
+  set_group_config(group, c);
+}
+std::size_t stored_optimizer::chunks() const { return impl_->chunks.size(); }
+std::size_t stored_optimizer::chunk_elements() const { return impl_->chunk_elements; }
+std::size_t stored_optimizer::chunk_bytes() const { return impl_->chunk_bytes; }
+std::size_t stored_optimizer::staging_bytes() const {
+  return impl_->staging.size() * (impl_->chunk_bytes + drive::direct_alignment);
+}
+std::string stored_optimizer::io_backend() const { return drive::to_string(impl_->store->backend()); }
+std::uint64_t stored_optimizer::step_io_bytes() const {
+  return 2 * std::uint64_t(impl_->chunks.size()) * (impl_->chunk_bytes + drive::direct_alignment);
+}
+std::uint64_t stored_optimizer::cached_pages() const { return impl_->store->cached_pages(); }
+
+} // namespace hostopt

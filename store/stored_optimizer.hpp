@@ -1,0 +1,104 @@
+#pragma once
+// An optimizer whose state lives on a local drive, not in RAM: every step streams it through a
+// few staging buffers (read chunk k+d ahead, update chunk k with the same fused kernels as the
+// in-RAM optimizer, write chunk k-1 back), and after every applied step what is on the drive
+// IS that step, verified (drive/chunk_store: two slots per chunk, a commit record last).
+// Its steps give the in-RAM optimizer's bits, for every moment format and kernel.
+//
+// Not yet here (see docs/design.md): striping over several drives, the per-tensor and chunked
+// (pipeline) steps, the Python fronts.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "hostopt/optimizer.hpp"
+
+namespace hostopt {
+
+/// Where and how the state is kept.
+struct state_store_options {
+  /// An existing directory on a local drive with O_DIRECT (not tmpfs): the store's files go
+  /// there (chunks: 2 x the state; commit; lock).
+  std::string dir;
+  /// RAM for the staging buffers: buffers x chunk bytes stays within it.
+  std::size_t staging_bytes = std::size_t(256) << 20;
+  /// Staging buffers (at least 3): chunks read ahead = buffers - 2, one updated, one written.
+  unsigned buffers = 8;
+  /// Chunk size in elements (a multiple of the layout's unit, 16 or 32); 0: from the budget.
+  /// A store keeps the chunking it was created with.
+  std::size_t chunk_elements = 0;
+  /// true: each commit is durable (fdatasync) — a power loss keeps it too; false: a killed
+  /// process keeps every commit, a power loss may take the last ones.
+  bool sync_every_step = true;
+  /// "auto" (io_uring, else threads), "io_uring" or "threads".
+  std::string io = "auto";
+};
+
+class stored_optimizer {
+public:
+  /// A new store in options.dir (refused where one exists) holding the groups' state at step
+  /// 0: zero moments, and `initial_params` (f32, the flat layout, arena_end elements) or zero
+  /// params. Committed before it returns.
+  static stored_optimizer create(std::vector<param_group> groups, const state_store_options& options,
+                                 execution_options exec = {}, const_view initial_params = {});
+  /// A new store holding `ram`'s whole state (params, moments, counters, seeds): an import.
+  static stored_optimizer create(const optimizer& ram, std::vector<param_group> groups,
+                                 const state_store_options& options);
+  /// The store in options.dir at its last committed step, every chunk verified. Refused
+  /// (std::runtime_error naming it): no store, another layout or format, a store open
+  /// elsewhere, a corrupt or truncated chunk or record.
+  static stored_optimizer open(std::vector<param_group> groups, const state_store_options& options,
+                               execution_options exec = {});
+
+  stored_optimizer(stored_optimizer&&) noexcept;
+  stored_optimizer& operator=(stored_optimizer&&) noexcept;
+  ~stored_optimizer();
+
+  /// One step with a flat gradient (arena_size() elements) and an optional flat copy-out, as
+  /// optimizer::step. Buffers and options are checked before any I/O. An applied step is
+  /// committed when this returns; one that throws (an I/O error, a full drive) leaves the
+  /// store and this object at the previous step. A skipped step (non-finite gradients)
+  /// touches no drive: its count is committed with the next applied step.
+  step_result step(const_view flat_grad, mut_view flat_out, const step_options& options);
+  step_result step(const_view flat_grad, mut_view flat_out = {}, float grad_scale = 1.0f);
+
+  std::int64_t step_count() const;
+  std::int64_t skipped_steps() const;
+  std::size_t arena_size() const;
+  std::span<const segment> segments() const;
+  std::size_t num_groups() const;
+  adam_config group_config(std::size_t group) const;
+  /// Replaces a group's hyper-parameters for later steps (schedules); validated first.
+  void set_group_config(std::size_t group, const adam_config& config);
+  void set_lr(std::size_t group, double lr);
+
+  /// The streaming: chunks of the arena, each one's bytes on the drive (a multiple of 4 KiB),
+  /// the staging RAM (buffers x (chunk bytes + 4 KiB stamp)), and the I/O backend in use.
+  std::size_t chunks() const;
+  std::size_t chunk_elements() const;
+  std::size_t chunk_bytes() const;
+  std::size_t staging_bytes() const;
+  std::string io_backend() const;
+  /// Bytes read and written by one applied step (every chunk's slot, stamps included).
+  std::uint64_t step_io_bytes() const;
+  /// Pages of the store's chunk file in the page cache: 0 when its I/O bypassed it.
+  std::uint64_t cached_pages() const;
+
+  /// Reads the whole state into `ram` (an optimizer of the same groups holding the whole
+  /// layout): params, moments, counters, seeds — an export (then ram.save_checkpoint), or a
+  /// check against an in-RAM run. Nothing of `ram` changes when it throws.
+  void copy_state_to(optimizer& ram) const;
+
+private:
+  struct impl;
+  explicit stored_optimizer(std::unique_ptr<impl> s);
+  std::unique_ptr<impl> impl_;
+};
+
+} // namespace hostopt
