@@ -18,6 +18,7 @@ PYBIND11_MODULE(_core, m) {
   bind_compressed_moments(m);
   bind_sharded(m);
   bind_optimizer(m); // StepResult before the pipeline's waits return one
+  bind_stored_optimizer(m);
   bind_pipeline(m);
   bind_hyperparameters(m);
 }

@@ -16,6 +16,8 @@ void bind_compressed_moments(pybind11::module_& m);
 void bind_sharded(pybind11::module_& m);
 // optimizer_bindings.cpp: StepResult, Optimizer.
 void bind_optimizer(pybind11::module_& m);
+// stored_optimizer_bindings.cpp: StoredOptimizer (the state on a drive).
+void bind_stored_optimizer(pybind11::module_& m);
 // pipeline_bindings.cpp: CopyEngine, PipelineHandle, OffloadPipeline.
 void bind_pipeline(pybind11::module_& m);
 // hyperparameter_bindings.cpp: refused_fields (C++'s rule for a config, asked by the fronts), MAX_STEP_COUNT.

@@ -19,7 +19,7 @@ from ._threads import default_threads
 
 __version__ = _core.__version__
 
-__all__ = ["Optimizer", "StepResult", "CompressedMomentsWarning", "adam_step", "CompressedMoments", "adam_step_compressed", "active_kernel", "kernels", "as_buffer", "default_threads", "__version__"]
+__all__ = ["Optimizer", "StoredOptimizer", "StepResult", "CompressedMomentsWarning", "adam_step", "CompressedMoments", "adam_step_compressed", "active_kernel", "kernels", "as_buffer", "default_threads", "__version__"]
 
 StepResult = _core.StepResult
 
@@ -196,6 +196,25 @@ def adam_step_compressed(params: np.ndarray, moments: CompressedMoments, grad, *
                              _threads.resolve(_integer(threads, "threads", _INT32)), kernel)
 
 
+def _group_spec(groups: Sequence[Mapping]) -> List[Dict[str, Any]]:
+  """The groups as _core takes them (Optimizer's and StoredOptimizer's argument)."""
+  spec = []
+  for i, g in enumerate(groups):
+    if "params" not in g:
+      raise ValueError(f"groups[{i}] has no 'params' (a mapping name -> shape)")
+    tensors = g["params"].items() if isinstance(g["params"], Mapping) else g["params"]
+    own = ("params", "moments", "rounding_seed")
+    entry: Dict[str, Any] = {"config": _config({k: v for k, v in g.items() if k not in own}),
+             "tensors": [(str(n), [_integer(d, f"groups[{i}]: tensor {str(n)!r}'s shape {tuple(shape)!r}: extent")
+                                   for d in shape]) for n, shape in tensors]}
+    if "moments" in g:
+      entry["moments"] = str(g["moments"])
+    if "rounding_seed" in g:
+      entry["rounding_seed"] = check_seed(g["rounding_seed"], f"groups[{i}]['rounding_seed']")
+    spec.append(entry)
+  return spec
+
+
 class Optimizer:
   r"""Adam/AdamW state of many tensors in one flat, 64-byte aligned arena of host memory.
 
@@ -253,20 +272,7 @@ class Optimizer:
   _hostopt_front: str  # set by a front (hostopt.jax) to name itself in CompressedMomentsWarning
 
   def __init__(self, groups: Sequence[Mapping], threads: int = 0, kernel: str = ""):
-    spec = []
-    for i, g in enumerate(groups):
-      if "params" not in g:
-        raise ValueError(f"groups[{i}] has no 'params' (a mapping name -> shape)")
-      tensors = g["params"].items() if isinstance(g["params"], Mapping) else g["params"]
-      own = ("params", "moments", "rounding_seed")
-      entry: Dict[str, Any] = {"config": _config({k: v for k, v in g.items() if k not in own}),
-               "tensors": [(str(n), [_integer(d, f"groups[{i}]: tensor {str(n)!r}'s shape {tuple(shape)!r}: extent")
-                                     for d in shape]) for n, shape in tensors]}
-      if "moments" in g:
-        entry["moments"] = str(g["moments"])
-      if "rounding_seed" in g:
-        entry["rounding_seed"] = check_seed(g["rounding_seed"], f"groups[{i}]['rounding_seed']")
-      spec.append(entry)
+    spec = _group_spec(groups)
     self._core = _core.Optimizer(spec, _threads.resolve(_integer(threads, "threads", _INT32)), kernel)
     self._has_8bit = any(self._core.group_moments(g) == "8bit" for g in range(len(spec)))
     self._segments = _segments(self._core)
@@ -497,3 +503,227 @@ class Optimizer:
       result = self._core.step_flat(g, gt, o, ot, *opts)
     _report_blocks(self, result, "hostopt.Optimizer")
     return result
+
+
+class _LayoutOnly:
+  """An arena layout without any state (what _flat_of reads of a core)."""
+
+  def __init__(self, segments: list, arena_size: int):
+    self._segments, self.arena_size = segments, arena_size
+
+  def segments(self) -> list:
+    return self._segments
+
+
+class StoredOptimizer:
+  """Adam/AdamW state kept on a local drive, not in RAM: every step streams it through a few
+  staging buffers (read chunk k+d ahead, update chunk k with Optimizer's own fused kernels,
+  write chunk k-1 back), and once a step returns, what is on the drive is that step,
+  verified: a killed process reopens at its last completed step. The results are
+  :class:`Optimizer`'s bits, for every moment format and kernel.
+
+  Make one with :meth:`create` (a new store), :meth:`open` (an existing one) or
+  :meth:`from_optimizer` (an Optimizer's state imported); :meth:`copy_to` exports it into an
+  Optimizer (then ``save`` writes today's checkpoint format). Every method takes
+  ``groups`` as :class:`Optimizer` does.
+
+  Keyword Args:
+    staging_bytes (int): RAM for the staging buffers (default 256 MiB).
+    buffers (int): staging buffers, buffers - 2 chunks read ahead and 2 written back
+      (default 8).
+    chunk_elements (int): chunk size in elements (default 0: from the budget); a store
+      keeps the chunking it was created with.
+    sync (bool): make each step durable with fdatasync, so a power loss keeps it too
+      (default True); with False a killed process still keeps every completed step.
+    io (str): "io_uring" (refused where the kernel refuses it), "threads" (pread/pwrite
+      on a small pool), or "auto" (the default: io_uring, else threads).
+
+  These are keywords of create, open and from_optimizer. The directory must be on a
+  filesystem with O_DIRECT (not tmpfs); the store takes about
+  twice the state's bytes there (two slots per chunk). Not yet: several directories
+  (striping), per-tensor steps (every step takes every tensor's gradient), the offload
+  pipeline, hostopt.torch and hostopt.jax fronts.
+
+  Example:
+    >>> import numpy as np, hostopt, tempfile
+    >>> groups = [{"params": {"w": (1000,)}, "lr": 1e-2, "moments": "8bit"}]
+    >>> d = tempfile.mkdtemp()  # a directory on a local drive (not tmpfs: O_DIRECT)
+    >>> opt = hostopt.StoredOptimizer.create(groups, d, sync=False)
+    >>> opt.step({"w": np.ones(1000, np.float32)}).step
+    1
+    >>> del opt; hostopt.StoredOptimizer.open(groups, d, sync=False).step_count
+    1
+  """
+
+  def __init__(self, core, groups):
+    self._core = core
+    self._groups = groups
+    self._has_8bit = any(str(g.get("moments", "f32")) in ("8bit", "q8") for g in groups)
+    self._segments = _segments(self._core)
+    self._index = {s.name: i for i, s in enumerate(self._segments)}
+
+  @staticmethod
+  def _options(staging_bytes, buffers, chunk_elements, sync, io) -> Tuple[int, int, int, bool, str]:
+    return (_integer(staging_bytes, "staging_bytes", (1, 2**63), "a positive byte count"),
+            _integer(buffers, "buffers", (3, 1025), "an integer in [3, 1024]"),
+            _integer(chunk_elements, "chunk_elements", (0, 2**63), "an element count >= 0"),
+            _bool(sync, "sync"), str(io))
+
+  @classmethod
+  def create(cls, groups: Sequence[Mapping], dir: str, *, initial_params=None, staging_bytes: int = 256 << 20,
+             buffers: int = 8, chunk_elements: int = 0, sync: bool = True, io: str = "auto", threads: int = 0,
+             kernel: str = "") -> "StoredOptimizer":
+    """A new store in the existing directory `dir` (refused where one is): zero moments,
+    step 0, and the master parameters from `initial_params` (a mapping name -> array of
+    every tensor, or one flat float32 array in the arena layout) or zeros."""
+    spec = _group_spec(groups)
+    th = _threads.resolve(_integer(threads, "threads", _INT32))
+    flat = None
+    if initial_params is not None:
+      flat = initial_params if not isinstance(initial_params, Mapping) else cls._flat_of(
+          _LayoutOnly(*_core.arena_layout(spec)), initial_params, "initial_params")
+    core = _core.StoredOptimizer.create(spec, str(dir), *cls._options(staging_bytes, buffers, chunk_elements, sync, io),
+                                        th, kernel, flat)
+    return cls(core, list(groups))
+
+  @classmethod
+  def open(cls, groups: Sequence[Mapping], dir: str, *, staging_bytes: int = 256 << 20, buffers: int = 8,
+           sync: bool = True, io: str = "auto", threads: int = 0, kernel: str = "") -> "StoredOptimizer":
+    """The store in `dir` at its last completed step, every chunk verified first. Raises
+    RuntimeError naming the problem: no store, other groups (names, shapes, moment formats,
+    rounding seeds), a store open elsewhere, a corrupt or truncated chunk."""
+    spec = _group_spec(groups)
+    th = _threads.resolve(_integer(threads, "threads", _INT32))
+    core = _core.StoredOptimizer.open(spec, str(dir), *cls._options(staging_bytes, buffers, 0, sync, io), th, kernel)
+    return cls(core, list(groups))
+
+  @classmethod
+  def from_optimizer(cls, opt: "Optimizer", groups: Sequence[Mapping], dir: str, *, staging_bytes: int = 256 << 20,
+                     buffers: int = 8, chunk_elements: int = 0, sync: bool = True,
+                     io: str = "auto") -> "StoredOptimizer":
+    """A new store holding `opt`'s whole state (params, moments, step counts, seeds, hyper-
+    parameters): an Optimizer built from the same `groups`."""
+    core = _core.StoredOptimizer.import_state(opt._core, _group_spec(groups), str(dir),
+                                              *cls._options(staging_bytes, buffers, chunk_elements, sync, io))
+    return cls(core, list(groups))
+
+  def copy_to(self, opt: "Optimizer") -> None:
+    """Reads the whole state into `opt` (an Optimizer of the same groups): an export. On an
+    I/O error midway `opt` is left unusable (its failure_reason says why) until it is loaded."""
+    self._core.copy_state_to(opt._core)
+
+  @staticmethod
+  def _flat_of(layout, arrays: Mapping, what: str) -> np.ndarray:
+    segs = _segments(layout)
+    missing = [s.name for s in segs if s.name not in arrays or arrays[s.name] is None]
+    if missing:
+      raise KeyError(f"{what}: no array for tensor(s) {missing}: a stored optimizer steps every tensor")
+    unknown = set(arrays) - {s.name for s in segs}
+    if unknown:
+      raise KeyError(f"{what}: unknown tensor name(s) {sorted(unknown)}")
+    dtypes = {np.asarray(arrays[s.name]).dtype for s in segs}
+    if len(dtypes) > 1:
+      raise TypeError(f"{what}: mixed dtypes {sorted(map(str, dtypes))}; one dtype for all")
+    dt = dtypes.pop() if dtypes else np.dtype(np.float32)
+    flat = np.zeros(layout.arena_size, dt)
+    for s in segs:
+      a = np.asarray(arrays[s.name])
+      if a.shape != tuple(s.shape):
+        raise ValueError(f"{what}[{s.name!r}] has shape {a.shape}: expected {tuple(s.shape)}, the tensor's shape")
+      flat[s.offset:s.offset + s.size] = a.reshape(-1)
+    return flat
+
+  def step(self, grads, out=None, grad_scale: float = 1.0, *, max_grad_norm: float = 0.0,
+           skip_nonfinite: Optional[bool] = None, known_grad_norm: Optional[float] = None) -> StepResult:
+    """One step, streamed from and back to the drive and committed before it returns, as
+    :meth:`Optimizer.step` (the same arguments and result), except that every tensor needs
+    a gradient: a mapping name -> gradient of every tensor, or one flat array of arena_size
+    elements. ``out`` (flat) receives the new parameters. A step that raises (an I/O error,
+    a full drive) leaves the store at the previous step; a skipped step touches no drive."""
+    if known_grad_norm is None:
+      known = -1.0
+    else:
+      known = _real(known_grad_norm, "known_grad_norm")
+      if known < 0:
+        raise ValueError(f"known_grad_norm = {known_grad_norm!r}: a norm is >= 0 (NaN or inf for non-finite "
+                         "gradients; None when not known)")
+    if skip_nonfinite is None:
+      skip_nonfinite = self._has_8bit
+    opts = (_real(grad_scale, "grad_scale"), _real(max_grad_norm, "max_grad_norm"),
+            _bool(skip_nonfinite, "skip_nonfinite"), known)
+    if isinstance(grads, Mapping):
+      grads = self._flat_of(self._core, grads, "grads")
+    g, gt = as_buffer(grads, "grads")
+    o, ot = (None, "f32") if out is None else as_buffer(out, "out", writable=True)
+    for what, a in (("grads", g), ("out", o)):
+      if a is not None and a.ndim != 1:
+        raise ValueError(f"{what} has shape {a.shape}: a flat {what} is 1-D, arena_size = {self.arena_size} elements")
+    result = self._core.step_flat(g, gt, o, ot, *opts)
+    _report_blocks(self, result, "hostopt.StoredOptimizer")
+    return result
+
+  @property
+  def step_count(self) -> int:
+    """Applied steps (committed on the drive)."""
+    return self._core.step_count
+
+  @property
+  def skipped_steps(self) -> int:
+    """Steps skipped for non-finite gradients (committed with the next applied step)."""
+    return self._core.skipped_steps
+
+  @property
+  def arena_size(self) -> int:
+    """Elements of a flat gradient: the tensors' sizes, each padded to the chunk unit."""
+    return self._core.arena_size
+
+  @property
+  def names(self) -> List[str]:
+    """The tensors' names, in arena order."""
+    return [s.name for s in self._segments]
+
+  def segment(self, name: str) -> Tuple[str, List[int], int, int, int]:
+    """(name, shape, offset, size, group) of a tensor."""
+    if name not in self._index:
+      raise KeyError(f"tensor name {name!r}: unknown, expected one of the {len(self._segments)} registered tensors")
+    return self._segments[self._index[name]]
+
+  @property
+  def chunks(self) -> int:
+    """Chunks the arena is streamed in."""
+    return self._core.chunks
+
+  @property
+  def chunk_bytes(self) -> int:
+    """Bytes of one chunk on the drive (a multiple of 4 KiB)."""
+    return self._core.chunk_bytes
+
+  @property
+  def staging_bytes(self) -> int:
+    """RAM of the staging buffers in use."""
+    return self._core.staging_bytes
+
+  @property
+  def step_io_bytes(self) -> int:
+    """Bytes read plus written by one applied step."""
+    return self._core.step_io_bytes
+
+  @property
+  def io_backend(self) -> str:
+    """"io_uring" or "threads": the I/O in use."""
+    return self._core.io_backend
+
+  @property
+  def cached_pages(self) -> int:
+    """Pages of the store's chunks in the page cache: 0 when its I/O bypassed it (O_DIRECT)."""
+    return self._core.cached_pages
+
+  def group_config(self, group: int) -> Dict[str, Any]:
+    """A group's hyper-parameters as a dict."""
+    n = self._core.num_groups
+    return self._core.group_config(_integer(group, "group", (0, n), f"an index in [0, {n})"))
+
+  def set_group_config(self, group: int, **hyper) -> None:
+    """Changes some hyper-parameters of a group for later steps (validated; nothing changes on error)."""
+    n = self._core.num_groups
+    self._core.set_group_config(_integer(group, "group", (0, n), f"an index in [0, {n})"), _config(hyper))

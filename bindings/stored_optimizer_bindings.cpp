@@ -1,0 +1,129 @@
+// hostopt._core's StoredOptimizer: the optimizer state on a drive (store/stored_optimizer),
+// created, opened or imported from an Optimizer, stepped with a flat gradient, exported into
+// an Optimizer. The GIL is released while it streams.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "argument_conversion.hpp"
+#include "module_parts.hpp"
+#include "stored_optimizer.hpp"
+
+namespace hostopt::bindings {
+
+namespace {
+
+state_store_options store_options(const std::string& dir, std::size_t staging_bytes, unsigned buffers,
+                                  std::size_t chunk_elements, bool sync, const std::string& io) {
+  state_store_options o;
+  o.dir = dir;
+  o.staging_bytes = staging_bytes;
+  o.buffers = buffers;
+  o.chunk_elements = chunk_elements;
+  o.sync_every_step = sync;
+  o.io = io;
+  return o;
+}
+
+} // namespace
+
+void bind_stored_optimizer(py::module_& m) {
+  m.def(
+      "arena_layout",
+      [](py::list groups) {
+        const std::vector<segment> layout = hostopt::arena_layout(groups_from(groups));
+        py::list out;
+        for (const auto& s : layout) out.append(py::make_tuple(s.name, s.shape, s.offset, s.size, s.group));
+        return py::make_tuple(out, hostopt::arena_end(layout));
+      },
+      py::arg("groups"), "(segments, arena size) of the groups' layout, without allocating any state.");
+  py::class_<stored_optimizer>(m, "StoredOptimizer", "Optimizer state on a drive (see hostopt.StoredOptimizer).")
+      .def_static(
+          "create",
+          [](py::list groups, const std::string& dir, std::size_t staging_bytes, unsigned buffers,
+             std::size_t chunk_elements, bool sync, const std::string& io, int threads, const std::string& kernel,
+             py::handle initial_params) {
+            const std::vector<param_group> gs = groups_from(groups);
+            buffer p;
+            if (!initial_params.is_none()) p = check_array(initial_params, "initial_params", "f32", false);
+            const state_store_options o = store_options(dir, staging_bytes, buffers, chunk_elements, sync, io);
+            py::gil_scoped_release release;
+            return std::make_unique<stored_optimizer>(
+                stored_optimizer::create(gs, o, {threads, kernel}, {p.data, p.size, p.type}));
+          },
+          py::arg("groups"), py::arg("dir"), py::arg("staging_bytes"), py::arg("buffers"), py::arg("chunk_elements"),
+          py::arg("sync"), py::arg("io"), py::arg("threads"), py::arg("kernel"), py::arg("initial_params"))
+      .def_static(
+          "open",
+          [](py::list groups, const std::string& dir, std::size_t staging_bytes, unsigned buffers,
+             std::size_t chunk_elements, bool sync, const std::string& io, int threads, const std::string& kernel) {
+            const std::vector<param_group> gs = groups_from(groups);
+            const state_store_options o = store_options(dir, staging_bytes, buffers, chunk_elements, sync, io);
+            py::gil_scoped_release release;
+            return std::make_unique<stored_optimizer>(stored_optimizer::open(gs, o, {threads, kernel}));
+          },
+          py::arg("groups"), py::arg("dir"), py::arg("staging_bytes"), py::arg("buffers"), py::arg("chunk_elements"),
+          py::arg("sync"), py::arg("io"), py::arg("threads"), py::arg("kernel"))
+      .def_static(
+          "import_state",
+          [](const optimizer& ram, py::list groups, const std::string& dir, std::size_t staging_bytes, unsigned buffers,
+             std::size_t chunk_elements, bool sync, const std::string& io) {
+            const std::vector<param_group> gs = groups_from(groups);
+            const state_store_options o = store_options(dir, staging_bytes, buffers, chunk_elements, sync, io);
+            py::gil_scoped_release release;
+            return std::make_unique<stored_optimizer>(stored_optimizer::create(ram, gs, o));
+          },
+          py::arg("ram"), py::arg("groups"), py::arg("dir"), py::arg("staging_bytes"), py::arg("buffers"),
+          py::arg("chunk_elements"), py::arg("sync"), py::arg("io"))
+      .def(
+          "step_flat",
+          [](stored_optimizer& o, py::handle grad, const std::string& grad_dtype, py::handle out,
+             const std::string& out_dtype, float grad_scale, double max_grad_norm, bool skip_nonfinite,
+             double known_grad_norm) {
+            const buffer g = check_array(grad, "grad", grad_dtype, false);
+            buffer b;
+            if (!out.is_none()) b = check_array(out, "out", out_dtype, true);
+            step_options so;
+            so.grad_scale = grad_scale;
+            so.max_grad_norm = max_grad_norm;
+            so.skip_nonfinite = skip_nonfinite;
+            so.known_grad_norm = known_grad_norm;
+            py::gil_scoped_release release;
+            return o.step({g.data, g.size, g.type}, {b.data, b.size, b.type}, so);
+          },
+          py::arg("grad"), py::arg("grad_dtype"), py::arg("out"), py::arg("out_dtype"), py::arg("grad_scale"),
+          py::arg("max_grad_norm"), py::arg("skip_nonfinite"), py::arg("known_grad_norm"))
+      .def(
+          "copy_state_to",
+          [](const stored_optimizer& o, optimizer& ram) {
+            py::gil_scoped_release release;
+            o.copy_state_to(ram);
+          },
+          py::arg("ram"))
+      .def_property_readonly("step_count", &stored_optimizer::step_count)
+      .def_property_readonly("skipped_steps", &stored_optimizer::skipped_steps)
+      .def_property_readonly("arena_size", &stored_optimizer::arena_size)
+      .def_property_readonly("num_groups", &stored_optimizer::num_groups)
+      .def_property_readonly("chunks", &stored_optimizer::chunks)
+      .def_property_readonly("chunk_elements", &stored_optimizer::chunk_elements)
+      .def_property_readonly("chunk_bytes", &stored_optimizer::chunk_bytes)
+      .def_property_readonly("staging_bytes", &stored_optimizer::staging_bytes)
+      .def_property_readonly("step_io_bytes", &stored_optimizer::step_io_bytes)
+      .def_property_readonly("io_backend", &stored_optimizer::io_backend)
+      .def_property_readonly("cached_pages", &stored_optimizer::cached_pages)
+      .def("segments",
+           [](const stored_optimizer& o) {
+             py::list out;
+             for (const auto& s : o.segments()) out.append(py::make_tuple(s.name, s.shape, s.offset, s.size, s.group));
+             return out;
+           })
+      .def("group_config", [](const stored_optimizer& o, std::size_t g) { return config_to(o.group_config(g)); })
+      .def("set_group_config", [](stored_optimizer& o, std::size_t g, py::dict d) {
+        o.set_group_config(g, config_from(d, o.group_config(g))); // only the keys given change
+      });
+}
+
+} // namespace hostopt::bindings

@@ -1,0 +1,132 @@
+"""hostopt.StoredOptimizer: the state on a drive steps to hostopt.Optimizer's bits (every
+moment format, a chunking that cuts tensors), reopens where it was, imports and exports an
+Optimizer's state, and refuses what is not its own by name."""
+import os
+
+import numpy as np
+import pytest
+
+import hostopt
+
+GROUPS = [
+    {"params": {"emb": (37, 29), "norm": (17,)}, "lr": 1e-3, "weight_decay": 0.01},
+    {"params": {"attn": (61, 40), "bias": (5,)}, "lr": 2e-3, "moments": "bf16", "rounding_seed": 11},
+    {"params": {"mlp": (97, 33), "head": (1,)}, "lr": 5e-4, "weight_decay": 0.1, "moments": "8bit",
+     "rounding_seed": 7},
+]
+
+
+def grads_of(opt, t):
+  rng = np.random.default_rng(100 + t)
+  return {name: rng.standard_normal(tuple(opt.segment(name)[1])).astype(np.float32) for name in opt.names}
+
+
+def same_state(a: hostopt.Optimizer, b: hostopt.Optimizer):
+  assert a.step_count == b.step_count and a.skipped_steps == b.skipped_steps
+  for name in a.names:
+    np.testing.assert_array_equal(a.params(name), b.params(name), err_msg=name)
+    for x, y in zip(a.read_moments(name), b.read_moments(name)):
+      np.testing.assert_array_equal(x, y, err_msg=name)
+    if a.group_moments(a.segment(name)[4]) != "f32":
+      for x, y in zip(a.moment_codes(name), b.moment_codes(name)):
+        if x is not None:
+          np.testing.assert_array_equal(x, y, err_msg=name)
+
+
+def exported(stored):
+  ram = hostopt.Optimizer(GROUPS)
+  stored.copy_to(ram)
+  return ram
+
+
+@pytest.mark.parametrize("io", ["threads", "auto"])
+def test_steps_give_the_optimizers_bits_and_reopen_where_they_were(tmp_path, io):
+  ram = hostopt.Optimizer(GROUPS)
+  init = {n: np.linspace(-1, 1, ram.params(n).size, dtype=np.float32).reshape(ram.params(n).shape) for n in ram.names}
+  for n, p in init.items():
+    ram.params(n)[...] = p
+  stored = hostopt.StoredOptimizer.create(GROUPS, tmp_path, initial_params=init, chunk_elements=256, buffers=3,
+                                          sync=False, io=io)
+  assert stored.chunks > 10 and stored.step_count == 0 and stored.cached_pages == 0
+  same_state(exported(stored), ram)
+  for t in range(3):
+    g = grads_of(ram, t)
+    if t == 1:
+      g["mlp"][3, 4] = np.nan  # skipped by both (8-bit groups check by default)
+    out = np.zeros(stored.arena_size, np.float32)
+    a, b = ram.step(g, max_grad_norm=2.0), stored.step(g, out, max_grad_norm=2.0)
+    assert (a.applied, a.step, a.skipped_steps, a.applied_scale) == (b.applied, b.step, b.skipped_steps,
+                                                                      b.applied_scale)
+    if a.applied:
+      for n in ram.names:
+        _, shape, offset, size, _ = stored.segment(n)
+        np.testing.assert_array_equal(out[offset:offset + size].reshape(shape), ram.params(n))
+  same_state(exported(stored), ram)
+  del stored
+  stored = hostopt.StoredOptimizer.open(GROUPS, tmp_path, sync=False, io=io)
+  assert stored.step_count == 2 and stored.skipped_steps == 1
+  stored.set_group_config(2, lr=1e-2)
+  ram.set_group_config(2, lr=1e-2)
+  g = grads_of(ram, 9)
+  ram.step(g)
+  stored.step(g)
+  same_state(exported(stored), ram)
+
+
+def test_an_optimizers_state_imports_and_exports(tmp_path):
+  ram = hostopt.Optimizer(GROUPS)
+  for t in range(2):
+    ram.step(grads_of(ram, t))
+  stored = hostopt.StoredOptimizer.from_optimizer(ram, GROUPS, tmp_path, sync=False)
+  assert stored.step_count == 2
+  same_state(exported(stored), ram)
+  g = grads_of(ram, 5)
+  flat = np.zeros(stored.arena_size, np.float32)
+  for n in stored.names:
+    _, shape, offset, size, _ = stored.segment(n)
+    flat[offset:offset + size] = g[n].reshape(-1)
+  stored.step(flat)  # a flat gradient, as a mapping
+  ram.step(g)
+  copy = exported(stored)
+  same_state(copy, ram)
+  path = tmp_path / "exported.safetensors"  # the export: today's checkpoint format
+  copy.save(str(path))
+  back = hostopt.Optimizer(GROUPS)
+  back.load(str(path))
+  same_state(back, ram)
+
+
+def test_refusals_name_the_problem_and_change_nothing(tmp_path):
+  d = tmp_path / "store"
+  os.mkdir(d)
+  with pytest.raises(ValueError, match="buffers"):
+    hostopt.StoredOptimizer.create(GROUPS, d, buffers=2)
+  with pytest.raises(ValueError, match="staging_bytes"):
+    hostopt.StoredOptimizer.create(GROUPS, d, staging_bytes=1000)
+  with pytest.raises(ValueError, match="io"):
+    hostopt.StoredOptimizer.create(GROUPS, d, io="aio")
+  with pytest.raises(RuntimeError, match="no store"):
+    hostopt.StoredOptimizer.open(GROUPS, d)
+  stored = hostopt.StoredOptimizer.create(GROUPS, d, sync=False)
+  with pytest.raises(RuntimeError, match="open elsewhere"):
+    hostopt.StoredOptimizer.open(GROUPS, d)
+  g = grads_of(stored, 0)
+  with pytest.raises(KeyError, match="emb"):
+    stored.step({k: v for k, v in g.items() if k != "emb"})
+  with pytest.raises(ValueError, match="shape"):
+    stored.step({**g, "norm": np.zeros(16, np.float32)})
+  with pytest.raises(ValueError, match="flat_grad|grad"):
+    stored.step(np.zeros(stored.arena_size - 1, np.float32))
+  assert stored.step_count == 0
+  same_state(exported(stored), hostopt.Optimizer(GROUPS))
+  del stored
+  other = [dict(g) for g in GROUPS]
+  other[1] = {**other[1], "rounding_seed": 12}
+  with pytest.raises(RuntimeError, match="rounding seeds"):
+    hostopt.StoredOptimizer.open(other, d)
+  other = [dict(g) for g in GROUPS]
+  other[0] = {**other[0], "params": {"emb": (37, 30), "norm": (17,)}}
+  with pytest.raises(RuntimeError, match="another"):
+    hostopt.StoredOptimizer.open(other, d)
+  with pytest.raises(ValueError, match="another layout"):
+    hostopt.StoredOptimizer.open(GROUPS, d).copy_to(hostopt.Optimizer(GROUPS[:1]))
