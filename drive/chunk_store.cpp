@@ -317,6 +317,13 @@ std::vector<std::uint64_t> chunk_store::finish(std::size_t at_least) {
   return done;
 }
 
+void chunk_store::forget_writes() {
+  if (in_flight() != 0)
+    throw std::logic_error("chunk_store::forget_writes: " + std::to_string(in_flight()) + " requests still in flight");
+  written_.assign(shape_.chunks, false);
+  written_count_ = 0;
+}
+
 void chunk_store::commit(const std::vector<std::uint64_t>& words) {
   if (words.size() > max_words)
     throw std::invalid_argument("chunk_store::commit: " + std::to_string(words.size()) + " words, at most " +

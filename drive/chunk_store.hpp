@@ -92,6 +92,10 @@ public:
   std::vector<std::uint64_t> finish(std::size_t at_least = 1);
   std::size_t in_flight() const { return queue_->in_flight(); }
 
+  /// Forgets the chunks written for next_step() (after a step that failed midway: a retry
+  /// must write every chunk again before it can commit). Nothing may be in flight.
+  void forget_writes();
+
   /// Words the caller keeps with each commit (e.g. its own counters), at most max_words.
   static constexpr std::size_t max_words = 16;
   /// Commits next_step() with the caller's `words`: every chunk written for it and finished,

@@ -207,12 +207,14 @@ struct stored_optimizer::impl {
   void settle(std::size_t at_least) {
     for (const std::uint64_t k : store->finish(at_least)) (read_done[k] ? write_done[k] : read_done[k]) = 1;
   }
-  // After a failure: every request in flight finished (their buffers are ours), errors dropped.
+  // After a failure: every request in flight finished (their buffers are ours), errors
+  // dropped, and the chunks this attempt wrote forgotten (a retry writes them all again).
   void drain() noexcept {
     while (store->in_flight()) try {
         store->finish(store->in_flight());
       } catch (...) {
       }
+    store->forget_writes();
   }
 
   // Streams every chunk through the staging buffers: `visit(k, storage bound to its buffer)`,
