@@ -78,7 +78,7 @@ report run_store_bench(const kernel_options& o, const common_options& c) {
       groups[0].moments = f;
       groups[0].tensors = {{"w", {std::int64_t(n)}}};
       hostopt::state_store_options so;
-      so.dir = dir.path.string();
+      so.dirs = {dir.path.string()};
       so.staging_bytes = staging;
       so.sync_every_step = o.store_sync;
       so.io = o.io;
@@ -108,6 +108,7 @@ report run_store_bench(const kernel_options& o, const common_options& c) {
       row["params"] = format_size(n);
       row["state"] = std::string(hostopt::moment_format_name(f));
       row["state_GB"] = double(opt.chunks()) * double(opt.chunk_bytes()) / 1e9;
+      row["drive_GB"] = 2 * double(opt.chunks()) * double(opt.chunk_bytes() + 4096) / 1e9; // (two slots per chunk)
       row["chunks"] = opt.chunks();
       row["chunk_MB"] = double(opt.chunk_bytes()) / 1e6;
       row["step_s"] = ts.median;

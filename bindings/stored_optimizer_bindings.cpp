@@ -16,10 +16,10 @@ namespace hostopt::bindings {
 
 namespace {
 
-state_store_options store_options(const std::string& dir, std::size_t staging_bytes, unsigned buffers,
+state_store_options store_options(const std::vector<std::string>& dirs, std::size_t staging_bytes, unsigned buffers,
                                   std::size_t chunk_elements, bool sync, const std::string& io) {
   state_store_options o;
-  o.dir = dir;
+  o.dirs = dirs;
   o.staging_bytes = staging_bytes;
   o.buffers = buffers;
   o.chunk_elements = chunk_elements;
@@ -43,7 +43,7 @@ void bind_stored_optimizer(py::module_& m) {
   py::class_<stored_optimizer>(m, "StoredOptimizer", "Optimizer state on a drive (see hostopt.StoredOptimizer).")
       .def_static(
           "create",
-          [](py::list groups, const std::string& dir, std::size_t staging_bytes, unsigned buffers,
+          [](py::list groups, const std::vector<std::string>& dir, std::size_t staging_bytes, unsigned buffers,
              std::size_t chunk_elements, bool sync, const std::string& io, int threads, const std::string& kernel,
              py::handle initial_params) {
             const std::vector<param_group> gs = groups_from(groups);
@@ -54,29 +54,29 @@ void bind_stored_optimizer(py::module_& m) {
             return std::make_unique<stored_optimizer>(
                 stored_optimizer::create(gs, o, {threads, kernel}, {p.data, p.size, p.type}));
           },
-          py::arg("groups"), py::arg("dir"), py::arg("staging_bytes"), py::arg("buffers"), py::arg("chunk_elements"),
+          py::arg("groups"), py::arg("dirs"), py::arg("staging_bytes"), py::arg("buffers"), py::arg("chunk_elements"),
           py::arg("sync"), py::arg("io"), py::arg("threads"), py::arg("kernel"), py::arg("initial_params"))
       .def_static(
           "open",
-          [](py::list groups, const std::string& dir, std::size_t staging_bytes, unsigned buffers,
+          [](py::list groups, const std::vector<std::string>& dir, std::size_t staging_bytes, unsigned buffers,
              std::size_t chunk_elements, bool sync, const std::string& io, int threads, const std::string& kernel) {
             const std::vector<param_group> gs = groups_from(groups);
             const state_store_options o = store_options(dir, staging_bytes, buffers, chunk_elements, sync, io);
             py::gil_scoped_release release;
             return std::make_unique<stored_optimizer>(stored_optimizer::open(gs, o, {threads, kernel}));
           },
-          py::arg("groups"), py::arg("dir"), py::arg("staging_bytes"), py::arg("buffers"), py::arg("chunk_elements"),
+          py::arg("groups"), py::arg("dirs"), py::arg("staging_bytes"), py::arg("buffers"), py::arg("chunk_elements"),
           py::arg("sync"), py::arg("io"), py::arg("threads"), py::arg("kernel"))
       .def_static(
           "import_state",
-          [](const optimizer& ram, py::list groups, const std::string& dir, std::size_t staging_bytes, unsigned buffers,
+          [](const optimizer& ram, py::list groups, const std::vector<std::string>& dir, std::size_t staging_bytes, unsigned buffers,
              std::size_t chunk_elements, bool sync, const std::string& io) {
             const std::vector<param_group> gs = groups_from(groups);
             const state_store_options o = store_options(dir, staging_bytes, buffers, chunk_elements, sync, io);
             py::gil_scoped_release release;
             return std::make_unique<stored_optimizer>(stored_optimizer::create(ram, gs, o));
           },
-          py::arg("ram"), py::arg("groups"), py::arg("dir"), py::arg("staging_bytes"), py::arg("buffers"),
+          py::arg("ram"), py::arg("groups"), py::arg("dirs"), py::arg("staging_bytes"), py::arg("buffers"),
           py::arg("chunk_elements"), py::arg("sync"), py::arg("io"))
       .def(
           "step_flat",
@@ -111,6 +111,8 @@ void bind_stored_optimizer(py::module_& m) {
       .def_property_readonly("chunk_elements", &stored_optimizer::chunk_elements)
       .def_property_readonly("chunk_bytes", &stored_optimizer::chunk_bytes)
       .def_property_readonly("staging_bytes", &stored_optimizer::staging_bytes)
+      .def_property_readonly("stripes", &stored_optimizer::stripes)
+      .def_property_readonly("recovery", &stored_optimizer::recovery)
       .def_property_readonly("step_io_bytes", &stored_optimizer::step_io_bytes)
       .def_property_readonly("io_backend", &stored_optimizer::io_backend)
       .def_property_readonly("cached_pages", &stored_optimizer::cached_pages)

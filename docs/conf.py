@@ -38,7 +38,7 @@ nitpicky = True
 nitpick_ignore_regex = [
     (r"py:.*", r"(numpy|np|torch|jax|jnp|optax|chex|ml_dtypes)(\..*)?"),
     (r"py:class", r"ArrayTree"),  # chex.ArrayTree, as the installed optax's signatures name it
-    (r"py:class", r"(collections\.abc|typing)\..*"),  # the standard library's, without intersphinx
+    (r"py:class", r"(collections\.abc|typing|os)\..*"),  # the standard library's, without intersphinx
 ]
 
 

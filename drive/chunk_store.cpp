@@ -2,12 +2,14 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <random>
 #include <stdexcept>
 #include <system_error>
@@ -69,6 +71,16 @@ std::string shape_text(const store_shape& s) {
          std::to_string(s.fingerprint);
 }
 
+// Whether the commit file in `dir` holds anything but zeros (a creation interrupted before its
+// first commit leaves zeros, or a short file).
+bool ever_committed(const std::string& dir) {
+  std::ifstream f(fs::path(dir) / "commit", std::ios::binary);
+  char c;
+  while (f.get(c))
+    if (c != 0) return true;
+  return false;
+}
+
 std::size_t slot_bytes_of(const store_shape& s) { return direct_alignment + s.chunk_bytes; }
 
 void check_shape(const store_shape& s) {
@@ -90,7 +102,8 @@ chunk_store::chunk_store(chunk_store&& o) noexcept
     : dir_(std::move(o.dir_)), shape_(o.shape_), durability_(o.durability_), lock_fd_(std::exchange(o.lock_fd_, -1)),
       chunks_(std::move(o.chunks_)), commits_(std::move(o.commits_)), queue_(std::move(o.queue_)),
       store_id_(o.store_id_), committed_(o.committed_), words_(std::move(o.words_)), requests_(std::move(o.requests_)), free_(std::move(o.free_)),
-      written_(std::move(o.written_)), written_count_(o.written_count_), run_(std::move(o.run_)) {}
+      written_(std::move(o.written_)), written_count_(o.written_count_), run_(std::move(o.run_)),
+      broken_(std::move(o.broken_)), fell_back_(std::move(o.fell_back_)) {}
 
 chunk_store& chunk_store::operator=(chunk_store&& o) noexcept {
   if (this != &o) {
@@ -110,9 +123,12 @@ chunk_store chunk_store::create(const std::string& dir, const store_shape& shape
   check_shape(shape);
   if (!fs::is_directory(dir)) throw std::runtime_error("cannot make a store in " + dir + ": not a directory");
   const int lock_fd = lock_store(dir);
+  bool made = false;
   try {
-    if (fs::exists(fs::path(dir) / "commit"))
+    if (fs::exists(fs::path(dir) / "commit") && ever_committed(dir))
       throw std::runtime_error("a store exists in " + dir + " (its commit file): open it, or remove its files first");
+    // (a store whose creation was interrupted, never committed, is made again)
+    made = true;
     const std::uint64_t bytes = shape.chunks * 2 * slot_bytes_of(shape);
     direct_file chunks = direct_file::create((fs::path(dir) / "chunks").string(), bytes);
     direct_file commits = direct_file::create((fs::path(dir) / "commit").string(), 2 * direct_alignment);
@@ -120,6 +136,11 @@ chunk_store chunk_store::create(const std::string& dir, const store_shape& shape
     s.store_id_ = (std::uint64_t(std::random_device{}()) << 32) ^ std::random_device{}();
     return s;
   } catch (...) {
+    if (made) { // nothing half-made is left for the next create or open to trip on
+      std::error_code ignored;
+      fs::remove(fs::path(dir) / "commit", ignored);
+      fs::remove(fs::path(dir) / "chunks", ignored);
+    }
     ::close(lock_fd);
     throw;
   }
@@ -128,8 +149,8 @@ chunk_store chunk_store::create(const std::string& dir, const store_shape& shape
 namespace {
 
 // The commit record of the highest step whose checksum holds (the other is the step before,
-// or a record torn by a crash while it was written).
-commit_record last_record(const std::string& dir, int fd) {
+// or a record torn by a crash while it was written), or of step `*at` when given.
+commit_record last_record(const std::string& dir, int fd, const std::uint64_t* at = nullptr) {
   direct_buffer buf = make_direct_buffer(2 * direct_alignment);
   const ssize_t got = ::pread(fd, buf.get(), 2 * direct_alignment, 0);
   if (got < 0) fail_errno(errno, "cannot read the commit file of the store in " + dir);
@@ -145,8 +166,11 @@ commit_record last_record(const std::string& dir, int fd) {
         r.record_sum != sum_of(&r, offsetof(commit_record, record_sum)) || r.step % 2 != std::uint64_t(i) ||
         r.num_words > chunk_store::max_words)
       continue;
-    if (best == nullptr || r.step > best->step) best = &r;
+    if (at != nullptr ? r.step == *at : (best == nullptr || r.step > best->step)) best = &r;
   }
+  if (best == nullptr && at != nullptr)
+    throw std::runtime_error("the store in " + dir + " holds no commit of step " + std::to_string(*at) +
+                             " (the stores striped with it are at that step: another run's store?)");
   if (best == nullptr)
     throw std::runtime_error("the store in " + dir + " holds no committed step (its commit records are empty or "
                              "corrupt, or of another version of hostopt)");
@@ -155,25 +179,38 @@ commit_record last_record(const std::string& dir, int fd) {
 
 std::vector<std::uint64_t> words_of(const commit_record& r) { return {r.words, r.words + r.num_words}; }
 
+
 } // namespace
 
-std::pair<store_shape, std::vector<std::uint64_t>> chunk_store::peek(const std::string& dir) {
+chunk_store::head chunk_store::peek(const std::string& dir) {
   if (!fs::exists(fs::path(dir) / "commit")) throw std::runtime_error("no store in " + dir + " (no commit file)");
   direct_file commits = direct_file::open((fs::path(dir) / "commit").string());
   const commit_record r = last_record(dir, commits.fd());
-  return {store_shape{r.chunks, r.chunk_bytes, r.fingerprint}, words_of(r)};
+  return {store_shape{r.chunks, r.chunk_bytes, r.fingerprint}, r.step, words_of(r)};
 }
 
 chunk_store chunk_store::open(const std::string& dir, const store_shape& expected, durability d, unsigned depth,
                               io_backend backend) {
+  return open_step(dir, expected, nullptr, d, depth, backend);
+}
+
+chunk_store chunk_store::open_at(const std::string& dir, const store_shape& expected, std::uint64_t step,
+                                 durability d, unsigned depth, io_backend backend) {
+  return open_step(dir, expected, &step, d, depth, backend);
+}
+
+chunk_store chunk_store::open_step(const std::string& dir, const store_shape& expected, const std::uint64_t* at,
+                                   durability d, unsigned depth, io_backend backend) {
   check_shape(expected);
   if (!fs::exists(fs::path(dir) / "commit")) throw std::runtime_error("no store in " + dir + " (no commit file)");
   const int lock_fd = lock_store(dir);
   try {
     direct_file commits = direct_file::open((fs::path(dir) / "commit").string());
     direct_file chunks = direct_file::open((fs::path(dir) / "chunks").string());
-    const commit_record best = last_record(dir, commits.fd());
+    const commit_record last = last_record(dir, commits.fd());
+    const commit_record best = at != nullptr ? last_record(dir, commits.fd(), at) : last;
     const store_shape saved{best.chunks, best.chunk_bytes, best.fingerprint};
+    const std::uint64_t before = best.step - 1; // (the step whose slots a failed verification falls back to)
     if (!(saved == expected))
       throw std::runtime_error("the store in " + dir + " holds " + shape_text(saved) + ", not " +
                                shape_text(expected) + " (another model, layout or format)");
@@ -185,7 +222,33 @@ chunk_store chunk_store::open(const std::string& dir, const store_shape& expecte
     s.store_id_ = best.store_id;
     s.committed_ = best.step;
     s.words_ = words_of(best);
-    s.verify_all();
+    try {
+      s.verify_all();
+    } catch (const std::runtime_error& newest) {
+      // A chunk of the last step is bad (a power loss without fdatasync took writes the record
+      // outlived, or the drive rotted it): the step before, whose slots that step never
+      // touched, when its record and every chunk of it verify.
+      if (at != nullptr || best.step == 0) throw;
+      commit_record older{};
+      try {
+        older = last_record(dir, s.commits_.fd(), &before);
+      } catch (const std::runtime_error&) {
+        throw newest;
+      }
+      s.committed_ = older.step;
+      s.words_ = words_of(older);
+      try {
+        s.verify_all();
+      } catch (const std::runtime_error& e) {
+        throw std::runtime_error(std::string(newest.what()) + "; the step before it cannot be opened either: " +
+                                 e.what());
+      }
+      s.fell_back_ = std::string("step ") + std::to_string(best.step) + " could not be opened (" + newest.what() +
+                     "): opened at step " + std::to_string(older.step);
+      s.erase_record(best.step);
+      return s;
+    }
+    if (last.step > best.step) s.erase_record(last.step); // rolled back: that commit is gone for good
     return s;
   } catch (...) {
     ::close(lock_fd);
@@ -205,13 +268,18 @@ std::uint64_t chunk_store::verify_all() {
   auto settle = [&](std::size_t at_least) {
     for (std::uint64_t k : finish(at_least)) free_bufs.push_back(buf_of[k]);
   };
-  for (std::uint64_t k = 0; k < shape_.chunks; ++k) {
-    if (free_bufs.empty()) settle(1);
-    buf_of[k] = free_bufs.back();
-    free_bufs.pop_back();
-    start_read(k, bufs[buf_of[k]]);
+  try {
+    for (std::uint64_t k = 0; k < shape_.chunks; ++k) {
+      if (free_bufs.empty()) settle(1);
+      buf_of[k] = free_bufs.back();
+      free_bufs.pop_back();
+      start_read(k, bufs[buf_of[k]]);
+    }
+    settle(in_flight());
+  } catch (...) {
+    drain(); // the reads still in flight land in bufs: they must finish before bufs go
+    throw;
   }
-  settle(in_flight());
   return shape_.chunks;
 }
 
@@ -249,7 +317,18 @@ void chunk_store::start_read(std::uint64_t chunk, staging& s) {
   requests_[tag] = {chunk, false, &s};
 }
 
+void chunk_store::check_still_there() const {
+  // The directory removed or replaced under a live store: commits would go to unlinked files.
+  struct stat by_path{}, by_fd{};
+  const std::string path = (fs::path(dir_) / "commit").string();
+  if (::stat(path.c_str(), &by_path) != 0 || ::fstat(commits_.fd(), &by_fd) != 0 || by_path.st_ino != by_fd.st_ino ||
+      by_path.st_dev != by_fd.st_dev)
+    throw std::runtime_error("the store's files in " + dir_ + " were removed or replaced while it was open: nothing "
+                             "more is committed there");
+}
+
 void chunk_store::start_write(std::uint64_t chunk, staging& s) {
+  if (!broken_.empty()) throw std::runtime_error(broken_);
   if (chunk >= shape_.chunks) throw std::out_of_range("chunk_store: chunk " + std::to_string(chunk) + " of " +
                                                       std::to_string(shape_.chunks));
   if (free_.empty()) throw std::logic_error("chunk_store: the queue is full (finish some first)");
@@ -317,6 +396,32 @@ std::vector<std::uint64_t> chunk_store::finish(std::size_t at_least) {
   return done;
 }
 
+void chunk_store::erase_record(std::uint64_t step) {
+  direct_buffer page = make_direct_buffer(direct_alignment); // zeros: no magic, no valid record
+  const off_t at = off_t(step % 2) * off_t(direct_alignment);
+  ssize_t n;
+  do n = ::pwrite(commits_.fd(), page.get(), direct_alignment, at);
+  while (n < 0 && errno == EINTR);
+  if (n != ssize_t(direct_alignment))
+    fail_errno(n < 0 ? errno : EIO, "cannot erase the commit record of step " + std::to_string(step) + " in " + dir_);
+  if (durability_ == durability::sync && ::fdatasync(commits_.fd()) != 0)
+    fail_errno(errno, "cannot make the erasure of step " + std::to_string(step) + "'s commit durable in " + dir_);
+}
+
+void chunk_store::drain() noexcept {
+  while (in_flight()) {
+    const std::size_t before = in_flight();
+    try {
+      finish(in_flight());
+    } catch (...) {
+    }
+    if (in_flight() == before) { // the queue itself fails: give up on it rather than spin
+      broken_ = "the I/O queue of the store in " + dir_ + " failed with requests in flight: reopen the store";
+      return;
+    }
+  }
+}
+
 void chunk_store::forget_writes() {
   if (in_flight() != 0)
     throw std::logic_error("chunk_store::forget_writes: " + std::to_string(in_flight()) + " requests still in flight");
@@ -337,6 +442,8 @@ void chunk_store::commit(const std::vector<std::uint64_t>& words) {
                            std::to_string(next_step()) + " (" + std::to_string(written_count_) + " of " +
                            std::to_string(shape_.chunks) + " were); nothing committed");
   }
+  if (!broken_.empty()) throw std::runtime_error(broken_);
+  check_still_there();
   const std::uint64_t step = next_step();
   if (durability_ == durability::sync && ::fdatasync(chunks_.fd()) != 0)
     fail_errno(errno, "cannot make the chunks of step " + std::to_string(step) + " durable in " + dir_);
@@ -354,13 +461,19 @@ void chunk_store::commit(const std::vector<std::uint64_t>& words) {
   direct_buffer page = make_direct_buffer(direct_alignment);
   std::memcpy(page.get(), &r, sizeof r);
   const off_t at = off_t(step % 2) * off_t(direct_alignment);
+  // From here the record may be on the drive whatever the calls report: a failure leaves the
+  // store broken (this object refuses to go on: a retry would rewrite slots that a landed
+  // record names); reopening finds the step it holds.
   ssize_t n;
   do n = ::pwrite(commits_.fd(), page.get(), direct_alignment, at);
   while (n < 0 && errno == EINTR);
-  if (n != ssize_t(direct_alignment))
-    fail_errno(n < 0 ? errno : EIO, "cannot write the commit record of step " + std::to_string(step) + " in " + dir_);
-  if (durability_ == durability::sync && ::fdatasync(commits_.fd()) != 0)
-    fail_errno(errno, "cannot make the commit of step " + std::to_string(step) + " durable in " + dir_);
+  int error = n == ssize_t(direct_alignment) ? 0 : (n < 0 ? errno : EIO);
+  if (!error && durability_ == durability::sync && ::fdatasync(commits_.fd()) != 0) error = errno;
+  if (error) {
+    broken_ = "the store in " + dir_ + " failed while committing step " + std::to_string(step) + " (" +
+              std::strerror(error) + "): whether that step is on the drive is unknown until the store is reopened";
+    throw std::runtime_error(broken_);
+  }
   committed_ = step;
   words_ = words;
   written_.assign(shape_.chunks, false);

@@ -15,7 +15,6 @@
 #include <functional>
 #include <memory>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "direct_file.hpp"
@@ -42,15 +41,26 @@ class chunk_store {
 public:
   static constexpr std::uint64_t no_step = ~std::uint64_t(0);
 
-  /// A new store in the existing directory `dir` (refused where one is), space reserved for
-  /// every slot. Nothing is committed until the first commit().
+  /// A new store in the existing directory `dir` (refused where one is; a creation
+  /// interrupted before its first commit is made again), space reserved for every slot.
+  /// Nothing is committed until the first commit(); a failed create leaves no files.
   static chunk_store create(const std::string& dir, const store_shape& shape, durability d, unsigned depth = 8,
                             io_backend backend = io_backend::automatic);
   /// The store in `dir` at its last committed step, every chunk of it read and verified
-  /// first. std::runtime_error naming the problem: no store, another shape, a store open in
-  /// another process, nothing committed, a chunk whose stamp or checksum is wrong.
+  /// first — or, where a chunk of that step is bad (a power loss without durability, a
+  /// corrupt slot), at the step before when all of it verifies (fell_back() says so; the
+  /// later record is erased). std::runtime_error naming the problem: no store, another
+  /// shape, a store open in another process, nothing committed, a chunk whose stamp or
+  /// checksum is wrong in both steps.
   static chunk_store open(const std::string& dir, const store_shape& expected, durability d, unsigned depth = 8,
                           io_backend backend = io_backend::automatic);
+  /// The same at step `step`: the last committed one, or the one before it (its slots are
+  /// intact until the next commit) — several stores striped together open at the step all of
+  /// them committed. Rolling back erases the later commit record first, so the later step's
+  /// slots can never be taken for a commit again. std::runtime_error when the store has no
+  /// commit of that step.
+  static chunk_store open_at(const std::string& dir, const store_shape& expected, std::uint64_t step, durability d,
+                             unsigned depth = 8, io_backend backend = io_backend::automatic);
 
   chunk_store(chunk_store&&) noexcept;
   chunk_store& operator=(chunk_store&&) noexcept;
@@ -92,6 +102,10 @@ public:
   std::vector<std::uint64_t> finish(std::size_t at_least = 1);
   std::size_t in_flight() const { return queue_->in_flight(); }
 
+  /// Waits for every request in flight, dropping their errors (after a failure: their
+  /// buffers are the caller's). Where the queue fails outright the store is left broken.
+  void drain() noexcept;
+
   /// Forgets the chunks written for next_step() (after a step that failed midway: a retry
   /// must write every chunk again before it can commit). Nothing may be in flight.
   void forget_writes();
@@ -101,13 +115,22 @@ public:
   /// Commits next_step() with the caller's `words`: every chunk written for it and finished,
   /// nothing in flight (std::logic_error naming a missing chunk otherwise, nothing changed).
   void commit(const std::vector<std::uint64_t>& words = {});
+  /// What open found when the last step could not be opened and it opened the one before
+  /// ("" otherwise).
+  const std::string& fell_back() const { return fell_back_; }
+
   /// The words of the committed step (empty before the first commit).
   const std::vector<std::uint64_t>& committed_words() const { return words_; }
 
-  /// The shape and words of the store in `dir` as its last commit record says (nothing
-  /// verified, no lock taken: for a caller that derives the expected shape from them).
-  /// std::runtime_error as open() for no store or no committed step.
-  static std::pair<store_shape, std::vector<std::uint64_t>> peek(const std::string& dir);
+  /// What the last commit record of the store in `dir` says (nothing verified, no lock
+  /// taken: for a caller that derives the expected shape from it). std::runtime_error as
+  /// open() for no store or no committed step.
+  struct head {
+    store_shape shape;
+    std::uint64_t step = 0;
+    std::vector<std::uint64_t> words;
+  };
+  static head peek(const std::string& dir);
 
 private:
   struct request {
@@ -119,6 +142,10 @@ private:
               int lock_fd, direct_file chunks, direct_file commits);
   std::uint64_t slot_offset(std::uint64_t chunk, std::uint64_t step) const;
   void check_stamp(const request& r, std::int64_t result) const;
+  static chunk_store open_step(const std::string& dir, const store_shape& expected, const std::uint64_t* at,
+                               durability d, unsigned depth, io_backend backend);
+  void erase_record(std::uint64_t step);
+  void check_still_there() const;
   std::uint64_t verify_all(); // open's check of every committed chunk
   std::uint64_t payload_sum(const std::byte* p) const;
 
@@ -136,6 +163,8 @@ private:
   std::vector<bool> written_;         // chunks written for next_step()
   std::uint64_t written_count_ = 0;
   parallel_runner run_;
+  std::string broken_;    // why this object refuses to write or commit ("" while it may)
+  std::string fell_back_; // open's note when the last step could not be opened
 };
 
 } // namespace hostopt::drive

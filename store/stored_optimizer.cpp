@@ -5,6 +5,7 @@
 #include "stored_optimizer.hpp"
 
 #include <algorithm>
+#include <filesystem>
 #include <cstring>
 #include <stdexcept>
 
@@ -28,14 +29,23 @@ namespace {
 
 // The commit words: what kind of store, its chunking, and the optimizer's counters.
 constexpr std::uint64_t store_kind = 0x686f73746f707431; // "hostopt1"
-enum word : std::size_t { w_kind, w_chunk_elements, w_count, w_skipped, num_words };
+enum word : std::size_t { w_kind, w_chunk_elements, w_count, w_skipped, w_stripes, w_stripe, num_words };
 
 drive::durability durability_of(const state_store_options& o) {
   return o.sync_every_step ? drive::durability::sync : drive::durability::none;
 }
 
 void check_options(const state_store_options& o) {
-  if (o.dir.empty()) throw std::invalid_argument("state_store_options.dir is empty: name a directory on a local drive");
+  if (o.dirs.empty())
+    throw std::invalid_argument("state_store_options.dirs is empty: name a directory on a local drive (several: one "
+                                "per drive, striped)");
+  for (std::size_t i = 0; i < o.dirs.size(); ++i) {
+    if (o.dirs[i].empty()) throw std::invalid_argument("state_store_options.dirs[" + std::to_string(i) + "] is empty");
+    for (std::size_t j = 0; j < i; ++j)
+      if (std::filesystem::weakly_canonical(o.dirs[i]) == std::filesystem::weakly_canonical(o.dirs[j]))
+        throw std::invalid_argument("state_store_options.dirs[" + std::to_string(j) + "] and [" + std::to_string(i) +
+                                    "] are the same directory, " + o.dirs[i]);
+  }
   if (o.buffers < 3)
     throw std::invalid_argument("state_store_options.buffers = " + std::to_string(o.buffers) +
                                 ": expected at least 3 (one read ahead, one updated, one written back)");
@@ -74,9 +84,10 @@ struct stored_optimizer::impl {
   std::size_t chunk_elements = 0, chunk_bytes = 0;
   std::vector<chunk> chunks;
   std::uint64_t fingerprint = 0;
-  std::unique_ptr<drive::chunk_store> store;
+  std::vector<std::unique_ptr<drive::chunk_store>> stores; // one per directory: chunk k in stores[k % n]
   std::vector<drive::chunk_store::staging> staging;
   std::int64_t count = 0, skipped = 0;
+  std::string recovery; // what open did where the last step could not be opened
   // Scratch of a step.
   std::vector<group_kernel> group_kernels, chunk_kernels;
   std::vector<const_view> stat_views;
@@ -134,13 +145,11 @@ struct stored_optimizer::impl {
     const double per_element = end() ? double(whole_bytes) / double(end()) : 12.0;
     std::size_t elements = per_buffer > stamp ? std::size_t(double(per_buffer - stamp) / per_element) / unit * unit : 0;
     elements = std::min(elements, round_up(std::max<std::size_t>(end(), 1), unit));
+    elements = std::max(elements, unit);
     for (;;) { // chunks of uneven groups may hold more than the average: shrink until each fits
-      if (elements < unit) {
-        lay_out_chunks(unit);
-        check_budget(o, o.buffers); // names the smallest budget
-      }
       lay_out_chunks(elements);
       if ((chunk_bytes + stamp) * o.buffers <= o.staging_bytes) return;
+      if (elements == unit) check_budget(o, o.buffers); // the smallest chunk does not fit: names the budget
       elements = std::max(unit, elements - std::max(unit, elements / 16 / unit * unit));
     }
   }
@@ -176,26 +185,36 @@ struct stored_optimizer::impl {
     return c.finish();
   }
 
-  drive::store_shape shape() const { return {chunks.size(), chunk_bytes, fingerprint}; }
+  // Stripe i's store: chunks i, i + n, i + 2n, ... of n directories.
+  drive::store_shape shape(std::size_t i, std::size_t n) const {
+    checksum64 c;
+    for (const std::uint64_t x : {fingerprint, std::uint64_t(i), std::uint64_t(n)}) c.add(&x, sizeof x);
+    return {(chunks.size() - i + n - 1) / n, chunk_bytes, c.finish()};
+  }
+  std::size_t stripes() const { return stores.size(); }
+  drive::chunk_store& store_of(std::size_t k) const { return *stores[k % stores.size()]; }
 
   void make_staging(unsigned buffers) {
     // The chunks' checksums on the step's threads (2 x its bytes per step: on one thread they
     // would keep the drive waiting).
-    store->set_parallel_runner([threads = exec.threads](std::size_t pieces, const std::function<void(std::size_t)>& body) {
-      auto slice = [&](int tid, int nthreads) {
-        const auto [lo, hi] = partition(0, pieces, tid, nthreads, 1);
-        for (std::size_t i = lo; i < hi; ++i) body(i);
-      };
-      run_parallel(threads, slice);
-    });
+    for (auto& store : stores)
+      store->set_parallel_runner([threads = exec.threads](std::size_t pieces, const std::function<void(std::size_t)>& body) {
+        auto slice = [&](int tid, int nthreads) {
+          const auto [lo, hi] = partition(0, pieces, tid, nthreads, 1);
+          for (std::size_t i = lo; i < hi; ++i) body(i);
+        };
+        run_parallel(threads, slice);
+      });
     staging.clear();
-    for (unsigned i = 0; i < buffers; ++i) staging.push_back(store->make_staging());
+    for (unsigned i = 0; i < buffers; ++i) staging.push_back(stores[0]->make_staging()); // (one slot size for all)
     read_done.assign(chunks.size(), 0);
     write_done.assign(chunks.size(), 0);
   }
 
-  std::vector<std::uint64_t> words() const {
+  std::vector<std::uint64_t> words(std::size_t stripe) const {
     std::vector<std::uint64_t> w(num_words);
+    w[w_stripes] = stripes();
+    w[w_stripe] = stripe;
     w[w_kind] = store_kind;
     w[w_chunk_elements] = chunk_elements;
     w[w_count] = std::uint64_t(count);
@@ -203,18 +222,27 @@ struct stored_optimizer::impl {
     return w;
   }
 
-  // Waits for requests, marking each finished chunk's read (the first time) or write.
-  void settle(std::size_t at_least) {
-    for (const std::uint64_t k : store->finish(at_least)) (read_done[k] ? write_done[k] : read_done[k]) = 1;
+  // Waits for a request of chunk k's store, marking each finished chunk's read (the first
+  // time) or write.
+  void settle(std::size_t k) {
+    const std::size_t n = stripes(), i = k % n;
+    for (const std::uint64_t local : stores[i]->finish(1)) {
+      const std::size_t c = local * n + i;
+      (read_done[c] ? write_done[c] : read_done[c]) = 1;
+    }
+  }
+  void start_read(std::size_t k, drive::chunk_store::staging& buf) { store_of(k).start_read(k / stripes(), buf); }
+  void start_write(std::size_t k, drive::chunk_store::staging& buf) { store_of(k).start_write(k / stripes(), buf); }
+  void commit() {
+    for (std::size_t i = 0; i < stripes(); ++i) stores[i]->commit(words(i)); // (a crash between: open takes the older)
   }
   // After a failure: every request in flight finished (their buffers are ours), errors
   // dropped, and the chunks this attempt wrote forgotten (a retry writes them all again).
   void drain() noexcept {
-    while (store->in_flight()) try {
-        store->finish(store->in_flight());
-      } catch (...) {
-      }
-    store->forget_writes();
+    for (auto& store : stores) {
+      store->drain();
+      if (store->in_flight() == 0) store->forget_writes();
+    }
   }
 
   // Streams every chunk through the staging buffers: `visit(k, storage bound to its buffer)`,
@@ -227,26 +255,27 @@ struct stored_optimizer::impl {
     std::fill(read_done.begin(), read_done.end(), char(!read));
     std::fill(write_done.begin(), write_done.end(), 0);
     try {
-      for (std::size_t k = 0; k < std::min(ahead, n); ++k) store->start_read(k, staging[k % buffers]);
+      for (std::size_t k = 0; k < std::min(ahead, n); ++k) start_read(k, staging[k % buffers]);
       for (std::size_t k = 0; k < n; ++k) {
         drive::chunk_store::staging& buf = staging[k % buffers];
         if (read) {
-          while (!read_done[k]) settle(1);
+          while (!read_done[k]) settle(k);
         } else if (write && k >= buffers) {
-          while (!write_done[k - buffers]) settle(1);
+          while (!write_done[k - buffers]) settle(k - buffers);
         }
         if (!read) std::memset(buf.payload(), 0, chunk_bytes);
         chunks[k].storage.bind(buf.payload());
         visit(k, chunks[k]);
-        if (write) store->start_write(k, buf);
+        if (write) start_write(k, buf);
         const std::size_t next = k + ahead;
         if (read && next < n) {
           if (next >= buffers)
-            while (write && !write_done[next - buffers]) settle(1);
-          store->start_read(next, staging[next % buffers]);
+            while (write && !write_done[next - buffers]) settle(next - buffers);
+          start_read(next, staging[next % buffers]);
         }
       }
-      while (store->in_flight()) settle(store->in_flight());
+      for (std::size_t k = 0; k < n; ++k)
+        while (!(write ? write_done[k] : read_done[k])) settle(k);
     } catch (...) {
       drain();
       throw;
@@ -305,14 +334,26 @@ struct stored_optimizer::impl {
     if (!same)
       throw std::invalid_argument(std::string(what) + ": the in-RAM optimizer holds another layout, range or "
                                   "moment formats than this store's groups");
+    for (std::size_t g = 0; g < groups.size(); ++g)
+      if (groups[g].moments != moment_format::f32 && ram.seeds()[g] != groups[g].rounding_seed)
+        throw std::invalid_argument(std::string(what) + ": group " + std::to_string(g) + "'s rounding seed is " +
+                                    std::to_string(ram.seeds()[g]) + " in the in-RAM optimizer and " +
+                                    std::to_string(groups[g].rounding_seed) + " in the groups (a store opens only "
+                                    "with the groups it was made from: give them the same seed)");
     if (!ram.tensor_lags().empty())
       throw std::invalid_argument(std::string(what) + ": the in-RAM optimizer's tensors have their own step counts "
                                   "(per-tensor steps): a store keeps one count for all");
   }
 
-  void create_store(const state_store_options& o) {
-    store = std::make_unique<drive::chunk_store>(drive::chunk_store::create(
-        o.dir, shape(), durability_of(o), o.buffers, drive::parse_io_backend(o.io, "state_store_options.io")));
+  void create_stores(const state_store_options& o) {
+    const std::size_t n = o.dirs.size();
+    if (n > chunks.size())
+      throw std::invalid_argument("state_store_options.dirs: " + std::to_string(n) + " directories for " +
+                                  std::to_string(chunks.size()) + " chunks (a smaller chunk_elements, or fewer "
+                                  "directories: each needs a chunk)");
+    for (std::size_t i = 0; i < n; ++i)
+      stores.push_back(std::make_unique<drive::chunk_store>(drive::chunk_store::create(
+          o.dirs[i], shape(i, n), durability_of(o), o.buffers, drive::parse_io_backend(o.io, "state_store_options.io"))));
     make_staging(o.buffers);
   }
 };
@@ -334,7 +375,7 @@ stored_optimizer stored_optimizer::create(std::vector<param_group> groups, const
                                   std::string(dtype_name(initial_params.type)));
   }
   s->choose_chunks(options);
-  s->create_store(options);
+  s->create_stores(options);
   const float* p = static_cast<const float*>(initial_params.data);
   s->stream(false, true, [&](std::size_t, impl::chunk& c) {
     if (!has_params) return;
@@ -342,7 +383,7 @@ stored_optimizer stored_optimizer::create(std::vector<param_group> groups, const
       if (piece.size)
         std::memcpy(c.storage.params() + piece.offset, p + c.range.begin + piece.offset, piece.size * sizeof(float));
   });
-  s->store->commit(s->words());
+  s->commit();
   return stored_optimizer(std::move(s));
 }
 
@@ -357,11 +398,11 @@ stored_optimizer stored_optimizer::create(const optimizer& ram, std::vector<para
   s->count = es.step_count();
   s->skipped = es.skipped_steps();
   s->choose_chunks(options);
-  s->create_store(options);
+  s->create_stores(options);
   s->stream(false, true, [&](std::size_t, impl::chunk& c) {
     for (const update_piece& piece : c.pieces) s->copy_piece(c, piece, es, false);
   });
-  s->store->commit(s->words());
+  s->commit();
   return stored_optimizer(std::move(s));
 }
 
@@ -369,30 +410,64 @@ stored_optimizer stored_optimizer::open(std::vector<param_group> groups, const s
                                         execution_options exec) {
   check_options(options);
   auto s = std::make_unique<impl>(std::move(groups), std::move(exec));
-  const auto [saved, words] = drive::chunk_store::peek(options.dir);
-  if (words.size() != num_words || words[w_kind] != store_kind)
-    throw std::runtime_error("the store in " + options.dir + " is not a hostopt optimizer's state store");
-  const std::size_t elements = words[w_chunk_elements];
+  // Every stripe's last commit: one model, one chunking, one count of stripes, each in its place.
+  const std::size_t n = options.dirs.size();
+  std::vector<drive::chunk_store::head> heads;
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::string& dir = options.dirs[i];
+    heads.push_back(drive::chunk_store::peek(dir));
+    const auto& w = heads.back().words;
+    if (w.size() != num_words || w[w_kind] != store_kind)
+      throw std::runtime_error("the store in " + dir + " is not a hostopt optimizer's state store");
+    if (w[w_stripes] != n || w[w_stripe] != i)
+      throw std::runtime_error("the store in " + dir + " is stripe " + std::to_string(w[w_stripe]) + " of " +
+                               std::to_string(w[w_stripes]) + " directories, given as dirs[" + std::to_string(i) +
+                               "] of " + std::to_string(n) + " (name them as at its creation, in that order)");
+    if (w[w_chunk_elements] != heads[0].words[w_chunk_elements])
+      throw std::runtime_error("the stores in " + options.dirs[0] + " and " + dir + " have another chunking: not one "
+                               "optimizer's stripes");
+  }
+  const std::size_t elements = heads[0].words[w_chunk_elements];
   if (elements == 0 || elements % s->whole.unit())
-    throw std::runtime_error("the store in " + options.dir + " has chunks of " + std::to_string(elements) +
+    throw std::runtime_error("the store in " + options.dirs[0] + " has chunks of " + std::to_string(elements) +
                              " elements, which this layout cannot have (another model)");
   s->lay_out_chunks(elements);
-  if (!(saved == s->shape()))
-    throw std::runtime_error("the store in " + options.dir + " holds another state than these groups: " +
-                             std::to_string(saved.chunks) + " chunks of " + std::to_string(saved.chunk_bytes) +
-                             " bytes where they need " + std::to_string(s->chunks.size()) + " of " +
-                             std::to_string(s->chunk_bytes) +
-                             (saved.chunks == s->chunks.size() && saved.chunk_bytes == s->chunk_bytes
-                                  ? ", and another fingerprint (tensor names, shapes, groups, moment formats or "
-                                    "rounding seeds differ)"
-                                  : " (another model, layout or moment format)"));
+  for (std::size_t i = 0; i < n; ++i) {
+    const drive::store_shape need = s->shape(i, n), saved = heads[i].shape;
+    if (!(saved == need))
+      throw std::runtime_error("the store in " + options.dirs[i] + " holds another state than these groups: " +
+                               std::to_string(saved.chunks) + " chunks of " + std::to_string(saved.chunk_bytes) +
+                               " bytes where they need " + std::to_string(need.chunks) + " of " +
+                               std::to_string(need.chunk_bytes) +
+                               (saved.chunks == need.chunks && saved.chunk_bytes == need.chunk_bytes
+                                    ? ", and another fingerprint (tensor names, shapes, groups, moment formats or "
+                                      "rounding seeds differ)"
+                                    : " (another model, layout or moment format)"));
+  }
   // The store's chunking, in as many buffers as the budget holds (at least 3).
   unsigned buffers = options.buffers;
   while (buffers > 3 && (s->chunk_bytes + drive::direct_alignment) * buffers > options.staging_bytes) --buffers;
   s->check_budget(options, buffers);
-  s->store = std::make_unique<drive::chunk_store>(drive::chunk_store::open(
-      options.dir, s->shape(), durability_of(options), buffers, drive::parse_io_backend(options.io, "state_store_options.io")));
-  const auto& committed = s->store->committed_words();
+  // Killed between the stripes' commits, some stripes hold step t and the others t - 1:
+  // all open at t - 1, whose slots nothing has overwritten yet.
+  // A stripe whose last step does not verify opens at the one before (chunk_store::open);
+  // then every stripe at the lowest.
+  const auto backend = drive::parse_io_backend(options.io, "state_store_options.io");
+  for (std::size_t i = 0; i < n; ++i)
+    s->stores.push_back(std::make_unique<drive::chunk_store>(
+        drive::chunk_store::open(options.dirs[i], s->shape(i, n), durability_of(options), buffers, backend)));
+  std::uint64_t step = s->stores[0]->committed_step();
+  for (const auto& st : s->stores) step = std::min(step, st->committed_step());
+  for (std::size_t i = 0; i < n; ++i) {
+    if (!s->stores[i]->fell_back().empty()) s->recovery += s->stores[i]->fell_back() + "; ";
+    if (s->stores[i]->committed_step() == step) continue;
+    s->recovery += "the store in " + options.dirs[i] + " rolled back to step " + std::to_string(step) +
+                   " with the other stripes; ";
+    s->stores[i].reset(); // (its lock released first)
+    s->stores[i] = std::make_unique<drive::chunk_store>(
+        drive::chunk_store::open_at(options.dirs[i], s->shape(i, n), step, durability_of(options), buffers, backend));
+  }
+  const auto& committed = s->stores[0]->committed_words();
   s->count = std::int64_t(committed[w_count]);
   s->skipped = std::int64_t(committed[w_skipped]);
   s->make_staging(buffers);
@@ -443,7 +518,7 @@ step_result stored_optimizer::step(const_view flat_grad, mut_view flat_out, cons
   });
   ++s.count;
   try {
-    s.store->commit(s.words());
+    s.commit();
   } catch (...) {
     --s.count;
     throw;
@@ -496,20 +571,31 @@ void stored_optimizer::set_group_config(std::size_t group, const adam_config& co
   impl_->configs[group] = config;
 }
 void stored_optimizer::set_lr(std::size_t group, double lr) {
-  adam_config c = group_config(group);
+  const std::lock_guard<std::mutex> lock(impl_->lock);
+  if (group >= impl_->configs.size())
+    throw std::invalid_argument("group = " + std::to_string(group) + ": expected an index below " +
+                                std::to_string(impl_->configs.size()));
+  adam_config c = impl_->configs[group];
   c.lr = lr;
-  set_group_config(group, c);
+  validate(c, "set_lr");
+  impl_->configs[group] = c;
 }
+std::string stored_optimizer::recovery() const { return impl_->recovery; }
 std::size_t stored_optimizer::chunks() const { return impl_->chunks.size(); }
 std::size_t stored_optimizer::chunk_elements() const { return impl_->chunk_elements; }
 std::size_t stored_optimizer::chunk_bytes() const { return impl_->chunk_bytes; }
 std::size_t stored_optimizer::staging_bytes() const {
   return impl_->staging.size() * (impl_->chunk_bytes + drive::direct_alignment);
 }
-std::string stored_optimizer::io_backend() const { return drive::to_string(impl_->store->backend()); }
+std::string stored_optimizer::io_backend() const { return drive::to_string(impl_->stores[0]->backend()); }
 std::uint64_t stored_optimizer::step_io_bytes() const {
   return 2 * std::uint64_t(impl_->chunks.size()) * (impl_->chunk_bytes + drive::direct_alignment);
 }
-std::uint64_t stored_optimizer::cached_pages() const { return impl_->store->cached_pages(); }
+std::size_t stored_optimizer::stripes() const { return impl_->stores.size(); }
+std::uint64_t stored_optimizer::cached_pages() const {
+  std::uint64_t pages = 0;
+  for (const auto& store : impl_->stores) pages += store->cached_pages();
+  return pages;
+}
 
 } // namespace hostopt

@@ -5,8 +5,8 @@
 // IS that step, verified (drive/chunk_store: two slots per chunk, a commit record last).
 // Its steps give the in-RAM optimizer's bits, for every moment format and kernel.
 //
-// Not yet here (see docs/design.md): striping over several drives, the per-tensor and chunked
-// (pipeline) steps, the Python fronts.
+// Not yet here (see docs/design.md): a range of the layout (a shard's store), the per-tensor
+// and chunked (pipeline) steps, the torch and JAX fronts.
 
 #include <cstddef>
 #include <cstdint>
@@ -23,9 +23,10 @@ namespace hostopt {
 
 /// Where and how the state is kept.
 struct state_store_options {
-  /// An existing directory on a local drive with O_DIRECT (not tmpfs): the store's files go
-  /// there (chunks: 2 x the state; commit; lock).
-  std::string dir;
+  /// Existing directories on local drives with O_DIRECT (not tmpfs), one per drive: the
+  /// store's files go there (chunks: 2 x the state in all; commit; lock). Several stripe the
+  /// chunks (chunk k in dirs[k % n]); open names them as create did, in the same order.
+  std::vector<std::string> dirs;
   /// RAM for the staging buffers: buffers x chunk bytes stays within it.
   std::size_t staging_bytes = std::size_t(256) << 20;
   /// Staging buffers (at least 3): chunks read ahead = buffers - 2, one updated, one written.
@@ -47,12 +48,18 @@ public:
   /// params. Committed before it returns.
   static stored_optimizer create(std::vector<param_group> groups, const state_store_options& options,
                                  execution_options exec = {}, const_view initial_params = {});
-  /// A new store holding `ram`'s whole state (params, moments, counters, seeds): an import.
+  /// A new store holding `ram`'s whole state (params, moments, counters): an import. The
+  /// groups must be ram's (their rounding seeds too: a store reopens only with them); the
+  /// object steps with ram's hyper-parameters, which the store does not keep.
   static stored_optimizer create(const optimizer& ram, std::vector<param_group> groups,
                                  const state_store_options& options);
-  /// The store in options.dir at its last committed step, every chunk verified. Refused
-  /// (std::runtime_error naming it): no store, another layout or format, a store open
-  /// elsewhere, a corrupt or truncated chunk or record.
+  /// The store in options.dirs at its last committed step, every chunk verified. Where a
+  /// chunk of that step is bad (a power loss without sync_every_step, a corrupt slot) and the
+  /// step before verifies whole, it opens there (recovery() says so). Striped stores killed
+  /// between their stripes' commits open at the step all of them hold. Refused
+  /// (std::runtime_error naming it): no store, another layout, format or seed, a store open
+  /// elsewhere, a corrupt or truncated chunk or record in both steps, stripes named in
+  /// another order. The hyper-parameters are the groups' (they are not kept in the store).
   static stored_optimizer open(std::vector<param_group> groups, const state_store_options& options,
                                execution_options exec = {});
 
@@ -62,9 +69,11 @@ public:
 
   /// One step with a flat gradient (arena_size() elements) and an optional flat copy-out, as
   /// optimizer::step. Buffers and options are checked before any I/O. An applied step is
-  /// committed when this returns; one that throws (an I/O error, a full drive) leaves the
-  /// store and this object at the previous step. A skipped step (non-finite gradients)
-  /// touches no drive: its count is committed with the next applied step.
+  /// committed when this returns; one that throws while streaming (an I/O error, a bad
+  /// chunk) leaves the store and this object at the previous step — and flat_out partly
+  /// written. One that throws while committing leaves the store unknown: every later step
+  /// is refused, and reopening finds the step the drive holds. A skipped step (non-finite
+  /// gradients) touches no drive: its count is committed with the next applied step.
   step_result step(const_view flat_grad, mut_view flat_out, const step_options& options);
   step_result step(const_view flat_grad, mut_view flat_out = {}, float grad_scale = 1.0f);
 
@@ -84,15 +93,20 @@ public:
   std::size_t chunk_elements() const;
   std::size_t chunk_bytes() const;
   std::size_t staging_bytes() const;
+  /// Directories the chunks are striped over.
+  std::size_t stripes() const;
   std::string io_backend() const;
   /// Bytes read and written by one applied step (every chunk's slot, stamps included).
   std::uint64_t step_io_bytes() const;
-  /// Pages of the store's chunk file in the page cache: 0 when its I/O bypassed it.
+  /// Pages of the store's chunk files in the page cache: 0 when its I/O bypassed it.
   std::uint64_t cached_pages() const;
+  /// What open did where the last step could not be opened ("" when it opened there).
+  std::string recovery() const;
 
   /// Reads the whole state into `ram` (an optimizer of the same groups holding the whole
   /// layout): params, moments, counters, seeds — an export (then ram.save_checkpoint), or a
-  /// check against an in-RAM run. Nothing of `ram` changes when it throws.
+  /// check against an in-RAM run. Refused before anything changes for another layout;
+  /// an I/O error midway leaves `ram` marked failed (not usable until it is loaded).
   void copy_state_to(optimizer& ram) const;
 
 private:

@@ -152,27 +152,46 @@ TEST_CASE("chunk_store: corruption, another shape, a second opener and misuse ar
   CHECK_THROWS_WITH(chunk_store::open((dir.path / "nothing").string(), shape, durability::none),
                     Catch::Contains("no store in"));
   CHECK_THROWS_AS(chunk_store::create(dir.str(), store_shape{1, 1000, 0}, durability::none), std::invalid_argument);
-  // A byte of chunk 3's committed bytes (step 2: slot 0) flipped: refused at open, named.
-  const std::uint64_t chunk3_slot0 = (2 * 3 + 0) * slot_bytes;
-  flip_byte(dir.path / "chunks", chunk3_slot0 + direct_alignment + 77);
+  // A byte of chunk 3 flipped in both its slots (step 2: slot 0, step 1: slot 1): refused at
+  // open, named, with the step before it.
+  const std::uint64_t chunk3_slot0 = (2 * 3 + 0) * slot_bytes, chunk3_slot1 = (2 * 3 + 1) * slot_bytes;
+  for (const std::uint64_t at : {chunk3_slot0, chunk3_slot1}) flip_byte(dir.path / "chunks", at + direct_alignment + 77);
   CHECK_THROWS_WITH(chunk_store::open(dir.str(), shape, durability::none),
-                    Catch::Contains("chunk 3 of the store") && Catch::Contains("checksum"));
-  flip_byte(dir.path / "chunks", chunk3_slot0 + direct_alignment + 77);
-  // Its stamp flipped: refused too.
-  flip_byte(dir.path / "chunks", chunk3_slot0 + 20);
+                    Catch::Contains("chunk 3 of the store") && Catch::Contains("checksum") &&
+                        Catch::Contains("the step before it cannot be opened either"));
+  for (const std::uint64_t at : {chunk3_slot0, chunk3_slot1}) flip_byte(dir.path / "chunks", at + direct_alignment + 77);
+  // Its stamps flipped: refused too.
+  for (const std::uint64_t at : {chunk3_slot0, chunk3_slot1}) flip_byte(dir.path / "chunks", at + 20);
   CHECK_THROWS_WITH(chunk_store::open(dir.str(), shape, durability::none), Catch::Contains("chunk 3 of the store"));
-  flip_byte(dir.path / "chunks", chunk3_slot0 + 20);
+  for (const std::uint64_t at : {chunk3_slot0, chunk3_slot1}) flip_byte(dir.path / "chunks", at + 20);
   // Step 2's commit record torn: the store opens at step 1, whose slots step 2 never wrote.
   flip_byte(dir.path / "commit", 0 * direct_alignment + 30);
   {
     chunk_store s = chunk_store::open(dir.str(), shape, durability::none);
     CHECK(s.committed_step() == 1);
+    CHECK(s.fell_back().empty());
     CHECK(holds_step(s, 1));
+  }
+  flip_byte(dir.path / "commit", 0 * direct_alignment + 30);
+  // Step 2's chunk 3 bad alone (a power loss took a write its record outlived): the store
+  // opens at step 1 and says so; step 2's record is erased, so it never comes back.
+  flip_byte(dir.path / "chunks", chunk3_slot0 + direct_alignment + 77);
+  {
+    chunk_store s = chunk_store::open(dir.str(), shape, durability::none);
+    CHECK(s.committed_step() == 1);
+    CHECK_THAT(s.fell_back(), Catch::Contains("step 2 could not be opened") && Catch::Contains("chunk 3"));
+    CHECK(holds_step(s, 1));
+  }
+  flip_byte(dir.path / "chunks", chunk3_slot0 + direct_alignment + 77);
+  {
+    chunk_store s = chunk_store::open(dir.str(), shape, durability::none);
+    CHECK(s.committed_step() == 1);
+    CHECK(s.fell_back().empty());
   }
   flip_byte(dir.path / "commit", 1 * direct_alignment + 30); // both records gone
   CHECK_THROWS_WITH(chunk_store::open(dir.str(), shape, durability::none), Catch::Contains("no committed step"));
-  // A truncated chunks file.
   flip_byte(dir.path / "commit", 1 * direct_alignment + 30);
+  // A truncated chunks file.
   fs::resize_file(dir.path / "chunks", 7 * slot_bytes);
   CHECK_THROWS_WITH(chunk_store::open(dir.str(), shape, durability::none), Catch::Contains("truncated"));
 }

@@ -138,7 +138,7 @@ TEST_CASE("stored_optimizer: steps give the in-RAM optimizer's bits, copy-out in
         for (const segment& s : ram.segments())
           ram.set_params(s.name, const_view{p0.data() + s.offset, s.size, dtype::f32});
         state_store_options o;
-        o.dir = dir.str();
+        o.dirs = {dir.str()};
         o.io = io;
         o.chunk_elements = chunk;
         o.buffers = chunk == 96 ? 3 : 5;
@@ -178,7 +178,7 @@ TEST_CASE("stored_optimizer: reopened, it continues where it was; an in-RAM stat
   const std::size_t n = ram.arena_size();
   for (std::int64_t t = 0; t < 3; ++t) ram.step(const_view{grad_of(n, t).data(), n, dtype::f32});
   state_store_options o;
-  o.dir = dir.str();
+  o.dirs = {dir.str()};
   o.chunk_elements = 256;
   o.sync_every_step = false;
   {
@@ -214,7 +214,7 @@ TEST_CASE("stored_optimizer: bad options, buffers and stores are refused by name
   const auto groups = mixed_groups();
   temp_dir dir;
   state_store_options o;
-  o.dir = dir.str();
+  o.dirs = {dir.str()};
   o.chunk_elements = 512;
   o.sync_every_step = false;
   auto bad = o;
@@ -230,7 +230,7 @@ TEST_CASE("stored_optimizer: bad options, buffers and stores are refused by name
   bad.io = "aio";
   CHECK_THROWS_WITH(stored_optimizer::create(groups, bad), Catch::Contains("aio"));
   bad = o;
-  bad.dir = (dir.path / "missing").string();
+  bad.dirs = {(dir.path / "missing").string()};
   CHECK_THROWS_WITH(stored_optimizer::create(groups, bad), Catch::Contains("not a directory"));
   CHECK_THROWS_WITH(stored_optimizer::open(groups, bad), Catch::Contains("no store"));
 
@@ -274,10 +274,25 @@ TEST_CASE("stored_optimizer: bad options, buffers and stores are refused by name
     CHECK(wrong.usable());
     require_same_as(stored, ram, groups);
   }
-  // A corrupt byte in chunk 0's committed slot (slot 1: a 4 KiB stamp, then its bytes): open names it.
+  // A corrupt byte in chunk 0's committed slot (slot 1: a 4 KiB stamp, then its bytes): open
+  // falls back to step 0, whose slots step 1 never touched, and says so.
+  const std::uint64_t slot = 4096 + chunk_bytes;
   {
     std::fstream f(dir.path / "chunks", std::ios::in | std::ios::out | std::ios::binary);
-    f.seekp(std::streamoff(4096 + chunk_bytes + 4096 + 100));
+    f.seekp(std::streamoff(slot + 4096 + 100));
+    f.put('\x5a');
+  }
+  {
+    stored_optimizer stored = stored_optimizer::open(groups, o);
+    CHECK(stored.step_count() == 0);
+    CHECK_THAT(stored.recovery(), Catch::Contains("step 1 could not be opened") && Catch::Contains("chunk 0"));
+    optimizer fresh(groups);
+    require_same_as(stored, fresh, groups);
+  }
+  // Both of its slots corrupt: refused, naming it.
+  {
+    std::fstream f(dir.path / "chunks", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(std::streamoff(4096 + 100));
     f.put('\x5a');
   }
   CHECK_THROWS_WITH(stored_optimizer::open(groups, o), Catch::Contains("chunk 0"));
@@ -291,7 +306,7 @@ TEST_CASE("stored_optimizer: a step that fails midway leaves the store and the o
     const auto groups = mixed_groups();
     temp_dir dir;
     state_store_options o;
-    o.dir = dir.str();
+    o.dirs = {dir.str()};
     o.chunk_elements = 512;
     o.buffers = 3;
     o.sync_every_step = false;
@@ -331,11 +346,77 @@ TEST_CASE("stored_optimizer: a step that fails midway leaves the store and the o
   }
 }
 
+TEST_CASE("stored_optimizer: striped over several directories, killed between the stripes' commits, it opens at "
+          "the step all of them hold") {
+  const auto groups = mixed_groups();
+  temp_dir dir;
+  state_store_options o;
+  for (const char* d : {"a", "b", "c"}) {
+    fs::create_directories(dir.path / d);
+    o.dirs.push_back((dir.path / d).string());
+  }
+  o.chunk_elements = 512;
+  o.buffers = 4;
+  o.sync_every_step = false;
+  optimizer ram(groups), at_step_1(groups);
+  const std::size_t n = ram.arena_size();
+  {
+    stored_optimizer stored = stored_optimizer::create(groups, o);
+    CHECK(stored.stripes() == 3);
+    for (std::int64_t t = 0; t < 2; ++t) {
+      const std::vector<float> g = grad_of(n, t);
+      stored.step(const_view{g.data(), n, dtype::f32});
+      ram.step(const_view{g.data(), n, dtype::f32});
+      if (t == 0) stored.copy_state_to(at_step_1);
+    }
+    require_same_as(stored, ram, groups);
+  }
+  // Named in another order, or not all of them: refused by name.
+  auto other = o;
+  std::swap(other.dirs[0], other.dirs[1]);
+  CHECK_THROWS_WITH(stored_optimizer::open(groups, other), Catch::Contains("is stripe 1 of 3") && Catch::Contains("dirs[0]"));
+  other = o;
+  other.dirs.pop_back();
+  CHECK_THROWS_WITH(stored_optimizer::open(groups, other), Catch::Contains("of 3 directories"));
+  other = o;
+  other.dirs[2] = other.dirs[0];
+  CHECK_THROWS_WITH(stored_optimizer::open(groups, other), Catch::Contains("the same directory"));
+  // Stripe b's commit of step 2 never landed (killed between the stripes' commits): every
+  // stripe opens at step 1, and steps on from there as the in-RAM run from step 1 does.
+  {
+    std::fstream f(dir.path / "b" / "commit", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(0); // step 2's record: place 0
+    const std::string zeros(4096, '\0');
+    f.write(zeros.data(), std::streamsize(zeros.size()));
+  }
+  stored_optimizer stored = stored_optimizer::open(groups, o);
+  CHECK(stored.step_count() == 1);
+  CHECK_THAT(stored.recovery(), Catch::Contains("rolled back to step 1"));
+  require_same_as(stored, at_step_1, groups);
+  const std::vector<float> g = grad_of(n, 7);
+  stored.step(const_view{g.data(), n, dtype::f32});
+  at_step_1.step(const_view{g.data(), n, dtype::f32});
+  require_same_as(stored, at_step_1, groups);
+  // More directories than chunks: refused.
+  temp_dir few;
+  state_store_options many;
+  for (int i = 0; i < 40; ++i) {
+    fs::create_directories(few.path / std::to_string(i));
+    many.dirs.push_back((few.path / std::to_string(i)).string());
+  }
+  many.chunk_elements = 8192;
+  CHECK_THROWS_WITH(stored_optimizer::create(groups, many), Catch::Contains("40 directories for"));
+}
+
 namespace {
 std::vector<param_group> kill_round_groups(int round) { return round % 2 ? mixed_groups() : f32_groups(); }
 state_store_options kill_round_options(const std::string& dir, int round) {
   state_store_options o;
-  o.dir = dir;
+  o.dirs = {dir};
+  if (round % 3 == 2) { // striped over two directories: a kill may land between their commits
+    o.dirs = {dir + "/a", dir + "/b"};
+    for (const std::string& d : o.dirs) fs::create_directories(d);
+  }
   o.chunk_elements = 512;
   o.buffers = 4;
   o.sync_every_step = round % 4 < 2;
@@ -389,7 +470,7 @@ TEST_CASE("stored_optimizer: kill -9 at random moments of steps opens at step t 
     if (child == 0) {
       ::close(told[0]);
       ::setenv("HOSTOPT_FORCE_ARCH", active_kernel().c_str(), 1);
-      ::setenv("HOSTOPT_STORE_CHILD", (o.dir + "|" + std::to_string(told[1]) + "|" + std::to_string(round)).c_str(), 1);
+      ::setenv("HOSTOPT_STORE_CHILD", (dir.str() + "|" + std::to_string(told[1]) + "|" + std::to_string(round)).c_str(), 1);
       char self[4096];
       const ssize_t len = ::readlink("/proc/self/exe", self, sizeof self - 1);
       if (len <= 0) ::_exit(5);

@@ -130,3 +130,46 @@ def test_refusals_name_the_problem_and_change_nothing(tmp_path):
     hostopt.StoredOptimizer.open(other, d)
   with pytest.raises(ValueError, match="another layout"):
     hostopt.StoredOptimizer.open(GROUPS, d).copy_to(hostopt.Optimizer(GROUPS[:1]))
+
+
+def test_striped_over_directories_closed_and_reopened_with_torch_gradients(tmp_path):
+  dirs = [tmp_path / "a", tmp_path / "b"]
+  for d in dirs:
+    os.mkdir(d)
+  ram = hostopt.Optimizer(GROUPS)
+  with hostopt.StoredOptimizer.create(GROUPS, dirs, chunk_elements=512, sync=False) as stored:
+    assert stored.stripes == 2 and stored.recovery == ""
+    g = grads_of(ram, 0)
+    stored.step(g)
+    ram.step(g)
+  with pytest.raises(ValueError, match="closed"):
+    stored.step(g)
+  with pytest.raises(RuntimeError, match="stripe 1 of 2"):
+    hostopt.StoredOptimizer.open(GROUPS, dirs[::-1], sync=False)
+  stored = hostopt.StoredOptimizer.open(GROUPS, [str(d) for d in dirs], sync=False)
+  same_state(exported(stored), ram)
+  torch = pytest.importorskip("torch")
+  tg = {n: torch.from_numpy(v).to(torch.bfloat16) for n, v in grads_of(ram, 1).items()}
+  stored.step(tg)  # bfloat16 tensors, as Optimizer takes them
+  ram.step(tg)
+  same_state(exported(stored), ram)
+  with pytest.raises(TypeError, match="mixed dtypes"):
+    stored.step({**tg, "norm": torch.zeros(17)})
+  stored.close()
+
+
+def test_a_store_whose_newest_chunk_is_bad_opens_at_the_step_before(tmp_path):
+  ram = hostopt.Optimizer(GROUPS)
+  stored = hostopt.StoredOptimizer.create(GROUPS, tmp_path, sync=False)
+  stored.step(grads_of(ram, 0))
+  slot = 4096 + stored.chunk_bytes
+  stored.close()
+  with open(tmp_path / "chunks", "r+b") as f:  # chunk 0's slot of step 1: its bytes after the stamp
+    f.seek(slot + 4096 + 10)
+    b = f.read(1)
+    f.seek(slot + 4096 + 10)
+    f.write(bytes([b[0] ^ 1]))
+  with hostopt.StoredOptimizer.open(GROUPS, tmp_path, sync=False) as stored:
+    assert stored.step_count == 0
+    assert "step 1 could not be opened" in stored.recovery and "chunk 0" in stored.recovery
+    same_state(exported(stored), ram)

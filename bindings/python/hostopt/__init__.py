@@ -7,7 +7,9 @@ tensors, jax CPU arrays; bf16 through ml_dtypes, torch or a uint16 view): an arr
 cannot be used in place is an error, never a silent copy. Steps release the GIL.
 """
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import os
 
 import numpy as np
 
@@ -540,8 +542,9 @@ class StoredOptimizer:
 
   These are keywords of create, open and from_optimizer. The directory must be on a
   filesystem with O_DIRECT (not tmpfs); the store takes about
-  twice the state's bytes there (two slots per chunk). Not yet: several directories
-  (striping), per-tensor steps (every step takes every tensor's gradient), the offload
+  twice the state's bytes there (two slots per chunk). `dir` may be a list of directories,
+  one per drive: chunk k goes to dir[k % n] (open names them in the same order). Not yet:
+  per-tensor steps (every step takes every tensor's gradient), the offload
   pipeline, hostopt.torch and hostopt.jax fronts.
 
   Example:
@@ -555,12 +558,21 @@ class StoredOptimizer:
     1
   """
 
-  def __init__(self, core, groups):
-    self._core = core
+  def __init__(self, core: Any, groups: List[Mapping]) -> None:  # (made by create, open and from_optimizer)
+    self._core: Optional[_core.StoredOptimizer] = core
     self._groups = groups
     self._has_8bit = any(str(g.get("moments", "f32")) in ("8bit", "q8") for g in groups)
     self._segments = _segments(self._core)
     self._index = {s.name: i for i, s in enumerate(self._segments)}
+
+  @staticmethod
+  def _dirs(dir) -> List[str]:
+    if isinstance(dir, (str, bytes, os.PathLike)):
+      return [os.fsdecode(dir)]
+    dirs = [os.fsdecode(d) for d in dir]
+    if not dirs:
+      raise ValueError("dir: an empty list; name a directory (several: one per drive, striped)")
+    return dirs
 
   @staticmethod
   def _options(staging_bytes, buffers, chunk_elements, sync, io) -> Tuple[int, int, int, bool, str]:
@@ -570,76 +582,108 @@ class StoredOptimizer:
             _bool(sync, "sync"), str(io))
 
   @classmethod
-  def create(cls, groups: Sequence[Mapping], dir: str, *, initial_params=None, staging_bytes: int = 256 << 20,
+  def create(cls, groups: Sequence[Mapping], dir: Union[str, os.PathLike, Sequence[str]], *, initial_params=None, staging_bytes: int = 256 << 20,
              buffers: int = 8, chunk_elements: int = 0, sync: bool = True, io: str = "auto", threads: int = 0,
              kernel: str = "") -> "StoredOptimizer":
-    """A new store in the existing directory `dir` (refused where one is): zero moments,
+    """A new store in the existing directory `dir` (refused where one is; a list of
+    directories, one per drive, stripes the chunks over them): zero moments,
     step 0, and the master parameters from `initial_params` (a mapping name -> array of
     every tensor, or one flat float32 array in the arena layout) or zeros."""
     spec = _group_spec(groups)
     th = _threads.resolve(_integer(threads, "threads", _INT32))
     flat = None
     if initial_params is not None:
-      flat = initial_params if not isinstance(initial_params, Mapping) else cls._flat_of(
-          _LayoutOnly(*_core.arena_layout(spec)), initial_params, "initial_params")
-    core = _core.StoredOptimizer.create(spec, str(dir), *cls._options(staging_bytes, buffers, chunk_elements, sync, io),
+      if isinstance(initial_params, Mapping):
+        flat, tag = cls._flat_of(_LayoutOnly(*_core.arena_layout(spec)), initial_params, "initial_params")
+      else:
+        flat, tag = as_buffer(initial_params, "initial_params")
+        if flat.ndim != 1:
+          raise ValueError(f"initial_params has shape {flat.shape}: a flat array is 1-D (arena_size elements; a "
+                           "mapping gives each tensor its own shape)")
+      if tag != "f32":
+        raise TypeError(f"initial_params: dtype {tag}, expected float32 (the master parameters)")
+    core = _core.StoredOptimizer.create(spec, cls._dirs(dir), *cls._options(staging_bytes, buffers, chunk_elements, sync, io),
                                         th, kernel, flat)
     return cls(core, list(groups))
 
   @classmethod
-  def open(cls, groups: Sequence[Mapping], dir: str, *, staging_bytes: int = 256 << 20, buffers: int = 8,
+  def open(cls, groups: Sequence[Mapping], dir: Union[str, os.PathLike, Sequence[str]], *, staging_bytes: int = 256 << 20, buffers: int = 8,
            sync: bool = True, io: str = "auto", threads: int = 0, kernel: str = "") -> "StoredOptimizer":
     """The store in `dir` at its last completed step, every chunk verified first. Raises
     RuntimeError naming the problem: no store, other groups (names, shapes, moment formats,
     rounding seeds), a store open elsewhere, a corrupt or truncated chunk."""
     spec = _group_spec(groups)
     th = _threads.resolve(_integer(threads, "threads", _INT32))
-    core = _core.StoredOptimizer.open(spec, str(dir), *cls._options(staging_bytes, buffers, 0, sync, io), th, kernel)
+    core = _core.StoredOptimizer.open(spec, cls._dirs(dir), *cls._options(staging_bytes, buffers, 0, sync, io), th, kernel)
     return cls(core, list(groups))
 
   @classmethod
-  def from_optimizer(cls, opt: "Optimizer", groups: Sequence[Mapping], dir: str, *, staging_bytes: int = 256 << 20,
+  def from_optimizer(cls, opt: "Optimizer", groups: Sequence[Mapping], dir: Union[str, os.PathLike, Sequence[str]], *, staging_bytes: int = 256 << 20,
                      buffers: int = 8, chunk_elements: int = 0, sync: bool = True,
                      io: str = "auto") -> "StoredOptimizer":
-    """A new store holding `opt`'s whole state (params, moments, step counts, seeds, hyper-
-    parameters): an Optimizer built from the same `groups`."""
-    core = _core.StoredOptimizer.import_state(opt._core, _group_spec(groups), str(dir),
+    """A new store holding `opt`'s whole state (params, moments, step counts): an Optimizer
+    built from the same `groups` (rounding seeds included: a store reopens only with them).
+    This object steps with `opt`'s hyper-parameters; the store does not keep them (open
+    takes the groups')."""
+    core = _core.StoredOptimizer.import_state(opt._core, _group_spec(groups), cls._dirs(dir),
                                               *cls._options(staging_bytes, buffers, chunk_elements, sync, io))
     return cls(core, list(groups))
 
   def copy_to(self, opt: "Optimizer") -> None:
     """Reads the whole state into `opt` (an Optimizer of the same groups): an export. On an
     I/O error midway `opt` is left unusable (its failure_reason says why) until it is loaded."""
-    self._core.copy_state_to(opt._core)
+    self._live().copy_state_to(opt._core)
 
   @staticmethod
-  def _flat_of(layout, arrays: Mapping, what: str) -> np.ndarray:
+  def _flat_of(layout, arrays: Mapping, what: str) -> Tuple[np.ndarray, str]:
+    """A mapping name -> array of every tensor as one flat array in the arena layout (a copy),
+    and its dtype tag."""
     segs = _segments(layout)
-    missing = [s.name for s in segs if s.name not in arrays or arrays[s.name] is None]
+    missing = [s.name for s in segs if arrays.get(s.name) is None]
     if missing:
       raise KeyError(f"{what}: no array for tensor(s) {missing}: a stored optimizer steps every tensor")
     unknown = set(arrays) - {s.name for s in segs}
     if unknown:
       raise KeyError(f"{what}: unknown tensor name(s) {sorted(unknown)}")
-    dtypes = {np.asarray(arrays[s.name]).dtype for s in segs}
-    if len(dtypes) > 1:
-      raise TypeError(f"{what}: mixed dtypes {sorted(map(str, dtypes))}; one dtype for all")
-    dt = dtypes.pop() if dtypes else np.dtype(np.float32)
-    flat = np.zeros(layout.arena_size, dt)
+    views = {s.name: as_buffer(arrays[s.name], f"{what}[{s.name!r}]") for s in segs}
+    tags = {tag for _, tag in views.values()}
+    if len(tags) > 1:
+      raise TypeError(f"{what}: mixed dtypes {sorted(tags)}; one dtype for all")
+    tag = tags.pop() if tags else "f32"
+    flat = np.zeros(layout.arena_size, next(iter(views.values()))[0].dtype if views else np.float32)
     for s in segs:
-      a = np.asarray(arrays[s.name])
+      a = views[s.name][0]
       if a.shape != tuple(s.shape):
         raise ValueError(f"{what}[{s.name!r}] has shape {a.shape}: expected {tuple(s.shape)}, the tensor's shape")
       flat[s.offset:s.offset + s.size] = a.reshape(-1)
-    return flat
+    return flat, tag
+
+  def _live(self) -> "_core.StoredOptimizer":
+    if self._core is None:
+      raise ValueError("this StoredOptimizer is closed (open the store again)")
+    return self._core
+
+  def close(self) -> None:
+    """Releases the store (its lock and staging memory): another process may open it. Every
+    completed step is on the drive already. Later calls raise ValueError."""
+    self._core = None
+
+  def __enter__(self) -> "StoredOptimizer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
 
   def step(self, grads, out=None, grad_scale: float = 1.0, *, max_grad_norm: float = 0.0,
            skip_nonfinite: Optional[bool] = None, known_grad_norm: Optional[float] = None) -> StepResult:
     """One step, streamed from and back to the drive and committed before it returns, as
     :meth:`Optimizer.step` (the same arguments and result), except that every tensor needs
-    a gradient: a mapping name -> gradient of every tensor, or one flat array of arena_size
-    elements. ``out`` (flat) receives the new parameters. A step that raises (an I/O error,
-    a full drive) leaves the store at the previous step; a skipped step touches no drive."""
+    a gradient: a mapping name -> gradient of every tensor (copied into one flat array
+    first: pass a flat array to save that copy), or one flat array of arena_size elements.
+    ``out`` (flat) receives the new parameters. A step that raises while streaming (an I/O
+    error, a bad chunk) leaves the store at the previous step, ``out`` partly written; one
+    that raises while committing refuses every later step until the store is reopened. A
+    skipped step touches no drive."""
     if known_grad_norm is None:
       known = -1.0
     else:
@@ -651,31 +695,33 @@ class StoredOptimizer:
       skip_nonfinite = self._has_8bit
     opts = (_real(grad_scale, "grad_scale"), _real(max_grad_norm, "max_grad_norm"),
             _bool(skip_nonfinite, "skip_nonfinite"), known)
+    core = self._live()
     if isinstance(grads, Mapping):
-      grads = self._flat_of(self._core, grads, "grads")
-    g, gt = as_buffer(grads, "grads")
+      g, gt = self._flat_of(core, grads, "grads")
+    else:
+      g, gt = as_buffer(grads, "grads")
     o, ot = (None, "f32") if out is None else as_buffer(out, "out", writable=True)
     for what, a in (("grads", g), ("out", o)):
       if a is not None and a.ndim != 1:
         raise ValueError(f"{what} has shape {a.shape}: a flat {what} is 1-D, arena_size = {self.arena_size} elements")
-    result = self._core.step_flat(g, gt, o, ot, *opts)
+    result = core.step_flat(g, gt, o, ot, *opts)
     _report_blocks(self, result, "hostopt.StoredOptimizer")
     return result
 
   @property
   def step_count(self) -> int:
     """Applied steps (committed on the drive)."""
-    return self._core.step_count
+    return self._live().step_count
 
   @property
   def skipped_steps(self) -> int:
     """Steps skipped for non-finite gradients (committed with the next applied step)."""
-    return self._core.skipped_steps
+    return self._live().skipped_steps
 
   @property
   def arena_size(self) -> int:
     """Elements of a flat gradient: the tensors' sizes, each padded to the chunk unit."""
-    return self._core.arena_size
+    return self._live().arena_size
 
   @property
   def names(self) -> List[str]:
@@ -691,39 +737,53 @@ class StoredOptimizer:
   @property
   def chunks(self) -> int:
     """Chunks the arena is streamed in."""
-    return self._core.chunks
+    return self._live().chunks
 
   @property
   def chunk_bytes(self) -> int:
     """Bytes of one chunk on the drive (a multiple of 4 KiB)."""
-    return self._core.chunk_bytes
+    return self._live().chunk_bytes
 
   @property
   def staging_bytes(self) -> int:
     """RAM of the staging buffers in use."""
-    return self._core.staging_bytes
+    return self._live().staging_bytes
+
+  @property
+  def recovery(self) -> str:
+    """What open did where the last step could not be opened ("" when it opened there): a
+    bad chunk of it (a power loss without sync, corruption) opened the step before; striped
+    stores killed between their stripes' commits opened at the step all of them hold."""
+    return self._live().recovery
+
+  @property
+  def stripes(self) -> int:
+    """Directories the chunks are striped over."""
+    return self._live().stripes
 
   @property
   def step_io_bytes(self) -> int:
     """Bytes read plus written by one applied step."""
-    return self._core.step_io_bytes
+    return self._live().step_io_bytes
 
   @property
   def io_backend(self) -> str:
     """"io_uring" or "threads": the I/O in use."""
-    return self._core.io_backend
+    return self._live().io_backend
 
   @property
   def cached_pages(self) -> int:
     """Pages of the store's chunks in the page cache: 0 when its I/O bypassed it (O_DIRECT)."""
-    return self._core.cached_pages
+    return self._live().cached_pages
 
   def group_config(self, group: int) -> Dict[str, Any]:
     """A group's hyper-parameters as a dict."""
-    n = self._core.num_groups
-    return self._core.group_config(_integer(group, "group", (0, n), f"an index in [0, {n})"))
+    core = self._live()
+    n = core.num_groups
+    return core.group_config(_integer(group, "group", (0, n), f"an index in [0, {n})"))
 
   def set_group_config(self, group: int, **hyper) -> None:
     """Changes some hyper-parameters of a group for later steps (validated; nothing changes on error)."""
-    n = self._core.num_groups
-    self._core.set_group_config(_integer(group, "group", (0, n), f"an index in [0, {n})"), _config(hyper))
+    core = self._live()
+    n = core.num_groups
+    core.set_group_config(_integer(group, "group", (0, n), f"an index in [0, {n})"), _config(hyper))
