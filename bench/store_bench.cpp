@@ -66,7 +66,7 @@ report run_store_bench(const kernel_options& o, const common_options& c) {
   r.set_context("iterations", o.iterations);
   progress prog(sizes.size() * states.size(), c.progress);
   std::size_t done = 0;
-  double f32_time = 0;
+  double f32_time = 0, f32_time_at_rate = 0;
   for (std::size_t n : sizes) {
     float_buffer grad(n, t);
     fill_random(grad.data, n, 1e-2f, false, t);
@@ -120,8 +120,15 @@ report run_store_bench(const kernel_options& o, const common_options& c) {
       const std::size_t roof_buffers = std::size_t(so.buffers) * (opt.chunk_bytes() + 4096); // (not the store's)
       row["rss_added_MB"] = peak > rss_before + roof_buffers ? double(peak - rss_before - roof_buffers) / 1e6 : 0.0;
       row["cached_pages"] = opt.cached_pages();
-      if (f == hostopt::moment_format::f32) f32_time = ts.median;
+      // The drive's rate drifts between rows: the step time scaled to one drive rate (times
+      // the mixed rate measured beside it) compares formats as if on the same drive.
+      const double at_rate = ts.median * (io_bytes / tm.median);
+      if (f == hostopt::moment_format::f32) {
+        f32_time = ts.median;
+        f32_time_at_rate = at_rate;
+      }
       row["speed_vs_f32"] = f32_time > 0 ? f32_time / ts.median : 0.0;
+      row["same_drive_vs_f32"] = f32_time_at_rate > 0 ? f32_time_at_rate / at_rate : 0.0;
       row["io"] = opt.io_backend();
       r.add_row(row);
     }
@@ -130,6 +137,8 @@ report run_store_bench(const kernel_options& o, const common_options& c) {
   r.add_note("step_s: median of the streamed step (read every chunk, update it with the fused kernels, write it "
              "back, commit); mixed_GB/s: the drive's mixed O_DIRECT pattern over the same bytes (chunk-slot blocks, "
              "the same queue depth), timed after each step; vs_roofline = step time / the mixed pass's time.");
+  r.add_note("speed_vs_f32: the f32 step's time over this one's; same_drive_vs_f32: the same with each step time "
+             "scaled by the mixed rate measured beside it (the drive's rate drifts from row to row).");
   r.add_note("rss_added_MB: peak RSS while the store was created and stepped, above the RSS before it (the gradient "
              "buffer is the caller's and counted before; the roofline's buffers are left out). cached_pages: the store's pages in the page cache (0: "
              "O_DIRECT bypassed it).");
