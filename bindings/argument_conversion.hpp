@@ -12,6 +12,7 @@
 #include "hostopt/adam_config.hpp"
 #include "hostopt/dtype.hpp"
 #include "hostopt/optimizer.hpp"
+#include "hostopt/step_options.hpp"
 
 namespace py = pybind11;
 
@@ -79,5 +80,15 @@ py::dict config_to(const adam_config& c);
 
 // [{"config": {...}, "tensors": [(name, shape), ...]}, ...] -> parameter groups.
 std::vector<param_group> groups_from(py::list groups);
+
+/// A step's options from the fronts' arguments (validated by the step).
+inline step_options options_of(float grad_scale, double max_grad_norm, bool skip_nonfinite, double known_grad_norm) {
+  step_options so;
+  so.grad_scale = grad_scale;
+  so.max_grad_norm = max_grad_norm;
+  so.skip_nonfinite = skip_nonfinite;
+  so.known_grad_norm = known_grad_norm;
+  return so;
+}
 
 } // namespace hostopt::bindings

@@ -25,15 +25,6 @@ namespace hostopt::bindings {
 
 namespace {
 
-step_options options_of(float grad_scale, double max_grad_norm, bool skip_nonfinite, double known_grad_norm) {
-  step_options so;
-  so.grad_scale = grad_scale;
-  so.max_grad_norm = max_grad_norm;
-  so.skip_nonfinite = skip_nonfinite;
-  so.known_grad_norm = known_grad_norm;
-  return so;
-}
-
 // A float32 numpy view of optimizer memory that keeps the optimizer alive.
 py::array_t<float> view_of(std::span<float> s, py::handle owner) {
   return py::array_t<float>({py::ssize_t(s.size())}, {py::ssize_t(sizeof(float))}, s.data(), owner);

@@ -86,11 +86,7 @@ void bind_stored_optimizer(py::module_& m) {
             const buffer g = check_array(grad, "grad", grad_dtype, false);
             buffer b;
             if (!out.is_none()) b = check_array(out, "out", out_dtype, true);
-            step_options so;
-            so.grad_scale = grad_scale;
-            so.max_grad_norm = max_grad_norm;
-            so.skip_nonfinite = skip_nonfinite;
-            so.known_grad_norm = known_grad_norm;
+            const step_options so = options_of(grad_scale, max_grad_norm, skip_nonfinite, known_grad_norm);
             py::gil_scoped_release release;
             return o.step({g.data, g.size, g.type}, {b.data, b.size, b.type}, so);
           },

@@ -14,21 +14,14 @@
 #include <thread>
 
 #include "chunk_store.hpp"
+#include "temp_dir.hpp"
 
 namespace fs = std::filesystem;
 using namespace hostopt::drive;
 
 namespace {
 
-struct temp_dir {
-  fs::path path = fs::temp_directory_path() / ("hostopt_chunk_store_test_" + std::to_string(::getpid()));
-  temp_dir() {
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~temp_dir() { fs::remove_all(path); }
-  std::string str() const { return path.string(); }
-};
+using hostopt_test::temp_dir;
 
 std::vector<io_backend> backends_here() {
   std::vector<io_backend> out{io_backend::threads};
@@ -90,7 +83,7 @@ constexpr std::uint64_t slot_bytes = 4 * direct_alignment; // (the stamp's page,
 TEST_CASE("chunk_store: each commit is what opens, on every backend") {
   for (io_backend backend : backends_here()) {
     INFO("backend " << to_string(backend));
-    temp_dir dir;
+    temp_dir dir{"chunk_store"};
     {
       chunk_store s = chunk_store::create(dir.str(), shape, durability::sync, 3, backend);
       CHECK(s.committed_step() == chunk_store::no_step);
@@ -109,7 +102,7 @@ TEST_CASE("chunk_store: each commit is what opens, on every backend") {
 }
 
 TEST_CASE("chunk_store: an unfinished step is never committed; the one before stays") {
-  temp_dir dir;
+  temp_dir dir{"chunk_store"};
   {
     chunk_store s = chunk_store::create(dir.str(), shape, durability::none);
     write_step(s, 2);
@@ -134,7 +127,7 @@ TEST_CASE("chunk_store: an unfinished step is never committed; the one before st
 }
 
 TEST_CASE("chunk_store: corruption, another shape, a second opener and misuse are refused by name") {
-  temp_dir dir;
+  temp_dir dir{"chunk_store"};
   { // (steps 0..2 committed: step 2's slots are slot 0, step 1's slot 1)
     chunk_store s = chunk_store::create(dir.str(), shape, durability::sync);
     for (int t = 0; t < 3; ++t) write_step(s, 4);
@@ -202,7 +195,7 @@ TEST_CASE("chunk_store: kill -9 at random moments of a stepping process leaves s
   std::mt19937 rng(2026);
   int opened_at_a_step = 0;
   for (int round = 0; round < 24; ++round) {
-    temp_dir dir;
+    temp_dir dir{"chunk_store"};
     int told[2];
     REQUIRE(::pipe(told) == 0);
     const pid_t child = ::fork();

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "hostopt/checkpoint.hpp"
+#include "temp_dir.hpp"
 #include "hostopt/offload_pipeline.hpp"
 #include "hostopt/sharding.hpp"
 #include "compressed_test_support.hpp"
@@ -20,6 +21,8 @@ using namespace hostopt;
 namespace fs = std::filesystem;
 
 namespace {
+
+using hostopt_test::temp_dir;
 
 // An f32 group (embeddings, norms), an 8-bit group (matrices; one tensor of 33 elements
 // ends inside a block, one is empty) and a bf16 group with Adam's L2 decay.
@@ -120,16 +123,6 @@ std::vector<std::uint16_t> flat_grad(const optimizer& opt, std::mt19937& rng) {
   }
   return g;
 }
-
-struct temp_dir {
-  fs::path path;
-  explicit temp_dir(const char* what)
-      : path(fs::temp_directory_path() / (std::string("hostopt_") + what + "_" + std::to_string(::getpid()))) {
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~temp_dir() { fs::remove_all(path); }
-};
 
 } // namespace
 

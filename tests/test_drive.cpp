@@ -13,6 +13,7 @@
 #include <system_error>
 
 #include "direct_file.hpp"
+#include "temp_dir.hpp"
 #include "io_queue.hpp"
 
 namespace fs = std::filesystem;
@@ -20,11 +21,7 @@ using namespace hostopt::drive;
 
 namespace {
 
-struct temp_dir {
-  fs::path path = fs::temp_directory_path() / ("hostopt_drive_test_" + std::to_string(::getpid()));
-  temp_dir() { fs::create_directories(path); }
-  ~temp_dir() { fs::remove_all(path); }
-};
+using hostopt_test::temp_dir;
 
 std::vector<io_backend> backends_here() {
   std::vector<io_backend> out{io_backend::threads};
@@ -45,7 +42,7 @@ void fill(std::byte* p, std::size_t n, std::uint64_t block) {
 } // namespace
 
 TEST_CASE("drive: blocks written, read and mixed with many in flight come back bit for bit") {
-  temp_dir dir;
+  temp_dir dir{"drive"};
   constexpr std::size_t block = 3 * direct_alignment, blocks = 40;
   for (io_backend backend : backends_here()) {
     for (unsigned depth : {1u, 3u, 16u}) {
@@ -99,7 +96,7 @@ TEST_CASE("drive: blocks written, read and mixed with many in flight come back b
 }
 
 TEST_CASE("drive: bad requests and misuse are named, nothing lost") {
-  temp_dir dir;
+  temp_dir dir{"drive"};
   CHECK_THROWS_WITH(make_io_queue(0), Catch::Contains("depth 0"));
   CHECK_THROWS_WITH(make_io_queue(4097), Catch::Contains("1 to 4096"));
   CHECK_THROWS_WITH(parse_io_backend("aio", "--io"), Catch::Contains("--io = 'aio'") && Catch::Contains("threads"));

@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "hostopt/optimizer.hpp"
+#include "temp_dir.hpp"
 #include "io_queue.hpp"
 #include "stored_optimizer.hpp"
 
@@ -26,15 +27,7 @@ using namespace hostopt;
 
 namespace {
 
-struct temp_dir {
-  fs::path path = fs::temp_directory_path() / ("hostopt_stored_optimizer_test_" + std::to_string(::getpid()));
-  temp_dir() {
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~temp_dir() { fs::remove_all(path); }
-  std::string str() const { return path.string(); }
-};
+using hostopt_test::temp_dir;
 
 std::vector<std::string> backends_here() {
   std::vector<std::string> out{"threads"};
@@ -131,7 +124,7 @@ TEST_CASE("stored_optimizer: steps give the in-RAM optimizer's bits, copy-out in
   for (const auto& groups : {mixed_groups(), f32_groups()})
     for (const std::string& io : backends_here())
       for (const std::size_t chunk : {std::size_t(0), std::size_t(64), std::size_t(1024), std::size_t(96)}) {
-        temp_dir dir;
+        temp_dir dir{"stored_optimizer"};
         optimizer ram(groups);
         const std::size_t n = ram.arena_size();
         const std::vector<float> p0 = initial_params({ram.segments().begin(), ram.segments().end()}, n);
@@ -173,7 +166,7 @@ TEST_CASE("stored_optimizer: steps give the in-RAM optimizer's bits, copy-out in
 
 TEST_CASE("stored_optimizer: reopened, it continues where it was; an in-RAM state imports and exports") {
   const auto groups = mixed_groups();
-  temp_dir dir;
+  temp_dir dir{"stored_optimizer"};
   optimizer ram(groups);
   const std::size_t n = ram.arena_size();
   for (std::int64_t t = 0; t < 3; ++t) ram.step(const_view{grad_of(n, t).data(), n, dtype::f32});
@@ -212,7 +205,7 @@ TEST_CASE("stored_optimizer: reopened, it continues where it was; an in-RAM stat
 
 TEST_CASE("stored_optimizer: bad options, buffers and stores are refused by name, nothing changed") {
   const auto groups = mixed_groups();
-  temp_dir dir;
+  temp_dir dir{"stored_optimizer"};
   state_store_options o;
   o.dirs = {dir.str()};
   o.chunk_elements = 512;
@@ -304,7 +297,7 @@ TEST_CASE("stored_optimizer: a step that fails midway leaves the store and the o
   // repaired, the same step applies as if the failure never happened.
   for (const std::string& io : backends_here()) {
     const auto groups = mixed_groups();
-    temp_dir dir;
+    temp_dir dir{"stored_optimizer"};
     state_store_options o;
     o.dirs = {dir.str()};
     o.chunk_elements = 512;
@@ -349,7 +342,7 @@ TEST_CASE("stored_optimizer: a step that fails midway leaves the store and the o
 TEST_CASE("stored_optimizer: striped over several directories, killed between the stripes' commits, it opens at "
           "the step all of them hold") {
   const auto groups = mixed_groups();
-  temp_dir dir;
+  temp_dir dir{"stored_optimizer"};
   state_store_options o;
   for (const char* d : {"a", "b", "c"}) {
     fs::create_directories(dir.path / d);
@@ -398,7 +391,7 @@ TEST_CASE("stored_optimizer: striped over several directories, killed between th
   at_step_1.step(const_view{g.data(), n, dtype::f32});
   require_same_as(stored, at_step_1, groups);
   // More directories than chunks: refused.
-  temp_dir few;
+  temp_dir few{"stored_optimizer"};
   state_store_options many;
   for (int i = 0; i < 40; ++i) {
     fs::create_directories(few.path / std::to_string(i));
@@ -466,7 +459,7 @@ TEST_CASE("stored_optimizer: kill -9 at random moments of steps opens at step t 
   std::int64_t steps = 0;
   for (int round = 0; round < 100; ++round) {
     const auto groups = kill_round_groups(round);
-    temp_dir dir;
+    temp_dir dir{"stored_optimizer"};
     const state_store_options o = kill_round_options(dir.str(), round);
     int told[2];
     REQUIRE(::pipe(told) == 0);

@@ -198,6 +198,24 @@ def adam_step_compressed(params: np.ndarray, moments: CompressedMoments, grad, *
                              _threads.resolve(_integer(threads, "threads", _INT32)), kernel)
 
 
+def _step_options(grad_scale, max_grad_norm, skip_nonfinite, known_grad_norm,
+                  has_8bit: bool) -> Tuple[float, float, bool, float]:
+  """A step's checked options as _core's steps take them: (grad_scale, max_grad_norm,
+  skip_nonfinite, known_grad_norm), with skip_nonfinite None meaning "on with 8-bit groups"
+  and known_grad_norm None meaning not known (-1)."""
+  if known_grad_norm is None:
+    known = -1.0
+  else:
+    known = _real(known_grad_norm, "known_grad_norm")
+    if known < 0:
+      raise ValueError(f"known_grad_norm = {known_grad_norm!r}: a norm is >= 0 (NaN or inf for non-finite "
+                       "gradients; None when not known)")
+  if skip_nonfinite is None:
+    skip_nonfinite = has_8bit
+  return (_real(grad_scale, "grad_scale"), _real(max_grad_norm, "max_grad_norm"),
+          _bool(skip_nonfinite, "skip_nonfinite"), known)
+
+
 def _group_spec(groups: Sequence[Mapping]) -> List[Dict[str, Any]]:
   """The groups as _core takes them (Optimizer's and StoredOptimizer's argument)."""
   spec = []
@@ -461,17 +479,7 @@ class Optimizer:
     like ``skip_nonfinite`` does (``applied`` False, counted in ``skipped_steps``): there is
     no clip factor, and the step is never applied unclipped.
     """
-    if known_grad_norm is None:
-      known = -1.0
-    else:
-      known = _real(known_grad_norm, "known_grad_norm")
-      if known < 0:
-        raise ValueError(f"known_grad_norm = {known_grad_norm!r}: a norm is >= 0 (NaN or inf for non-finite "
-                         "gradients; None when not known)")
-    if skip_nonfinite is None:
-      skip_nonfinite = self._has_8bit
-    opts = (_real(grad_scale, "grad_scale"), _real(max_grad_norm, "max_grad_norm"),
-            _bool(skip_nonfinite, "skip_nonfinite"), known)
+    opts = _step_options(grad_scale, max_grad_norm, skip_nonfinite, known_grad_norm, self._has_8bit)
     if isinstance(grads, Mapping) or isinstance(grads, (list, tuple)):
       if isinstance(grads, Mapping):
         unknown = set(grads) - set(self._index)
@@ -684,17 +692,7 @@ class StoredOptimizer:
     error, a bad chunk) leaves the store at the previous step, ``out`` partly written; one
     that raises while committing refuses every later step until the store is reopened. A
     skipped step touches no drive."""
-    if known_grad_norm is None:
-      known = -1.0
-    else:
-      known = _real(known_grad_norm, "known_grad_norm")
-      if known < 0:
-        raise ValueError(f"known_grad_norm = {known_grad_norm!r}: a norm is >= 0 (NaN or inf for non-finite "
-                         "gradients; None when not known)")
-    if skip_nonfinite is None:
-      skip_nonfinite = self._has_8bit
-    opts = (_real(grad_scale, "grad_scale"), _real(max_grad_norm, "max_grad_norm"),
-            _bool(skip_nonfinite, "skip_nonfinite"), known)
+    opts = _step_options(grad_scale, max_grad_norm, skip_nonfinite, known_grad_norm, self._has_8bit)
     core = self._live()
     if isinstance(grads, Mapping):
       g, gt = self._flat_of(core, grads, "grads")
