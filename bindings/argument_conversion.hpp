@@ -81,6 +81,13 @@ py::dict config_to(const adam_config& c);
 // [{"config": {...}, "tensors": [(name, shape), ...]}, ...] -> parameter groups.
 std::vector<param_group> groups_from(py::list groups);
 
+/// The flat step of an optimizer class (Optimizer, StoredOptimizer), as _core binds it: the
+/// arrays checked, the GIL released while it runs.
+template <class Opt>
+step_result step_flat(Opt& o, py::handle grad, const std::string& grad_dtype, py::handle out,
+                      const std::string& out_dtype, float grad_scale, double max_grad_norm, bool skip_nonfinite,
+                      double known_grad_norm);
+
 /// A step's options from the fronts' arguments (validated by the step).
 inline step_options options_of(float grad_scale, double max_grad_norm, bool skip_nonfinite, double known_grad_norm) {
   step_options so;
@@ -89,6 +96,18 @@ inline step_options options_of(float grad_scale, double max_grad_norm, bool skip
   so.skip_nonfinite = skip_nonfinite;
   so.known_grad_norm = known_grad_norm;
   return so;
+}
+
+template <class Opt>
+step_result step_flat(Opt& o, py::handle grad, const std::string& grad_dtype, py::handle out,
+                      const std::string& out_dtype, float grad_scale, double max_grad_norm, bool skip_nonfinite,
+                      double known_grad_norm) {
+  const buffer g = check_array(grad, "grad", grad_dtype, false);
+  buffer b;
+  if (!out.is_none()) b = check_array(out, "out", out_dtype, true);
+  const step_options so = options_of(grad_scale, max_grad_norm, skip_nonfinite, known_grad_norm);
+  py::gil_scoped_release release;
+  return o.step({g.data, g.size, g.type}, {b.data, b.size, b.type}, so);
 }
 
 } // namespace hostopt::bindings

@@ -166,16 +166,7 @@ void bind_optimizer(py::module_& m) {
           "codes with (blocks, 2) exponent bytes (8-bit; None for bf16).")
       .def(
           "step_flat",
-          [](optimizer& o, py::handle grad, const std::string& grad_dtype, py::handle out,
-             const std::string& out_dtype, float grad_scale, double max_grad_norm, bool skip_nonfinite,
-             double known_grad_norm) {
-            const buffer g = check_array(grad, "grad", grad_dtype, false);
-            buffer b;
-            if (!out.is_none()) b = check_array(out, "out", out_dtype, true);
-            const step_options so = options_of(grad_scale, max_grad_norm, skip_nonfinite, known_grad_norm);
-            py::gil_scoped_release release;
-            return o.step({g.data, g.size, g.type}, {b.data, b.size, b.type}, so);
-          },
+          &step_flat<optimizer>,
           py::arg("grad"), py::arg("grad_dtype") = "f32", py::arg("out") = py::none(),
           py::arg("out_dtype") = "f32", py::arg("grad_scale") = 1.0f, py::arg("max_grad_norm") = 0.0,
           py::arg("skip_nonfinite") = false, py::arg("known_grad_norm") = -1.0)

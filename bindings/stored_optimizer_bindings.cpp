@@ -80,16 +80,7 @@ void bind_stored_optimizer(py::module_& m) {
           py::arg("chunk_elements"), py::arg("sync"), py::arg("io"))
       .def(
           "step_flat",
-          [](stored_optimizer& o, py::handle grad, const std::string& grad_dtype, py::handle out,
-             const std::string& out_dtype, float grad_scale, double max_grad_norm, bool skip_nonfinite,
-             double known_grad_norm) {
-            const buffer g = check_array(grad, "grad", grad_dtype, false);
-            buffer b;
-            if (!out.is_none()) b = check_array(out, "out", out_dtype, true);
-            const step_options so = options_of(grad_scale, max_grad_norm, skip_nonfinite, known_grad_norm);
-            py::gil_scoped_release release;
-            return o.step({g.data, g.size, g.type}, {b.data, b.size, b.type}, so);
-          },
+          &step_flat<stored_optimizer>,
           py::arg("grad"), py::arg("grad_dtype"), py::arg("out"), py::arg("out_dtype"), py::arg("grad_scale"),
           py::arg("max_grad_norm"), py::arg("skip_nonfinite"), py::arg("known_grad_norm"))
       .def(
@@ -99,6 +90,10 @@ void bind_stored_optimizer(py::module_& m) {
             o.copy_state_to(ram);
           },
           py::arg("ram"))
+      .def("close", [](stored_optimizer& o) {
+        py::gil_scoped_release release;
+        o.close();
+      })
       .def_property_readonly("step_count", &stored_optimizer::step_count)
       .def_property_readonly("skipped_steps", &stored_optimizer::skipped_steps)
       .def_property_readonly("arena_size", &stored_optimizer::arena_size)

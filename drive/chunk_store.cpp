@@ -81,6 +81,14 @@ bool ever_committed(const std::string& dir) {
   return false;
 }
 
+// The id stamped on the slots and record of one attempt at a step: fresh for every attempt,
+// so that slots an abandoned attempt (or an erased commit) left behind never verify as another
+// attempt's, even where a power loss drops some of the later attempt's writes.
+std::uint64_t fresh_id() {
+  std::random_device rd;
+  return (std::uint64_t(rd()) << 32) ^ rd();
+}
+
 std::size_t slot_bytes_of(const store_shape& s) { return direct_alignment + s.chunk_bytes; }
 
 void check_shape(const store_shape& s) {
@@ -101,7 +109,7 @@ chunk_store::chunk_store(std::string dir, const store_shape& shape, durability d
 chunk_store::chunk_store(chunk_store&& o) noexcept
     : dir_(std::move(o.dir_)), shape_(o.shape_), durability_(o.durability_), lock_fd_(std::exchange(o.lock_fd_, -1)),
       chunks_(std::move(o.chunks_)), commits_(std::move(o.commits_)), queue_(std::move(o.queue_)),
-      store_id_(o.store_id_), committed_(o.committed_), words_(std::move(o.words_)), requests_(std::move(o.requests_)), free_(std::move(o.free_)),
+      store_id_(o.store_id_), write_id_(o.write_id_), committed_(o.committed_), words_(std::move(o.words_)), requests_(std::move(o.requests_)), free_(std::move(o.free_)),
       written_(std::move(o.written_)), written_count_(o.written_count_), run_(std::move(o.run_)),
       broken_(std::move(o.broken_)), fell_back_(std::move(o.fell_back_)) {}
 
@@ -132,8 +140,9 @@ chunk_store chunk_store::create(const std::string& dir, const store_shape& shape
     const std::uint64_t bytes = shape.chunks * 2 * slot_bytes_of(shape);
     direct_file chunks = direct_file::create((fs::path(dir) / "chunks").string(), bytes);
     direct_file commits = direct_file::create((fs::path(dir) / "commit").string(), 2 * direct_alignment);
+    const std::uint64_t id = fresh_id();
     chunk_store s(dir, shape, d, depth, backend, lock_fd, std::move(chunks), std::move(commits));
-    s.store_id_ = (std::uint64_t(std::random_device{}()) << 32) ^ std::random_device{}();
+    s.store_id_ = s.write_id_ = id;
     return s;
   } catch (...) {
     if (made) { // nothing half-made is left for the next create or open to trip on
@@ -204,6 +213,7 @@ chunk_store chunk_store::open_step(const std::string& dir, const store_shape& ex
   check_shape(expected);
   if (!fs::exists(fs::path(dir) / "commit")) throw std::runtime_error("no store in " + dir + " (no commit file)");
   const int lock_fd = lock_store(dir);
+  bool owned = false;
   try {
     direct_file commits = direct_file::open((fs::path(dir) / "commit").string());
     direct_file chunks = direct_file::open((fs::path(dir) / "chunks").string());
@@ -219,12 +229,14 @@ chunk_store chunk_store::open_step(const std::string& dir, const store_shape& ex
       throw std::runtime_error("the store in " + dir + ": its chunks file has " + std::to_string(chunks.size()) +
                                " bytes, expected " + std::to_string(bytes) + " (truncated?)");
     chunk_store s(dir, expected, d, depth, backend, lock_fd, std::move(chunks), std::move(commits));
+    owned = true; // (s closes the lock from here)
     s.store_id_ = best.store_id;
+    s.write_id_ = fresh_id();
     s.committed_ = best.step;
     s.words_ = words_of(best);
     try {
       s.verify_all();
-    } catch (const std::runtime_error& newest) {
+    } catch (const bad_chunk& newest) {
       // A chunk of the last step is bad (a power loss without fdatasync took writes the record
       // outlived, or the drive rotted it): the step before, whose slots that step never
       // touched, when its record and every chunk of it verify.
@@ -236,6 +248,7 @@ chunk_store chunk_store::open_step(const std::string& dir, const store_shape& ex
         throw newest;
       }
       s.committed_ = older.step;
+      s.store_id_ = older.store_id;
       s.words_ = words_of(older);
       try {
         s.verify_all();
@@ -251,7 +264,7 @@ chunk_store chunk_store::open_step(const std::string& dir, const store_shape& ex
     if (last.step > best.step) s.erase_record(last.step); // rolled back: that commit is gone for good
     return s;
   } catch (...) {
-    ::close(lock_fd);
+    if (!owned) ::close(lock_fd);
     throw;
   }
 }
@@ -278,6 +291,8 @@ std::uint64_t chunk_store::verify_all() {
     settle(in_flight());
   } catch (...) {
     drain(); // the reads still in flight land in bufs: they must finish before bufs go
+    if (in_flight() != 0)
+      for (staging& b : bufs) (void)b.memory_.release(); // (a failed queue: leaked, never freed under I/O)
     throw;
   }
   return shape_.chunks;
@@ -335,7 +350,7 @@ void chunk_store::start_write(std::uint64_t chunk, staging& s) {
   slot_stamp st{};
   std::memcpy(st.magic, slot_magic, 8);
   st.version = format_version;
-  st.store_id = store_id_;
+  st.store_id = write_id_;
   st.chunk = chunk;
   st.step = next_step();
   st.bytes = shape_.chunk_bytes;
@@ -362,14 +377,14 @@ void chunk_store::check_stamp(const request& r, std::int64_t result) const {
   std::memcpy(&st, r.s->memory_.get(), sizeof st);
   if (std::memcmp(st.magic, slot_magic, 8) != 0 || st.version != format_version ||
       st.stamp_sum != sum_of(&st, offsetof(slot_stamp, stamp_sum)))
-    throw std::runtime_error(where + ": its slot for step " + std::to_string(committed_) + " has no valid stamp "
+    throw bad_chunk(where + ": its slot for step " + std::to_string(committed_) + " has no valid stamp "
                              "(corrupt, or never written)");
   if (st.store_id != store_id_ || st.chunk != r.chunk || st.step != committed_ || st.bytes != shape_.chunk_bytes)
-    throw std::runtime_error(where + ": its slot holds chunk " + std::to_string(st.chunk) + " of step " +
+    throw bad_chunk(where + ": its slot holds chunk " + std::to_string(st.chunk) + " of step " +
                              std::to_string(st.step) + ", expected step " + std::to_string(committed_) +
                              " (a torn or foreign slot)");
   if (st.payload_sum != payload_sum(r.s->payload()))
-    throw std::runtime_error(where + ": its bytes for step " + std::to_string(committed_) + " fail their checksum "
+    throw bad_chunk(where + ": its bytes for step " + std::to_string(committed_) + " fail their checksum "
                              "(corrupt)");
 }
 
@@ -377,13 +392,17 @@ std::vector<std::uint64_t> chunk_store::finish(std::size_t at_least) {
   std::vector<std::uint64_t> done;
   const auto completions = queue_->wait(at_least);
   std::string error;
+  bool bad = false; // the first error is a chunk that does not verify (not an I/O error)
   for (const auto& c : completions) { // (every completion's tag freed, even past an error)
     const request r = requests_[c.tag];
     free_.push_back(c.tag);
     try {
       check_stamp(r, c.result);
     } catch (const std::exception& e) {
-      if (error.empty()) error = e.what();
+      if (error.empty()) {
+        error = e.what();
+        bad = dynamic_cast<const bad_chunk*>(&e) != nullptr;
+      }
       continue;
     }
     if (r.write && !written_[r.chunk]) {
@@ -392,6 +411,7 @@ std::vector<std::uint64_t> chunk_store::finish(std::size_t at_least) {
     }
     done.push_back(r.chunk);
   }
+  if (bad) throw bad_chunk(error);
   if (!error.empty()) throw std::runtime_error(error);
   return done;
 }
@@ -427,6 +447,7 @@ void chunk_store::forget_writes() {
     throw std::logic_error("chunk_store::forget_writes: " + std::to_string(in_flight()) + " requests still in flight");
   written_.assign(shape_.chunks, false);
   written_count_ = 0;
+  write_id_ = fresh_id(); // (the abandoned attempt's slots can never pass for the next one's)
 }
 
 void chunk_store::commit(const std::vector<std::uint64_t>& words) {
@@ -450,7 +471,7 @@ void chunk_store::commit(const std::vector<std::uint64_t>& words) {
   commit_record r{};
   std::memcpy(r.magic, record_magic, 8);
   r.version = format_version;
-  r.store_id = store_id_;
+  r.store_id = write_id_;
   r.step = step;
   r.chunks = shape_.chunks;
   r.chunk_bytes = shape_.chunk_bytes;
@@ -475,6 +496,8 @@ void chunk_store::commit(const std::vector<std::uint64_t>& words) {
     throw std::runtime_error(broken_);
   }
   committed_ = step;
+  store_id_ = write_id_;
+  write_id_ = fresh_id();
   words_ = words;
   written_.assign(shape_.chunks, false);
   written_count_ = 0;

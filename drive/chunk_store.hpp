@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -25,6 +26,14 @@ namespace hostopt::drive {
 /// What a store holds: `chunks` chunks of `chunk_bytes` each (a multiple of 4 KiB), and the
 /// caller's fingerprint of their meaning (a model's layout and formats): a store opened with
 /// another shape is refused.
+/// A chunk read back whose stamp or checksum is not the committed step's (corrupt, torn,
+/// another attempt's or another store's): what open's fallback to the step before answers.
+/// I/O errors are std::runtime_error (std::system_error), never this.
+class bad_chunk : public std::runtime_error {
+public:
+  using std::runtime_error::runtime_error;
+};
+
 struct store_shape {
   std::uint64_t chunks = 0;
   std::size_t chunk_bytes = 0;
@@ -56,8 +65,8 @@ public:
                           io_backend backend = io_backend::automatic);
   /// The same at step `step`: the last committed one, or the one before it (its slots are
   /// intact until the next commit) — several stores striped together open at the step all of
-  /// them committed. Rolling back erases the later commit record first, so the later step's
-  /// slots can never be taken for a commit again. std::runtime_error when the store has no
+  /// them committed. Rolling back verifies that step, then erases the later commit record;
+  /// every attempt at a step stamps its own id, so the later step's slots never verify again. std::runtime_error when the store has no
   /// commit of that step.
   static chunk_store open_at(const std::string& dir, const store_shape& expected, std::uint64_t step, durability d,
                              unsigned depth = 8, io_backend backend = io_backend::automatic);
@@ -102,6 +111,12 @@ public:
   std::vector<std::uint64_t> finish(std::size_t at_least = 1);
   std::size_t in_flight() const { return queue_->in_flight(); }
 
+  /// Refuses (std::runtime_error) when the store's files were removed or replaced while it
+  /// was open: commits would go to unlinked files.
+  void check_still_there() const;
+  /// Why this store refuses to write or commit ("" while it may): a failed commit record.
+  const std::string& broken() const { return broken_; }
+
   /// Waits for every request in flight, dropping their errors (after a failure: their
   /// buffers are the caller's). Where the queue fails outright the store is left broken.
   void drain() noexcept;
@@ -145,7 +160,7 @@ private:
   static chunk_store open_step(const std::string& dir, const store_shape& expected, const std::uint64_t* at,
                                durability d, unsigned depth, io_backend backend);
   void erase_record(std::uint64_t step);
-  void check_still_there() const;
+
   std::uint64_t verify_all(); // open's check of every committed chunk
   std::uint64_t payload_sum(const std::byte* p) const;
 
@@ -155,7 +170,8 @@ private:
   int lock_fd_ = -1;
   direct_file chunks_, commits_;
   std::unique_ptr<io_queue> queue_;
-  std::uint64_t store_id_ = 0;
+  std::uint64_t store_id_ = 0; // the committed step's id (its slots and record carry it)
+  std::uint64_t write_id_ = 0; // this attempt's, stamped on what it writes
   std::uint64_t committed_ = no_step;
   std::vector<std::uint64_t> words_;
   std::vector<request> requests_;     // by tag (slot in flight)

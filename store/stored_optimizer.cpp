@@ -5,6 +5,7 @@
 #include "stored_optimizer.hpp"
 
 #include <algorithm>
+#include <random>
 #include <filesystem>
 #include <cstring>
 #include <stdexcept>
@@ -29,7 +30,7 @@ namespace {
 
 // The commit words: what kind of store, its chunking, and the optimizer's counters.
 constexpr std::uint64_t store_kind = 0x686f73746f707431; // "hostopt1"
-enum word : std::size_t { w_kind, w_chunk_elements, w_count, w_skipped, w_stripes, w_stripe, num_words };
+enum word : std::size_t { w_kind, w_chunk_elements, w_count, w_skipped, w_stripes, w_stripe, w_commit_id, num_words };
 
 drive::durability durability_of(const state_store_options& o) {
   return o.sync_every_step ? drive::durability::sync : drive::durability::none;
@@ -84,8 +85,12 @@ struct stored_optimizer::impl {
   std::size_t chunk_elements = 0, chunk_bytes = 0;
   std::vector<chunk> chunks;
   std::uint64_t fingerprint = 0;
-  std::vector<std::unique_ptr<drive::chunk_store>> stores; // one per directory: chunk k in stores[k % n]
+  // (staging first: the stores go first, waiting for their I/O into it)
   std::vector<drive::chunk_store::staging> staging;
+  std::vector<std::unique_ptr<drive::chunk_store>> stores; // one per directory: chunk k in stores[k % n]
+  std::uint64_t commit_id = 0; // the same in every stripe's record of one commit
+  std::string broken;          // why every later step is refused ("" while none is)
+  bool closed = false;
   std::int64_t count = 0, skipped = 0;
   std::string recovery; // what open did where the last step could not be opened
   // Scratch of a step.
@@ -145,7 +150,13 @@ struct stored_optimizer::impl {
     const double per_element = end() ? double(whole_bytes) / double(end()) : 12.0;
     std::size_t elements = per_buffer > stamp ? std::size_t(double(per_buffer - stamp) / per_element) / unit * unit : 0;
     elements = std::min(elements, round_up(std::max<std::size_t>(end(), 1), unit));
-    elements = std::max(elements, unit);
+    if (elements < unit) { // refused before laying out a multitude of tiny chunks
+      const std::size_t least = (round_up(std::size_t(per_element * double(unit)) + 64 * groups.size() + 64,
+                                          drive::direct_alignment) + stamp) * o.buffers;
+      throw std::invalid_argument("state_store_options.staging_bytes = " + std::to_string(o.staging_bytes) + ": " +
+                                  std::to_string(o.buffers) + " buffers need about " + std::to_string(least) +
+                                  " bytes at least (raise the budget, or lower buffers)");
+    }
     for (;;) { // chunks of uneven groups may hold more than the average: shrink until each fits
       lay_out_chunks(elements);
       if ((chunk_bytes + stamp) * o.buffers <= o.staging_bytes) return;
@@ -213,6 +224,7 @@ struct stored_optimizer::impl {
 
   std::vector<std::uint64_t> words(std::size_t stripe) const {
     std::vector<std::uint64_t> w(num_words);
+    w[w_commit_id] = commit_id;
     w[w_stripes] = stripes();
     w[w_stripe] = stripe;
     w[w_kind] = store_kind;
@@ -233,8 +245,28 @@ struct stored_optimizer::impl {
   }
   void start_read(std::size_t k, drive::chunk_store::staging& buf) { store_of(k).start_read(k / stripes(), buf); }
   void start_write(std::size_t k, drive::chunk_store::staging& buf) { store_of(k).start_write(k / stripes(), buf); }
+  // Every stripe's record of one step, with one id. A failure partway leaves some stripes a
+  // step ahead of the others: this object then refuses every later step (a retry would
+  // reuse the slots that reopening rolls back to); reopening opens all at the older step.
   void commit() {
-    for (std::size_t i = 0; i < stripes(); ++i) stores[i]->commit(words(i)); // (a crash between: open takes the older)
+    try {
+      for (const auto& st : stores) st->check_still_there(); // (before any record: nothing to undo)
+    } catch (...) {
+      drain();
+      throw;
+    }
+    commit_id = std::random_device{}() | (std::uint64_t(std::random_device{}()) << 32);
+    try {
+      for (std::size_t i = 0; i < stripes(); ++i) stores[i]->commit(words(i)); // (killed between: open takes the older)
+    } catch (const std::exception& e) {
+      broken = std::string("a commit failed (") + e.what() + "): the store holds this step or the one before; "
+               "reopen it to go on";
+      throw;
+    }
+  }
+  void check_usable(const char* what) const {
+    if (closed) throw std::runtime_error(std::string(what) + ": this stored optimizer is closed");
+    if (!broken.empty()) throw std::runtime_error(std::string(what) + ": " + broken);
   }
   // After a failure: every request in flight finished (their buffers are ours), errors
   // dropped, and the chunks this attempt wrote forgotten (a retry writes them all again).
@@ -335,7 +367,7 @@ struct stored_optimizer::impl {
       throw std::invalid_argument(std::string(what) + ": the in-RAM optimizer holds another layout, range or "
                                   "moment formats than this store's groups");
     for (std::size_t g = 0; g < groups.size(); ++g)
-      if (groups[g].moments != moment_format::f32 && ram.seeds()[g] != groups[g].rounding_seed)
+      if (ram.seeds()[g] != groups[g].rounding_seed) // (the store's fingerprint holds every group's)
         throw std::invalid_argument(std::string(what) + ": group " + std::to_string(g) + "'s rounding seed is " +
                                     std::to_string(ram.seeds()[g]) + " in the in-RAM optimizer and " +
                                     std::to_string(groups[g].rounding_seed) + " in the groups (a store opens only "
@@ -413,6 +445,16 @@ stored_optimizer stored_optimizer::open(std::vector<param_group> groups, const s
   // Every stripe's last commit: one model, one chunking, one count of stripes, each in its place.
   const std::size_t n = options.dirs.size();
   std::vector<drive::chunk_store::head> heads;
+  std::vector<std::string> uncommitted; // stripes without a commit (an interrupted striped creation?)
+  for (const std::string& dir : options.dirs) try {
+      (void)drive::chunk_store::peek(dir);
+    } catch (const std::runtime_error&) {
+      uncommitted.push_back(dir);
+    }
+  if (!uncommitted.empty() && uncommitted.size() < n)
+    throw std::runtime_error("the striped store's stripe in " + uncommitted[0] + " holds no committed step while "
+                             "others do: its creation was interrupted (or the directory is not this store's). "
+                             "Remove the store files (chunks, commit, lock) in every directory and create it again");
   for (std::size_t i = 0; i < n; ++i) {
     const std::string& dir = options.dirs[i];
     heads.push_back(drive::chunk_store::peek(dir));
@@ -467,6 +509,15 @@ stored_optimizer stored_optimizer::open(std::vector<param_group> groups, const s
     s->stores[i] = std::make_unique<drive::chunk_store>(
         drive::chunk_store::open_at(options.dirs[i], s->shape(i, n), step, durability_of(options), buffers, backend));
   }
+  // One commit in every stripe: the same id (and counters) at the step they opened at.
+  for (std::size_t i = 1; i < n; ++i) {
+    const auto &a = s->stores[0]->committed_words(), &b = s->stores[i]->committed_words();
+    if (a[w_commit_id] != b[w_commit_id] || a[w_count] != b[w_count] || a[w_skipped] != b[w_skipped])
+      throw std::runtime_error("the stripes in " + options.dirs[0] + " and " + options.dirs[i] + " hold different "
+                               "commits at step " + std::to_string(step) + " (optimizer steps " +
+                               std::to_string(a[w_count]) + " and " + std::to_string(b[w_count]) +
+                               "): not one optimizer's stripes");
+  }
   const auto& committed = s->stores[0]->committed_words();
   s->count = std::int64_t(committed[w_count]);
   s->skipped = std::int64_t(committed[w_skipped]);
@@ -481,6 +532,7 @@ step_result stored_optimizer::step(const_view flat_grad, mut_view flat_out, floa
 step_result stored_optimizer::step(const_view flat_grad, mut_view flat_out, const step_options& opts) {
   impl& s = *impl_;
   const std::lock_guard<std::mutex> lock(s.lock);
+  s.check_usable("step");
   check_grad_scale(opts.grad_scale);
   const std::size_t n = s.end();
   check_view("flat_grad", flat_grad.data, flat_grad.size, flat_grad.type, n);
@@ -529,6 +581,7 @@ step_result stored_optimizer::step(const_view flat_grad, mut_view flat_out, cons
 void stored_optimizer::copy_state_to(optimizer& ram) const {
   impl& s = *impl_;
   const std::lock_guard<std::mutex> lock(s.lock);
+  s.check_usable("copy_state_to");
   exclusive_state es(ram, "stored_optimizer::copy_state_to", true);
   s.check_same_state(es, "stored_optimizer::copy_state_to");
   try {
@@ -587,7 +640,16 @@ std::size_t stored_optimizer::chunk_bytes() const { return impl_->chunk_bytes; }
 std::size_t stored_optimizer::staging_bytes() const {
   return impl_->staging.size() * (impl_->chunk_bytes + drive::direct_alignment);
 }
-std::string stored_optimizer::io_backend() const { return drive::to_string(impl_->stores[0]->backend()); }
+std::string stored_optimizer::io_backend() const {
+  const std::lock_guard<std::mutex> lock(impl_->lock);
+  return impl_->stores.empty() ? "closed" : drive::to_string(impl_->stores[0]->backend());
+}
+void stored_optimizer::close() {
+  const std::lock_guard<std::mutex> lock(impl_->lock);
+  impl_->stores.clear(); // (each waits for its I/O, then releases its lock)
+  impl_->staging.clear();
+  impl_->closed = true;
+}
 std::uint64_t stored_optimizer::step_io_bytes() const {
   return 2 * std::uint64_t(impl_->chunks.size()) * (impl_->chunk_bytes + drive::direct_alignment);
 }

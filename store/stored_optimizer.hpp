@@ -43,7 +43,7 @@ struct state_store_options {
 
 class stored_optimizer {
 public:
-  /// A new store in options.dir (refused where one exists) holding the groups' state at step
+  /// A new store in options.dirs (refused where one exists) holding the groups' state at step
   /// 0: zero moments, and `initial_params` (f32, the flat layout, arena_end elements) or zero
   /// params. Committed before it returns.
   static stored_optimizer create(std::vector<param_group> groups, const state_store_options& options,
@@ -102,6 +102,9 @@ public:
   std::uint64_t cached_pages() const;
   /// What open did where the last step could not be opened ("" when it opened there).
   std::string recovery() const;
+  /// Releases the store (its files' lock, its staging memory): another process may open it.
+  /// Every completed step is on the drive already; later steps and exports are refused.
+  void close();
 
   /// Reads the whole state into `ram` (an optimizer of the same groups holding the whole
   /// layout): params, moments, counters, seeds — an export (then ram.save_checkpoint), or a

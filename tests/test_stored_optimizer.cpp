@@ -401,6 +401,85 @@ TEST_CASE("stored_optimizer: striped over several directories, killed between th
   CHECK_THROWS_WITH(stored_optimizer::create(groups, many), Catch::Contains("40 directories for"));
 }
 
+TEST_CASE("stored_optimizer: a step redone after a fallback never passes the abandoned attempt's slots as its own") {
+  // A power loss without fdatasync may drop a write of the redone step 2 while its record
+  // lands: the drive then holds the abandoned step 2's bytes for that chunk. Every attempt
+  // stamps its own id, so open finds that chunk bad and falls back to step 1, never a mix.
+  const auto groups = mixed_groups();
+  temp_dir dir{"stored_optimizer"};
+  state_store_options o;
+  o.dirs = {dir.str()};
+  o.chunk_elements = 512;
+  o.buffers = 3;
+  o.sync_every_step = false;
+  optimizer at_step_1(groups);
+  const std::size_t n = at_step_1.arena_size();
+  std::uint64_t slot = 0;
+  {
+    stored_optimizer stored = stored_optimizer::create(groups, o);
+    slot = 4096 + stored.chunk_bytes();
+    for (std::int64_t t = 0; t < 2; ++t) stored.step(const_view{grad_of(n, t).data(), n, dtype::f32});
+  }
+  at_step_1.step(const_view{grad_of(n, 0).data(), n, dtype::f32});
+  auto slot_bytes = [&](std::uint64_t chunk, std::uint64_t step) { // (read, or written back with `put`)
+    std::string b(slot, '\0');
+    std::ifstream f(dir.path / "chunks", std::ios::binary);
+    f.seekg(std::streamoff((2 * chunk + step % 2) * slot));
+    f.read(b.data(), std::streamsize(b.size()));
+    return b;
+  };
+  auto put = [&](std::uint64_t chunk, std::uint64_t step, const std::string& b) {
+    std::fstream f(dir.path / "chunks", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(std::streamoff((2 * chunk + step % 2) * slot));
+    f.write(b.data(), std::streamsize(b.size()));
+  };
+  const std::string abandoned = slot_bytes(1, 2);
+  std::string bad = slot_bytes(0, 2);
+  bad[4096 + 5] ^= 1;
+  put(0, 2, bad);
+  {
+    stored_optimizer stored = stored_optimizer::open(groups, o); // falls back to step 1
+    REQUIRE(stored.step_count() == 1);
+    stored.step(const_view{grad_of(n, 9).data(), n, dtype::f32}); // step 2 again, other gradients
+  }
+  put(1, 2, abandoned); // the redone step's write of chunk 1 lost
+  stored_optimizer stored = stored_optimizer::open(groups, o);
+  CHECK(stored.step_count() == 1);
+  CHECK_THAT(stored.recovery(), Catch::Contains("chunk 1"));
+  require_same_as(stored, at_step_1, groups);
+}
+
+TEST_CASE("stored_optimizer: a stripe's files replaced under a live store refuse the commit before any record") {
+  const auto groups = mixed_groups();
+  temp_dir dir{"stored_optimizer"};
+  state_store_options o;
+  for (const char* d : {"a", "b"}) {
+    fs::create_directories(dir.path / d);
+    o.dirs.push_back((dir.path / d).string());
+  }
+  o.chunk_elements = 512;
+  o.sync_every_step = false;
+  stored_optimizer stored = stored_optimizer::create(groups, o);
+  optimizer ram(groups);
+  const std::size_t n = ram.arena_size();
+  const fs::path commit = dir.path / "b" / "commit", moved = dir.path / "b" / "commit.moved";
+  fs::rename(commit, moved);
+  fs::copy_file(moved, commit); // (the same bytes, another file)
+  const std::vector<float> g = grad_of(n, 0);
+  CHECK_THROWS_WITH(stored.step(const_view{g.data(), n, dtype::f32}), Catch::Contains("removed or replaced"));
+  CHECK(stored.step_count() == 0);
+  fs::remove(commit);
+  fs::rename(moved, commit); // put back: the step goes on, no stripe ahead of the other
+  stored.step(const_view{g.data(), n, dtype::f32});
+  ram.step(const_view{g.data(), n, dtype::f32});
+  require_same_as(stored, ram, groups);
+  stored.close();
+  CHECK_THROWS_WITH(stored.step(const_view{g.data(), n, dtype::f32}), Catch::Contains("closed"));
+  stored_optimizer again = stored_optimizer::open(groups, o); // (the lock released by close)
+  CHECK(again.step_count() == 1);
+  require_same_as(again, ram, groups);
+}
+
 namespace {
 // The gradient of the child's attempt i: every fifth has a NaN, a skipped step whose count is
 // committed with the next applied one.

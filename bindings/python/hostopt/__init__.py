@@ -674,6 +674,8 @@ class StoredOptimizer:
   def close(self) -> None:
     """Releases the store (its lock and staging memory): another process may open it. Every
     completed step is on the drive already. Later calls raise ValueError."""
+    if self._core is not None:
+      self._core.close()  # (now, whatever still refers to the core object: a traceback's frame)
     self._core = None
 
   def __enter__(self) -> "StoredOptimizer":
