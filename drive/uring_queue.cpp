@@ -2,6 +2,8 @@
 
 #include <cerrno>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 #include <system_error>
 
 #ifdef HOSTOPT_HAVE_URING
@@ -34,6 +36,7 @@ public:
 
 protected:
   void start(const io_request& r) override {
+    if (!failed_.empty()) throw std::runtime_error(failed_);
     io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
     if (sqe == nullptr) throw std::logic_error("io_uring: no free submission entry (more than the depth in flight)");
     if (r.write)
@@ -41,14 +44,20 @@ protected:
     else
       io_uring_prep_read(sqe, r.fd, r.buffer, static_cast<unsigned>(r.bytes), r.offset);
     io_uring_sqe_set_data64(sqe, r.tag);
-    const int rc = io_uring_submit(&ring_);
-    if (rc < 0) throw std::system_error(-rc, std::generic_category(), "io_uring_submit");
+    int rc;
+    do rc = io_uring_submit(&ring_);
+    while (rc == -EINTR);
+    if (rc < 0) { // the entry stays in the ring, unsubmitted: no later submit may send it
+      failed_ = "io_uring_submit failed (" + std::string(std::strerror(-rc)) + "): this queue takes no more requests";
+      throw std::system_error(-rc, std::generic_category(), "io_uring_submit");
+    }
   }
   void collect(std::size_t at_least, std::vector<io_completion>& out) override {
     while (out.size() < at_least) {
       io_uring_cqe* cqe = nullptr;
       const int rc = io_uring_wait_cqe(&ring_, &cqe);
       if (rc == -EINTR) continue;
+      if (rc < 0 && !out.empty()) break; // (those already taken are handed back: they are done)
       if (rc < 0) throw std::system_error(-rc, std::generic_category(), "io_uring_wait_cqe");
       out.push_back({io_uring_cqe_get_data64(cqe), cqe->res});
       io_uring_cqe_seen(&ring_, cqe);
@@ -62,6 +71,7 @@ protected:
 
 private:
   io_uring ring_{};
+  std::string failed_; // set when a submit failed: see start()
 };
 
 } // namespace
