@@ -24,6 +24,13 @@ void add_model_command(CLI::App& app, model_options& o) {
                   "Moment formats, one row each: a list of f32, bf16, 8bit (every tensor in that format)")
       ->delimiter(',')
       ->capture_default_str();
+  cmd->add_option("--drive-gbps", o.drive_gbps,
+                  "Project the state on a drive (StoredOptimizer) with this mixed bandwidth in GB/s "
+                  "(`hostopt-bench disk` measures it): its bytes and its step's I/O time")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--gpu-step-ms", o.gpu_step_ms,
+                  "With --drive-gbps: whether the drive keeps up with a GPU step of this many ms")
+      ->check(CLI::PositiveNumber);
   cmd->add_option("-i,--iterations", o.iterations, "Timed iterations")->capture_default_str()->check(CLI::Range(1, 100000));
   cmd->add_option("-w,--warmup", o.warmup, "Untimed warm-up iterations")->capture_default_str()->check(CLI::Range(0, 1000));
 }
@@ -37,6 +44,8 @@ report run_model_bench(const model_options& o, const common_options& c) {
   std::vector<hostopt::moment_format> states;
   for (const auto& s : o.states) states.push_back(hostopt::parse_moment_format(s));
   if (states.empty()) throw std::invalid_argument("--state: expected at least one of f32, bf16, 8bit");
+  if (o.gpu_step_ms > 0 && !(o.drive_gbps > 0))
+    throw std::invalid_argument("--gpu-step-ms needs --drive-gbps (the drive's mixed bandwidth)");
   const std::size_t n = count_params(tensors);
   const std::size_t per_param = 12 + hostopt::dtype_size(hostopt::dtype(mix.grad)) +
                                 (mix.out < 0 ? 0 : hostopt::dtype_size(hostopt::dtype(mix.out)));
@@ -106,10 +115,25 @@ report run_model_bench(const model_options& o, const common_options& c) {
     row["Mparam/s"] = double(n) / a.median / 1e6;
     row["flat_Mparam/s"] = double(n) / b.median / 1e6;
     row["%flat"] = 100.0 * b.median / a.median;
+    if (o.drive_gbps > 0) { // the state on a drive: two slots of it there, all of it read and written per step
+      const double io = 2.0 * double(model.state_bytes());
+      row["drive_B/param"] = io / double(n);
+      row["drive_step_ms"] = io / (o.drive_gbps * 1e9) * 1e3;
+      if (o.gpu_step_ms > 0) row["drive_keeps_up"] = io / (o.drive_gbps * 1e9) * 1e3 <= o.gpu_step_ms ? "yes" : "no";
+    }
     r.add_row(row);
   }
   prog.finish();
   r.add_note("%flat = flat-tensor time / model time (medians of interleaved runs): the cost of many tensors.");
+  if (o.drive_gbps > 0)
+    r.add_note("With the state on a drive (StoredOptimizer): drive_B/param = its bytes there (two slots of the state), "
+               "which is also what each step reads plus writes; drive_step_ms = those bytes at --drive-gbps, the "
+               "roofline of its streamed step (measured at 0.83-1.18x of it: docs/drive.md); RAM = the staging budget "
+               "(default 256 MB) plus the copy-out, whatever the model." +
+               std::string(o.gpu_step_ms > 0 ? " drive_keeps_up: whether that time fits in the GPU step given, as it "
+                                               "must for the step to hide behind the GPU's next one (a delayed "
+                                               "update); the stored step does not yet overlap a GPU's (issue 35)."
+                                             : ""));
   r.add_note("state_B/param = the optimizer's bytes (f32 master + moments in the row's format, block exponents and "
              "alignment padding included) / parameters.");
   return r;

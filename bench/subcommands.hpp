@@ -53,6 +53,8 @@ struct model_options {
   std::vector<std::string> states{"f32"};
   int iterations = 5;
   int warmup = 1;
+  double drive_gbps = 0;  // > 0: project the state kept on a drive of this mixed bandwidth
+  double gpu_step_ms = 0; // > 0: and whether that drive keeps up with a GPU step of this length
 };
 void add_model_command(CLI::App& app, model_options& o);
 report run_model_bench(const model_options& o, const common_options& c);
