@@ -144,7 +144,7 @@ TEST_CASE("the file is standard safetensors, replaced atomically", "[checkpoint]
   fs::remove_all(dir);
 }
 
-TEST_CASE("bad checkpoints are refused with a message naming the problem; nothing changes", "[checkpoint][errors]") {
+TEST_CASE("bad checkpoints are refused with a message naming the problem, nothing changes", "[checkpoint][errors]") {
   const fs::path dir = scratch_dir();
   const fs::path good = dir / "good.safetensors", bad = dir / "bad.safetensors";
   std::mt19937 rng(3);
@@ -230,7 +230,7 @@ TEST_CASE("bad checkpoints are refused with a message naming the problem; nothin
   fs::remove_all(dir);
 }
 
-TEST_CASE("saves replace only regular files; links, fifos, devices and directories are refused", "[checkpoint][files]") {
+TEST_CASE("saves replace only regular files, links, fifos, devices and directories are refused", "[checkpoint][files]") {
   const fs::path dir = scratch_dir();
   optimizer opt(model());
   std::mt19937 rng(4);
@@ -466,7 +466,7 @@ std::uint32_t bits_of(float x) {
 
 } // namespace
 
-TEST_CASE("a file with a valid checksum and a negative exp_avg_sq is refused, naming tensor and index; "
+TEST_CASE("a file with a valid checksum and a negative exp_avg_sq is refused, naming tensor and index, "
           "what a step writes (NaN, inf) loads",
           "[checkpoint][errors]") {
   const fs::path dir = scratch_dir();

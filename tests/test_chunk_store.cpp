@@ -101,7 +101,7 @@ TEST_CASE("chunk_store: each commit is what opens, on every backend") {
   }
 }
 
-TEST_CASE("chunk_store: an unfinished step is never committed; the one before stays") {
+TEST_CASE("chunk_store: an unfinished step is never committed, the one before stays") {
   temp_dir dir{"chunk_store"};
   {
     chunk_store s = chunk_store::create(dir.str(), shape, durability::none);

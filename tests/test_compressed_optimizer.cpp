@@ -606,7 +606,7 @@ TEST_CASE("a saturated block is one where an element with a gradient had its v r
   }
 }
 
-TEST_CASE("a skipped step counts no block; the default check keeps a NaN gradient out of an 8-bit block",
+TEST_CASE("a skipped step counts no block, the default check keeps a NaN gradient out of an 8-bit block",
           "[compressed][optimizer][block_counts]") {
   const adam_config c;
   optimizer opt({{c, {{"w", {64}}}, moment_format::q8, 1}}, {1, ""});

@@ -166,7 +166,7 @@ TEST_CASE("save while another thread steps writes a whole, loadable state", "[co
   fs::remove_all(dir);
 }
 
-TEST_CASE("a chunked step belongs to its thread; others wait for it", "[concurrency]") {
+TEST_CASE("a chunked step belongs to its thread, others wait for it", "[concurrency]") {
   optimizer opt(model(64));
   std::vector<float> g(opt.arena_size(), 0.25f);
   opt.begin_step({});

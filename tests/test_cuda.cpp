@@ -426,7 +426,7 @@ int main(int argc, char** argv) {
   return Catch::Session().run(argc, argv);
 }
 
-TEST_CASE("the CUDA engine copies both ways; event times lie on steady_clock", "[cuda][engine]") {
+TEST_CASE("the CUDA engine copies both ways, event times lie on steady_clock", "[cuda][engine]") {
   auto engine = make_cuda_copy_engine(0);
   CHECK(engine->name() == "cuda");
   const std::size_t n = std::size_t(1) << 22;
@@ -455,7 +455,7 @@ TEST_CASE("the CUDA engine copies both ways; event times lie on steady_clock", "
   engine->destroy_stream(s);
 }
 
-TEST_CASE("a stream waits for another stream's event; an event never recorded is no wait", "[cuda][engine]") {
+TEST_CASE("a stream waits for another stream's event, an event never recorded is no wait", "[cuda][engine]") {
   auto engine = make_cuda_copy_engine(0);
   const std::size_t n = 1 << 20;
   pinned_buffer src(*engine, n * 4), dst(*engine, n * 4);
@@ -569,7 +569,7 @@ TEST_CASE("every engine call leaves the caller's current device as it was", "[cu
   CHECK(still_zero());
 }
 
-TEST_CASE("misuse throws and leaves the engine usable; a failed host function is sticky",
+TEST_CASE("misuse throws and leaves the engine usable, a failed host function is sticky",
           "[cuda][engine][errors]") {
   auto engine = make_cuda_copy_engine(0);
   const device_stream s = engine->create_stream();

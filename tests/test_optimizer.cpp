@@ -166,7 +166,7 @@ TEST_CASE("many small tensors give the same bits as one flat tensor", "[optimize
   }
 }
 
-TEST_CASE("flat views in arena layout equal per-tensor views; padding is never written", "[optimizer]") {
+TEST_CASE("flat views in arena layout equal per-tensor views, padding is never written", "[optimizer]") {
   std::mt19937 rng(10);
   adam_config c;
   const std::vector<param_group> groups{{c, {{"x", {5}}, {"y", {3, 3}}, {"z", {20}}}}};
@@ -194,7 +194,7 @@ TEST_CASE("flat views in arena layout equal per-tensor views; padding is never w
   }
 }
 
-TEST_CASE("set_params converts from every dtype; step count can be set for resuming", "[optimizer]") {
+TEST_CASE("set_params converts from every dtype, step count can be set for resuming", "[optimizer]") {
   optimizer opt({{adam_config{}, {{"w", {3}}}}});
   const std::uint16_t bf[] = {0x3F80, 0xC000, 0x0000}; // 1, -2, 0
   opt.set_params("w", {bf, 3, dtype::bf16});

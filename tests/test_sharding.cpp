@@ -325,7 +325,7 @@ TEST_CASE("shard files of different saves are never loaded together", "[sharding
   fs::remove_all(base);
 }
 
-TEST_CASE("global decisions are global: a NaN on one rank makes every rank skip; clipping uses the global norm",
+TEST_CASE("global decisions are global: a NaN on one rank makes every rank skip, clipping uses the global norm",
           "[sharding][stats]") {
   std::mt19937 rng(10);
   for (int w : {2, 3}) {

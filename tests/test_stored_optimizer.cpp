@@ -164,7 +164,7 @@ TEST_CASE("stored_optimizer: steps give the in-RAM optimizer's bits, copy-out in
       }
 }
 
-TEST_CASE("stored_optimizer: reopened, it continues where it was; an in-RAM state imports and exports") {
+TEST_CASE("stored_optimizer: reopened, it continues where it was, an in-RAM state imports and exports") {
   const auto groups = mixed_groups();
   temp_dir dir{"stored_optimizer"};
   optimizer ram(groups);
