@@ -89,6 +89,7 @@ void require_same_state(optimizer& a, optimizer& b) {
   REQUIRE(a.step_count() == b.step_count());
   REQUIRE(a.skipped_steps() == b.skipped_steps());
   for (const segment& s : a.segments()) {
+    if (s.size == 0) continue; // (nothing to compare: its views may be null, which memcmp may not take)
     INFO("tensor " << s.name);
     auto pa = a.params(s.name), pb = b.params(s.name);
     REQUIRE(std::memcmp(pa.data(), pb.data(), pa.size_bytes()) == 0);
