@@ -102,7 +102,7 @@ void require_same_state(optimizer& a, optimizer& b) {
       const std::size_t code = moment_code_bytes(f);
       REQUIRE(std::memcmp(ca.exp_avg, cb.exp_avg, s.size * code) == 0);
       REQUIRE(std::memcmp(ca.exp_avg_sq, cb.exp_avg_sq, s.size * code) == 0);
-      REQUIRE(std::memcmp(ca.scales, cb.scales, moment_scale_bytes(f, s.size)) == 0);
+      if (f == moment_format::q8) REQUIRE(std::memcmp(ca.scales, cb.scales, moment_scale_bytes(f, s.size)) == 0);
     }
   }
 }
