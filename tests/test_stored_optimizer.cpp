@@ -113,6 +113,17 @@ void require_same_as(const stored_optimizer& stored, optimizer& reference, const
   require_same_state(copy, reference);
 }
 
+// A store of 512-element chunks in 3 buffers, without fdatasync: many chunks, few buffers.
+state_store_options small_store(const std::string& dir, const std::string& io = "auto") {
+  state_store_options o;
+  o.dirs = {dir};
+  o.chunk_elements = 512;
+  o.buffers = 3;
+  o.sync_every_step = false;
+  o.io = io;
+  return o;
+}
+
 step_options checked_and_clipped() {
   step_options o;
   o.max_grad_norm = 5.0;
@@ -299,12 +310,7 @@ TEST_CASE("stored_optimizer: a step that fails midway leaves the store and the o
   for (const std::string& io : backends_here()) {
     const auto groups = mixed_groups();
     temp_dir dir{"stored_optimizer"};
-    state_store_options o;
-    o.dirs = {dir.str()};
-    o.chunk_elements = 512;
-    o.buffers = 3;
-    o.sync_every_step = false;
-    o.io = io;
+    const state_store_options o = small_store(dir.str(), io);
     stored_optimizer stored = stored_optimizer::create(groups, o);
     optimizer ram(groups);
     const std::size_t n = ram.arena_size();
@@ -408,11 +414,7 @@ TEST_CASE("stored_optimizer: a step redone after a fallback never passes the aba
   // stamps its own id, so open finds that chunk bad and falls back to step 1, never a mix.
   const auto groups = mixed_groups();
   temp_dir dir{"stored_optimizer"};
-  state_store_options o;
-  o.dirs = {dir.str()};
-  o.chunk_elements = 512;
-  o.buffers = 3;
-  o.sync_every_step = false;
+  const state_store_options o = small_store(dir.str());
   optimizer at_step_1(groups);
   const std::size_t n = at_step_1.arena_size();
   std::uint64_t slot = 0;
