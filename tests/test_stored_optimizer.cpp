@@ -231,6 +231,13 @@ TEST_CASE("stored_optimizer: bad options, buffers and stores are refused by name
   bad = o;
   bad.staging_bytes = 10000;
   CHECK_THROWS_WITH(stored_optimizer::create(groups, bad), Catch::Contains("staging_bytes = 10000"));
+  for (const std::size_t budget : {std::size_t(40000), std::size_t(65000)}) { // (these once looped forever)
+    bad = o;
+    bad.chunk_elements = 0;
+    bad.buffers = 8;
+    bad.staging_bytes = budget;
+    CHECK_THROWS_WITH(stored_optimizer::create(groups, bad), Catch::Contains("staging_bytes = " + std::to_string(budget)));
+  }
   bad = o;
   bad.io = "aio";
   CHECK_THROWS_WITH(stored_optimizer::create(groups, bad), Catch::Contains("aio"));
