@@ -13,7 +13,7 @@
 
 #include "bench_common.hpp"
 #include "hostopt/moment_format.hpp"
-#include "stored_optimizer.hpp"
+#include "hostopt/stored_optimizer.hpp"
 #include "subcommands.hpp"
 
 namespace bench {

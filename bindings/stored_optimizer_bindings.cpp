@@ -10,7 +10,7 @@
 
 #include "argument_conversion.hpp"
 #include "module_parts.hpp"
-#include "stored_optimizer.hpp"
+#include "hostopt/stored_optimizer.hpp"
 
 namespace hostopt::bindings {
 

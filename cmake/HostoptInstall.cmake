@@ -2,7 +2,8 @@
 include(CMakePackageConfigHelpers)
 
 set(HOSTOPT_CMAKE_DIR ${CMAKE_INSTALL_LIBDIR}/cmake/hostopt)
-install(TARGETS hostopt hostopt_transfer hostopt_checksum EXPORT hostoptTargets
+# hostopt::store (the state on drives) links the drive layer privately: both are exported.
+install(TARGETS hostopt hostopt_transfer hostopt_checksum hostopt_store hostopt_drive EXPORT hostoptTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})

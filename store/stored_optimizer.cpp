@@ -2,7 +2,7 @@
 // arena are laid out as an optimizer holding that range (a shard) would lay them out in RAM,
 // so each chunk is updated in its staging buffer by the in-RAM optimizer's own plan and
 // kernels (same bits), and drive::chunk_store makes each step a commit.
-#include "stored_optimizer.hpp"
+#include "hostopt/stored_optimizer.hpp"
 
 #include <algorithm>
 #include <random>

@@ -1,6 +1,6 @@
 # The layer picture, checked: transfer/ sees the chunk_updater interface and its own files,
 # never the optimizer side (cpu_adam/ internals or the Adam-facing public headers); and
-# public headers stay free of SIMD, CUDA and pybind types. Run with -DSOURCE_DIR=<repo>.
+# public headers stay free of SIMD, CUDA and pybind types (and of the drive layer). Run with -DSOURCE_DIR=<repo>.
 set(forbidden_in_transfer
   "hostopt/optimizer.hpp" "hostopt/kernels.hpp" "hostopt/adam_config.hpp" "hostopt/gradient_checks.hpp"
   "hostopt/checkpoint.hpp" "hostopt/sharding.hpp" "hostopt/hostopt.hpp"
@@ -38,7 +38,7 @@ endfunction()
 file(GLOB drive_files ${SOURCE_DIR}/drive/*.cpp ${SOURCE_DIR}/drive/*.hpp)
 forbid_includes("${drive_files}" "hostopt/|cpu_adam|transfer/|kernel_|optimizer")
 file(GLOB public_headers ${SOURCE_DIR}/include/hostopt/*.hpp ${SOURCE_DIR}/include/hostopt/detail/*.hpp)
-forbid_includes("${public_headers}" "xsimd|cuda|pybind|torch|immintrin|arm_neon")
+forbid_includes("${public_headers}" "xsimd|cuda|pybind|torch|immintrin|arm_neon|liburing|chunk_store|io_queue")
 if(bad)
   message(FATAL_ERROR "layering violated:\n${bad}")
 endif()

@@ -20,7 +20,7 @@
 #include "hostopt/optimizer.hpp"
 #include "temp_dir.hpp"
 #include "io_queue.hpp"
-#include "stored_optimizer.hpp"
+#include "hostopt/stored_optimizer.hpp"
 
 namespace fs = std::filesystem;
 using namespace hostopt;

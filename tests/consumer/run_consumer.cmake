@@ -14,3 +14,6 @@ run(${CMAKE_COMMAND} -S ${CONSUMER_SOURCE_DIR} -B ${WORK_DIR}/build -G ${GENERAT
     "-DCMAKE_CXX_FLAGS=${CXX_FLAGS}" "-DCMAKE_EXE_LINKER_FLAGS=${LINKER_FLAGS}")
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run(${WORK_DIR}/build/consumer)
+# The store's directory: under the build tree, a drive with O_DIRECT as the tests' are.
+file(MAKE_DIRECTORY ${WORK_DIR}/store)
+run(${WORK_DIR}/build/consumer_store ${WORK_DIR}/store)

@@ -5,6 +5,8 @@
 // IS that step, verified (drive/chunk_store: two slots per chunk, a commit record last).
 // Its steps give the in-RAM optimizer's bits, for every moment format and kernel.
 //
+// Link hostopt::store (the installed package's target; it brings hostopt::hostopt).
+//
 // Not yet here (see docs/design.md): a range of the layout (a shard's store), the per-tensor
 // and chunked (pipeline) steps, the torch and JAX fronts.
 
