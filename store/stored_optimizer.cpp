@@ -98,9 +98,9 @@ struct stored_optimizer::impl {
   std::vector<const_view> stat_views;
   std::vector<char> read_done, write_done;
 
-  impl(std::vector<param_group> gs, execution_options e)
+  impl(std::vector<param_group> gs, execution_options e, const std::optional<arena_range>& range)
       : exec(std::move(e)), kernels(nullptr), groups(std::move(gs)),
-        whole(groups, arena_range{0, arena_end(arena_layout(groups))}), whole_pieces(whole.pieces()) {
+        whole(groups, range ? *range : arena_range{0, arena_end(arena_layout(groups))}), whole_pieces(whole.pieces()) {
     check_threads(exec.threads);
     kernels = &kernel_set_by_name(exec.kernel);
     for (const param_group& g : groups) {
@@ -111,7 +111,9 @@ struct stored_optimizer::impl {
     chunk_kernels.resize(configs.size());
   }
 
+  // Elements held, and the first one's layout index: flat buffers index from `base()`.
   std::size_t end() const { return whole.size(); }
+  std::size_t base() const { return whole.range().begin; }
 
   // Chunks of `elements` each (the last shorter) and the bytes of the largest.
   void lay_out_chunks(std::size_t elements) {
@@ -120,7 +122,7 @@ struct stored_optimizer::impl {
     const std::vector<moment_format> formats = formats_of(groups);
     std::size_t largest = 0;
     for (std::size_t b = 0; b == 0 || b < end(); b += elements) {
-      const arena_range r{b, std::min(end(), b + elements)};
+      const arena_range r{base() + b, base() + std::min(end(), b + elements)};
       held_layout layout(groups, r);
       state_storage storage(formats, layout, state_storage::external_memory{});
       largest = std::max(largest, storage.contiguous_bytes());
@@ -181,6 +183,7 @@ struct stored_optimizer::impl {
     add(store_kind);
     add(chunk_elements);
     add(end());
+    if (!whole.whole()) add(base()); // (a whole layout's fingerprint is what it was before ranges)
     for (const segment& s : whole.segments()) {
       add(s.name.size());
       c.add(s.name.data(), s.name.size());
@@ -332,16 +335,16 @@ struct stored_optimizer::impl {
     j.begin = 0;
     j.end = c.range.size();
     j.index_origin = c.range.begin; // compressed moments round by layout index, as in RAM
-    j.flat_grad = static_cast<const char*>(grad) + c.range.begin * grad_bytes;
-    j.flat_out = out ? static_cast<char*>(out) + c.range.begin * out_bytes : nullptr;
+    j.flat_grad = static_cast<const char*>(grad) + (c.range.begin - base()) * grad_bytes;
+    j.flat_out = out ? static_cast<char*>(out) + (c.range.begin - base()) * out_bytes : nullptr;
     return run_update(j, exec.threads);
   }
 
   // A piece's params and moments between a chunk's storage and an in-RAM optimizer's state
-  // (its held flat element = layout element): to_ram or from it.
+  // (holding the same range: its flat element i is ours): to_ram or from it.
   void copy_piece(const chunk& c, const update_piece& piece, const exclusive_state& ram, bool to_ram) const {
     if (!piece.size) return;
-    const std::size_t g = piece.group, at = c.range.begin + piece.offset;
+    const std::size_t g = piece.group, at = c.range.begin - base() + piece.offset;
     const moment_format f = groups[g].moments;
     auto move = [&](char* chunk_side, char* ram_side, std::size_t bytes) {
       if (to_ram) std::memcpy(ram_side, chunk_side, bytes);
@@ -357,7 +360,8 @@ struct stored_optimizer::impl {
 
   void check_same_state(const exclusive_state& ram, const char* what) const {
     const auto segs = ram.segments();
-    bool same = ram.range().begin == 0 && ram.range().end == end() && segs.size() == whole.segments().size() &&
+    bool same = ram.range().begin == whole.range().begin && ram.range().end == whole.range().end &&
+                segs.size() == whole.segments().size() &&
                 ram.formats() == formats_of(groups);
     for (std::size_t i = 0; same && i < segs.size(); ++i) {
       const segment &a = segs[i], &b = whole.segments()[i];
@@ -398,7 +402,7 @@ stored_optimizer::~stored_optimizer() = default;
 stored_optimizer stored_optimizer::create(std::vector<param_group> groups, const state_store_options& options,
                                           execution_options exec, const_view initial_params) {
   check_options(options);
-  auto s = std::make_unique<impl>(std::move(groups), std::move(exec));
+  auto s = std::make_unique<impl>(std::move(groups), std::move(exec), options.range);
   const bool has_params = initial_params.data != nullptr || initial_params.size != 0;
   if (has_params) {
     check_view("initial_params", initial_params.data, initial_params.size, initial_params.type, s->end());
@@ -413,7 +417,8 @@ stored_optimizer stored_optimizer::create(std::vector<param_group> groups, const
     if (!has_params) return;
     for (const update_piece& piece : c.pieces)
       if (piece.size)
-        std::memcpy(c.storage.params() + piece.offset, p + c.range.begin + piece.offset, piece.size * sizeof(float));
+        std::memcpy(c.storage.params() + piece.offset, p + (c.range.begin - s->base()) + piece.offset,
+                    piece.size * sizeof(float));
   });
   s->commit();
   return stored_optimizer(std::move(s));
@@ -422,7 +427,7 @@ stored_optimizer stored_optimizer::create(std::vector<param_group> groups, const
 stored_optimizer stored_optimizer::create(const optimizer& ram, std::vector<param_group> groups,
                                           const state_store_options& options) {
   check_options(options);
-  auto s = std::make_unique<impl>(std::move(groups), ram.execution());
+  auto s = std::make_unique<impl>(std::move(groups), ram.execution(), options.range);
   const exclusive_state es(ram, "stored_optimizer::create");
   s->check_same_state(es, "stored_optimizer::create");
   s->configs = es.configs();
@@ -441,7 +446,7 @@ stored_optimizer stored_optimizer::create(const optimizer& ram, std::vector<para
 stored_optimizer stored_optimizer::open(std::vector<param_group> groups, const state_store_options& options,
                                         execution_options exec) {
   check_options(options);
-  auto s = std::make_unique<impl>(std::move(groups), std::move(exec));
+  auto s = std::make_unique<impl>(std::move(groups), std::move(exec), options.range);
   // Every stripe's last commit: one model, one chunking, one count of stripes, each in its place.
   const std::size_t n = options.dirs.size();
   std::vector<drive::chunk_store::head> heads;
@@ -482,9 +487,9 @@ stored_optimizer stored_optimizer::open(std::vector<param_group> groups, const s
                                " bytes where they need " + std::to_string(need.chunks) + " of " +
                                std::to_string(need.chunk_bytes) +
                                (saved.chunks == need.chunks && saved.chunk_bytes == need.chunk_bytes
-                                    ? ", and another fingerprint (tensor names, shapes, groups, moment formats or "
-                                      "rounding seeds differ)"
-                                    : " (another model, layout or moment format)"));
+                                    ? ", and another fingerprint (tensor names, shapes, groups, moment formats, "
+                                      "rounding seeds or the range held differ)"
+                                    : " (another model, layout, moment format or range held)"));
   }
   // The store's chunking, in as many buffers as the budget holds (at least 3).
   unsigned buffers = options.buffers;
@@ -534,6 +539,11 @@ step_result stored_optimizer::step(const_view flat_grad, mut_view flat_out, cons
   const std::lock_guard<std::mutex> lock(s.lock);
   s.check_usable("step");
   check_grad_scale(opts.grad_scale);
+  if (!s.whole.whole() && opts.known_grad_norm < 0 && (opts.skip_nonfinite || opts.max_grad_norm != 0))
+    throw std::invalid_argument("stored_optimizer::step: this store holds a range of the layout (a shard), and a "
+                                "checked or clipping step decides from the global gradient norm: pass "
+                                "step_options::known_grad_norm (the ranks' sums of squares, all-reduced), or "
+                                "every rank would decide alone");
   const std::size_t n = s.end();
   check_view("flat_grad", flat_grad.data, flat_grad.size, flat_grad.type, n);
   const bool has_out = flat_out.data != nullptr || flat_out.size != 0;
@@ -606,6 +616,7 @@ std::int64_t stored_optimizer::skipped_steps() const {
   return impl_->skipped;
 }
 std::size_t stored_optimizer::arena_size() const { return impl_->end(); }
+arena_range stored_optimizer::range() const { return impl_->whole.range(); }
 std::span<const segment> stored_optimizer::segments() const { return impl_->whole.segments(); }
 std::size_t stored_optimizer::num_groups() const { return impl_->configs.size(); }
 adam_config stored_optimizer::group_config(std::size_t group) const {

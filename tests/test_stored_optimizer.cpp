@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "hostopt/optimizer.hpp"
+#include "hostopt/sharding.hpp"
 #include "temp_dir.hpp"
 #include "io_queue.hpp"
 #include "hostopt/stored_optimizer.hpp"
@@ -457,6 +458,81 @@ TEST_CASE("stored_optimizer: a step redone after a fallback never passes the aba
   CHECK(stored.step_count() == 1);
   CHECK_THAT(stored.recovery(), Catch::Contains("chunk 1"));
   require_same_as(stored, at_step_1, groups);
+}
+
+TEST_CASE("stored_optimizer: a store per rank holds its shard, steps to the single process's bits and reopens") {
+  const std::vector<param_group> groups = mixed_groups();
+  const std::size_t n = arena_end(arena_layout(groups));
+  const int world = 3;
+  // Clipped by a global norm every rank is given (as an all-reduce gives it): the whole
+  // optimizer gets the same one, so every bit must agree.
+  step_options opts = checked_and_clipped();
+  opts.known_grad_norm = 7.5;
+  optimizer ram(groups);
+  std::vector<std::vector<float>> outs(4, std::vector<float>(n));
+  for (std::int64_t t = 0; t < 4; ++t) ram.step(const_view{grad_of(n, t).data(), n, dtype::f32},
+                                                 mut_view{outs[std::size_t(t)].data(), n, dtype::f32}, opts);
+  for (const std::size_t chunk : {std::size_t(0), std::size_t(64)})
+    for (int rank = 0; rank < world; ++rank) {
+      INFO("rank " << rank << ", chunk_elements " << chunk);
+      const arena_range r = shard_of(groups, world, rank);
+      temp_dir dir{"stored_shard"};
+      state_store_options o = small_store(dir.str());
+      o.chunk_elements = chunk;
+      o.range = r;
+      auto shard_of_step = [&](std::int64_t t) {
+        const std::vector<float> g = grad_of(n, t);
+        return std::vector<float>(g.begin() + std::ptrdiff_t(r.begin), g.begin() + std::ptrdiff_t(r.end));
+      };
+      std::vector<float> out(r.size());
+      {
+        stored_optimizer stored = stored_optimizer::create(groups, o);
+        CHECK(stored.arena_size() == r.size());
+        CHECK((stored.range().begin == r.begin && stored.range().end == r.end));
+        // The shard decides nothing alone: a checked step needs the global norm.
+        const std::vector<float> g = shard_of_step(0);
+        CHECK_THROWS_WITH(stored.step(const_view{g.data(), g.size(), dtype::f32}, mut_view{}, checked_and_clipped()),
+                          Catch::Contains("known_grad_norm"));
+        CHECK(stored.step_count() == 0);
+        for (std::int64_t t = 0; t < 2; ++t) {
+          const std::vector<float> gs = shard_of_step(t);
+          stored.step(const_view{gs.data(), gs.size(), dtype::f32}, mut_view{out.data(), out.size(), dtype::f32}, opts);
+          REQUIRE(std::memcmp(out.data(), outs[std::size_t(t)].data() + r.begin, r.size() * 4) == 0);
+        }
+      }
+      // Another rank's range (or the whole layout) is another store.
+      state_store_options other = o;
+      other.range = shard_of(groups, world, (rank + 1) % world);
+      CHECK_THROWS_WITH(stored_optimizer::open(groups, other), Catch::Contains("range"));
+      other.range.reset();
+      CHECK_THROWS_AS(stored_optimizer::open(groups, other), std::runtime_error);
+      stored_optimizer stored = stored_optimizer::open(groups, o);
+      CHECK(stored.step_count() == 2);
+      const std::vector<float> g2 = shard_of_step(2);
+      stored.step(const_view{g2.data(), g2.size(), dtype::f32}, mut_view{out.data(), out.size(), dtype::f32}, opts);
+      REQUIRE(std::memcmp(out.data(), outs[2].data() + r.begin, r.size() * 4) == 0);
+      // Exported into an optimizer holding the range, its next step is the single process's.
+      optimizer local(groups, r);
+      CHECK_THROWS_WITH(stored.copy_state_to(ram), Catch::Contains("range"));
+      stored.copy_state_to(local);
+      CHECK(local.step_count() == 3);
+      const std::vector<float> g3 = shard_of_step(3);
+      local.step(const_view{g3.data(), g3.size(), dtype::f32}, mut_view{out.data(), out.size(), dtype::f32}, opts);
+      REQUIRE(std::memcmp(out.data(), outs[3].data() + r.begin, r.size() * 4) == 0);
+      // And imported back into a store of the range, the same.
+      temp_dir again{"stored_shard_import"};
+      state_store_options oi = small_store(again.str());
+      oi.range = r;
+      CHECK_THROWS_WITH(stored_optimizer::create(ram, groups, oi), Catch::Contains("range"));
+      stored_optimizer imported = stored_optimizer::create(local, groups, oi);
+      CHECK(imported.step_count() == 4);
+    }
+  // A range that cuts an 8-bit block (or the 64-byte unit) is refused before any file.
+  temp_dir dir{"stored_shard_bad"};
+  state_store_options o = small_store(dir.str());
+  o.range = arena_range{16, n};
+  CHECK_THROWS_AS(stored_optimizer::create(groups, o), std::invalid_argument);
+  CHECK(fs::is_empty(dir.path));
 }
 
 TEST_CASE("stored_optimizer: a stripe's files replaced under a live store refuse the commit before any record") {

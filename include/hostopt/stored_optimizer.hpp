@@ -7,13 +7,14 @@
 //
 // Link hostopt::store (the installed package's target; it brings hostopt::hostopt).
 //
-// Not yet here (see docs/design.md): a range of the layout (a shard's store), the per-tensor
-// and chunked (pipeline) steps, the torch and JAX fronts.
+// Not yet here (see docs/design.md): the per-tensor and chunked (pipeline) steps, the torch
+// and JAX fronts.
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -41,17 +42,24 @@ struct state_store_options {
   bool sync_every_step = true;
   /// "auto" (io_uring, else threads), "io_uring" or "threads".
   std::string io = "auto";
+  /// A range of the layout to hold: a rank's shard, shard_of(groups, world_size, rank), each
+  /// rank its own store (its own dirs). step's buffers are then that range's slice of the
+  /// flat layout (what a reduce-scatter gives and an all-gather takes), as sharded_optimizer's,
+  /// and a checked or clipping step needs the global norm (step_options::known_grad_norm).
+  /// Unset: the whole layout. A store opens only with the range it was created with.
+  std::optional<arena_range> range;
 };
 
 class stored_optimizer {
 public:
   /// A new store in options.dirs (refused where one exists) holding the groups' state at step
-  /// 0: zero moments, and `initial_params` (f32, the flat layout, arena_end elements) or zero
-  /// params. Committed before it returns.
+  /// 0: zero moments, and `initial_params` (f32, the flat layout of the range held:
+  /// arena_size() elements) or zero params. Committed before it returns.
   static stored_optimizer create(std::vector<param_group> groups, const state_store_options& options,
                                  execution_options exec = {}, const_view initial_params = {});
   /// A new store holding `ram`'s whole state (params, moments, counters): an import. The
-  /// groups must be ram's (their rounding seeds too: a store reopens only with them); the
+  /// groups must be ram's (their rounding seeds too: a store reopens only with them), and
+  /// ram must hold the options' range (an optimizer made with that range for a shard); the
   /// object steps with ram's hyper-parameters, which the store does not keep.
   static stored_optimizer create(const optimizer& ram, std::vector<param_group> groups,
                                  const state_store_options& options);
@@ -81,7 +89,11 @@ public:
 
   std::int64_t step_count() const;
   std::int64_t skipped_steps() const;
+  /// Elements of a flat gradient or copy-out: the range held (padding included).
   std::size_t arena_size() const;
+  /// The part of the layout held: [0, arena_end) unless options.range named a shard.
+  arena_range range() const;
+  /// The whole layout's tensors (layout offsets), as optimizer::segments.
   std::span<const segment> segments() const;
   std::size_t num_groups() const;
   adam_config group_config(std::size_t group) const;
