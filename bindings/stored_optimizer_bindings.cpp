@@ -6,6 +6,8 @@
 
 #include <cstddef>
 #include <memory>
+#include <optional>
+#include <utility>
 #include <string>
 
 #include "argument_conversion.hpp"
@@ -16,9 +18,13 @@ namespace hostopt::bindings {
 
 namespace {
 
+using optional_range = std::optional<std::pair<std::size_t, std::size_t>>;
+
 state_store_options store_options(const std::vector<std::string>& dirs, std::size_t staging_bytes, unsigned buffers,
-                                  std::size_t chunk_elements, bool sync, const std::string& io) {
+                                  std::size_t chunk_elements, bool sync, const std::string& io,
+                                  const optional_range& range = std::nullopt) {
   state_store_options o;
+  if (range) o.range = arena_range{range->first, range->second};
   o.dirs = dirs;
   o.staging_bytes = staging_bytes;
   o.buffers = buffers;
@@ -45,28 +51,30 @@ void bind_stored_optimizer(py::module_& m) {
           "create",
           [](py::list groups, const std::vector<std::string>& dir, std::size_t staging_bytes, unsigned buffers,
              std::size_t chunk_elements, bool sync, const std::string& io, int threads, const std::string& kernel,
-             py::handle initial_params) {
+             py::handle initial_params, const optional_range& range) {
             const std::vector<param_group> gs = groups_from(groups);
             buffer p;
             if (!initial_params.is_none()) p = check_array(initial_params, "initial_params", "f32", false);
-            const state_store_options o = store_options(dir, staging_bytes, buffers, chunk_elements, sync, io);
+            const state_store_options o = store_options(dir, staging_bytes, buffers, chunk_elements, sync, io, range);
             py::gil_scoped_release release;
             return std::make_unique<stored_optimizer>(
                 stored_optimizer::create(gs, o, {threads, kernel}, {p.data, p.size, p.type}));
           },
           py::arg("groups"), py::arg("dirs"), py::arg("staging_bytes"), py::arg("buffers"), py::arg("chunk_elements"),
-          py::arg("sync"), py::arg("io"), py::arg("threads"), py::arg("kernel"), py::arg("initial_params"))
+          py::arg("sync"), py::arg("io"), py::arg("threads"), py::arg("kernel"), py::arg("initial_params"),
+          py::arg("range") = py::none())
       .def_static(
           "open",
           [](py::list groups, const std::vector<std::string>& dir, std::size_t staging_bytes, unsigned buffers,
-             std::size_t chunk_elements, bool sync, const std::string& io, int threads, const std::string& kernel) {
+             std::size_t chunk_elements, bool sync, const std::string& io, int threads, const std::string& kernel,
+             const optional_range& range) {
             const std::vector<param_group> gs = groups_from(groups);
-            const state_store_options o = store_options(dir, staging_bytes, buffers, chunk_elements, sync, io);
+            const state_store_options o = store_options(dir, staging_bytes, buffers, chunk_elements, sync, io, range);
             py::gil_scoped_release release;
             return std::make_unique<stored_optimizer>(stored_optimizer::open(gs, o, {threads, kernel}));
           },
           py::arg("groups"), py::arg("dirs"), py::arg("staging_bytes"), py::arg("buffers"), py::arg("chunk_elements"),
-          py::arg("sync"), py::arg("io"), py::arg("threads"), py::arg("kernel"))
+          py::arg("sync"), py::arg("io"), py::arg("threads"), py::arg("kernel"), py::arg("range") = py::none())
       .def_static(
           "import_state",
           [](const optimizer& ram, py::list groups, const std::vector<std::string>& dir, std::size_t staging_bytes, unsigned buffers,
@@ -97,6 +105,8 @@ void bind_stored_optimizer(py::module_& m) {
       .def_property_readonly("step_count", &stored_optimizer::step_count)
       .def_property_readonly("skipped_steps", &stored_optimizer::skipped_steps)
       .def_property_readonly("arena_size", &stored_optimizer::arena_size)
+      .def_property_readonly("range",
+                             [](const stored_optimizer& o) { return py::make_tuple(o.range().begin, o.range().end); })
       .def_property_readonly("num_groups", &stored_optimizer::num_groups)
       .def_property_readonly("chunks", &stored_optimizer::chunks)
       .def_property_readonly("chunk_elements", &stored_optimizer::chunk_elements)

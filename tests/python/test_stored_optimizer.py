@@ -173,3 +173,50 @@ def test_a_store_whose_newest_chunk_is_bad_opens_at_the_step_before(tmp_path):
     assert stored.step_count == 0
     assert "step 1 could not be opened" in stored.recovery and "chunk 0" in stored.recovery
     same_state(exported(stored), ram)
+
+
+def test_a_store_per_rank_holds_its_shard_and_steps_to_the_single_process_bits(tmp_path):
+  ram = hostopt.Optimizer(GROUPS)
+  n = ram.arena_size
+  flats, outs = [], []
+  for t in range(3):  # the summed gradients of 3 steps, flat (padding zero), and the new parameters
+    flat = np.zeros(n, np.float32)
+    for name, g in grads_of(ram, t).items():
+      _, _, off, size, _ = ram.segment(name)
+      flat[off:off + size] = g.reshape(-1)
+    out = np.zeros(n, np.float32)
+    ram.step(flat, out, max_grad_norm=2.0, known_grad_norm=3.0)  # the norm every rank is given (all-reduced)
+    flats.append(flat)
+    outs.append(out)
+  world = 2
+  ranges = []
+  for rank in range(world):
+    d = tmp_path / f"rank{rank}"
+    d.mkdir()
+    stored = hostopt.StoredOptimizer.create(GROUPS, d, chunk_elements=256, buffers=3, sync=False,
+                                            shard=(world, rank))
+    b, e = stored.range
+    ranges.append((b, e))
+    assert stored.arena_size == e - b and 0 < e - b < n
+    with pytest.raises(ValueError, match="known_grad_norm"):  # no rank decides a clip (or a skip) alone
+      stored.step(flats[0][b:e], max_grad_norm=2.0)
+    out = np.zeros(e - b, np.float32)
+    stored.step(flats[0][b:e], out, max_grad_norm=2.0, known_grad_norm=3.0)
+    np.testing.assert_array_equal(out, outs[0][b:e])
+    # A mapping of whole tensors is sliced to the shard.
+    whole = {name: flats[1][off:off + size].reshape(shape)
+             for name, shape, off, size, _ in (ram.segment(m) for m in ram.names)}
+    stored.step(whole, out, max_grad_norm=2.0, known_grad_norm=3.0)
+    np.testing.assert_array_equal(out, outs[1][b:e])
+    stored.close()
+    with pytest.raises(RuntimeError, match="range"):
+      hostopt.StoredOptimizer.open(GROUPS, d, sync=False, shard=(world, 1 - rank))
+    with hostopt.StoredOptimizer.open(GROUPS, d, sync=False, shard=(world, rank)) as again:
+      assert again.step_count == 2 and again.range == (b, e)
+      again.step(flats[2][b:e], out, max_grad_norm=2.0, known_grad_norm=3.0)
+      np.testing.assert_array_equal(out, outs[2][b:e])
+  assert ranges[0][0] == 0 and ranges[0][1] == ranges[1][0] and ranges[1][1] == n
+  for bad, err in (((2,), TypeError), ((0, 0), ValueError), ((2, 2), ValueError), ((2, 1.0), TypeError)):
+    with pytest.raises(err, match="shard"):
+      hostopt.StoredOptimizer.create(GROUPS, tmp_path, sync=False, shard=bad)
+  assert not any(p.is_file() for p in tmp_path.iterdir())

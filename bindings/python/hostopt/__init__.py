@@ -548,6 +548,12 @@ class StoredOptimizer:
     io (str): "io_uring" (refused where the kernel refuses it), "threads" (pread/pwrite
       on a small pool), or "auto" (the default: io_uring, else threads).
 
+  ``shard=(world_size, rank)`` (create and open) keeps one rank's shard of the layout, each rank
+  its own store: the range ``hostopt._core.shard_of`` gives (:attr:`range`), whose slice of the
+  flat layout every step's gradient and ``out`` are (what a reduce-scatter gives and an
+  all-gather takes; a mapping of whole tensors is sliced), and a checked or clipping step
+  needs ``known_grad_norm`` (the global norm, all-reduced) so no rank decides alone.
+
   These are keywords of create, open and from_optimizer. The directory must be on a
   filesystem with O_DIRECT (not tmpfs); the store takes about
   twice the state's bytes there (two slots per chunk). `dir` may be a list of directories,
@@ -569,6 +575,8 @@ class StoredOptimizer:
   def __init__(self, core: Any, groups: List[Mapping]) -> None:  # (made by create, open and from_optimizer)
     self._core: Optional[_core.StoredOptimizer] = core
     self._groups = groups
+    self._range = tuple(core.range)
+    self._whole = _LayoutOnly(*_core.arena_layout(_group_spec(groups)))
     self._has_8bit = any(str(g.get("moments", "f32")) in ("8bit", "q8") for g in groups)
     self._segments = _segments(self._core)
     self._index = {s.name: i for i, s in enumerate(self._segments)}
@@ -589,20 +597,36 @@ class StoredOptimizer:
             _integer(chunk_elements, "chunk_elements", (0, 2**63), "an element count >= 0"),
             _bool(sync, "sync"), str(io))
 
+  @staticmethod
+  def _shard_range(spec: List[Dict[str, Any]], shard) -> Optional[Tuple[int, int]]:
+    """[begin, end) of the layout that shard=(world_size, rank) holds, or None (the whole)."""
+    if shard is None:
+      return None
+    if isinstance(shard, (str, bytes)) or not isinstance(shard, Sequence) or len(shard) != 2:
+      raise TypeError(f"shard={shard!r}: expected (world_size, rank)")
+    world = _integer(shard[0], "shard's world_size", (1, 2**31), "an int >= 1")
+    rank = _integer(shard[1], "shard's rank", (0, world), f"an int in [0, {world}) (world_size {world})")
+    unit = 32 if any(_core.moment_format(g.get("moments", "f32")) == "8bit" for g in spec) else 16
+    return _core.shard_of(_core.arena_layout(spec)[1], world, rank, unit)
+
   @classmethod
   def create(cls, groups: Sequence[Mapping], dir: Union[str, os.PathLike, Sequence[str]], *, initial_params=None, staging_bytes: int = 256 << 20,
              buffers: int = 8, chunk_elements: int = 0, sync: bool = True, io: str = "auto", threads: int = 0,
-             kernel: str = "") -> "StoredOptimizer":
+             kernel: str = "", shard: Optional[Tuple[int, int]] = None) -> "StoredOptimizer":
     """A new store in the existing directory `dir` (refused where one is; a list of
     directories, one per drive, stripes the chunks over them): zero moments,
     step 0, and the master parameters from `initial_params` (a mapping name -> array of
-    every tensor, or one flat float32 array in the arena layout) or zeros."""
+    every tensor, or one flat float32 array in the arena layout: of the shard's range
+    with `shard`) or zeros."""
     spec = _group_spec(groups)
     th = _threads.resolve(_integer(threads, "threads", _INT32))
+    held = cls._shard_range(spec, shard)
     flat = None
     if initial_params is not None:
       if isinstance(initial_params, Mapping):
         flat, tag = cls._flat_of(_LayoutOnly(*_core.arena_layout(spec)), initial_params, "initial_params")
+        if held is not None:
+          flat = flat[held[0]:held[1]]
       else:
         flat, tag = as_buffer(initial_params, "initial_params")
         if flat.ndim != 1:
@@ -611,18 +635,21 @@ class StoredOptimizer:
       if tag != "f32":
         raise TypeError(f"initial_params: dtype {tag}, expected float32 (the master parameters)")
     core = _core.StoredOptimizer.create(spec, cls._dirs(dir), *cls._options(staging_bytes, buffers, chunk_elements, sync, io),
-                                        th, kernel, flat)
+                                        th, kernel, flat, held)
     return cls(core, list(groups))
 
   @classmethod
   def open(cls, groups: Sequence[Mapping], dir: Union[str, os.PathLike, Sequence[str]], *, staging_bytes: int = 256 << 20, buffers: int = 8,
-           sync: bool = True, io: str = "auto", threads: int = 0, kernel: str = "") -> "StoredOptimizer":
+           sync: bool = True, io: str = "auto", threads: int = 0, kernel: str = "",
+           shard: Optional[Tuple[int, int]] = None) -> "StoredOptimizer":
     """The store in `dir` at its last completed step, every chunk verified first. Raises
     RuntimeError naming the problem: no store, other groups (names, shapes, moment formats,
-    rounding seeds), a store open elsewhere, a corrupt or truncated chunk."""
+    rounding seeds) or another shard, a store open elsewhere, a corrupt or truncated chunk."""
     spec = _group_spec(groups)
     th = _threads.resolve(_integer(threads, "threads", _INT32))
-    core = _core.StoredOptimizer.open(spec, cls._dirs(dir), *cls._options(staging_bytes, buffers, 0, sync, io), th, kernel)
+    held = cls._shard_range(spec, shard)
+    core = _core.StoredOptimizer.open(spec, cls._dirs(dir), *cls._options(staging_bytes, buffers, 0, sync, io), th, kernel,
+                                      held)
     return cls(core, list(groups))
 
   @classmethod
@@ -697,7 +724,9 @@ class StoredOptimizer:
     opts = _step_options(grad_scale, max_grad_norm, skip_nonfinite, known_grad_norm, self._has_8bit)
     core = self._live()
     if isinstance(grads, Mapping):
-      g, gt = self._flat_of(core, grads, "grads")
+      g, gt = self._flat_of(self._whole, grads, "grads")
+      if self._range != (0, self._whole.arena_size):
+        g = g[self._range[0]:self._range[1]]  # (a view of the copy: contiguous)
     else:
       g, gt = as_buffer(grads, "grads")
     o, ot = (None, "f32") if out is None else as_buffer(out, "out", writable=True)
@@ -720,8 +749,14 @@ class StoredOptimizer:
 
   @property
   def arena_size(self) -> int:
-    """Elements of a flat gradient: the tensors' sizes, each padded to the chunk unit."""
+    """Elements of a flat gradient or ``out``: the range held (the whole layout, each tensor padded to
+    the chunk unit, unless made with ``shard``)."""
     return self._live().arena_size
+
+  @property
+  def range(self) -> Tuple[int, int]:
+    """[begin, end) of the layout held: (0, the layout's end) unless made with ``shard``."""
+    return self._range
 
   @property
   def names(self) -> List[str]:
