@@ -540,10 +540,12 @@ step_result stored_optimizer::step(const_view flat_grad, mut_view flat_out, cons
   s.check_usable("step");
   check_grad_scale(opts.grad_scale);
   if (!s.whole.whole() && opts.known_grad_norm < 0 && (opts.skip_nonfinite || opts.max_grad_norm != 0))
-    throw std::invalid_argument("stored_optimizer::step: this store holds a range of the layout (a shard), and a "
-                                "checked or clipping step decides from the global gradient norm: pass "
-                                "step_options::known_grad_norm (the ranks' sums of squares, all-reduced), or "
-                                "every rank would decide alone");
+    throw std::invalid_argument(std::string("stored_optimizer::step: this store holds a range of the layout (a "
+                                            "shard), and ") +
+                                (opts.max_grad_norm != 0 ? "max_grad_norm clips" : "skip_nonfinite is on (the default)") +
+                                ": the decision needs the global gradient norm, or each rank would decide alone. "
+                                "Pass step_options::known_grad_norm (the ranks' sums of squares, all-reduced, "
+                                "square-rooted), or skip_nonfinite = false and no max_grad_norm");
   const std::size_t n = s.end();
   check_view("flat_grad", flat_grad.data, flat_grad.size, flat_grad.type, n);
   const bool has_out = flat_out.data != nullptr || flat_out.size != 0;

@@ -469,8 +469,8 @@ TEST_CASE("stored_optimizer: a store per rank holds its shard, steps to the sing
   step_options opts = checked_and_clipped();
   opts.known_grad_norm = 7.5;
   optimizer ram(groups);
-  std::vector<std::vector<float>> outs(4, std::vector<float>(n));
-  for (std::int64_t t = 0; t < 4; ++t) ram.step(const_view{grad_of(n, t).data(), n, dtype::f32},
+  std::vector<std::vector<float>> outs(5, std::vector<float>(n));
+  for (std::int64_t t = 0; t < 5; ++t) ram.step(const_view{grad_of(n, t).data(), n, dtype::f32},
                                                  mut_view{outs[std::size_t(t)].data(), n, dtype::f32}, opts);
   for (const std::size_t chunk : {std::size_t(0), std::size_t(64)})
     for (int rank = 0; rank < world; ++rank) {
@@ -492,7 +492,9 @@ TEST_CASE("stored_optimizer: a store per rank holds its shard, steps to the sing
         // The shard decides nothing alone: a checked step needs the global norm.
         const std::vector<float> g = shard_of_step(0);
         CHECK_THROWS_WITH(stored.step(const_view{g.data(), g.size(), dtype::f32}, mut_view{}, checked_and_clipped()),
-                          Catch::Contains("known_grad_norm"));
+                          Catch::Contains("max_grad_norm clips") && Catch::Contains("known_grad_norm"));
+        CHECK_THROWS_WITH(stored.step(const_view{g.data(), g.size(), dtype::f32}, mut_view{}, step_options{}),
+                          Catch::Contains("skip_nonfinite is on"));
         CHECK(stored.step_count() == 0);
         for (std::int64_t t = 0; t < 2; ++t) {
           const std::vector<float> gs = shard_of_step(t);
@@ -526,6 +528,9 @@ TEST_CASE("stored_optimizer: a store per rank holds its shard, steps to the sing
       CHECK_THROWS_WITH(stored_optimizer::create(ram, groups, oi), Catch::Contains("range"));
       stored_optimizer imported = stored_optimizer::create(local, groups, oi);
       CHECK(imported.step_count() == 4);
+      const std::vector<float> g4 = shard_of_step(4);
+      imported.step(const_view{g4.data(), g4.size(), dtype::f32}, mut_view{out.data(), out.size(), dtype::f32}, opts);
+      REQUIRE(std::memcmp(out.data(), outs[4].data() + r.begin, r.size() * 4) == 0);
     }
   // A range that cuts an 8-bit block (or the 64-byte unit) is refused before any file.
   temp_dir dir{"stored_shard_bad"};

@@ -120,8 +120,9 @@ public:
   /// Every completed step is on the drive already; later steps and exports are refused.
   void close();
 
-  /// Reads the whole state into `ram` (an optimizer of the same groups holding the whole
-  /// layout): params, moments, counters, seeds — an export (then ram.save_checkpoint), or a
+  /// Reads the whole state into `ram` (an optimizer of the same groups holding the store's
+  /// range: the whole layout, or the shard's): params, moments, counters, seeds — an export
+  /// (then ram.save_checkpoint), or a
   /// check against an in-RAM run. Refused before anything changes for another layout;
   /// an I/O error midway leaves `ram` marked failed (not usable until it is loaded).
   void copy_state_to(optimizer& ram) const;

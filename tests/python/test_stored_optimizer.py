@@ -198,8 +198,13 @@ def test_a_store_per_rank_holds_its_shard_and_steps_to_the_single_process_bits(t
     b, e = stored.range
     ranges.append((b, e))
     assert stored.arena_size == e - b and 0 < e - b < n
-    with pytest.raises(ValueError, match="known_grad_norm"):  # no rank decides a clip (or a skip) alone
+    with pytest.raises(ValueError, match="max_grad_norm clips.*known_grad_norm"):  # no rank decides a clip alone
       stored.step(flats[0][b:e], max_grad_norm=2.0)
+    with pytest.raises(ValueError, match=r"skip_nonfinite is on \(the default with 8-bit groups\)"):  # nor a skip
+      stored.step(flats[0][b:e])
+    with pytest.raises(ValueError, match="shard .* not yet from Python"):
+      stored.copy_to(hostopt.Optimizer(GROUPS))
+    assert stored.step_count == 0
     out = np.zeros(e - b, np.float32)
     stored.step(flats[0][b:e], out, max_grad_norm=2.0, known_grad_norm=3.0)
     np.testing.assert_array_equal(out, outs[0][b:e])

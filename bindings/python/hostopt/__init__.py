@@ -548,18 +548,20 @@ class StoredOptimizer:
     io (str): "io_uring" (refused where the kernel refuses it), "threads" (pread/pwrite
       on a small pool), or "auto" (the default: io_uring, else threads).
 
-  ``shard=(world_size, rank)`` (create and open) keeps one rank's shard of the layout, each rank
-  its own store: the range ``hostopt._core.shard_of`` gives (:attr:`range`), whose slice of the
-  flat layout every step's gradient and ``out`` are (what a reduce-scatter gives and an
-  all-gather takes; a mapping of whole tensors is sliced), and a checked or clipping step
-  needs ``known_grad_norm`` (the global norm, all-reduced) so no rank decides alone.
-
   These are keywords of create, open and from_optimizer. The directory must be on a
   filesystem with O_DIRECT (not tmpfs); the store takes about
   twice the state's bytes there (two slots per chunk). `dir` may be a list of directories,
   one per drive: chunk k goes to dir[k % n] (open names them in the same order). Not yet:
   per-tensor steps (every step takes every tensor's gradient), the offload
   pipeline, hostopt.torch and hostopt.jax fronts.
+
+  ``shard=(world_size, rank)`` (a keyword of create and open only) keeps one rank's shard of
+  the layout, each rank its own store: the range ``hostopt._core.shard_of`` gives
+  (:attr:`range`), whose slice of the flat layout every step's gradient and ``out`` are (what
+  a reduce-scatter gives and an all-gather takes; a mapping of whole tensors is sliced). A
+  checked or clipping step needs ``known_grad_norm`` (the global norm, all-reduced) so no
+  rank decides alone: skip_nonfinite is on by default with 8-bit groups. Not yet from
+  Python: a shard's export and import (C++ has them).
 
   Example:
     >>> import numpy as np, hostopt, tempfile
@@ -577,6 +579,7 @@ class StoredOptimizer:
     self._groups = groups
     self._range = tuple(core.range)
     self._whole = _LayoutOnly(*_core.arena_layout(_group_spec(groups)))
+    self._sharded = self._range != (0, self._whole.arena_size)
     self._has_8bit = any(str(g.get("moments", "f32")) in ("8bit", "q8") for g in groups)
     self._segments = _segments(self._core)
     self._index = {s.name: i for i, s in enumerate(self._segments)}
@@ -666,8 +669,14 @@ class StoredOptimizer:
 
   def copy_to(self, opt: "Optimizer") -> None:
     """Reads the whole state into `opt` (an Optimizer of the same groups): an export. On an
-    I/O error midway `opt` is left unusable (its failure_reason says why) until it is loaded."""
-    self._live().copy_state_to(opt._core)
+    I/O error midway `opt` is left unusable (its failure_reason says why) until it is loaded.
+    A shard's store exports into an optimizer holding its range: C++ only, not yet here."""
+    core = self._live()
+    if self._sharded:
+      raise ValueError(f"copy_to: this store holds a shard {self._range}, and an Optimizer holds the whole layout; "
+                       "a shard exports into an optimizer holding its range (hostopt::optimizer(groups, range) in "
+                       "C++), not yet from Python")
+    core.copy_state_to(opt._core)
 
   @staticmethod
   def _flat_of(layout, arrays: Mapping, what: str) -> Tuple[np.ndarray, str]:
@@ -723,9 +732,15 @@ class StoredOptimizer:
     skipped step touches no drive."""
     opts = _step_options(grad_scale, max_grad_norm, skip_nonfinite, known_grad_norm, self._has_8bit)
     core = self._live()
+    if self._sharded and opts[3] < 0 and (opts[2] or opts[1] != 0):
+      why = ("max_grad_norm clips" if opts[1] != 0 else
+             "skip_nonfinite is on" + (" (the default with 8-bit groups)" if skip_nonfinite is None else ""))
+      raise ValueError(f"this store holds a shard {self._range}, and {why}: the decision needs the global gradient "
+                       "norm, or each rank would decide alone. Pass known_grad_norm (the ranks' sums of squares, "
+                       "all-reduced, square-rooted), or skip_nonfinite=False and no max_grad_norm")
     if isinstance(grads, Mapping):
       g, gt = self._flat_of(self._whole, grads, "grads")
-      if self._range != (0, self._whole.arena_size):
+      if self._sharded:
         g = g[self._range[0]:self._range[1]]  # (a view of the copy: contiguous)
     else:
       g, gt = as_buffer(grads, "grads")
