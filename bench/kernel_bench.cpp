@@ -8,9 +8,9 @@
 #include <stdexcept>
 
 #include "bench_common.hpp"
+#include "state_steps.hpp"
 #include "hostopt/kernels.hpp"
 #include "kernel_registry.hpp"
-#include "parallel.hpp"
 #include "subcommands.hpp"
 
 namespace bench {
@@ -70,52 +70,6 @@ using hostopt::dtype;
 using hostopt::moment_format;
 using hostopt::detail::kernel_set;
 
-// Runs fn(lo, hi) over [0, n) with the library's partition on `threads` workers.
-template <class F>
-void parallel_over(std::size_t n, int threads, F&& fn) {
-  auto body = [&](int tid, int nt) {
-    const auto [lo, hi] = hostopt::detail::partition(0, n, tid, nt);
-    if (lo < hi) fn(lo, hi);
-  };
-  hostopt::detail::run_parallel(threads, body);
-}
-
-struct arena_buffers {
-  float_buffer p, m, v, grad, out, cast_out;
-  arena_buffers(std::size_t n, const dtype_mix& mix, bool two_pass, int threads)
-      : p(n, threads), m(n, threads), v(n, threads), grad(typed_buffer(n, dtype(mix.grad), threads)),
-        out(mix.out < 0 ? float_buffer() : typed_buffer(n, dtype(mix.out), threads)),
-        cast_out(two_pass ? typed_buffer(n, dtype(mix.out), threads) : float_buffer()) {
-    fill_random(p.data, n, 1.0f, false, threads);
-    fill_random(m.data, n, 0.01f, false, threads);
-    fill_random(v.data, n, 1e-4f, true, threads);
-    if (mix.grad == int(dtype::f32)) fill_random(grad.data, n, 0.01f, false, threads);
-    else fill_random_half(reinterpret_cast<std::uint16_t*>(grad.data), n, dtype(mix.grad), threads);
-  }
-};
-
-// Bytes a step moves per parameter: the master read and written, both moments read and
-// written (block exponents included), the gradient read and the copy-out written.
-double bytes_per_param(const dtype_mix& mix, moment_format state = moment_format::f32) {
-  const double moments = double(hostopt::moment_bytes(state, std::size_t(1) << 20)) / double(1 << 20);
-  return 8 + 2 * moments + double(hostopt::dtype_size(dtype(mix.grad))) +
-         (mix.out < 0 ? 0 : double(hostopt::dtype_size(dtype(mix.out))));
-}
-
-// Compressed moments for the benchmark, encoded from the f32 arena's starting moments.
-struct compressed_buffers {
-  hostopt::moment_format format;
-  float_buffer m, v, scales; // float_buffer: first-touched by the threads that use it
-  compressed_buffers(moment_format f, const arena_buffers& b, std::size_t n, int threads)
-      : format(f), m(n / (f == moment_format::bf16 ? 2 : 4) + 16, threads), v(m.size, threads),
-        scales(hostopt::moment_scale_bytes(f, n) / 4 + 16, threads) {
-    hostopt::encode_moments(b.m.data, b.v.data, view(), n);
-  }
-  hostopt::compressed_moments view() const {
-    return {format, m.data, v.data, format == moment_format::q8 ? reinterpret_cast<std::uint8_t*>(scales.data) : nullptr};
-  }
-};
-
 } // namespace
 
 report run_kernel_bench(const kernel_options& o, const common_options& c) {
@@ -154,69 +108,26 @@ report run_kernel_bench(const kernel_options& o, const common_options& c) {
         for (int t : threads) {
           prog.update(done++, "kernel " + format_size(n) + " " + mix.name() + " " + mode + " threads=" + std::to_string(t));
           const bool with_two_pass = has_two_pass(mix);
-          arena_buffers b(n, mix, with_two_pass, t);
-          std::vector<compressed_buffers> packed;
-          for (moment_format f : states)
-            if (f != moment_format::f32) packed.emplace_back(f, b, n, t);
           hostopt::adam_config cfg;
           cfg.mode = mode == "adam" ? hostopt::adam_mode::adam : hostopt::adam_mode::adamw;
           cfg.weight_decay = 0.01;
-          const hostopt::execution_options exec{t, ks.name()};
-          const hostopt::const_view grad{b.grad.data, n, dtype(mix.grad)};
-          const hostopt::mut_view out = mix.out < 0 ? hostopt::mut_view{} : hostopt::mut_view{b.out.data, n, dtype(mix.out)};
-          const std::optional<dtype> out_type = mix.out < 0 ? std::nullopt : std::optional<dtype>(dtype(mix.out));
-          const std::size_t gsz = hostopt::dtype_size(dtype(mix.grad));
-          const std::size_t osz = mix.out < 0 ? 0 : hostopt::dtype_size(dtype(mix.out));
-          const char* grad_bytes = reinterpret_cast<const char*>(b.grad.data);
-          char* out_bytes = osz ? reinterpret_cast<char*>(b.out.data) : nullptr;
+          state_steps steps(n, mix, states, t, ks, cfg, with_two_pass);
           // Per state: our step's times and its roofline twin's, interleaved state by state.
           std::vector<std::vector<double>> ours(states.size()), roofline(states.size());
           std::vector<double> twopass;
           std::int64_t step = 1;
           for (int it = 0; it < o.warmup + o.iterations; ++it) {
-            std::size_t next_packed = 0;
             for (std::size_t k = 0; k < states.size(); ++k) {
-              double t0, t1, t2;
-              if (states[k] == moment_format::f32) {
-                const auto roof = ks.roofline(dtype(mix.grad), out_type);
-                t0 = now_seconds();
-                hostopt::adam_step(b.p.data, b.m.data, b.v.data, n, grad, out, cfg, step, 1.0f, exec);
-                t1 = now_seconds();
-                parallel_over(n, t, [&](std::size_t lo, std::size_t hi) {
-                  roof(b.p.data + lo, b.m.data + lo, b.v.data + lo, grad_bytes + lo * gsz,
-                       out_bytes ? out_bytes + lo * osz : nullptr, hi - lo);
-                });
-                t2 = now_seconds();
-              } else {
-                const compressed_buffers& cb = packed[next_packed++];
-                const auto roof = ks.roofline_compressed(cb.format, dtype(mix.grad), out_type);
-                const std::size_t code = cb.format == moment_format::bf16 ? 2 : 1;
-                char* m = reinterpret_cast<char*>(cb.m.data);
-                char* v = reinterpret_cast<char*>(cb.v.data);
-                auto* scales = reinterpret_cast<std::uint8_t*>(cb.scales.data);
-                t0 = now_seconds();
-                hostopt::adam_step(b.p.data, cb.view(), n, grad, out, cfg, step, 1.0f, {}, exec);
-                t1 = now_seconds();
-                parallel_over(n, t, [&](std::size_t lo, std::size_t hi) { // slices start on blocks
-                  roof(b.p.data + lo, m + lo * code, v + lo * code, scales + 2 * (lo / hostopt::q8_block),
-                       grad_bytes + lo * gsz, out_bytes ? out_bytes + lo * osz : nullptr, hi - lo);
-                });
-                t2 = now_seconds();
-              }
+              const double ours_s = steps.step(k, step), roof_s = steps.roofline(k);
               if (it >= o.warmup) {
-                ours[k].push_back(t1 - t0);
-                roofline[k].push_back(t2 - t1);
+                ours[k].push_back(ours_s);
+                roofline[k].push_back(roof_s);
               }
             }
             ++step;
             if (with_two_pass) {
-              const double t3 = now_seconds();
-              hostopt::adam_step(b.p.data, b.m.data, b.v.data, n, grad, {}, cfg, step++, 1.0f, exec);
-              const auto cast = ks.cast(*out_type);
-              parallel_over(n, t, [&](std::size_t lo, std::size_t hi) {
-                cast(b.p.data + lo, reinterpret_cast<char*>(b.cast_out.data) + lo * osz, hi - lo);
-              });
-              if (it >= o.warmup) twopass.push_back(now_seconds() - t3);
+              const double tp = steps.two_pass(step++);
+              if (it >= o.warmup) twopass.push_back(tp);
             }
           }
           double f32_ms = -1;

@@ -57,12 +57,14 @@ int main(int argc, char** argv) {
   bench::pipeline_options_cli pipeline_opts;
   bench::trainer_options trainer_opts;
   bench::disk_options disk_opts;
+  bench::project_options project_opts;
   bench::add_kernel_command(app, kernel_opts);
   bench::add_model_command(app, model_opts);
   bench::add_roofline_command(app, roofline_opts);
   bench::add_pipeline_command(app, pipeline_opts);
   bench::add_trainer_command(app, trainer_opts);
   bench::add_disk_command(app, disk_opts);
+  bench::add_project_command(app, project_opts);
   auto* list = app.add_subcommand("kernels", "List the kernels compiled in and whether this CPU runs them");
   for (auto* sub : app.get_subcommands({})) {
     sub->fallthrough(); // global flags may come after the subcommand
@@ -125,6 +127,7 @@ int main(int argc, char** argv) {
     else if (app.got_subcommand("pipeline")) r = bench::run_pipeline_bench(pipeline_opts, common);
     else if (app.got_subcommand("trainer")) r = bench::run_trainer_bench(trainer_opts, common);
     else if (app.got_subcommand("disk")) r = bench::run_disk_bench(disk_opts, common);
+    else if (app.got_subcommand("project")) r = bench::run_project_bench(project_opts, common);
     else r = bench::run_roofline_bench(roofline_opts, common);
     r.print(std::cout, common.format);
   } catch (const std::invalid_argument& e) {

@@ -59,6 +59,20 @@ struct model_options {
 void add_model_command(CLI::App& app, model_options& o);
 report run_model_bench(const model_options& o, const common_options& c);
 
+struct project_options {
+  std::vector<std::string> states{"f32", "bf16", "8bit"};
+  std::vector<std::string> kernels; // empty: the active kernel
+  std::string mix = "f32:none";
+  std::vector<std::string> bandwidths{"measured", "loaded"};
+  std::string cache_size = "64K";
+  std::string stream_size = "64M";
+  int iterations = 3000;
+  std::string validate; // a size: also measure the steps there
+  int validate_iterations = 5;
+};
+/// `project`: each format's step time and speedup over f32 at a memory bandwidth per core.
+void add_project_command(CLI::App& app, project_options& o);
+report run_project_bench(const project_options& o, const common_options& c);
 struct roofline_options {
   std::string size = "64M";
   std::string threads = "all";
