@@ -208,9 +208,13 @@ def test_a_store_per_rank_holds_its_shard_and_steps_to_the_single_process_bits(t
     out = np.zeros(e - b, np.float32)
     stored.step(flats[0][b:e], out, max_grad_norm=2.0, known_grad_norm=3.0)
     np.testing.assert_array_equal(out, outs[0][b:e])
-    # A mapping of whole tensors is sliced to the shard.
+    # A mapping of whole tensors is cut to the shard: only the tensors it overlaps are needed.
     whole = {name: flats[1][off:off + size].reshape(shape)
-             for name, shape, off, size, _ in (ram.segment(m) for m in ram.names)}
+             for name, shape, off, size, _ in (ram.segment(m) for m in ram.names) if off < e and off + size > b}
+    assert len(whole) < len(ram.names)
+    first = next(iter(whole))
+    with pytest.raises(KeyError, match=f"{first}.*the tensors of this shard"):
+      stored.step({k: v for k, v in whole.items() if k != first}, out, max_grad_norm=2.0, known_grad_norm=3.0)
     stored.step(whole, out, max_grad_norm=2.0, known_grad_norm=3.0)
     np.testing.assert_array_equal(out, outs[1][b:e])
     stored.close()

@@ -558,7 +558,8 @@ class StoredOptimizer:
   ``shard=(world_size, rank)`` (a keyword of create and open only) keeps one rank's shard of
   the layout, each rank its own store: the range ``hostopt._core.shard_of`` gives
   (:attr:`range`), whose slice of the flat layout every step's gradient and ``out`` are (what
-  a reduce-scatter gives and an all-gather takes; a mapping of whole tensors is sliced). A
+  a reduce-scatter gives and an all-gather takes; a mapping of whole tensors is cut to it, and
+  needs only the tensors the shard overlaps). A
   checked or clipping step needs ``known_grad_norm`` (the global norm, all-reduced) so no
   rank decides alone: skip_nonfinite is on by default with 8-bit groups. Not yet from
   Python: a shard's export and import (C++ has them).
@@ -627,9 +628,7 @@ class StoredOptimizer:
     flat = None
     if initial_params is not None:
       if isinstance(initial_params, Mapping):
-        flat, tag = cls._flat_of(_LayoutOnly(*_core.arena_layout(spec)), initial_params, "initial_params")
-        if held is not None:
-          flat = flat[held[0]:held[1]]
+        flat, tag = cls._flat_of(_LayoutOnly(*_core.arena_layout(spec)), initial_params, "initial_params", held)
       else:
         flat, tag = as_buffer(initial_params, "initial_params")
         if flat.ndim != 1:
@@ -679,27 +678,36 @@ class StoredOptimizer:
     core.copy_state_to(opt._core)
 
   @staticmethod
-  def _flat_of(layout, arrays: Mapping, what: str) -> Tuple[np.ndarray, str]:
+  def _flat_of(layout, arrays: Mapping, what: str, held: Optional[Tuple[int, int]] = None) -> Tuple[np.ndarray, str]:
     """A mapping name -> array of every tensor as one flat array in the arena layout (a copy),
-    and its dtype tag."""
+    and its dtype tag. With `held` = [begin, end) (a shard), the flat array of that range:
+    only the tensors it overlaps are needed (others may be absent), and only their part in it
+    is copied."""
     segs = _segments(layout)
-    missing = [s.name for s in segs if arrays.get(s.name) is None]
+    b, e = held if held is not None else (0, layout.arena_size)
+    needed = [s for s in segs if held is None or (s.offset < e and s.offset + s.size > b)]
+    missing = [s.name for s in needed if arrays.get(s.name) is None]
     if missing:
-      raise KeyError(f"{what}: no array for tensor(s) {missing}: a stored optimizer steps every tensor")
+      whose = "a stored optimizer steps every tensor" if held is None else f"the tensors of this shard {held}"
+      raise KeyError(f"{what}: no array for tensor(s) {missing}: {whose}")
     unknown = set(arrays) - {s.name for s in segs}
     if unknown:
       raise KeyError(f"{what}: unknown tensor name(s) {sorted(unknown)}")
-    views = {s.name: as_buffer(arrays[s.name], f"{what}[{s.name!r}]") for s in segs}
+    views = {s.name: as_buffer(arrays[s.name], f"{what}[{s.name!r}]") for s in segs if arrays.get(s.name) is not None}
     tags = {tag for _, tag in views.values()}
     if len(tags) > 1:
       raise TypeError(f"{what}: mixed dtypes {sorted(tags)}; one dtype for all")
     tag = tags.pop() if tags else "f32"
-    flat = np.zeros(layout.arena_size, next(iter(views.values()))[0].dtype if views else np.float32)
+    flat = np.zeros(e - b, next(iter(views.values()))[0].dtype if views else np.float32)
     for s in segs:
+      if s.name not in views:
+        continue
       a = views[s.name][0]
       if a.shape != tuple(s.shape):
         raise ValueError(f"{what}[{s.name!r}] has shape {a.shape}: expected {tuple(s.shape)}, the tensor's shape")
-      flat[s.offset:s.offset + s.size] = a.reshape(-1)
+      lo, hi = max(s.offset, b), min(s.offset + s.size, e)
+      if lo < hi:
+        flat[lo - b:hi - b] = a.reshape(-1)[lo - s.offset:hi - s.offset]
     return flat, tag
 
   def _live(self) -> "_core.StoredOptimizer":
@@ -724,8 +732,9 @@ class StoredOptimizer:
            skip_nonfinite: Optional[bool] = None, known_grad_norm: Optional[float] = None) -> StepResult:
     """One step, streamed from and back to the drive and committed before it returns, as
     :meth:`Optimizer.step` (the same arguments and result), except that every tensor needs
-    a gradient: a mapping name -> gradient of every tensor (copied into one flat array
-    first: pass a flat array to save that copy), or one flat array of arena_size elements.
+    a gradient: a mapping name -> gradient of every tensor (of a shard: of every tensor it
+    overlaps; copied into one flat array first: pass a flat array to save that copy), or one
+    flat array of arena_size elements.
     ``out`` (flat) receives the new parameters. A step that raises while streaming (an I/O
     error, a bad chunk) leaves the store at the previous step, ``out`` partly written; one
     that raises while committing refuses every later step until the store is reopened. A
@@ -739,9 +748,7 @@ class StoredOptimizer:
                        "norm, or each rank would decide alone. Pass known_grad_norm (the ranks' sums of squares, "
                        "all-reduced, square-rooted), or skip_nonfinite=False and no max_grad_norm")
     if isinstance(grads, Mapping):
-      g, gt = self._flat_of(self._whole, grads, "grads")
-      if self._sharded:
-        g = g[self._range[0]:self._range[1]]  # (a view of the copy: contiguous)
+      g, gt = self._flat_of(self._whole, grads, "grads", self._range if self._sharded else None)
     else:
       g, gt = as_buffer(grads, "grads")
     o, ot = (None, "f32") if out is None else as_buffer(out, "out", writable=True)
