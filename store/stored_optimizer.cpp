@@ -30,7 +30,12 @@ namespace {
 
 // The commit words: what kind of store, its chunking, and the optimizer's counters.
 constexpr std::uint64_t store_kind = 0x686f73746f707431; // "hostopt1"
-enum word : std::size_t { w_kind, w_chunk_elements, w_count, w_skipped, w_stripes, w_stripe, w_commit_id, num_words };
+// The range words came with stores of a range (a shard): stores written before them have
+// w_range_begin words and hold the whole layout.
+enum word : std::size_t {
+  w_kind, w_chunk_elements, w_count, w_skipped, w_stripes, w_stripe, w_commit_id,
+  w_range_begin, w_range_end, w_layout_end, num_words
+};
 
 drive::durability durability_of(const state_store_options& o) {
   return o.sync_every_step ? drive::durability::sync : drive::durability::none;
@@ -234,6 +239,9 @@ struct stored_optimizer::impl {
     w[w_chunk_elements] = chunk_elements;
     w[w_count] = std::uint64_t(count);
     w[w_skipped] = std::uint64_t(skipped);
+    w[w_range_begin] = whole.range().begin;
+    w[w_range_end] = whole.range().end;
+    w[w_layout_end] = arena_end(whole.segments());
     return w;
   }
 
@@ -381,6 +389,22 @@ struct stored_optimizer::impl {
                                   "(per-tensor steps): a store keeps one count for all");
   }
 
+  // A store of another range (a shard where the whole is asked for, another rank's, or the
+  // whole where a shard is) is refused naming both ranges.
+  void check_same_range(const std::vector<std::uint64_t>& w, const std::string& dir) const {
+    const bool ranged = w.size() == num_words;
+    const bool stored_whole = !ranged || (w[w_range_begin] == 0 && w[w_range_end] == w[w_layout_end]);
+    if (stored_whole && whole.whole()) return; // (another model: the layout checks name it)
+    auto text = [](std::uint64_t b, std::uint64_t e) { return "[" + std::to_string(b) + ", " + std::to_string(e) + ")"; };
+    const std::string have = stored_whole ? "the whole layout" : "the range " + text(w[w_range_begin], w[w_range_end]) +
+                                                                     " of the layout (a shard)";
+    const std::string want = whole.whole() ? "the whole layout" : "the range " + text(whole.range().begin,
+                                                                                        whole.range().end);
+    if (stored_whole != whole.whole() || w[w_range_begin] != whole.range().begin || w[w_range_end] != whole.range().end)
+      throw std::runtime_error("the store in " + dir + " holds " + have + ", not " + want +
+                               " (state_store_options.range, shard= in Python: each rank opens its own store)");
+  }
+
   void create_stores(const state_store_options& o) {
     const std::size_t n = o.dirs.size();
     if (n > chunks.size())
@@ -464,8 +488,9 @@ stored_optimizer stored_optimizer::open(std::vector<param_group> groups, const s
     const std::string& dir = options.dirs[i];
     heads.push_back(drive::chunk_store::peek(dir));
     const auto& w = heads.back().words;
-    if (w.size() != num_words || w[w_kind] != store_kind)
+    if ((w.size() != num_words && w.size() != w_range_begin) || w[w_kind] != store_kind)
       throw std::runtime_error("the store in " + dir + " is not a hostopt optimizer's state store");
+    s->check_same_range(w, dir);
     if (w[w_stripes] != n || w[w_stripe] != i)
       throw std::runtime_error("the store in " + dir + " is stripe " + std::to_string(w[w_stripe]) + " of " +
                                std::to_string(w[w_stripes]) + " directories, given as dirs[" + std::to_string(i) +
