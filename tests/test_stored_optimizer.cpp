@@ -485,6 +485,12 @@ TEST_CASE("stored_optimizer: a store per rank holds its shard, steps to the sing
         return std::vector<float>(g.begin() + std::ptrdiff_t(r.begin), g.begin() + std::ptrdiff_t(r.end));
       };
       std::vector<float> out(r.size());
+      // Steps `opt` (a store or an optimizer holding r) with step t's shard: the single process's bits.
+      auto step_matches = [&](auto& opt, std::int64_t t) {
+        const std::vector<float> g = shard_of_step(t);
+        opt.step(const_view{g.data(), g.size(), dtype::f32}, mut_view{out.data(), out.size(), dtype::f32}, opts);
+        REQUIRE(std::memcmp(out.data(), outs[std::size_t(t)].data() + r.begin, r.size() * 4) == 0);
+      };
       {
         stored_optimizer stored = stored_optimizer::create(groups, o);
         CHECK(stored.arena_size() == r.size());
@@ -496,11 +502,7 @@ TEST_CASE("stored_optimizer: a store per rank holds its shard, steps to the sing
         CHECK_THROWS_WITH(stored.step(const_view{g.data(), g.size(), dtype::f32}, mut_view{}, step_options{}),
                           Catch::Contains("skip_nonfinite is on"));
         CHECK(stored.step_count() == 0);
-        for (std::int64_t t = 0; t < 2; ++t) {
-          const std::vector<float> gs = shard_of_step(t);
-          stored.step(const_view{gs.data(), gs.size(), dtype::f32}, mut_view{out.data(), out.size(), dtype::f32}, opts);
-          REQUIRE(std::memcmp(out.data(), outs[std::size_t(t)].data() + r.begin, r.size() * 4) == 0);
-        }
+        for (std::int64_t t = 0; t < 2; ++t) step_matches(stored, t);
       }
       // Another rank's range (or the whole layout) is another store.
       state_store_options other = o;
@@ -510,17 +512,13 @@ TEST_CASE("stored_optimizer: a store per rank holds its shard, steps to the sing
       CHECK_THROWS_AS(stored_optimizer::open(groups, other), std::runtime_error);
       stored_optimizer stored = stored_optimizer::open(groups, o);
       CHECK(stored.step_count() == 2);
-      const std::vector<float> g2 = shard_of_step(2);
-      stored.step(const_view{g2.data(), g2.size(), dtype::f32}, mut_view{out.data(), out.size(), dtype::f32}, opts);
-      REQUIRE(std::memcmp(out.data(), outs[2].data() + r.begin, r.size() * 4) == 0);
+      step_matches(stored, 2);
       // Exported into an optimizer holding the range, its next step is the single process's.
       optimizer local(groups, r);
       CHECK_THROWS_WITH(stored.copy_state_to(ram), Catch::Contains("range"));
       stored.copy_state_to(local);
       CHECK(local.step_count() == 3);
-      const std::vector<float> g3 = shard_of_step(3);
-      local.step(const_view{g3.data(), g3.size(), dtype::f32}, mut_view{out.data(), out.size(), dtype::f32}, opts);
-      REQUIRE(std::memcmp(out.data(), outs[3].data() + r.begin, r.size() * 4) == 0);
+      step_matches(local, 3);
       // And imported back into a store of the range, the same.
       temp_dir again{"stored_shard_import"};
       state_store_options oi = small_store(again.str());
@@ -528,9 +526,7 @@ TEST_CASE("stored_optimizer: a store per rank holds its shard, steps to the sing
       CHECK_THROWS_WITH(stored_optimizer::create(ram, groups, oi), Catch::Contains("range"));
       stored_optimizer imported = stored_optimizer::create(local, groups, oi);
       CHECK(imported.step_count() == 4);
-      const std::vector<float> g4 = shard_of_step(4);
-      imported.step(const_view{g4.data(), g4.size(), dtype::f32}, mut_view{out.data(), out.size(), dtype::f32}, opts);
-      REQUIRE(std::memcmp(out.data(), outs[4].data() + r.begin, r.size() * 4) == 0);
+      step_matches(imported, 4);
     }
   // A range that cuts an 8-bit block (or the 64-byte unit) is refused before any file.
   temp_dir dir{"stored_shard_bad"};
