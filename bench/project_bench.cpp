@@ -3,12 +3,14 @@
 // in-cache cost) and its memory traffic (the format's bytes per parameter at the memory
 // bandwidth one core gets). On a loaded server every core steps and each gets a few GB/s,
 // so compressed moments, which move fewer bytes for more arithmetic, win there even where a
-// lightly loaded core (this VM's) makes them lose. The projection adds the two costs, which
-// `--validate SIZE` checks against the measured step at 1 thread and at every thread here.
+// lightly loaded core (this VM's) makes them lose. The projection combines the two costs both
+// ways they can (overlapped, serial); `--validate SIZE` measures where the steps lie at 1
+// thread and at every thread here.
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <stdexcept>
 
@@ -23,21 +25,29 @@ namespace {
 
 using hostopt::moment_format;
 
-// A loaded two-socket server's memory bandwidth per core with every core busy (README,
-// "Which moment format"): sustained STREAM is ~75-80% of the channels' peak, e.g. 8 x DDR5-4800
+// A loaded server's memory bandwidth per core with every core busy (docs/compressed-moments.md): sustained STREAM is ~75-80% of the channels' peak, e.g. 8 x DDR5-4800
 // (307 GB/s) over a 56-core Xeon 8480+, 12 x DDR5-4800 (461 GB/s) over a 96-core EPYC 9654,
 // 8 x DDR4-3200 (205 GB/s) over a 64-core EPYC 7763: 2.5-4.3 GB/s per core.
 constexpr double loaded_server_gbps = 4.0;
 
-// ns per parameter on one core: the arithmetic with its data in cache, then the bytes at
-// the core's bandwidth (GB/s = bytes per ns). Adding them assumes the two do not overlap;
-// --validate measures how far that is from this machine's steps.
-double projected_ns(double in_cache_ns, double bytes, double gbps) { return in_cache_ns + bytes / gbps; }
+// ns per parameter on one core, the arithmetic with its data in cache (c, ns) and the bytes
+// at the core's bandwidth (b / B, GB/s = bytes per ns), in the two ways they can combine:
+// overlapped (the longer hides the shorter: max) or serial (one after the other: the sum).
+// A kernel hides its memory well when its loads run far ahead of its arithmetic (the f32
+// step here: within 1% of overlapped), less when a block's arithmetic is one long chain (the
+// 8-bit step: near serial); --validate measures where this machine's steps lie.
+double overlapped_ns(double c, double b, double gbps) { return std::max(c, b / gbps); }
+double serial_ns(double c, double b, double gbps) { return c + b / gbps; }
 
-// The bandwidth per core below which `fmt` (c_f ns, b_f bytes) is faster than f32 (c, b):
-// c_f + b_f / B < c + b / B  <=>  B < (b - b_f) / (c_f - c). Infinite when it costs no more.
-double faster_below(double c_f, double b_f, double c, double b) {
+// The bandwidth per core below which a format (c_f ns, b_f bytes) is faster than f32 (c, b).
+// Serial: c_f + b_f / B < c + b / B  <=>  B < (b - b_f) / (c_f - c). Overlapped (f32 still
+// waiting for memory there): max(c_f, b_f / B) < b / B  <=>  B < b / c_f. Infinite when the
+// format costs no more even in cache.
+double faster_below_serial(double c_f, double b_f, double c, double b) {
   return c_f <= c ? std::numeric_limits<double>::infinity() : (b - b_f) / (c_f - c);
+}
+double faster_below_overlapped(double c_f, double c, double b) {
+  return c_f <= c ? std::numeric_limits<double>::infinity() : b / c_f;
 }
 
 struct bandwidth_choice {
@@ -65,6 +75,17 @@ std::vector<bandwidth_choice> parse_bandwidths(const std::vector<std::string>& t
   }
   if (out.empty()) throw std::invalid_argument("--bandwidth: expected at least one of measured, loaded, GB/s");
   return out;
+}
+
+std::string format_percent(double fraction) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f%%", 100.0 * fraction);
+  return text;
+}
+std::string format_g(double x) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", x);
+  return text;
 }
 
 hostopt::adam_config bench_config() {
@@ -165,10 +186,14 @@ report run_project_bench(const project_options& o, const common_options& c) {
     const std::vector<double> cost = in_cache_costs(cache_n, mix, states, *ks, std::max(10, o.iterations / 10),
                                                     o.iterations);
     auto add_rows = [&](const std::string& where, double gbps, const std::vector<double>* measured_ns) {
-      const double f32_ns = projected_ns(cost[0], bytes_per_param(mix), gbps);
+      const double b32 = bytes_per_param(mix);
+      const double f32_overlapped = overlapped_ns(cost[0], b32, gbps), f32_serial = serial_ns(cost[0], b32, gbps);
+      auto gbps_or_any = [](double x) {
+        return std::isinf(x) ? nlohmann::ordered_json("any") : nlohmann::ordered_json(x);
+      };
       for (std::size_t k = 0; k < states.size(); ++k) {
         const double b = bytes_per_param(mix, states[k]);
-        const double ns = projected_ns(cost[k], b, gbps);
+        const double lo = overlapped_ns(cost[k], b, gbps), hi = serial_ns(cost[k], b, gbps);
         nlohmann::ordered_json row;
         row["kernel"] = ks->name();
         row["bandwidth"] = where;
@@ -176,21 +201,24 @@ report run_project_bench(const project_options& o, const common_options& c) {
         row["state"] = std::string(hostopt::moment_format_name(states[k]));
         row["B/param"] = b;
         row["in_cache_ns"] = cost[k];
-        row["projected_ns"] = ns;
-        row["projected_speedup"] = f32_ns / ns;
-        if (k == 0) row["faster_below_GB/s"] = nullptr;
-        else {
-          const double below = faster_below(cost[k], b, cost[0], bytes_per_param(mix));
-          row["faster_below_GB/s"] = std::isinf(below) ? nlohmann::ordered_json("any") : nlohmann::ordered_json(below);
-        }
+        row["ns_overlapped"] = lo;
+        row["ns_serial"] = hi;
+        row["speedup_overlapped"] = f32_overlapped / lo;
+        row["speedup_serial"] = f32_serial / hi;
+        row["faster_below_GB/s_serial"] = k == 0 ? nullptr : gbps_or_any(faster_below_serial(cost[k], b, cost[0], b32));
+        row["faster_below_GB/s_overlapped"] = k == 0 ? nullptr : gbps_or_any(faster_below_overlapped(cost[k], cost[0], b32));
         if (measured_ns) {
-          row["measured_ns"] = (*measured_ns)[k];
-          row["measured_speedup"] = (*measured_ns)[0] / (*measured_ns)[k];
-          row["error_%"] = 100.0 * (ns / (*measured_ns)[k] - 1.0);
+          const double m = (*measured_ns)[k];
+          row["measured_ns"] = m;
+          row["measured_speedup"] = (*measured_ns)[0] / m;
+          // Where the measurement lies: between the two projections, or how far outside.
+          row["measured_vs_projected"] = m < lo   ? "-" + format_percent(1 - m / lo) + " below"
+                                         : m > hi ? "+" + format_percent(m / hi - 1) + " above"
+                                                  : std::string("between");
         } else {
           row["measured_ns"] = nullptr;
           row["measured_speedup"] = nullptr;
-          row["error_%"] = nullptr;
+          row["measured_vs_projected"] = nullptr;
         }
         r.add_row(row);
       }
@@ -221,14 +249,16 @@ report run_project_bench(const project_options& o, const common_options& c) {
     }
   }
   prog.finish();
-  r.add_note("projected_ns = in_cache_ns + B/param / (GB/s/core): one core's time per parameter, its arithmetic (the "
-             "step's minimum over " + std::to_string(o.iterations) + " steps of " + format_size(cache_n) +
-             " parameters, in L2, one thread) plus its bytes at its memory bandwidth. B/param: the step's traffic (f32 "
-             "master read and written, both moments read and written, gradient, copy-out). faster_below_GB/s: the "
-             "bandwidth per core below which the format beats f32 ('any': it costs no more even in cache). 'loaded "
-             "server': " + std::to_string(int(loaded_server_gbps)) + " GB/s per core (README). Validation rows "
-             "(--validate) time the steps at that size, and their GB/s/core is the f32 roofline twin measured beside "
-             "them; error_% = projected / measured - 1.");
+  r.add_note("One core's time per parameter: its arithmetic, in_cache_ns (the step's minimum over " +
+             std::to_string(o.iterations) + " steps of " + format_size(cache_n) + " parameters in L2 on one thread), "
+             "and its bytes B/param (f32 master read and written, both moments read and written, gradient, copy-out) at "
+             "its memory bandwidth GB/s/core, overlapped (the longer hides the other: max) or serial (their sum); a "
+             "kernel's real step lies between, near overlapped when its loads run ahead of its arithmetic. speedup_*: "
+             "the f32 state's time / the format's, both the same way. faster_below_GB/s_*: the bandwidth per core "
+             "below which the format beats f32 ('any': it costs no more even in cache). 'loaded server': " +
+             format_g(loaded_server_gbps) + " GB/s per core (docs/compressed-moments.md). "
+             "Validation rows (--validate) time the steps at that size (medians), their GB/s/core the f32 roofline "
+             "twin measured beside them; measured_vs_projected: between the two projections, or how far outside.");
   return r;
 }
 
