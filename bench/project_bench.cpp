@@ -11,7 +11,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <limits>
+#include <regex>
 #include <stdexcept>
 
 #include "bench_common.hpp"
@@ -34,8 +36,9 @@ constexpr double loaded_server_gbps = 4.0;
 // at the core's bandwidth (b / B, GB/s = bytes per ns), in the two ways they can combine:
 // overlapped (the longer hides the shorter: max) or serial (one after the other: the sum).
 // A kernel hides its memory well when its loads run far ahead of its arithmetic (the f32
-// step here: within 1% of overlapped), less when a block's arithmetic is one long chain (the
-// 8-bit step: near serial); --validate measures where this machine's steps lie.
+// step here: within 2% of overlapped), less when a block's arithmetic is one long chain (the
+// 8-bit step: about halfway with avx512, at serial with avx2); --validate measures where this
+// machine's steps lie.
 double overlapped_ns(double c, double b, double gbps) { return std::max(c, b / gbps); }
 double serial_ns(double c, double b, double gbps) { return c + b / gbps; }
 
@@ -61,18 +64,19 @@ std::vector<bandwidth_choice> parse_bandwidths(const std::vector<std::string>& t
     if (t == "measured") out.push_back({"this machine, every core busy", -1});
     else if (t == "loaded") out.push_back({"loaded server", loaded_server_gbps});
     else {
-      std::size_t used = 0;
-      double v = 0;
-      try {
-        v = std::stod(t, &used);
-      } catch (const std::exception&) {
-        used = 0;
-      }
-      if (used != t.size() || !(v > 0) || !std::isfinite(v))
-        throw std::invalid_argument("--bandwidth '" + t + "': expected 'measured', 'loaded' or GB/s per core > 0");
+      // A decimal number of GB/s per core, from 0.01 (a core starved of memory) to 10^5.
+      static const std::regex decimal(R"([0-9]+(\.[0-9]*)?([eE][-+]?[0-9]+)?|\.[0-9]+([eE][-+]?[0-9]+)?)");
+      const double v = std::regex_match(t, decimal) ? std::strtod(t.c_str(), nullptr) : -1;
+      if (!(v >= 0.01 && v <= 1e5))
+        throw std::invalid_argument("--bandwidth '" + t + "': expected 'measured', 'loaded' or GB/s per core, a "
+                                    "decimal number in [0.01, 100000]");
       out.push_back({"given", v});
     }
   }
+  for (std::size_t i = 0; i < out.size(); ++i) // (each once)
+    for (std::size_t j = i + 1; j < out.size();)
+      if (out[j].name == out[i].name && out[j].gbps == out[i].gbps) out.erase(out.begin() + std::ptrdiff_t(j));
+      else ++j;
   if (out.empty()) throw std::invalid_argument("--bandwidth: expected at least one of measured, loaded, GB/s");
   return out;
 }
@@ -150,13 +154,17 @@ report run_project_bench(const project_options& o, const common_options& c) {
   const std::size_t stream_n = parse_size(o.stream_size, "--stream-size");
   const std::size_t validate_n = o.validate.empty() ? 0 : parse_size(o.validate, "--validate");
   std::vector<const hostopt::detail::kernel_set*> kernel_sets;
-  for (const auto& k : o.kernels.empty() ? std::vector<std::string>{""} : o.kernels)
-    kernel_sets.push_back(&hostopt::detail::kernel_set_by_name(k));
+  for (const auto& k : o.kernels.empty() ? std::vector<std::string>{""} : o.kernels) {
+    const auto* ks = &hostopt::detail::kernel_set_by_name(k);
+    if (std::find(kernel_sets.begin(), kernel_sets.end(), ks) == kernel_sets.end()) kernel_sets.push_back(ks);
+  }
   const bool measure_stream = std::any_of(bandwidths.begin(), bandwidths.end(), [](auto& b) { return b.gbps < 0; });
-  double state_bytes = 0;
-  for (moment_format f : states) state_bytes += bytes_per_param(mix, f);
-  if (measure_stream) check_memory(std::size_t(double(stream_n) * state_bytes), "the bandwidth measurement");
-  if (validate_n) check_memory(std::size_t(double(validate_n) * state_bytes), "the validation at " + o.validate);
+  if (measure_stream)
+    check_memory(std::size_t(state_steps::allocated_bytes(stream_n, mix, {moment_format::f32})),
+                 "the bandwidth measurement (--stream-size " + o.stream_size + ")");
+  if (validate_n)
+    check_memory(std::size_t(state_steps::allocated_bytes(validate_n, mix, states)),
+                 "the validation (--validate " + o.validate + ")");
 
   report r("project");
   add_machine_context(r);
@@ -237,7 +245,7 @@ report run_project_bench(const project_options& o, const common_options& c) {
           const double s = steps.step(k, step);
           if (it) times[k].push_back(s);
         }
-        const double s = steps.roofline(0);
+        const double s = steps.roofline(0, &hostopt::detail::active_kernel_set()); // the memory, whatever the kernel
         if (it) roof.push_back(s);
       }
       const double per_param = 1e9 * double(t) / double(validate_n); // seconds -> ns per parameter per core

@@ -101,20 +101,29 @@ double state_steps::step(std::size_t k, std::int64_t t) {
   return now_seconds() - t0;
 }
 
-double state_steps::roofline(std::size_t k) {
+double state_steps::allocated_bytes(std::size_t n, const dtype_mix& mix, const std::vector<moment_format>& states) {
+  double bytes = double(n) * (12 + double(hostopt::dtype_size(dtype(mix.grad))) +
+                              (mix.out < 0 ? 0 : double(hostopt::dtype_size(dtype(mix.out)))));
+  for (moment_format f : states)
+    if (f != moment_format::f32) bytes += double(hostopt::moment_bytes(f, n));
+  return bytes;
+}
+
+double state_steps::roofline(std::size_t k, const hostopt::detail::kernel_set* twin) {
   impl& s = *impl_;
+  const hostopt::detail::kernel_set& ks = twin ? *twin : s.ks;
   const char* grad = s.grad_bytes();
   char* out = s.out_bytes();
   const std::size_t gsz = s.gsz, osz = s.osz;
   const double t0 = now_seconds();
   if (!s.packed[k]) {
-    const auto roof = s.ks.roofline(dtype(s.mix.grad), s.out_type);
+    const auto roof = ks.roofline(dtype(s.mix.grad), s.out_type);
     parallel_over(s.n, s.threads, [&](std::size_t lo, std::size_t hi) {
       roof(s.b.p.data + lo, s.b.m.data + lo, s.b.v.data + lo, grad + lo * gsz, out ? out + lo * osz : nullptr, hi - lo);
     });
   } else {
     const compressed_buffers& cb = *s.packed[k];
-    const auto roof = s.ks.roofline_compressed(cb.format, dtype(s.mix.grad), s.out_type);
+    const auto roof = ks.roofline_compressed(cb.format, dtype(s.mix.grad), s.out_type);
     const std::size_t code = cb.format == moment_format::bf16 ? 2 : 1;
     char* m = reinterpret_cast<char*>(cb.m.data);
     char* v = reinterpret_cast<char*>(cb.v.data);

@@ -30,8 +30,11 @@ public:
 
   /// Seconds of one step of states[k] (the step number advances on every call's own count).
   double step(std::size_t k, std::int64_t t);
-  /// Seconds of states[k]'s roofline twin over the same buffers.
-  double roofline(std::size_t k);
+  /// Seconds of states[k]'s roofline twin over the same buffers: `twin`'s (default: the
+  /// kernels the steps run), e.g. the active kernels' to measure the memory, not a kernel.
+  double roofline(std::size_t k, const hostopt::detail::kernel_set* twin = nullptr);
+  /// Bytes the buffers of n parameters take (what a memory check asks for).
+  static double allocated_bytes(std::size_t n, const dtype_mix& mix, const std::vector<hostopt::moment_format>& states);
   /// Seconds of the two-pass way (f32 step, then a cast pass to the copy-out's dtype).
   double two_pass(std::int64_t t);
 
