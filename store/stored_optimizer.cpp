@@ -30,8 +30,9 @@ namespace {
 
 // The commit words: what kind of store, its chunking, and the optimizer's counters.
 constexpr std::uint64_t store_kind = 0x686f73746f707431; // "hostopt1"
-// The range words came with stores of a range (a shard): stores written before them have
-// w_range_begin words and hold the whole layout.
+// The range words came with stores of a range (a shard): records written before them have
+// w_range_begin words (the range is then in the fingerprint alone). An older hostopt
+// refuses a record of more words than it knows.
 enum word : std::size_t {
   w_kind, w_chunk_elements, w_count, w_skipped, w_stripes, w_stripe, w_commit_id,
   w_range_begin, w_range_end, w_layout_end, num_words
@@ -392,8 +393,8 @@ struct stored_optimizer::impl {
   // A store of another range (a shard where the whole is asked for, another rank's, or the
   // whole where a shard is) is refused naming both ranges.
   void check_same_range(const std::vector<std::uint64_t>& w, const std::string& dir) const {
-    const bool ranged = w.size() == num_words;
-    const bool stored_whole = !ranged || (w[w_range_begin] == 0 && w[w_range_end] == w[w_layout_end]);
+    if (w.size() != num_words) return; // (written before the range words: the fingerprint decides)
+    const bool stored_whole = w[w_range_begin] == 0 && w[w_range_end] == w[w_layout_end];
     if (stored_whole && whole.whole()) return; // (another model: the layout checks name it)
     auto text = [](std::uint64_t b, std::uint64_t e) { return "[" + std::to_string(b) + ", " + std::to_string(e) + ")"; };
     const std::string have = stored_whole ? "the whole layout" : "the range " + text(w[w_range_begin], w[w_range_end]) +

@@ -229,3 +229,13 @@ def test_a_store_per_rank_holds_its_shard_and_steps_to_the_single_process_bits(t
     with pytest.raises(err, match="shard"):
       hostopt.StoredOptimizer.create(GROUPS, tmp_path, sync=False, shard=bad)
   assert not any(p.is_file() for p in tmp_path.iterdir())
+
+
+def test_a_shard_needs_no_gradient_for_an_empty_tensor_inside_its_range(tmp_path):
+  groups = [{"params": {"a": (64,), "z": (0,), "b": (64,), "c": (64,)}, "lr": 1e-2}]
+  with hostopt.StoredOptimizer.create(groups, tmp_path, sync=False, shard=(2, 0)) as stored:
+    b, e = stored.range
+    assert stored.segment("z")[2] > b  # the empty tensor's offset lies inside the shard
+    g = {"a": np.ones(64, np.float32), "b": np.ones(64, np.float32)}
+    stored.step(g, skip_nonfinite=False)
+    assert stored.step_count == 1

@@ -685,7 +685,7 @@ class StoredOptimizer:
     is copied."""
     segs = _segments(layout)
     b, e = held if held is not None else (0, layout.arena_size)
-    needed = [s for s in segs if held is None or (s.offset < e and s.offset + s.size > b)]
+    needed = [s for s in segs if held is None or max(s.offset, b) < min(s.offset + s.size, e)]
     missing = [s.name for s in needed if arrays.get(s.name) is None]
     if missing:
       whose = "a stored optimizer steps every tensor" if held is None else f"the tensors of this shard {held}"
