@@ -17,7 +17,7 @@
 //   2 + 2/32 bytes per element. The encode counts poisoned blocks and blocks whose range
 //   it exceeded (moment_codec::saturated): scalar tests per block, and one running
 //   minimum per vector (the smallest v of the elements that had a gradient).
-// The random bits of element i at step t come from lowbias32(i ^ span_key) (rounding_key.hpp).
+// The random bits of element i at step t are rounding_bits(span_key, i) (rounding_key.hpp).
 //
 // Only included by the per-instruction-set translation units (cpu_adam/arch_*.cpp).
 
@@ -44,16 +44,11 @@ struct moment_codec {
   using vec = typename ops::vec;
   using uvec = typename uo::uvec;
 
-  /// lowbias32 of each lane (rounding_key.hpp's, on vectors).
-  static uvec hash(uvec x) noexcept {
-    x = x ^ (x >> 16);
-    x = uo::mul(x, uo::splat(0x7FEB352Du));
-    x = x ^ (x >> 15);
-    x = uo::mul(x, uo::splat(0x846CA68Bu));
-    return x ^ (x >> 16);
+  /// Random bits of lanes at indices lo, lo + 1, ... (low 32 bits) in a span with `key`:
+  /// rounding_key.hpp's rounding_bits on every lane.
+  static uvec random(std::uint32_t lo, std::uint32_t key) noexcept {
+    return uo::template iota_by<rounding_step>(rounding_bits(key, lo));
   }
-  /// Random bits of lanes at indices lo, lo + 1, ... (low 32 bits) in a span with `key`.
-  static uvec random(std::uint32_t lo, std::uint32_t key) noexcept { return hash(uo::iota(lo) ^ uo::splat(key)); }
 
   // --- bf16 -----------------------------------------------------------------------------
   /// Rounds x (canonical) to bf16 up in magnitude when its low 16 bits + r16 carry.

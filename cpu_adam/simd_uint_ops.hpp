@@ -1,12 +1,13 @@
 #pragma once
 // 32-bit unsigned integer lanes beside simd_ops' floats, for the compressed moment codecs
-// (stochastic rounding's hash, 8-bit codes): bit casts, the hash's multiply, narrow loads
-// and stores of 8- and 16-bit codes. Generic xsimd code, with instructions where xsimd
-// 8.1 has none (SSE2's 32-bit multiply) or goes lane by lane (AVX-512's narrowing).
+// (stochastic rounding's random bits, 8-bit codes): bit casts, index sequences, narrow
+// loads and stores of 8- and 16-bit codes. Generic xsimd code, with instructions where
+// xsimd 8.1 goes lane by lane (narrowing) or takes more shuffles than needed.
 // Integer arithmetic is exact, so every path gives the same bits.
 //
 // Only included by the per-instruction-set translation units (cpu_adam/arch_*.cpp).
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 
@@ -25,10 +26,11 @@ struct uint_ops<scalar_arch> {
   static uvec splat(std::uint32_t x) noexcept { return x; }
   static uvec bits(vec x) noexcept { return float_bits(x); }
   static vec from_bits(uvec u) noexcept { return bits_float(u); }
-  static uvec mul(uvec a, uvec b) noexcept { return a * b; }
   /// Whether scale_pow2 is one instruction (else the codec scales by exponent arithmetic).
   static constexpr bool has_scale_pow2 = false;
   static uvec iota(std::uint32_t first) noexcept { return first; }
+  template <std::uint32_t Step>
+  static uvec iota_by(std::uint32_t first) noexcept { return first; }
   static uvec select_lt(uvec a, uvec b, uvec yes, uvec no) noexcept { return a < b ? yes : no; }
   static vec select_lt(uvec a, uvec b, vec yes, vec no) noexcept { return a < b ? yes : no; }
   static uvec min(uvec a, uvec b) noexcept { return a < b ? a : b; }
@@ -64,7 +66,6 @@ struct xsimd_uint_ops {
   static uvec splat(std::uint32_t x) noexcept { return uvec(x); }
   static uvec bits(vec x) noexcept { return xsimd::bitwise_cast<uvec>(x); }
   static vec from_bits(uvec u) noexcept { return xsimd::bitwise_cast<vec>(u); }
-  static uvec mul(uvec a, uvec b) noexcept { return a * b; }
   static constexpr bool has_scale_pow2 = false;
   /// first, first + 1, ...: a constant vector plus a broadcast (building it through
   /// memory each call would stall on store forwarding).
@@ -72,6 +73,16 @@ struct xsimd_uint_ops {
     alignas(64) static constexpr std::uint32_t lanes[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     static_assert(width <= 16);
     return uvec::load_aligned(lanes) + uvec(first);
+  }
+  /// first, first + Step, first + 2 Step, ... (mod 2^32), the same way.
+  template <std::uint32_t Step>
+  static uvec iota_by(std::uint32_t first) noexcept {
+    alignas(64) static constexpr std::array<std::uint32_t, 16> lanes = [] {
+      std::array<std::uint32_t, 16> a{};
+      for (std::uint32_t i = 0; i < 16; ++i) a[i] = i * Step;
+      return a;
+    }();
+    return uvec::load_aligned(lanes.data()) + uvec(first);
   }
   // Operands below 2^31 only (magnitudes' bits, codes): a signed compare is exact there,
   // and every instruction set has one.
@@ -229,20 +240,6 @@ struct uint_ops<xsimd::fma3<xsimd::avx2>> : xsimd_uint_ops<xsimd::fma3<xsimd::av
   static void store_u16(std::uint16_t* p, uvec x) noexcept { // lanes are < 65536
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                      _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1)));
-  }
-};
-#endif
-
-#if defined(HOSTOPT_USE_XSIMD) && defined(__SSE2__) && !defined(__AVX__)
-template <>
-struct uint_ops<xsimd::sse2> : xsimd_uint_ops<xsimd::sse2> {
-  // SSE2 has no 32-bit low multiply (SSE4.1's pmulld): two 32x32->64 multiplies of the
-  // even and odd lanes, low halves interleaved back.
-  static uvec mul(uvec a, uvec b) noexcept {
-    const __m128i even = _mm_mul_epu32(a, b);
-    const __m128i odd = _mm_mul_epu32(_mm_srli_epi64(a, 32), _mm_srli_epi64(b, 32));
-    return _mm_unpacklo_epi32(_mm_shuffle_epi32(even, _MM_SHUFFLE(0, 0, 2, 0)),
-                              _mm_shuffle_epi32(odd, _MM_SHUFFLE(0, 0, 2, 0)));
   }
 };
 #endif

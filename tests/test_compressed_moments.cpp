@@ -370,36 +370,48 @@ TEST_CASE("8-bit moments never step tiny-gradient elements further than f32 does
           "[compressed]") {
   // One element's gradient is 1, the other 31 of its block get 1e-5 or 1e-7: their v is
   // 2^33 and more below the block's largest. Rounded to 0, v would make their step lr m/eps.
+  // f32 moves each by 0.2; rounded-to-0 v moved them 0.6 on average (up to 11): 3x and 55x.
+  // Rounding noise of 3-bit mantissas moves a single one by tens of percent in one seed's
+  // run (over 40 seeds: a seed's mean ratio 0.86-1.05, its largest 1.0-1.45; the large
+  // element off by 0.1-13.5%, -0.3% on average), so the bounds are on 16 seeds' means and on
+  // the largest of all, between the noise and the fault.
+  const int seeds = 16;
   for (const auto& kernel : supported_kernels())
     for (float tiny : {1e-5f, 1e-7f}) {
       INFO("kernel " << kernel << " tiny gradient " << tiny);
       const std::size_t n = 32;
       std::vector<float> g(n, tiny);
       g[0] = 1.0f;
-      ref::state f32(n);
-      std::vector<float> p(n, 0.0f);
-      packed mo(moment_format::q8, n);
       adam_config c;
       c.lr = 1e-3;
-      for (int t = 1; t <= 200; ++t) {
+      ref::state f32(n);
+      for (int t = 1; t <= 200; ++t)
         adam_step(f32.p.data(), f32.m.data(), f32.v.data(), n, {g.data(), n, dtype::f32}, {}, c, t, 1.0f, {1, kernel});
-        adam_step(p.data(), mo.view(), n, {g.data(), n, dtype::f32}, {}, c, t, 1.0f, {9, 0}, {1, kernel});
+      double mean = 0, largest = 0, mean_off = 0, largest_off = 0;
+      for (std::uint64_t seed = 1; seed <= seeds; ++seed) {
+        std::vector<float> p(n, 0.0f);
+        packed mo(moment_format::q8, n);
+        for (int t = 1; t <= 200; ++t)
+          adam_step(p.data(), mo.view(), n, {g.data(), n, dtype::f32}, {}, c, t, 1.0f, {seed, 0}, {1, kernel});
+        for (std::size_t i = 1; i < n; ++i) {
+          const double r = std::fabs(p[i]) / std::fabs(f32.p[i]);
+          mean += r / double((n - 1) * seeds);
+          largest = std::max(largest, r);
+        }
+        const double off = (double(p[0]) - f32.p[0]) / std::fabs(f32.p[0]); // the large element
+        mean_off += off / seeds;
+        largest_off = std::max(largest_off, std::fabs(off));
       }
-      // f32 moves each by 0.2; rounded-to-0 v moved them 0.6 on average (up to 11). Rounding
-      // noise of 3-bit mantissas moves a single one by some percent.
-      double mean = 0, largest = 0;
-      for (std::size_t i = 1; i < n; ++i) {
-        const double r = std::fabs(p[i]) / std::fabs(f32.p[i]);
-        mean += r / double(n - 1);
-        largest = std::max(largest, r);
-      }
-      INFO("step / f32 step: mean " << mean << ", largest " << largest);
-      CHECK(largest < 1.2);
+      INFO("step / f32 step over " << seeds << " seeds: mean " << mean << ", largest " << largest
+                                   << "; the large element off by " << mean_off << " on average, at most "
+                                   << largest_off);
+      CHECK(largest < 1.7);
       if (tiny == 1e-5f) { // within m's 2^17 of range: the f32 step on average
         CHECK(mean < 1.05);
-        CHECK(mean > 0.9);
+        CHECK(mean > 0.85);
       } // 1e-7 is beyond it: m rounds to 0 mostly and they barely move (never further)
-      CHECK(std::fabs(p[0] - f32.p[0]) < 0.05f * std::fabs(f32.p[0])); // 3-bit mantissas: some % of noise
+      CHECK(std::fabs(mean_off) < 0.05);
+      CHECK(largest_off < 0.25);
     }
 }
 

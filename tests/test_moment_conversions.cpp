@@ -112,13 +112,8 @@ std::uint64_t splitmix64(std::uint64_t x) {
   x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
   return x ^ (x >> 31);
 }
-std::uint32_t lowbias32(std::uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7FEB352Du;
-  x ^= x >> 15;
-  x *= 0x846CA68Bu;
-  return x ^ (x >> 16);
-}
+// The random bits of element i in a span keyed k: k + i * 0x6A099E37 (mod 2^32).
+std::uint32_t rounding_bits(std::uint32_t key, std::uint32_t i) { return key + i * 0x6A099E37u; }
 // The base of a block whose largest magnitude has bits `max_bits` (top: 15 for m, 31 for v):
 // 255 (poisoned) for a NaN, or an infinite m; else the largest exponent after rounding up,
 // at most 254, less top.
@@ -178,7 +173,7 @@ TEST_CASE("8-bit codes are the format's definition: every code at every base, ti
   const std::uint64_t seed = 23;
   const std::uint64_t step_key = splitmix64(seed ^ splitmix64(0));
   const std::uint32_t span = std::uint32_t(splitmix64(step_key));
-  auto random_bits = [&](std::size_t i) { return lowbias32(std::uint32_t(i) ^ span); };
+  auto random_bits = [&](std::size_t i) { return rounding_bits(span, std::uint32_t(i)); };
   std::vector<float> em(N), ev(N);
   std::mt19937_64 rng(17);
   for (std::size_t b = 0; b < blocks; ++b) {

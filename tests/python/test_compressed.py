@@ -162,3 +162,43 @@ def test_optimizer_groups_choose_their_moment_format(tmp_path):
   assert opt._core.chunk_unit == 32
   n = opt.arena_size
   assert hostopt._core.shard_of(n, 3, 1, 32)[0] % 32 == 0
+
+
+def test_a_checkpoint_from_the_hashed_rounding_loads_and_steps_as_it_did(tmp_path):
+  """tests/data/compressed_checkpoint_hashed_rounding.safetensors was written by 70680ac,
+  whose rounding bits came from a hash (lowbias32): the groups below, params from
+  default_rng(7)'s standard normals, five steps of grads(1..5), save. The digests are what
+  that build printed. The encodings did not change with the generator, so the file loads to
+  the same moments and saves to the same bytes, and the next step gives the parameters that
+  build gave (a step's p comes from the decoded moments; only its new codes differ)."""
+  import hashlib
+  import os
+  groups = [{"params": {"a": (1000,), "b": (37,)}, "moments": "bf16", "rounding_seed": 5, "lr": 1e-2},
+            {"params": {"c": (100,)}, "moments": "8bit", "rounding_seed": 6, "lr": 1e-2, "weight_decay": 0.1}]
+
+  def grads(t):
+    rng = np.random.default_rng(100 + t)
+    return {"a": rng.standard_normal(1000).astype(np.float32), "b": rng.standard_normal(37).astype(np.float32),
+            "c": (rng.standard_normal(100) * 1e-3).astype(np.float32)}
+
+  def digest(arrays):
+    h = hashlib.sha256()
+    for a in arrays:
+      h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()[:16]
+
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data",
+                      "compressed_checkpoint_hashed_rounding.safetensors")
+  opt = hostopt.Optimizer(groups)
+  opt.load(path)
+  assert opt.step_count == 5
+  assert digest(a for n in ("a", "b", "c") for a in opt.read_moments(n)) == "97e2c1fc80a5e45b"
+  opt.save(str(tmp_path / "again.safetensors"))
+  assert (tmp_path / "again.safetensors").read_bytes() == open(path, "rb").read()
+  opt.step(grads(6))
+  assert digest(opt.params(n) for n in ("a", "b", "c")) == "462622af9e644c63"
+  # The new codes are this build's: a second load steps to the same bits.
+  again = hostopt.Optimizer(groups)
+  again.load(path)
+  again.step(grads(6))
+  assert all(np.array_equal(again.moment_codes(n)[k], opt.moment_codes(n)[k]) for n in ("a", "c") for k in (0, 1))

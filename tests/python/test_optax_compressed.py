@@ -63,17 +63,22 @@ def test_first_update_is_the_f32_kernels_and_training_tracks_optax(fmt):
   f32 = hoptax.adamw(1e-2, weight_decay=0.1)
   # From zero moments (exactly representable) the update is the f32 kernel's, bit for bit.
   assert same(opt.update(g, opt.init(params), params)[0], f32.update(g, f32.init(params), params)[0])
-  # 200 steps: the loss follows optax.adamw's (f32 moments) within 2%.
-  ref_p, _ = train(optax.adamw(1e-2, weight_decay=0.1), params, grad, 200)
-  p, state = train(opt, params, grad, 200)
-  assert float(loss(ref_p)) < 0.5 * float(loss(params))
-  assert abs(float(loss(p)) - float(loss(ref_p))) < 0.02 * float(loss(ref_p))
+  # 60 steps (the loss falls 9x): the loss follows optax.adamw's (f32 moments), on average
+  # over 8 rounding seeds within 0.5% (bf16) and 3% (8-bit). One seed's rounding noise moves
+  # 8-bit's by 1.5% (standard deviation over 16 seeds; bf16's 0.13%), more as the loss
+  # nears 0 (19% at 200 steps, where it is 1/2400 of the start), so one seed proves little.
+  ref_p, ref_state = train(optax.adamw(1e-2, weight_decay=0.1), params, grad, 60)
+  assert float(loss(ref_p)) < 0.2 * float(loss(params))
+  ratios = []
+  for seed in range(8):
+    p, state = train(hoptax.adamw(1e-2, weight_decay=0.1, moments=fmt, rounding_seed=seed), params, grad, 60)
+    ratios.append(float(loss(p)) / float(loss(ref_p)))
+  assert abs(np.mean(ratios) - 1) < (0.005 if fmt == "bf16" else 0.03), ratios
   if fmt == "8bit":
     assert isinstance(state[0], hoptax.ScaleByAdam8bitState)
     # scales: every leaf's blocks in leaf order (l1.b: 2, l1.w: 10, l2.b: 1, l2.w: 2).
     assert state[0].mu_codes["l1"]["w"].dtype == jnp.uint8 and state[0].scales.shape == (15, 2)
     # The decoded moments are optax's within the format's grid (3-bit mantissas).
-    _, ref_state = train(optax.adamw(1e-2, weight_decay=0.1), params, grad, 200)
     m32, v32 = np.empty(320, np.float32), np.empty(320, np.float32)
     _core.decode_moments(np.asarray(state[0].mu_codes["l1"]["w"]).reshape(-1),
                          np.asarray(state[0].nu_codes["l1"]["w"]).reshape(-1),
