@@ -176,9 +176,13 @@ template <>
 struct simd_ops<xsimd::fma3<xsimd::avx2>> : xsimd_ops<xsimd::fma3<xsimd::avx2>> {
   using xsimd_ops::load;
   using xsimd_ops::store;
+  /// The eight bf16 in both 128-bit lanes (a load, no shuffle), then one byte shuffle puts
+  /// each lane's four in the high halves of its 32-bit lanes, zeros below: no shift.
   static vec load(const bf16_t* p) noexcept {
-    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i to_high = _mm256_setr_epi8(-1, -1, 0, 1, -1, -1, 2, 3, -1, -1, 4, 5, -1, -1, 6, 7, //
+                                             -1, -1, 8, 9, -1, -1, 10, 11, -1, -1, 12, 13, -1, -1, 14, 15);
+    return _mm256_castsi256_ps(_mm256_shuffle_epi8(both, to_high));
   }
   static vec load(const f16_t* p) noexcept {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

@@ -241,6 +241,14 @@ struct uint_ops<xsimd::fma3<xsimd::avx2>> : xsimd_uint_ops<xsimd::fma3<xsimd::av
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                      _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1)));
   }
+  /// One pack of both (x's halves and y's interleaved by 128-bit lane), one permute to put
+  /// x's eight before y's: two shuffles where two store_u16 take four.
+  static void store_high_halves(std::uint16_t* a, std::uint16_t* b, uvec x, uvec y) noexcept {
+    const __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(x, 16), _mm256_srli_epi32(y, 16));
+    const __m256i ordered = _mm256_permute4x64_epi64(packed, _MM_SHUFFLE(3, 1, 2, 0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a), _mm256_castsi256_si128(ordered));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(b), _mm256_extracti128_si256(ordered, 1));
+  }
 };
 #endif
 
