@@ -107,6 +107,15 @@ void bind_sharded(py::module_& m) {
       py::arg("arena_size"), py::arg("world_size"), py::arg("rank"), py::arg("unit") = 16,
       "[begin, end) of the arena owned by `rank` (hostopt::shard_of): cut on multiples of `unit` (16; 32 when a "
       "group has 8-bit moments, as ShardedOptimizer and Optimizer.chunk_unit use).");
+  m.def(
+      "shard_of_groups",
+      [](py::list groups, int world, int rank) {
+        const shard_range r = shard_of(groups_from(groups), world, rank);
+        return py::make_tuple(r.begin, r.end);
+      },
+      py::arg("groups"), py::arg("world_size"), py::arg("rank"),
+      "[begin, end) of the groups' layout owned by `rank` (hostopt::shard_of(groups, ...)): the unit is 32 when a "
+      "group has 8-bit moments, else 16.");
 
   py::register_exception<sharded_step_refused>(m, "ShardedStepRefused", PyExc_RuntimeError);
   py::class_<sharded_optimizer>(m, "ShardedOptimizer",

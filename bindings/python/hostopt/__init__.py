@@ -610,8 +610,7 @@ class StoredOptimizer:
       raise TypeError(f"shard={shard!r}: expected (world_size, rank)")
     world = _integer(shard[0], "shard's world_size", (1, 2**31), "an int >= 1")
     rank = _integer(shard[1], "shard's rank", (0, world), f"an int in [0, {world}) (world_size {world})")
-    unit = 32 if any(_core.moment_format(g.get("moments", "f32")) == "8bit" for g in spec) else 16
-    return _core.shard_of(_core.arena_layout(spec)[1], world, rank, unit)
+    return _core.shard_of_groups(spec, world, rank)
 
   @classmethod
   def create(cls, groups: Sequence[Mapping], dir: Union[str, os.PathLike, Sequence[str]], *, initial_params=None, staging_bytes: int = 256 << 20,

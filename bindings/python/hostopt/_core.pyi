@@ -363,3 +363,6 @@ def convert(in_: _F32, /, out: _Tagged, out_dtype: str, threads: _Int = 0) -> No
 def shard_of(arena_size: _Int, world_size: _Int, rank: _Int, unit: _Int = 16) -> tuple[int, int]:
   """[begin, end) of the arena owned by `rank` (hostopt::shard_of): cut on multiples of `unit` (16; 32 when a group
   has 8-bit moments, as ShardedOptimizer and Optimizer.chunk_unit use)."""
+def shard_of_groups(groups: list[_GroupSpec], world_size: _Int, rank: _Int) -> tuple[int, int]:
+  """[begin, end) of the groups' layout owned by `rank` (hostopt::shard_of(groups, ...)): the unit is 32 when a
+  group has 8-bit moments, else 16."""
