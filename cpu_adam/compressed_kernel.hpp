@@ -47,7 +47,8 @@ struct moment_codec {
   /// Random bits of lanes at indices lo, lo + 1, ... (low 32 bits) in a span with `key`:
   /// rounding_key.hpp's rounding_bits on every lane.
   static uvec random(std::uint32_t lo, std::uint32_t key) noexcept {
-    return uo::template iota_by<rounding_step>(rounding_bits(key, lo));
+    const uvec x = uo::template iota_by<rounding_step>(key + lo * rounding_step);
+    return x ^ (x >> 16);
   }
 
   // --- bf16 -----------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 // Software prefetch of the streams a kernel walks, a fixed distance ahead.
 //
 // The step does enough arithmetic per cache line (exact sqrt and division, and for
-// compressed moments decode, hash and encode) that, with one thread busy computing, the
+// compressed moments decode, rounding bits and encode) that, with one thread busy computing, the
 // hardware prefetchers alone leave DRAM idle part of the time: at 64M params on one core,
 // the f32 step ran at 84% of its roofline twin and the bf16-moment step at 79%. Asking for
 // each stream's line 4 KiB ahead keeps the memory system busy while the core computes:

@@ -31,14 +31,18 @@ static inline std::uint32_t span_key(std::uint64_t step_key, std::uint64_t first
 /// both halves, each half at its own pace.
 inline constexpr std::uint32_t rounding_step = 0x6A099E37u;
 
-/// The random bits of element `index` (low 32 bits) in a span keyed `key`: an additive
-/// sequence key + index * rounding_step (mod 2^32). With the key uniform and fresh each
-/// step, every element's bits are uniform each step (its rounding unbiased) and independent
-/// of its bits at any other step; within a step, neighbours' bits form a low-discrepancy
-/// sequence (docs/compressed-moments.md, "Reproducible rounding"). One add per vector, where
-/// a hash costs two multiplies per element.
+/// The random bits of element `index` (low 32 bits) in a span keyed `key`: x = key + index *
+/// rounding_step (mod 2^32), an additive sequence, then its high half xored into its low
+/// (v rounds with the high 16 bits, m with the low 16). With the key uniform and fresh each
+/// step, every element's bits are uniform each step (its rounding unbiased), its two halves
+/// independent, and independent of its bits at any other step. Within a step neighbours'
+/// bits spread evenly. The xor is for m: x's low 16 bits alone repeat every 2^16 elements,
+/// so a 65536-wide tensor's column would round its m in lockstep (and a 4096-wide one's
+/// through 16 values); its high half varies along any stride below 2^28. One add, one shift
+/// and one xor per vector, where a hash costs two multiplies per element.
 static inline std::uint32_t rounding_bits(std::uint32_t key, std::uint32_t index) noexcept {
-  return key + index * rounding_step;
+  const std::uint32_t x = key + index * rounding_step;
+  return x ^ (x >> 16);
 }
 
 } // namespace hostopt::detail

@@ -406,7 +406,8 @@ TEST_CASE("8-bit moments never step tiny-gradient elements further than f32 does
                                    << "; the large element off by " << mean_off << " on average, at most "
                                    << largest_off);
       CHECK(largest < 1.7);
-      if (tiny == 1e-5f) { // within m's 2^17 of range: the f32 step on average
+      if (tiny == 1e-5f) { // within m's 2^17 of range: near the f32 step on average (v's floor
+                           // in the block keeps it ~7% short: 0.924 over 80 seeds)
         CHECK(mean < 1.05);
         CHECK(mean > 0.85);
       } // 1e-7 is beyond it: m rounds to 0 mostly and they barely move (never further)

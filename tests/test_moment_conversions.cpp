@@ -112,8 +112,12 @@ std::uint64_t splitmix64(std::uint64_t x) {
   x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
   return x ^ (x >> 31);
 }
-// The random bits of element i in a span keyed k: k + i * 0x6A099E37 (mod 2^32).
-std::uint32_t rounding_bits(std::uint32_t key, std::uint32_t i) { return key + i * 0x6A099E37u; }
+// The random bits of element i in a span keyed k: x = k + i * 0x6A099E37 (mod 2^32), its
+// high half xored into its low.
+std::uint32_t rounding_bits(std::uint32_t key, std::uint32_t i) {
+  const std::uint32_t x = key + i * 0x6A099E37u;
+  return x ^ (x >> 16);
+}
 // The base of a block whose largest magnitude has bits `max_bits` (top: 15 for m, 31 for v):
 // 255 (poisoned) for a NaN, or an infinite m; else the largest exponent after rounding up,
 // at most 254, less top.
@@ -241,4 +245,28 @@ TEST_CASE("8-bit codes are the format's definition: every code at every base, ti
   CHECK(wrong == 0);
   CHECK((seen_base[0] && seen_base[239] && seen_base[223] && seen_base[255])); // the edges were reached
   CHECK((top_m > 0 && top_v > 0));
+}
+
+TEST_CASE("a wide tensor's column rounds like independent elements, not in lockstep", "[compressed]") {
+  // Elements a power of two apart (a column of a 4096-, 65536- or 2^20-wide matrix), each
+  // exactly halfway between two bf16 values, so each rounds up with probability 1/2: about
+  // half of 64 must round up, for m and for v. An additive sequence's low 16 bits alone are
+  // the same for elements 2^16 apart (all 64 or none would round up).
+  const std::uint32_t halfway = 0x3F808000u; // 1 + 2^-8: between bf16 1.0 and 1.0078125
+  float x;
+  std::memcpy(&x, &halfway, sizeof x);
+  for (std::uint64_t stride : {std::uint64_t(4096), std::uint64_t(1) << 16, std::uint64_t(1) << 20})
+    for (std::uint64_t seed : {1, 2, 3, 4}) {
+      int m_up = 0, v_up = 0;
+      for (std::uint64_t r = 0; r < 64; ++r) {
+        packed one(moment_format::bf16, 1);
+        encode_moments(&x, &x, one.view(), 1, {seed, 12345 + r * stride});
+        const decoded d = decode(one, 1);
+        m_up += d.m[0] > x;
+        v_up += d.v[0] > x;
+      }
+      INFO("stride " << stride << " seed " << seed << ": m rounded up " << m_up << " of 64, v " << v_up);
+      CHECK((m_up >= 16 && m_up <= 48));
+      CHECK((v_up >= 16 && v_up <= 48));
+    }
 }

@@ -68,7 +68,7 @@ struct compressed_moments {
 /// Bytes of compressed_moments::scales for n elements (0 for bf16).
 std::size_t moment_scale_bytes(moment_format format, std::size_t n);
 /// Where the stochastic rounding of compressed moments draws from: the random bits of
-/// element i at step t are a hash of (seed, t, first_index + i) and nothing else, so the
+/// element i at step t are a function of (seed, t, first_index + i) and nothing else, so the
 /// same state steps to the same bits whatever the kernel, threads or chunking. When the
 /// buffers are part of a larger state stepped in pieces, first_index is the piece's
 /// offset in it (a multiple of q8_block for 8-bit) and each piece rounds as the whole.

@@ -47,7 +47,7 @@ struct param_group {
   std::vector<tensor_spec> tensors;
   moment_format moments = moment_format::f32;
   /// Seed of the compressed moments' stochastic rounding (rounding_stream): the bits of
-  /// element i at step t are a hash of (seed, t, i) and nothing else. Unused for f32.
+  /// element i at step t are a function of (seed, t, i) and nothing else. Unused for f32.
   std::uint64_t rounding_seed = 0;
 };
 

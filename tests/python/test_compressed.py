@@ -197,8 +197,3 @@ def test_a_checkpoint_from_the_hashed_rounding_loads_and_steps_as_it_did(tmp_pat
   assert (tmp_path / "again.safetensors").read_bytes() == open(path, "rb").read()
   opt.step(grads(6))
   assert digest(opt.params(n) for n in ("a", "b", "c")) == "462622af9e644c63"
-  # The new codes are this build's: a second load steps to the same bits.
-  again = hostopt.Optimizer(groups)
-  again.load(path)
-  again.step(grads(6))
-  assert all(np.array_equal(again.moment_codes(n)[k], opt.moment_codes(n)[k]) for n in ("a", "c") for k in (0, 1))
