@@ -44,10 +44,14 @@ struct moment_codec {
   using vec = typename ops::vec;
   using uvec = typename uo::uvec;
 
-  /// Random bits of lanes at indices lo, lo + 1, ... (low 32 bits) in a span with `key`:
-  /// rounding_key.hpp's rounding_bits on every lane.
+  /// The additive sequence x of lanes at indices lo, lo + 1, ... (low 32 bits) in a span
+  /// with `key` (rounding_key.hpp).
+  static uvec sequence(std::uint32_t lo, std::uint32_t key) noexcept {
+    return uo::template iota_by<rounding_step>(key + lo * rounding_step);
+  }
+  /// rounding_bits of those lanes: x's high half xored into its low.
   static uvec random(std::uint32_t lo, std::uint32_t key) noexcept {
-    const uvec x = uo::template iota_by<rounding_step>(key + lo * rounding_step);
+    const uvec x = sequence(lo, key);
     return x ^ (x >> 16);
   }
 
@@ -56,10 +60,12 @@ struct moment_codec {
   static void store_bf16(bf16_t* p, vec x, uvec r16) noexcept {
     uo::store_u16(reinterpret_cast<std::uint16_t*>(p), (uo::bits(x) + r16) >> 16);
   }
-  /// store_bf16 of m with r's low 16 bits and of v with its high 16, at once.
-  static void store_bf16_pair(bf16_t* m, bf16_t* v, vec mm, vec vv, uvec r) noexcept {
+  /// store_bf16 of m with rounding_bits' low 16 bits and of v with its high 16, at once,
+  /// from the sequence x (its high half computed once for both: one shift fewer).
+  static void store_bf16_pair(bf16_t* m, bf16_t* v, vec mm, vec vv, uvec x) noexcept {
+    const uvec high = x >> 16;
     uo::store_high_halves(reinterpret_cast<std::uint16_t*>(m), reinterpret_cast<std::uint16_t*>(v),
-                          uo::bits(mm) + (r & uo::splat(0xFFFF)), uo::bits(vv) + (r >> 16));
+                          uo::bits(mm) + ((x ^ high) & uo::splat(0xFFFF)), uo::bits(vv) + high);
   }
 
   // --- q8 -------------------------------------------------------------------------------
@@ -331,7 +337,7 @@ struct adam_bf16_state_kernel : compressed_kernel_base<Arch> {
     const vec pp = rule::template apply<true, Delta>(c, ops::load(grad), base::template load_p<Delta>(p), mm, vv);
     if constexpr (!Delta) ops::store(p, pp);
     store_copy_out<ops>(out, pp, Stream);
-    codec::store_bf16_pair(m, v, mm, vv, codec::random(lo, key));
+    codec::store_bf16_pair(m, v, mm, vv, codec::sequence(lo, key));
   }
 
   static block_counts run(const compressed_call& k, float* p, void* m_raw, void* v_raw, std::uint8_t*,
