@@ -17,7 +17,7 @@
 //   2 + 2/32 bytes per element. The encode counts poisoned blocks and blocks whose range
 //   it exceeded (moment_codec::saturated): scalar tests per block, and one running
 //   minimum per vector (the smallest v of the elements that had a gradient).
-// The random bits of element i at step t are rounding_bits(span_key, i) (rounding_key.hpp).
+// The random bits of element i at step t come from rounding_sequence(span_key, i) (rounding_key.hpp).
 //
 // Only included by the per-instruction-set translation units (cpu_adam/arch_*.cpp).
 
@@ -44,12 +44,12 @@ struct moment_codec {
   using vec = typename ops::vec;
   using uvec = typename uo::uvec;
 
-  /// The additive sequence x of lanes at indices lo, lo + 1, ... (low 32 bits) in a span
-  /// with `key` (rounding_key.hpp).
+  /// rounding_sequence's x of lanes at indices lo, lo + 1, ... (low 32 bits) in a span
+  /// with `key`.
   static uvec sequence(std::uint32_t lo, std::uint32_t key) noexcept {
-    return uo::template iota_by<rounding_step>(key + lo * rounding_step);
+    return uo::template iota_by<rounding_step>(rounding_sequence(key, lo));
   }
-  /// rounding_bits of those lanes: x's high half xored into its low.
+  /// Random bits of those lanes: m's in the low 16 (x's halves xored), v's in the high 16.
   static uvec random(std::uint32_t lo, std::uint32_t key) noexcept {
     const uvec x = sequence(lo, key);
     return x ^ (x >> 16);
@@ -60,8 +60,8 @@ struct moment_codec {
   static void store_bf16(bf16_t* p, vec x, uvec r16) noexcept {
     uo::store_u16(reinterpret_cast<std::uint16_t*>(p), (uo::bits(x) + r16) >> 16);
   }
-  /// store_bf16 of m with rounding_bits' low 16 bits and of v with its high 16, at once,
-  /// from the sequence x (its high half computed once for both: one shift fewer).
+  /// store_bf16 of m and v with random()'s bits, at once, from the sequence x (its high
+  /// half computed once for both: one shift fewer).
   static void store_bf16_pair(bf16_t* m, bf16_t* v, vec mm, vec vv, uvec x) noexcept {
     const uvec high = x >> 16;
     uo::store_high_halves(reinterpret_cast<std::uint16_t*>(m), reinterpret_cast<std::uint16_t*>(v),

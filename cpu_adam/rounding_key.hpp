@@ -20,8 +20,8 @@ static inline std::uint64_t rounding_key(std::uint64_t seed, std::int64_t step) 
   return splitmix64(seed ^ splitmix64(std::uint64_t(step)));
 }
 
-/// The 32-bit key of elements [2^32 k, 2^32 (k + 1)): rounding_bits takes the index's low
-/// 32 bits, so a key covers one such span of the arena.
+/// The 32-bit key of elements [2^32 k, 2^32 (k + 1)): rounding_sequence takes the index's
+/// low 32 bits, so a key covers one such span of the arena.
 static inline std::uint32_t span_key(std::uint64_t step_key, std::uint64_t first_index) noexcept {
   return std::uint32_t(splitmix64(step_key ^ (first_index >> 32)));
 }
@@ -31,18 +31,17 @@ static inline std::uint32_t span_key(std::uint64_t step_key, std::uint64_t first
 /// both halves, each half at its own pace.
 inline constexpr std::uint32_t rounding_step = 0x6A099E37u;
 
-/// The random bits of element `index` (low 32 bits) in a span keyed `key`: x = key + index *
-/// rounding_step (mod 2^32), an additive sequence, then its high half xored into its low
-/// (v rounds with the high 16 bits, m with the low 16). With the key uniform and fresh each
-/// step, every element's bits are uniform each step (its rounding unbiased), its two halves
-/// independent, and independent of its bits at any other step. Within a step neighbours'
-/// bits spread evenly. The xor is for m: x's low 16 bits alone repeat every 2^16 elements,
-/// so a 65536-wide tensor's column would round its m in lockstep (and a 4096-wide one's
-/// through 16 values); its high half varies along any stride below 2^28. One add, one shift
-/// and one xor per vector, where a hash costs two multiplies per element.
-static inline std::uint32_t rounding_bits(std::uint32_t key, std::uint32_t index) noexcept {
-  const std::uint32_t x = key + index * rounding_step;
-  return x ^ (x >> 16);
+/// x of element `index` (low 32 bits) in a span keyed `key`: an additive sequence. The
+/// kernels round v with x's high 16 bits and m with its low 16 xor its high 16
+/// (moment_codec::random). With the key uniform and fresh each step, every element's bits
+/// are uniform each step (its rounding unbiased), m's independent of v's, and independent of
+/// its bits at any other step. Within a step neighbours' bits spread evenly. The xor is for
+/// m: x's low 16 bits alone repeat every 2^16 elements, so a 65536-wide tensor's column would
+/// round its m in lockstep (and a 4096-wide one's through 16 values); its high half varies
+/// along any stride below 2^28. One add, one shift and one xor per vector, where a hash
+/// costs two multiplies per element.
+static inline std::uint32_t rounding_sequence(std::uint32_t key, std::uint32_t index) noexcept {
+  return key + index * rounding_step;
 }
 
 } // namespace hostopt::detail

@@ -28,7 +28,6 @@ struct uint_ops<scalar_arch> {
   static vec from_bits(uvec u) noexcept { return bits_float(u); }
   /// Whether scale_pow2 is one instruction (else the codec scales by exponent arithmetic).
   static constexpr bool has_scale_pow2 = false;
-  static uvec iota(std::uint32_t first) noexcept { return first; }
   template <std::uint32_t Step>
   static uvec iota_by(std::uint32_t first) noexcept { return first; }
   static uvec select_lt(uvec a, uvec b, uvec yes, uvec no) noexcept { return a < b ? yes : no; }
@@ -67,16 +66,11 @@ struct xsimd_uint_ops {
   static uvec bits(vec x) noexcept { return xsimd::bitwise_cast<uvec>(x); }
   static vec from_bits(uvec u) noexcept { return xsimd::bitwise_cast<vec>(u); }
   static constexpr bool has_scale_pow2 = false;
-  /// first, first + 1, ...: a constant vector plus a broadcast (building it through
-  /// memory each call would stall on store forwarding).
-  static uvec iota(std::uint32_t first) noexcept {
-    alignas(64) static constexpr std::uint32_t lanes[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    static_assert(width <= 16);
-    return uvec::load_aligned(lanes) + uvec(first);
-  }
-  /// first, first + Step, first + 2 Step, ... (mod 2^32), the same way.
+  /// first, first + Step, first + 2 Step, ... (mod 2^32): a constant vector plus a
+  /// broadcast (building it through memory each call would stall on store forwarding).
   template <std::uint32_t Step>
   static uvec iota_by(std::uint32_t first) noexcept {
+    static_assert(width <= 16);
     alignas(64) static constexpr std::array<std::uint32_t, 16> lanes = [] {
       std::array<std::uint32_t, 16> a{};
       for (std::uint32_t i = 0; i < 16; ++i) a[i] = i * Step;
