@@ -75,7 +75,6 @@ struct stored_optimizer::impl {
   // One chunk of the arena: laid out as an optimizer holding [range) lays out its state.
   struct chunk {
     arena_range range;
-    std::size_t offset; // range.begin's index in flat buffers (which start at base())
     held_layout layout;
     state_storage storage; // external: bound to its staging buffer when used
     std::vector<update_piece> pieces;
@@ -121,6 +120,8 @@ struct stored_optimizer::impl {
   // Elements held, and the first one's layout index: flat buffers index from `base()`.
   std::size_t end() const { return whole.size(); }
   std::size_t base() const { return whole.range().begin; }
+  // Where a chunk starts in flat buffers (gradients, copy-outs, initial parameters).
+  std::size_t flat_at(const chunk& c) const { return c.range.begin - base(); }
 
   // Chunks of `elements` each (the last shorter) and the bytes of the largest.
   void lay_out_chunks(std::size_t elements) {
@@ -134,7 +135,7 @@ struct stored_optimizer::impl {
       state_storage storage(formats, layout, state_storage::external_memory{});
       largest = std::max(largest, storage.contiguous_bytes());
       std::vector<update_piece> pieces = layout.pieces();
-      chunks.push_back({r, b, std::move(layout), std::move(storage), std::move(pieces)});
+      chunks.push_back({r, std::move(layout), std::move(storage), std::move(pieces)});
     }
     chunk_bytes = round_up(std::max<std::size_t>(largest, 1), drive::direct_alignment);
     fingerprint = fingerprint_of();
@@ -345,8 +346,8 @@ struct stored_optimizer::impl {
     j.begin = 0;
     j.end = c.range.size();
     j.index_origin = c.range.begin; // compressed moments round by layout index, as in RAM
-    j.flat_grad = static_cast<const char*>(grad) + c.offset * grad_bytes;
-    j.flat_out = out ? static_cast<char*>(out) + c.offset * out_bytes : nullptr;
+    j.flat_grad = static_cast<const char*>(grad) + flat_at(c) * grad_bytes;
+    j.flat_out = out ? static_cast<char*>(out) + flat_at(c) * out_bytes : nullptr;
     return run_update(j, exec.threads);
   }
 
@@ -354,7 +355,7 @@ struct stored_optimizer::impl {
   // (holding the same range: its flat element i is ours): to_ram or from it.
   void copy_piece(const chunk& c, const update_piece& piece, const exclusive_state& ram, bool to_ram) const {
     if (!piece.size) return;
-    const std::size_t g = piece.group, at = c.offset + piece.offset;
+    const std::size_t g = piece.group, at = flat_at(c) + piece.offset;
     const moment_format f = groups[g].moments;
     auto move = [&](char* chunk_side, char* ram_side, std::size_t bytes) {
       if (to_ram) std::memcpy(ram_side, chunk_side, bytes);
@@ -443,7 +444,7 @@ stored_optimizer stored_optimizer::create(std::vector<param_group> groups, const
     if (!has_params) return;
     for (const update_piece& piece : c.pieces)
       if (piece.size)
-        std::memcpy(c.storage.params() + piece.offset, p + c.offset + piece.offset,
+        std::memcpy(c.storage.params() + piece.offset, p + s->flat_at(c) + piece.offset,
                     piece.size * sizeof(float));
   });
   s->commit();
