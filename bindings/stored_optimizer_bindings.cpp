@@ -67,14 +67,16 @@ void bind_stored_optimizer(py::module_& m) {
           "open",
           [](py::list groups, const std::vector<std::string>& dir, std::size_t staging_bytes, unsigned buffers,
              std::size_t chunk_elements, bool sync, const std::string& io, int threads, const std::string& kernel,
-             const optional_range& range) {
+             const optional_range& range, bool previous) {
             const std::vector<param_group> gs = groups_from(groups);
             const state_store_options o = store_options(dir, staging_bytes, buffers, chunk_elements, sync, io, range);
             py::gil_scoped_release release;
-            return std::make_unique<stored_optimizer>(stored_optimizer::open(gs, o, {threads, kernel}));
+            return std::make_unique<stored_optimizer>(previous ? stored_optimizer::open_previous(gs, o, {threads, kernel})
+                                                               : stored_optimizer::open(gs, o, {threads, kernel}));
           },
           py::arg("groups"), py::arg("dirs"), py::arg("staging_bytes"), py::arg("buffers"), py::arg("chunk_elements"),
-          py::arg("sync"), py::arg("io"), py::arg("threads"), py::arg("kernel"), py::arg("range") = py::none())
+          py::arg("sync"), py::arg("io"), py::arg("threads"), py::arg("kernel"), py::arg("range") = py::none(),
+          py::arg("previous") = false)
       .def_static(
           "import_state",
           [](const optimizer& ram, py::list groups, const std::vector<std::string>& dir, std::size_t staging_bytes, unsigned buffers,

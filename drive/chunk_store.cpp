@@ -269,6 +269,57 @@ chunk_store chunk_store::open_step(const std::string& dir, const store_shape& ex
   }
 }
 
+void chunk_store::verify_previous() { go_back(false); }
+
+void chunk_store::roll_back() { go_back(true); }
+
+void chunk_store::go_back(bool stay) {
+  if (in_flight() || written_count_)
+    throw std::logic_error("chunk_store::roll_back: requests in flight or chunks written for the next step");
+  if (!broken_.empty()) throw std::runtime_error(broken_);
+  if (committed_ == no_step || committed_ == 0)
+    throw std::runtime_error("the store in " + dir_ + " is at its first step (" +
+                             (committed_ == no_step ? std::string("none committed") : std::string("step 0")) +
+                             "): there is no step before it to go back to");
+  const std::uint64_t before = committed_ - 1;
+  commit_record older{};
+  try {
+    older = last_record(dir_, commits_.fd(), &before);
+  } catch (const std::runtime_error&) {
+    throw std::runtime_error("the store in " + dir_ + " no longer holds step " + std::to_string(before) +
+                             ", the one before its step " + std::to_string(committed_) +
+                             " (a store keeps two steps, and after a fallback or a roll-back only one)");
+  }
+  if (!(store_shape{older.chunks, older.chunk_bytes, older.fingerprint} == shape_))
+    throw std::runtime_error("the store in " + dir_ + ": the commit of step " + std::to_string(before) +
+                             " holds another shape than the store's (a corrupt record)");
+  const std::uint64_t later = committed_, later_id = store_id_;
+  std::vector<std::uint64_t> later_words = words_;
+  auto restore = [&] {
+    committed_ = later;
+    store_id_ = later_id;
+    words_ = later_words;
+  };
+  committed_ = older.step;
+  store_id_ = older.store_id;
+  words_ = words_of(older);
+  try {
+    verify_all();
+  } catch (const std::runtime_error& e) {
+    restore();
+    throw std::runtime_error("the store in " + dir_ + " cannot go back to step " + std::to_string(before) + ": " +
+                             e.what());
+  }
+  if (!stay) return restore();
+  try {
+    erase_record(later);
+  } catch (...) {
+    restore();
+    throw;
+  }
+  write_id_ = fresh_id(); // (never the id of anything this object wrote before)
+}
+
 std::uint64_t chunk_store::verify_all() {
   // Every committed chunk read and checked (finish() checks each read), depth at a time: a
   // buffer is given to the next read only once its own read has finished.

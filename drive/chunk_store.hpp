@@ -130,6 +130,15 @@ public:
   /// Commits next_step() with the caller's `words`: every chunk written for it and finished,
   /// nothing in flight (std::logic_error naming a missing chunk otherwise, nothing changed).
   void commit(const std::vector<std::uint64_t>& words = {});
+  /// Whether the store can go back to the step before the committed one: that step's commit
+  /// record there and every chunk of it verified (read and checked). Changes nothing;
+  /// std::runtime_error naming the problem where it cannot: a store keeps two steps' slots,
+  /// and after a fallback or a roll-back only one.
+  void verify_previous();
+  /// Goes back to the step before the committed one, for good: verified as verify_previous,
+  /// then the later commit record erased (its slots never verify again: the next step writes
+  /// them under a new attempt's id). Nothing may be in flight or written for next_step().
+  void roll_back();
   /// What open found when the last step could not be opened and it opened the one before
   /// ("" otherwise).
   const std::string& fell_back() const { return fell_back_; }
@@ -160,6 +169,7 @@ private:
   static chunk_store open_step(const std::string& dir, const store_shape& expected, const std::uint64_t* at,
                                durability d, unsigned depth, io_backend backend);
   void erase_record(std::uint64_t step);
+  void go_back(bool stay); // verify_previous, and with `stay` roll_back
 
   std::uint64_t verify_all(); // open's check of every committed chunk
   std::uint64_t payload_sum(const std::byte* p) const;

@@ -472,6 +472,16 @@ stored_optimizer stored_optimizer::create(const optimizer& ram, std::vector<para
 
 stored_optimizer stored_optimizer::open(std::vector<param_group> groups, const state_store_options& options,
                                         execution_options exec) {
+  return open_store(std::move(groups), options, std::move(exec), false);
+}
+
+stored_optimizer stored_optimizer::open_previous(std::vector<param_group> groups, const state_store_options& options,
+                                                 execution_options exec) {
+  return open_store(std::move(groups), options, std::move(exec), true);
+}
+
+stored_optimizer stored_optimizer::open_store(std::vector<param_group> groups, const state_store_options& options,
+                                              execution_options exec, bool previous) {
   check_options(options);
   auto s = std::make_unique<impl>(std::move(groups), std::move(exec), options.range);
   // Every stripe's last commit: one model, one chunking, one count of stripes, each in its place.
@@ -541,6 +551,12 @@ stored_optimizer stored_optimizer::open(std::vector<param_group> groups, const s
     s->stores[i].reset(); // (its lock released first)
     s->stores[i] = std::make_unique<drive::chunk_store>(
         drive::chunk_store::open_at(options.dirs[i], s->shape(i, n), step, durability_of(options), buffers, backend));
+  }
+  // Back a step: every stripe's earlier step verified before any stripe erases its later one.
+  // (Killed between the erasures, the stripes hold t - 1 and t: open brings all to t - 1.)
+  if (previous) {
+    for (const auto& st : s->stores) st->verify_previous();
+    for (const auto& st : s->stores) st->roll_back();
   }
   // One commit in every stripe: the same id (and counters) at the step they opened at.
   for (std::size_t i = 1; i < n; ++i) {

@@ -460,6 +460,109 @@ TEST_CASE("stored_optimizer: a step redone after a fallback never passes the aba
   require_same_as(stored, at_step_1, groups);
 }
 
+TEST_CASE("stored_optimizer: open_previous undoes the last applied step for good, the skipped steps since with it") {
+  const auto groups = mixed_groups();
+  temp_dir dir{"stored_optimizer"};
+  const state_store_options o = small_store(dir.str());
+  optimizer at_2(groups), run(groups);
+  const std::size_t n = at_2.arena_size();
+  auto step_both = [&](stored_optimizer& s, optimizer& r, const std::vector<float>& g) {
+    const step_result a = s.step(const_view{g.data(), n, dtype::f32}, {}, checked_and_clipped());
+    const step_result b = r.step(const_view{g.data(), n, dtype::f32}, {}, checked_and_clipped());
+    REQUIRE(a.applied == b.applied);
+    return a.applied;
+  };
+  {
+    stored_optimizer stored = stored_optimizer::create(groups, o);
+    CHECK_THROWS_WITH(stored_optimizer::open_previous(groups, o), Catch::Contains("is open elsewhere"));
+  }
+  CHECK_THROWS_WITH(stored_optimizer::open_previous(groups, o), Catch::Contains("is at its first step"));
+  {
+    stored_optimizer stored = stored_optimizer::open(groups, o);
+    for (std::int64_t t = 0; t < 2; ++t) step_both(stored, run, grad_of(n, t));
+    stored.copy_state_to(at_2);
+    std::vector<float> bad = grad_of(n, 2);
+    bad[n / 2] = NAN;
+    REQUIRE_FALSE(step_both(stored, run, bad)); // skipped: committed with the next applied step
+    step_both(stored, run, grad_of(n, 3));
+    REQUIRE(stored.step_count() == 3); // (a skipped step is counted apart)
+    REQUIRE(stored.skipped_steps() == 1);
+  }
+  {
+    stored_optimizer stored = stored_optimizer::open_previous(groups, o);
+    CHECK(stored.step_count() == 2);
+    CHECK(stored.skipped_steps() == 0);
+    CHECK(stored.recovery().empty());
+    require_same_as(stored, at_2, groups);
+  }
+  // For good: a plain open finds step 2; the store holds no step before it now.
+  CHECK_THROWS_WITH(stored_optimizer::open_previous(groups, o), Catch::Contains("no longer holds step"));
+  optimizer at_3(groups);
+  {
+    stored_optimizer stored = stored_optimizer::open(groups, o);
+    CHECK(stored.step_count() == 2);
+    require_same_as(stored, at_2, groups);
+    // It steps on as the in-RAM run from step 2 does, with other gradients than the undone step's.
+    stored.copy_state_to(run);
+    step_both(stored, run, grad_of(n, 7));
+    require_same_as(stored, run, groups);
+    stored.copy_state_to(at_3);
+    step_both(stored, run, grad_of(n, 8));
+  }
+  // Two steps since: one back is there again (the abandoned step's slots never pass for it).
+  stored_optimizer stored = stored_optimizer::open_previous(groups, o);
+  CHECK(stored.step_count() == 3);
+  require_same_as(stored, at_3, groups);
+}
+
+TEST_CASE("stored_optimizer: open_previous over stripes verifies every stripe's earlier step before any lets go") {
+  const auto groups = mixed_groups();
+  temp_dir dir{"stored_optimizer"};
+  state_store_options o = small_store((dir.path / "a").string());
+  fs::create_directories(dir.path / "a");
+  fs::create_directories(dir.path / "b");
+  o.dirs.push_back((dir.path / "b").string());
+  optimizer ram(groups), at_2(groups);
+  const std::size_t n = ram.arena_size();
+  std::uint64_t slot = 0;
+  {
+    stored_optimizer stored = stored_optimizer::create(groups, o);
+    slot = 4096 + stored.chunk_bytes();
+    for (std::int64_t t = 0; t < 3; ++t) {
+      const std::vector<float> g = grad_of(n, t);
+      stored.step(const_view{g.data(), n, dtype::f32});
+      ram.step(const_view{g.data(), n, dtype::f32});
+      if (t == 1) stored.copy_state_to(at_2);
+    }
+  }
+  // Stripe b's copy of step 2 (its first chunk, slot 2 % 2) rotted: refused by name, and
+  // stripe a still holds step 3, which a plain open finds.
+  std::string bytes(slot, '\0');
+  {
+    std::fstream f(dir.path / "b" / "chunks", std::ios::in | std::ios::out | std::ios::binary);
+    f.read(bytes.data(), std::streamsize(slot));
+    std::string bad = bytes;
+    bad[4096 + 5] ^= 1;
+    f.seekp(0);
+    f.write(bad.data(), std::streamsize(slot));
+  }
+  CHECK_THROWS_WITH(stored_optimizer::open_previous(groups, o),
+                    Catch::Contains("cannot go back to step 2") && Catch::Contains(o.dirs[1]));
+  {
+    stored_optimizer stored = stored_optimizer::open(groups, o);
+    CHECK(stored.step_count() == 3);
+    CHECK(stored.recovery().empty());
+    require_same_as(stored, ram, groups);
+  }
+  {
+    std::fstream f(dir.path / "b" / "chunks", std::ios::in | std::ios::out | std::ios::binary);
+    f.write(bytes.data(), std::streamsize(slot)); // put right
+  }
+  stored_optimizer stored = stored_optimizer::open_previous(groups, o);
+  CHECK(stored.step_count() == 2);
+  require_same_as(stored, at_2, groups);
+}
+
 TEST_CASE("stored_optimizer: a store per rank holds its shard, steps to the single process's bits and reopens") {
   const std::vector<param_group> groups = mixed_groups();
   const std::size_t n = arena_end(arena_layout(groups));

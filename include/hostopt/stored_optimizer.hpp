@@ -72,6 +72,15 @@ public:
   /// another order. The hyper-parameters are the groups' (they are not kept in the store).
   static stored_optimizer open(std::vector<param_group> groups, const state_store_options& options,
                                execution_options exec = {});
+  /// As open, then back to the applied step before the last, for good: its state and
+  /// counters (skipped steps since then undone too), e.g. to undo a step found bad after it
+  /// committed. Every stripe's earlier step is verified before any stripe lets go of its
+  /// later one. Refused (std::runtime_error naming it) where the store no longer holds that
+  /// step: it keeps the last two applied steps, and only one after a roll-back or after an
+  /// open that recovered (a bad last step, stripes killed between their commits); there is
+  /// none before the step a store was created at. Then nothing is rolled back.
+  static stored_optimizer open_previous(std::vector<param_group> groups, const state_store_options& options,
+                                        execution_options exec = {});
 
   stored_optimizer(stored_optimizer&&) noexcept;
   stored_optimizer& operator=(stored_optimizer&&) noexcept;
@@ -130,6 +139,8 @@ public:
 private:
   struct impl;
   explicit stored_optimizer(std::unique_ptr<impl> s);
+  static stored_optimizer open_store(std::vector<param_group> groups, const state_store_options& options,
+                                     execution_options exec, bool previous);
   std::unique_ptr<impl> impl_;
 };
 

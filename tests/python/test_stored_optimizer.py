@@ -175,6 +175,27 @@ def test_a_store_whose_newest_chunk_is_bad_opens_at_the_step_before(tmp_path):
     same_state(exported(stored), ram)
 
 
+def test_previous_goes_back_one_applied_step_for_good(tmp_path):
+  ram = hostopt.Optimizer(GROUPS)
+  with hostopt.StoredOptimizer.create(GROUPS, tmp_path, sync=False) as stored:
+    for t in range(2):
+      stored.step(grads_of(ram, t))
+      ram.step(grads_of(ram, t))
+    stored.step(grads_of(ram, 2))  # the step to undo
+  with pytest.raises(TypeError, match="previous: expected a bool"):
+    hostopt.StoredOptimizer.open(GROUPS, tmp_path, sync=False, previous=1)
+  with hostopt.StoredOptimizer.open(GROUPS, tmp_path, sync=False, previous=True) as stored:
+    assert stored.step_count == 2 and stored.recovery == ""
+    same_state(exported(stored), ram)
+  with pytest.raises(RuntimeError, match="no longer holds step 1"):  # one step back is all a store keeps
+    hostopt.StoredOptimizer.open(GROUPS, tmp_path, sync=False, previous=True)
+  with hostopt.StoredOptimizer.open(GROUPS, tmp_path, sync=False) as stored:  # for good
+    assert stored.step_count == 2
+    stored.step(grads_of(ram, 5))
+    ram.step(grads_of(ram, 5))
+    same_state(exported(stored), ram)
+
+
 def test_a_store_per_rank_holds_its_shard_and_steps_to_the_single_process_bits(tmp_path):
   ram = hostopt.Optimizer(GROUPS)
   n = ram.arena_size

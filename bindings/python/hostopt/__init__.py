@@ -642,15 +642,23 @@ class StoredOptimizer:
   @classmethod
   def open(cls, groups: Sequence[Mapping], dir: Union[str, os.PathLike, Sequence[str]], *, staging_bytes: int = 256 << 20, buffers: int = 8,
            sync: bool = True, io: str = "auto", threads: int = 0, kernel: str = "",
-           shard: Optional[Tuple[int, int]] = None) -> "StoredOptimizer":
+           shard: Optional[Tuple[int, int]] = None, previous: bool = False) -> "StoredOptimizer":
     """The store in `dir` at its last completed step, every chunk verified first. Raises
     RuntimeError naming the problem: no store, other groups (names, shapes, moment formats,
-    rounding seeds) or another shard, a store open elsewhere, a corrupt or truncated chunk."""
+    rounding seeds) or another shard, a store open elsewhere, a corrupt or truncated chunk.
+
+    ``previous=True`` goes back to the applied step before the last, for good (its state and
+    step counts; skipped steps since then are undone too), e.g. to undo a step found bad after
+    it completed. Every directory's copy of that step is verified before any is let go of.
+    A store keeps its last two applied steps, and only one after going back or after an open
+    that recovered (:attr:`recovery`): where that step is gone, RuntimeError, nothing changed."""
     spec = _group_spec(groups)
     th = _threads.resolve(_integer(threads, "threads", _INT32))
     held = cls._shard_range(spec, shard)
+    if not isinstance(previous, bool):
+      raise TypeError(f"previous: expected a bool, got {type(previous).__name__}")
     core = _core.StoredOptimizer.open(spec, cls._dirs(dir), *cls._options(staging_bytes, buffers, 0, sync, io), th, kernel,
-                                      held)
+                                      held, previous)
     return cls(core, list(groups))
 
   @classmethod
