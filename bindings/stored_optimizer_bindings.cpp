@@ -12,6 +12,7 @@
 
 #include "argument_conversion.hpp"
 #include "module_parts.hpp"
+#include "hostopt/sharding.hpp"
 #include "hostopt/stored_optimizer.hpp"
 
 namespace hostopt::bindings {
@@ -88,6 +89,20 @@ void bind_stored_optimizer(py::module_& m) {
           },
           py::arg("ram"), py::arg("groups"), py::arg("dirs"), py::arg("staging_bytes"), py::arg("buffers"),
           py::arg("chunk_elements"), py::arg("sync"), py::arg("io"))
+      .def_static(
+          "import_state",
+          // A rank's shard: the store holds the range the sharded optimizer holds.
+          [](const sharded_optimizer& ram, py::list groups, const std::vector<std::string>& dir,
+             std::size_t staging_bytes, unsigned buffers, std::size_t chunk_elements, bool sync, const std::string& io) {
+            const std::vector<param_group> gs = groups_from(groups);
+            const arena_range held = ram.local().range();
+            const state_store_options o = store_options(dir, staging_bytes, buffers, chunk_elements, sync, io,
+                                                        std::make_pair(held.begin, held.end));
+            py::gil_scoped_release release;
+            return std::make_unique<stored_optimizer>(stored_optimizer::create(ram.local(), gs, o));
+          },
+          py::arg("ram"), py::arg("groups"), py::arg("dirs"), py::arg("staging_bytes"), py::arg("buffers"),
+          py::arg("chunk_elements"), py::arg("sync"), py::arg("io"))
       .def(
           "step_flat",
           &step_flat<stored_optimizer>,
@@ -98,6 +113,13 @@ void bind_stored_optimizer(py::module_& m) {
           [](const stored_optimizer& o, optimizer& ram) {
             py::gil_scoped_release release;
             o.copy_state_to(ram);
+          },
+          py::arg("ram"))
+      .def(
+          "copy_state_to",
+          [](const stored_optimizer& o, sharded_optimizer& ram) {
+            py::gil_scoped_release release;
+            o.copy_state_to(ram.local());
           },
           py::arg("ram"))
       .def("close", [](stored_optimizer& o) {

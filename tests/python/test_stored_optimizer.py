@@ -223,7 +223,7 @@ def test_a_store_per_rank_holds_its_shard_and_steps_to_the_single_process_bits(t
       stored.step(flats[0][b:e], max_grad_norm=2.0)
     with pytest.raises(ValueError, match=r"skip_nonfinite is on \(the default with 8-bit groups\)"):  # nor a skip
       stored.step(flats[0][b:e])
-    with pytest.raises(ValueError, match="shard .* not yet from Python"):
+    with pytest.raises(ValueError, match="export a shard into a hostopt._core.ShardedOptimizer"):
       stored.copy_to(hostopt.Optimizer(GROUPS))
     assert stored.step_count == 0
     out = np.zeros(e - b, np.float32)
@@ -250,6 +250,60 @@ def test_a_store_per_rank_holds_its_shard_and_steps_to_the_single_process_bits(t
     with pytest.raises(err, match="shard"):
       hostopt.StoredOptimizer.create(GROUPS, tmp_path, sync=False, shard=bad)
   assert not any(p.is_file() for p in tmp_path.iterdir())
+
+
+def test_a_shards_store_exports_to_and_imports_from_a_sharded_optimizer(tmp_path):
+  """Each rank's store exports into a ShardedOptimizer of its shard, whose save and commit_save
+  write a sharded checkpoint that one process loads; a ShardedOptimizer's state imports into a
+  new store. All step on to the single process's bits."""
+  from hostopt import _core
+  spec = hostopt._group_spec(GROUPS)
+  ram = hostopt.Optimizer(GROUPS)
+  n = ram.arena_size
+  flats, outs = [], []
+  for t in range(3):
+    flat = np.zeros(n, np.float32)
+    for name, g in grads_of(ram, t).items():
+      _, _, off, size, _ = ram.segment(name)
+      flat[off:off + size] = g.reshape(-1)
+    out = np.zeros(n, np.float32)
+    ram.step(flat, out, max_grad_norm=2.0, known_grad_norm=3.0)
+    flats.append(flat)
+    outs.append(out)
+  world, ckpt, shards = 2, tmp_path / "ckpt", []
+  ckpt.mkdir()
+  for rank in range(world):
+    (tmp_path / f"rank{rank}").mkdir()
+    (tmp_path / f"again{rank}").mkdir()
+    with hostopt.StoredOptimizer.create(GROUPS, tmp_path / f"rank{rank}", chunk_elements=256, buffers=3, sync=False,
+                                        shard=(world, rank)) as stored:
+      b, e = stored.range
+      for t in range(2):
+        stored.step(flats[t][b:e], max_grad_norm=2.0, known_grad_norm=3.0)
+      with pytest.raises(TypeError, match="copy_to: expected a hostopt.Optimizer.*got str"):
+        stored.copy_to("ram")
+      with pytest.raises(ValueError, match="range"):  # another rank's shard
+        stored.copy_to(_core.ShardedOptimizer(spec, world, 1 - rank, threads=1))
+      shard = _core.ShardedOptimizer(spec, world, rank, threads=1)
+      stored.copy_to(shard)
+      assert shard.shard == (b, e) and shard.step_count == 2
+      shard.save(str(ckpt), "step2")
+      shards.append(shard)
+      with hostopt.StoredOptimizer.from_optimizer(shard, GROUPS, tmp_path / f"again{rank}", sync=False) as again:
+        assert again.range == (b, e) and again.step_count == 2
+        got = [np.zeros(e - b, np.float32) for _ in range(3)]
+        stored.step(flats[2][b:e], got[0], max_grad_norm=2.0, known_grad_norm=3.0)
+        again.step(flats[2][b:e], got[1], max_grad_norm=2.0, known_grad_norm=3.0)
+        shard.step(flats[2][b:e], "f32", got[2], "f32", max_grad_norm=2.0, known_grad_norm=3.0)
+        for out in got:
+          np.testing.assert_array_equal(out, outs[2][b:e])
+  shards[0].commit_save(str(ckpt), "step2")  # (on rank 0, after every rank saved)
+  one = _core.ShardedOptimizer(spec, 1, 0, threads=1)  # the two shards' save, loaded by one process
+  one.load(str(ckpt))
+  assert one.step_count == 2
+  out = np.zeros(n, np.float32)
+  one.step(flats[2], "f32", out, "f32", max_grad_norm=2.0, known_grad_norm=3.0)
+  np.testing.assert_array_equal(out, outs[2])
 
 
 def test_a_shard_needs_no_gradient_for_an_empty_tensor_inside_its_range(tmp_path):

@@ -525,6 +525,13 @@ class _LayoutOnly:
     return self._segments
 
 
+def _optimizer_core(opt: Any, what: str) -> "_core.Optimizer":
+  if not isinstance(opt, Optimizer):
+    raise TypeError(f"{what}: expected a hostopt.Optimizer (or a hostopt._core.ShardedOptimizer for a shard), got "
+                    f"{type(opt).__name__}")
+  return opt._core
+
+
 class StoredOptimizer:
   """Adam/AdamW state kept on a local drive, not in RAM: every step streams it through a few
   staging buffers (read chunk k+d ahead, update chunk k with Optimizer's own fused kernels,
@@ -561,8 +568,9 @@ class StoredOptimizer:
   a reduce-scatter gives and an all-gather takes; a mapping of whole tensors is cut to it, and
   needs only the tensors the shard overlaps). A
   checked or clipping step needs ``known_grad_norm`` (the global norm, all-reduced) so no
-  rank decides alone: skip_nonfinite is on by default with 8-bit groups. Not yet from
-  Python: a shard's export and import (C++ has them).
+  rank decides alone: skip_nonfinite is on by default with 8-bit groups. A shard's store
+  imports from and exports into a ``hostopt._core.ShardedOptimizer`` of the same shard
+  (:meth:`from_optimizer`, :meth:`copy_to`), whose sharded checkpoints load at any world size.
 
   Example:
     >>> import numpy as np, hostopt, tempfile
@@ -662,27 +670,39 @@ class StoredOptimizer:
     return cls(core, list(groups))
 
   @classmethod
-  def from_optimizer(cls, opt: "Optimizer", groups: Sequence[Mapping], dir: Union[str, os.PathLike, Sequence[str]], *, staging_bytes: int = 256 << 20,
+  def from_optimizer(cls, opt: Union["Optimizer", "_core.ShardedOptimizer"], groups: Sequence[Mapping],
+                     dir: Union[str, os.PathLike, Sequence[str]], *, staging_bytes: int = 256 << 20,
                      buffers: int = 8, chunk_elements: int = 0, sync: bool = True,
                      io: str = "auto") -> "StoredOptimizer":
     """A new store holding `opt`'s whole state (params, moments, step counts): an Optimizer
     built from the same `groups` (rounding seeds included: a store reopens only with them).
     This object steps with `opt`'s hyper-parameters; the store does not keep them (open
-    takes the groups')."""
-    core = _core.StoredOptimizer.import_state(opt._core, _group_spec(groups), cls._dirs(dir),
+    takes the groups').
+
+    `opt` may be one rank's ``hostopt._core.ShardedOptimizer`` of the same groups: the store
+    then holds that rank's shard (open it with ``shard=(world_size, rank)``), e.g. a sharded
+    checkpoint loaded by ShardedOptimizer.load, at any world size it was saved with."""
+    ram = opt if isinstance(opt, _core.ShardedOptimizer) else _optimizer_core(opt, "from_optimizer")
+    core = _core.StoredOptimizer.import_state(ram, _group_spec(groups), cls._dirs(dir),
                                               *cls._options(staging_bytes, buffers, chunk_elements, sync, io))
     return cls(core, list(groups))
 
-  def copy_to(self, opt: "Optimizer") -> None:
+  def copy_to(self, opt: Union["Optimizer", "_core.ShardedOptimizer"]) -> None:
     """Reads the whole state into `opt` (an Optimizer of the same groups): an export. On an
     I/O error midway `opt` is left unusable (its failure_reason says why) until it is loaded.
-    A shard's store exports into an optimizer holding its range: C++ only, not yet here."""
+
+    A shard's store exports into a ``hostopt._core.ShardedOptimizer`` of the same groups,
+    world size and rank, whose ``save`` and ``commit_save`` then write a sharded checkpoint
+    that ``load`` reads at any world size."""
     core = self._live()
+    if isinstance(opt, _core.ShardedOptimizer):
+      core.copy_state_to(opt)
+      return
+    ram = _optimizer_core(opt, "copy_to")
     if self._sharded:
-      raise ValueError(f"copy_to: this store holds a shard {self._range}, and an Optimizer holds the whole layout; "
-                       "a shard exports into an optimizer holding its range (hostopt::optimizer(groups, range) in "
-                       "C++), not yet from Python")
-    core.copy_state_to(opt._core)
+      raise ValueError(f"copy_to: this store holds a shard {self._range}, and an Optimizer holds the whole layout: "
+                       "export a shard into a hostopt._core.ShardedOptimizer of the same groups, world size and rank")
+    core.copy_state_to(ram)
 
   @staticmethod
   def _flat_of(layout, arrays: Mapping, what: str, held: Optional[Tuple[int, int]] = None) -> Tuple[np.ndarray, str]:
