@@ -111,7 +111,7 @@ chunk_store::chunk_store(chunk_store&& o) noexcept
       chunks_(std::move(o.chunks_)), commits_(std::move(o.commits_)), queue_(std::move(o.queue_)),
       store_id_(o.store_id_), write_id_(o.write_id_), committed_(o.committed_), words_(std::move(o.words_)), requests_(std::move(o.requests_)), free_(std::move(o.free_)),
       written_(std::move(o.written_)), written_count_(o.written_count_), run_(std::move(o.run_)),
-      broken_(std::move(o.broken_)), fell_back_(std::move(o.fell_back_)) {}
+      broken_(std::move(o.broken_)), fell_back_(std::move(o.fell_back_)), previous_verified_(o.previous_verified_) {}
 
 chunk_store& chunk_store::operator=(chunk_store&& o) noexcept {
   if (this != &o) {
@@ -269,55 +269,79 @@ chunk_store chunk_store::open_step(const std::string& dir, const store_shape& ex
   }
 }
 
-void chunk_store::verify_previous() { go_back(false); }
+struct chunk_store::previous_step {
+  commit_record record;
+};
 
-void chunk_store::roll_back() { go_back(true); }
-
-void chunk_store::go_back(bool stay) {
+// The record of the step before the committed one, every chunk of it verified; this object
+// is left as it was.
+chunk_store::previous_step chunk_store::find_previous(const char* what) {
   if (in_flight() || written_count_)
-    throw std::logic_error("chunk_store::roll_back: requests in flight or chunks written for the next step");
+    throw std::logic_error(std::string("chunk_store::") + what + ": requests in flight or chunks written for the next step");
   if (!broken_.empty()) throw std::runtime_error(broken_);
   if (committed_ == no_step || committed_ == 0)
-    throw std::runtime_error("the store in " + dir_ + " is at its first step (" +
-                             (committed_ == no_step ? std::string("none committed") : std::string("step 0")) +
-                             "): there is no step before it to go back to");
+    throw std::runtime_error("the store in " + dir_ + " stands at the commit it was created with: there is no "
+                             "step before it to go back to");
   const std::uint64_t before = committed_ - 1;
-  commit_record older{};
+  const std::string cannot = "the store in " + dir_ + " cannot go back to its commit " + std::to_string(before) +
+                             " (the one before its last, " + std::to_string(committed_) + "): ";
+  previous_step found;
   try {
-    older = last_record(dir_, commits_.fd(), &before);
+    found.record = last_record(dir_, commits_.fd(), &before);
   } catch (const std::runtime_error&) {
-    throw std::runtime_error("the store in " + dir_ + " no longer holds step " + std::to_string(before) +
-                             ", the one before its step " + std::to_string(committed_) +
-                             " (a store keeps two steps, and after a fallback or a roll-back only one)");
+    throw std::runtime_error(cannot + "its commit record is gone (after going back a step, or after a fallback, a "
+                                      "store holds only the step it stands at)");
   }
-  if (!(store_shape{older.chunks, older.chunk_bytes, older.fingerprint} == shape_))
-    throw std::runtime_error("the store in " + dir_ + ": the commit of step " + std::to_string(before) +
-                             " holds another shape than the store's (a corrupt record)");
+  if (!(store_shape{found.record.chunks, found.record.chunk_bytes, found.record.fingerprint} == shape_))
+    throw std::runtime_error(cannot + "its record holds another shape than the store's (a corrupt record)");
   const std::uint64_t later = committed_, later_id = store_id_;
-  std::vector<std::uint64_t> later_words = words_;
-  auto restore = [&] {
-    committed_ = later;
-    store_id_ = later_id;
-    words_ = later_words;
-  };
-  committed_ = older.step;
-  store_id_ = older.store_id;
-  words_ = words_of(older);
+  const std::vector<std::uint64_t> later_words = words_;
+  committed_ = found.record.step;
+  store_id_ = found.record.store_id;
+  words_ = words_of(found.record);
   try {
     verify_all();
   } catch (const std::runtime_error& e) {
-    restore();
-    throw std::runtime_error("the store in " + dir_ + " cannot go back to step " + std::to_string(before) + ": " +
-                             e.what());
+    committed_ = later;
+    store_id_ = later_id;
+    words_ = later_words;
+    throw std::runtime_error(cannot + e.what() +
+                             " (a step that failed or was killed midway has begun writing over that step's slots)");
   }
-  if (!stay) return restore();
+  committed_ = later;
+  store_id_ = later_id;
+  words_ = later_words;
+  return found;
+}
+
+std::vector<std::uint64_t> chunk_store::verify_previous() {
+  const previous_step p = find_previous("verify_previous");
+  previous_verified_ = true;
+  return words_of(p.record);
+}
+
+void chunk_store::roll_back() {
+  commit_record older{};
+  if (previous_verified_ && !in_flight() && !written_count_ && broken_.empty() && committed_ != no_step &&
+      committed_ > 0) {
+    const std::uint64_t before = committed_ - 1;
+    older = last_record(dir_, commits_.fd(), &before); // (verified just now: only its words are needed)
+  } else {
+    older = find_previous("roll_back").record;
+  }
+  const std::uint64_t later = committed_;
+  committed_ = older.step;
+  store_id_ = older.store_id;
+  words_ = words_of(older);
+  write_id_ = fresh_id(); // (never the id of anything this object wrote before)
+  previous_verified_ = false;
   try {
-    erase_record(later);
-  } catch (...) {
-    restore();
+    erase_record(later, true);
+  } catch (const std::exception& e) {
+    broken_ = std::string("going back a step failed (") + e.what() + "): the store holds commit " +
+              std::to_string(later) + " or " + std::to_string(older.step) + "; reopen it to go on";
     throw;
   }
-  write_id_ = fresh_id(); // (never the id of anything this object wrote before)
 }
 
 std::uint64_t chunk_store::verify_all() {
@@ -395,6 +419,7 @@ void chunk_store::check_still_there() const {
 
 void chunk_store::start_write(std::uint64_t chunk, staging& s) {
   if (!broken_.empty()) throw std::runtime_error(broken_);
+  previous_verified_ = false; // (this write goes over the previous step's slot)
   if (chunk >= shape_.chunks) throw std::out_of_range("chunk_store: chunk " + std::to_string(chunk) + " of " +
                                                       std::to_string(shape_.chunks));
   if (free_.empty()) throw std::logic_error("chunk_store: the queue is full (finish some first)");
@@ -467,7 +492,7 @@ std::vector<std::uint64_t> chunk_store::finish(std::size_t at_least) {
   return done;
 }
 
-void chunk_store::erase_record(std::uint64_t step) {
+void chunk_store::erase_record(std::uint64_t step, bool durable) {
   direct_buffer page = make_direct_buffer(direct_alignment); // zeros: no magic, no valid record
   const off_t at = off_t(step % 2) * off_t(direct_alignment);
   ssize_t n;
@@ -475,7 +500,7 @@ void chunk_store::erase_record(std::uint64_t step) {
   while (n < 0 && errno == EINTR);
   if (n != ssize_t(direct_alignment))
     fail_errno(n < 0 ? errno : EIO, "cannot erase the commit record of step " + std::to_string(step) + " in " + dir_);
-  if (durability_ == durability::sync && ::fdatasync(commits_.fd()) != 0)
+  if ((durable || durability_ == durability::sync) && ::fdatasync(commits_.fd()) != 0)
     fail_errno(errno, "cannot make the erasure of step " + std::to_string(step) + "'s commit durable in " + dir_);
 }
 
@@ -547,6 +572,7 @@ void chunk_store::commit(const std::vector<std::uint64_t>& words) {
     throw std::runtime_error(broken_);
   }
   committed_ = step;
+  previous_verified_ = false;
   store_id_ = write_id_;
   write_id_ = fresh_id();
   words_ = words;

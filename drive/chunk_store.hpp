@@ -131,13 +131,17 @@ public:
   /// nothing in flight (std::logic_error naming a missing chunk otherwise, nothing changed).
   void commit(const std::vector<std::uint64_t>& words = {});
   /// Whether the store can go back to the step before the committed one: that step's commit
-  /// record there and every chunk of it verified (read and checked). Changes nothing;
-  /// std::runtime_error naming the problem where it cannot: a store keeps two steps' slots,
-  /// and after a fallback or a roll-back only one.
-  void verify_previous();
-  /// Goes back to the step before the committed one, for good: verified as verify_previous,
-  /// then the later commit record erased (its slots never verify again: the next step writes
-  /// them under a new attempt's id). Nothing may be in flight or written for next_step().
+  /// record there and every chunk of it verified (read and checked); returns that record's
+  /// words. Changes nothing on the drive. std::runtime_error naming the problem where it
+  /// cannot: the step before stays on the drive only until a later step starts writing over
+  /// its slots (a step that failed or was killed midway did), and after a fallback or a
+  /// roll-back there is none. Steps are the chunk store's commit numbers.
+  std::vector<std::uint64_t> verify_previous();
+  /// Goes back to the step before the committed one, for good: verified as verify_previous
+  /// (unless that just did it), then the later commit record erased and made durable whatever
+  /// the durability (an undone step never comes back); the next step writes over the undone
+  /// step's slots under a new attempt's id. Nothing may be in flight or written for
+  /// next_step(). A failed erasure leaves this object broken (reopen the store).
   void roll_back();
   /// What open found when the last step could not be opened and it opened the one before
   /// ("" otherwise).
@@ -168,8 +172,9 @@ private:
   void check_stamp(const request& r, std::int64_t result) const;
   static chunk_store open_step(const std::string& dir, const store_shape& expected, const std::uint64_t* at,
                                durability d, unsigned depth, io_backend backend);
-  void erase_record(std::uint64_t step);
-  void go_back(bool stay); // verify_previous, and with `stay` roll_back
+  void erase_record(std::uint64_t step, bool durable = false);
+  struct previous_step; // (the record verify_previous found)
+  previous_step find_previous(const char* what);
 
   std::uint64_t verify_all(); // open's check of every committed chunk
   std::uint64_t payload_sum(const std::byte* p) const;
@@ -191,6 +196,7 @@ private:
   parallel_runner run_;
   std::string broken_;    // why this object refuses to write or commit ("" while it may)
   std::string fell_back_; // open's note when the last step could not be opened
+  bool previous_verified_ = false; // verify_previous passed, and nothing was written or committed since
 };
 
 } // namespace hostopt::drive

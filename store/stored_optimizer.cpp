@@ -541,31 +541,69 @@ stored_optimizer stored_optimizer::open_store(std::vector<param_group> groups, c
   for (std::size_t i = 0; i < n; ++i)
     s->stores.push_back(std::make_unique<drive::chunk_store>(
         drive::chunk_store::open(options.dirs[i], s->shape(i, n), durability_of(options), buffers, backend)));
-  std::uint64_t step = s->stores[0]->committed_step();
-  for (const auto& st : s->stores) step = std::min(step, st->committed_step());
+  std::uint64_t low = s->stores[0]->committed_step(), high = low;
+  bool fell_back = false;
   for (std::size_t i = 0; i < n; ++i) {
-    if (!s->stores[i]->fell_back().empty()) s->recovery += s->stores[i]->fell_back() + "; ";
-    if (s->stores[i]->committed_step() == step) continue;
-    s->recovery += "the store in " + options.dirs[i] + " rolled back to step " + std::to_string(step) +
-                   " with the other stripes; ";
-    s->stores[i].reset(); // (its lock released first)
-    s->stores[i] = std::make_unique<drive::chunk_store>(
-        drive::chunk_store::open_at(options.dirs[i], s->shape(i, n), step, durability_of(options), buffers, backend));
+    low = std::min(low, s->stores[i]->committed_step());
+    high = std::max(high, s->stores[i]->committed_step());
+    if (!s->stores[i]->fell_back().empty()) {
+      fell_back = true;
+      s->recovery += s->stores[i]->fell_back() + "; ";
+    }
   }
-  // Back a step: every stripe's earlier step verified before any stripe erases its later one.
-  // (Killed between the erasures, the stripes hold t - 1 and t: open brings all to t - 1.)
-  if (previous) {
-    for (const auto& st : s->stores) st->verify_previous();
-    for (const auto& st : s->stores) st->roll_back();
+  const std::uint64_t last_count = s->stores[0]->committed_words()[w_count];
+  auto stripe_at = [&](std::uint64_t commit) {
+    for (std::size_t i = 0; i < n; ++i)
+      if (s->stores[i]->committed_step() == commit) return options.dirs[i];
+    return std::string();
+  };
+  if (high > low + 1)
+    throw std::runtime_error("the stripes in " + stripe_at(low) + " and " + stripe_at(high) + " stand at commits " +
+                             std::to_string(low) + " and " + std::to_string(high) +
+                             ", more than a step apart: not one optimizer's stripes");
+  // The commit every stripe goes to: the one all of them hold (killed between the stripes'
+  // commits, some hold a step more, which never completed). Going back, the one before it —
+  // unless a stripe's last step could not be opened: open then went back already.
+  std::uint64_t target = low;
+  if (previous && !fell_back) {
+    if (high != low)
+      throw std::runtime_error(
+          "stored_optimizer::open_previous: a step was killed between the stripes' commits (" + stripe_at(high) +
+          " holds commit " + std::to_string(high) + ", " + stripe_at(low) + " commit " + std::to_string(low) +
+          "): it never completed, and the stripes that committed it no longer hold the step before the last "
+          "completed one. Open the store without going back: it stands at the step every stripe holds");
+    if (low == 0)
+      throw std::runtime_error("stored_optimizer::open_previous: the store stands at the step it was created with "
+                               "(step_count " + std::to_string(last_count) + "): there is no step before it");
+    target = low - 1;
   }
-  // One commit in every stripe: the same id (and counters) at the step they opened at.
-  for (std::size_t i = 1; i < n; ++i) {
-    const auto &a = s->stores[0]->committed_words(), &b = s->stores[i]->committed_words();
-    if (a[w_commit_id] != b[w_commit_id] || a[w_count] != b[w_count] || a[w_skipped] != b[w_skipped])
+  // Every stripe's record of that commit, verified, before any stripe erases a later one: one
+  // id in all of them, or they are not one store's stripes (a directory named in another
+  // store's place) and every store stays as it was.
+  std::vector<std::vector<std::uint64_t>> at(n);
+  for (std::size_t i = 0; i < n; ++i) try {
+      at[i] = s->stores[i]->committed_step() == target ? s->stores[i]->committed_words()
+                                                       : s->stores[i]->verify_previous();
+    } catch (const std::runtime_error& e) {
+      if (!previous) throw;
+      throw std::runtime_error("stored_optimizer::open_previous: cannot go back from step_count " +
+                               std::to_string(last_count) + ": " + e.what());
+    }
+  for (std::size_t i = 1; i < n; ++i)
+    if (at[0][w_commit_id] != at[i][w_commit_id] || at[0][w_count] != at[i][w_count] ||
+        at[0][w_skipped] != at[i][w_skipped])
       throw std::runtime_error("the stripes in " + options.dirs[0] + " and " + options.dirs[i] + " hold different "
-                               "commits at step " + std::to_string(step) + " (optimizer steps " +
-                               std::to_string(a[w_count]) + " and " + std::to_string(b[w_count]) +
+                               "commits at commit " + std::to_string(target) + " (optimizer steps " +
+                               std::to_string(at[0][w_count]) + " and " + std::to_string(at[i][w_count]) +
                                "): not one optimizer's stripes");
+  // Then each stripe ahead lets go of its later commit. (Killed between the erasures, the
+  // stripes hold t - 1 and t: open brings all to t - 1.)
+  for (std::size_t i = 0; i < n; ++i) {
+    if (s->stores[i]->committed_step() == target) continue;
+    if (!previous || fell_back)
+      s->recovery += "the store in " + options.dirs[i] + " rolled back to step " + std::to_string(target) +
+                     " with the other stripes; ";
+    s->stores[i]->roll_back();
   }
   const auto& committed = s->stores[0]->committed_words();
   s->count = std::int64_t(committed[w_count]);

@@ -476,7 +476,7 @@ TEST_CASE("stored_optimizer: open_previous undoes the last applied step for good
     stored_optimizer stored = stored_optimizer::create(groups, o);
     CHECK_THROWS_WITH(stored_optimizer::open_previous(groups, o), Catch::Contains("is open elsewhere"));
   }
-  CHECK_THROWS_WITH(stored_optimizer::open_previous(groups, o), Catch::Contains("is at its first step"));
+  CHECK_THROWS_WITH(stored_optimizer::open_previous(groups, o), Catch::Contains("there is no step before it"));
   {
     stored_optimizer stored = stored_optimizer::open(groups, o);
     for (std::int64_t t = 0; t < 2; ++t) step_both(stored, run, grad_of(n, t));
@@ -496,7 +496,8 @@ TEST_CASE("stored_optimizer: open_previous undoes the last applied step for good
     require_same_as(stored, at_2, groups);
   }
   // For good: a plain open finds step 2; the store holds no step before it now.
-  CHECK_THROWS_WITH(stored_optimizer::open_previous(groups, o), Catch::Contains("no longer holds step"));
+  CHECK_THROWS_WITH(stored_optimizer::open_previous(groups, o),
+                    Catch::Contains("cannot go back from step_count 2") && Catch::Contains("record is gone"));
   optimizer at_3(groups);
   {
     stored_optimizer stored = stored_optimizer::open(groups, o);
@@ -547,7 +548,8 @@ TEST_CASE("stored_optimizer: open_previous over stripes verifies every stripe's 
     f.write(bad.data(), std::streamsize(slot));
   }
   CHECK_THROWS_WITH(stored_optimizer::open_previous(groups, o),
-                    Catch::Contains("cannot go back to step 2") && Catch::Contains(o.dirs[1]));
+                    Catch::Contains("cannot go back from step_count 3") && Catch::Contains(o.dirs[1]) &&
+                        Catch::Contains("fail their checksum"));
   {
     stored_optimizer stored = stored_optimizer::open(groups, o);
     CHECK(stored.step_count() == 3);
@@ -560,6 +562,77 @@ TEST_CASE("stored_optimizer: open_previous over stripes verifies every stripe's 
   }
   stored_optimizer stored = stored_optimizer::open_previous(groups, o);
   CHECK(stored.step_count() == 2);
+  require_same_as(stored, at_2, groups);
+}
+
+TEST_CASE("stored_optimizer: open_previous refuses the stripes of two stores and a step begun over the one before, "
+          "and after a fallback stands where open fell back") {
+  const auto groups = mixed_groups();
+  temp_dir dir{"stored_optimizer"};
+  optimizer at_2(groups);
+  const std::size_t n = at_2.arena_size();
+  auto options = [&](const char* a, const char* b) {
+    state_store_options o = small_store((dir.path / a).string());
+    o.dirs.push_back((dir.path / b).string());
+    return o;
+  };
+  for (const char* d : {"xa", "xb", "ya", "yb"}) fs::create_directories(dir.path / d);
+  for (const auto& o : {options("xa", "xb"), options("ya", "yb")}) {
+    stored_optimizer stored = stored_optimizer::create(groups, o);
+    for (std::int64_t t = 0; t < 3; ++t) {
+      stored.step(const_view{grad_of(n, t).data(), n, dtype::f32});
+      if (t == 1) stored.copy_state_to(at_2);
+    }
+  }
+  // A stripe of each store, named as one store's: refused, and both stores keep their step 3.
+  CHECK_THROWS_WITH(stored_optimizer::open_previous(groups, options("xa", "yb")),
+                    Catch::Contains("not one optimizer's stripes"));
+  CHECK_THROWS_WITH(stored_optimizer::open(groups, options("xa", "yb")), Catch::Contains("not one optimizer's stripes"));
+  for (const auto& o : {options("xa", "xb"), options("ya", "yb")}) {
+    stored_optimizer stored = stored_optimizer::open(groups, o);
+    CHECK(stored.step_count() == 3);
+  }
+  // A step that failed midway (a chunk of step 3 bad under the live store) has written over
+  // step 2's first chunks: going back is refused by name, and the store still opens at step 3.
+  const state_store_options x = options("xa", "xb");
+  std::uint64_t slot = 0;
+  {
+    stored_optimizer stored = stored_optimizer::open(groups, x);
+    slot = 4096 + stored.chunk_bytes();
+    REQUIRE(stored.chunks() > 6);
+    const std::streamoff at = std::streamoff((2 * 2 + 1) * slot + 4096 + 8); // xa's chunk 4 (its 3rd), step 3
+    char original = 0;
+    std::fstream f(dir.path / "xa" / "chunks", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(at);
+    f.get(original);
+    f.seekp(at);
+    f.put(char(original ^ 0x40));
+    f.flush();
+    CHECK_THROWS_WITH(stored.step(const_view{grad_of(n, 3).data(), n, dtype::f32}), Catch::Contains("chunk 2"));
+    f.seekp(at);
+    f.put(original);
+  }
+  CHECK_THROWS_WITH(stored_optimizer::open_previous(groups, x),
+                    Catch::Contains("cannot go back from step_count 3") && Catch::Contains("killed midway"));
+  {
+    stored_optimizer stored = stored_optimizer::open(groups, x);
+    CHECK(stored.step_count() == 3);
+    CHECK(stored.recovery().empty());
+  }
+  // Store y's step 3 rotted in one chunk: open falls back to step 2, which is where going
+  // back from step 3 leads; open_previous stands there and says why.
+  {
+    const std::streamoff at = std::streamoff((2 * 1 + 1) * slot + 4096 + 8); // yb's 2nd chunk, step 3
+    std::fstream f(dir.path / "yb" / "chunks", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(at);
+    char c = 0;
+    f.get(c);
+    f.seekp(at);
+    f.put(char(c ^ 0x40));
+  }
+  stored_optimizer stored = stored_optimizer::open_previous(groups, options("ya", "yb"));
+  CHECK(stored.step_count() == 2);
+  CHECK_THAT(stored.recovery(), Catch::Contains("could not be opened"));
   require_same_as(stored, at_2, groups);
 }
 

@@ -74,11 +74,14 @@ public:
                                execution_options exec = {});
   /// As open, then back to the applied step before the last, for good: its state and
   /// counters (skipped steps since then undone too), e.g. to undo a step found bad after it
-  /// committed. Every stripe's earlier step is verified before any stripe lets go of its
-  /// later one. Refused (std::runtime_error naming it) where the store no longer holds that
-  /// step: it keeps the last two applied steps, and only one after a roll-back or after an
-  /// open that recovered (a bad last step, stripes killed between their commits); there is
-  /// none before the step a store was created at. Then nothing is rolled back.
+  /// committed. Every stripe's record of that step is verified, and found to be one commit,
+  /// before any stripe erases its later one; the erasure is durable whatever
+  /// sync_every_step says. Where the last step could not be opened (a bad chunk: open falls
+  /// back, recovery() says so), it stands at the step open fell back to. Refused
+  /// (std::runtime_error naming it, nothing rolled back): the store stands at the step it
+  /// was created with; a step that failed or was killed midway has begun writing over the
+  /// slots of the step before the last; the store went back already; a step was killed
+  /// between the stripes' commits.
   static stored_optimizer open_previous(std::vector<param_group> groups, const state_store_options& options,
                                         execution_options exec = {});
 

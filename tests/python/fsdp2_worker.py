@@ -21,6 +21,7 @@ usage: fsdp2_worker.py OUT RANK WORLD PORT MODE
       OUT/ckpt-2-hostopt-f32 (f32 moments reshard) and trains steps 100-200, rank 0 printing
       the losses as one JSON line "resumed: [...]".
 """
+import gc
 import json
 import math
 import os
@@ -165,6 +166,7 @@ def main():
     if rank == 0:
       with open(os.path.join(out, f"train-{world}.json"), "w") as f:
         json.dump(results, f)
+  gc.collect()  # (what the teardown below would have finalised, finalised while all is alive)
   dist.barrier()
   dist.destroy_process_group()
   # Leave without the interpreter's teardown. FSDP2's device meshes keep the gloo group alive

@@ -658,8 +658,10 @@ class StoredOptimizer:
     ``previous=True`` goes back to the applied step before the last, for good (its state and
     step counts; skipped steps since then are undone too), e.g. to undo a step found bad after
     it completed. Every directory's copy of that step is verified before any is let go of.
-    A store keeps its last two applied steps, and only one after going back or after an open
-    that recovered (:attr:`recovery`): where that step is gone, RuntimeError, nothing changed."""
+    Where the last step cannot be opened, it stands where open falls back to
+    (:attr:`recovery` says so). RuntimeError naming why, nothing rolled back, where that step
+    is gone: a step that failed or was killed midway began writing over it, the store went
+    back already, or it stands at the step it was created with."""
     spec = _group_spec(groups)
     th = _threads.resolve(_integer(threads, "threads", _INT32))
     held = cls._shard_range(spec, shard)
