@@ -15,6 +15,7 @@
 #include "chunk_store.hpp"
 #include "exclusive_state.hpp"
 #include "held_layout.hpp"
+#include "hyperparameter_record.hpp"
 #include "hostopt/gradient_checks.hpp"
 #include "kernel_registry.hpp"
 #include "parallel.hpp"
@@ -95,6 +96,8 @@ struct stored_optimizer::impl {
   std::vector<drive::chunk_store::staging> staging;
   std::vector<std::unique_ptr<drive::chunk_store>> stores; // one per directory: chunk k in stores[k % n]
   std::uint64_t commit_id = 0; // the same in every stripe's record of one commit
+  std::string first_dir;       // where each commit's hyper-parameters are kept (hyperparameter_record.hpp)
+  bool sync = true;
   std::string broken;          // why every later step is refused ("" while none is)
   bool closed = false;
   std::int64_t count = 0, skipped = 0;
@@ -263,13 +266,14 @@ struct stored_optimizer::impl {
   // step ahead of the others: this object then refuses every later step (a retry would
   // reuse the slots that reopening rolls back to); reopening opens all at the older step.
   void commit() {
-    try {
-      for (const auto& st : stores) st->check_still_there(); // (before any record: nothing to undo)
+    commit_id = std::random_device{}() | (std::uint64_t(std::random_device{}()) << 32);
+    try { // (before any record: nothing to undo)
+      for (const auto& st : stores) st->check_still_there();
+      write_hyperparameters(first_dir, stores[0]->next_step(), commit_id, configs, sync);
     } catch (...) {
       drain();
       throw;
     }
-    commit_id = std::random_device{}() | (std::uint64_t(std::random_device{}()) << 32);
     try {
       for (std::size_t i = 0; i < stripes(); ++i) stores[i]->commit(words(i)); // (killed between: open takes the older)
     } catch (const std::exception& e) {
@@ -417,6 +421,8 @@ struct stored_optimizer::impl {
     for (std::size_t i = 0; i < n; ++i)
       stores.push_back(std::make_unique<drive::chunk_store>(drive::chunk_store::create(
           o.dirs[i], shape(i, n), durability_of(o), o.buffers, drive::parse_io_backend(o.io, "state_store_options.io"))));
+    first_dir = o.dirs[0];
+    sync = o.sync_every_step;
     make_staging(o.buffers);
   }
 };
@@ -496,7 +502,7 @@ stored_optimizer stored_optimizer::open_store(std::vector<param_group> groups, c
   if (!uncommitted.empty() && uncommitted.size() < n)
     throw std::runtime_error("the striped store's stripe in " + uncommitted[0] + " holds no committed step while "
                              "others do: its creation was interrupted (or the directory is not this store's). "
-                             "Remove the store files (chunks, commit, lock) in every directory and create it again");
+                             "Remove the store files (chunks, commit, lock, hyperparameters) in every directory and create it again");
   for (std::size_t i = 0; i < n; ++i) {
     const std::string& dir = options.dirs[i];
     heads.push_back(drive::chunk_store::peek(dir));
@@ -608,6 +614,25 @@ stored_optimizer stored_optimizer::open_store(std::vector<param_group> groups, c
   const auto& committed = s->stores[0]->committed_words();
   s->count = std::int64_t(committed[w_count]);
   s->skipped = std::int64_t(committed[w_skipped]);
+  s->first_dir = options.dirs[0];
+  s->sync = options.sync_every_step;
+  // The hyper-parameters of the step it opened at, as load_checkpoint restores them; a store
+  // made before they were kept has none (the groups' then), and a record that cannot be read
+  // is said in recovery().
+  std::string problem;
+  std::optional<std::vector<adam_config>> saved =
+      read_hyperparameters(s->first_dir, s->stores[0]->committed_step(), committed[w_commit_id], s->configs.size(),
+                           problem);
+  if (saved) try {
+      for (std::size_t g = 0; g < saved->size(); ++g) validate((*saved)[g], "group " + std::to_string(g));
+    } catch (const std::invalid_argument& e) {
+      problem = e.what();
+      saved.reset();
+    }
+  if (saved) s->configs = std::move(*saved);
+  else if (!problem.empty())
+    s->recovery += "the hyper-parameters of the step it opened at could not be read (" + problem +
+                   "): the groups' are used; ";
   s->make_staging(buffers);
   return stored_optimizer(std::move(s));
 }

@@ -460,7 +460,7 @@ TEST_CASE("stored_optimizer: a step redone after a fallback never passes the aba
   require_same_as(stored, at_step_1, groups);
 }
 
-TEST_CASE("stored_optimizer: open_previous undoes the last applied step for good, the skipped steps since with it") {
+TEST_CASE("stored_optimizer: open_previous undoes the last applied step for good and the skipped steps since") {
   const auto groups = mixed_groups();
   temp_dir dir{"stored_optimizer"};
   const state_store_options o = small_store(dir.str());
@@ -516,7 +516,7 @@ TEST_CASE("stored_optimizer: open_previous undoes the last applied step for good
   require_same_as(stored, at_3, groups);
 }
 
-TEST_CASE("stored_optimizer: open_previous over stripes verifies every stripe's earlier step before any lets go") {
+TEST_CASE("stored_optimizer: open_previous over stripes verifies the earlier step of every stripe before any lets go") {
   const auto groups = mixed_groups();
   temp_dir dir{"stored_optimizer"};
   state_store_options o = small_store((dir.path / "a").string());
@@ -566,7 +566,7 @@ TEST_CASE("stored_optimizer: open_previous over stripes verifies every stripe's 
 }
 
 TEST_CASE("stored_optimizer: open_previous refuses the stripes of two stores and a step begun over the one before, "
-          "and after a fallback stands where open fell back") {
+          "after a fallback it stands where open fell back") {
   const auto groups = mixed_groups();
   temp_dir dir{"stored_optimizer"};
   optimizer at_2(groups);
@@ -634,6 +634,84 @@ TEST_CASE("stored_optimizer: open_previous refuses the stripes of two stores and
   CHECK(stored.step_count() == 2);
   CHECK_THAT(stored.recovery(), Catch::Contains("could not be opened"));
   require_same_as(stored, at_2, groups);
+}
+
+TEST_CASE("stored_optimizer: each commit keeps its hyper-parameters, open restores them and open_previous those "
+          "of the earlier step") {
+  const auto groups = mixed_groups();
+  temp_dir dir{"stored_optimizer"};
+  const state_store_options o = small_store(dir.str());
+  optimizer ram(groups);
+  const std::size_t n = ram.arena_size();
+  adam_config changed = groups[2].config;
+  changed.beta1 = 0.8;
+  changed.weight_decay = 0.25;
+  changed.mode = adam_mode::adam;
+  changed.maximize = true;
+  {
+    stored_optimizer stored = stored_optimizer::create(groups, o);
+    for (std::int64_t t = 0; t < 3; ++t) {
+      if (t == 1) { // a schedule's lr, and another group's whole config
+        stored.set_lr(0, 5e-3);
+        ram.set_lr(0, 5e-3);
+        stored.set_group_config(2, changed);
+        ram.set_group_config(2, changed);
+      }
+      if (t == 2) {
+        stored.set_lr(0, 7e-3);
+        ram.set_lr(0, 7e-3);
+      }
+      stored.step(const_view{grad_of(n, t).data(), n, dtype::f32});
+      ram.step(const_view{grad_of(n, t).data(), n, dtype::f32});
+    }
+    stored.set_lr(1, 9e-3); // (not stepped with: not committed)
+  }
+  {
+    stored_optimizer stored = stored_optimizer::open(groups, o); // the groups say lr 1e-3 and the old config
+    CHECK(stored.recovery().empty());
+    CHECK(stored.group_config(0).lr == 7e-3);
+    CHECK(stored.group_config(1).lr == groups[1].config.lr);
+    const adam_config c = stored.group_config(2);
+    CHECK((c.beta1 == 0.8 && c.weight_decay == 0.25 && c.mode == adam_mode::adam && c.maximize));
+    stored.step(const_view{grad_of(n, 3).data(), n, dtype::f32});
+    ram.step(const_view{grad_of(n, 3).data(), n, dtype::f32});
+    require_same_as(stored, ram, groups);
+  }
+  {
+    stored_optimizer stored = stored_optimizer::open_previous(groups, o); // back to the commit of step 3
+    CHECK(stored.step_count() == 3);
+    CHECK(stored.group_config(0).lr == 7e-3);
+    CHECK(stored.group_config(2).maximize);
+  }
+  // A corrupt record: the groups' hyper-parameters, and recovery() says so.
+  const fs::path file = dir.path / "hyperparameters";
+  REQUIRE(fs::exists(file));
+  {
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    for (std::streamoff at : {std::streamoff(0), std::streamoff(fs::file_size(file) / 2)}) { // both places
+      f.seekp(at + 100);
+      f.put('\x7f');
+    }
+  }
+  {
+    stored_optimizer stored = stored_optimizer::open(groups, o);
+    CHECK(stored.step_count() == 3);
+    CHECK_THAT(stored.recovery(), Catch::Contains("hyper-parameters") && Catch::Contains("corrupt"));
+    CHECK(stored.group_config(0).lr == groups[0].config.lr);
+    CHECK_FALSE(stored.group_config(2).maximize);
+    stored.set_lr(0, 3e-3);
+    stored.step(const_view{grad_of(n, 4).data(), n, dtype::f32}); // writes a good record again
+  }
+  {
+    stored_optimizer stored = stored_optimizer::open(groups, o);
+    CHECK(stored.recovery().empty());
+    CHECK(stored.group_config(0).lr == 3e-3);
+  }
+  // A store made before they were kept has no file: the groups' hyper-parameters, nothing said.
+  fs::remove(file);
+  stored_optimizer stored = stored_optimizer::open(groups, o);
+  CHECK(stored.recovery().empty());
+  CHECK(stored.group_config(0).lr == groups[0].config.lr);
 }
 
 TEST_CASE("stored_optimizer: a store per rank holds its shard, steps to the single process's bits and reopens") {

@@ -27,8 +27,9 @@ namespace hostopt {
 /// Where and how the state is kept.
 struct state_store_options {
   /// Existing directories on local drives with O_DIRECT (not tmpfs), one per drive: the
-  /// store's files go there (chunks: 2 x the state in all; commit; lock). Several stripe the
-  /// chunks (chunk k in dirs[k % n]); open names them as create did, in the same order.
+  /// store's files go there (chunks: 2 x the state in all; commit; lock; in the first,
+  /// hyperparameters). Several stripe the chunks (chunk k in dirs[k % n]); open names them
+  /// as create did, in the same order.
   std::vector<std::string> dirs;
   /// RAM for the staging buffers: buffers x chunk bytes stays within it.
   std::size_t staging_bytes = std::size_t(256) << 20;
@@ -60,7 +61,7 @@ public:
   /// A new store holding `ram`'s whole state (params, moments, counters): an import. The
   /// groups must be ram's (their rounding seeds too: a store reopens only with them), and
   /// ram must hold the options' range (an optimizer made with that range for a shard); the
-  /// object steps with ram's hyper-parameters, which the store does not keep.
+  /// store keeps ram's hyper-parameters.
   static stored_optimizer create(const optimizer& ram, std::vector<param_group> groups,
                                  const state_store_options& options);
   /// The store in options.dirs at its last committed step, every chunk verified. Where a
@@ -69,7 +70,11 @@ public:
   /// between their stripes' commits open at the step all of them hold. Refused
   /// (std::runtime_error naming it): no store, another layout, format or seed, a store open
   /// elsewhere, a corrupt or truncated chunk or record in both steps, stripes named in
-  /// another order. The hyper-parameters are the groups' (they are not kept in the store).
+  /// another order. The hyper-parameters are those of the step it opens at, as
+  /// load_checkpoint restores a file's: each commit keeps them (a small record beside the
+  /// first directory's chunks, written before the commit). The groups' are used where the
+  /// store keeps none (made before hostopt kept them) or the record cannot be read
+  /// (recovery() says so); set_group_config changes them for later steps.
   static stored_optimizer open(std::vector<param_group> groups, const state_store_options& options,
                                execution_options exec = {});
   /// As open, then back to the applied step before the last, for good: its state and
@@ -126,7 +131,8 @@ public:
   std::uint64_t step_io_bytes() const;
   /// Pages of the store's chunk files in the page cache: 0 when its I/O bypassed it.
   std::uint64_t cached_pages() const;
-  /// What open did where the last step could not be opened ("" when it opened there).
+  /// What open did where the last step could not be opened whole ("" when it opened
+  /// there): a fallback, stripes brought to one step, or hyper-parameters it could not read.
   std::string recovery() const;
   /// Releases the store (its files' lock, its staging memory): another process may open it.
   /// Every completed step is on the drive already; later steps and exports are refused.

@@ -196,6 +196,21 @@ def test_previous_goes_back_one_applied_step_for_good(tmp_path):
     same_state(exported(stored), ram)
 
 
+def test_each_step_keeps_its_hyper_parameters_and_open_restores_them(tmp_path):
+  ram = hostopt.Optimizer(GROUPS)
+  with hostopt.StoredOptimizer.create(GROUPS, tmp_path, sync=False) as stored:
+    stored.set_group_config(0, lr=4e-3, weight_decay=0.5)
+    ram.set_group_config(0, lr=4e-3, weight_decay=0.5)
+    stored.step(grads_of(ram, 0))
+    ram.step(grads_of(ram, 0))
+  with hostopt.StoredOptimizer.open(GROUPS, tmp_path, sync=False) as stored:  # GROUPS say lr 1e-3, decay 0.01
+    c = stored.group_config(0)
+    assert c["lr"] == 4e-3 and c["weight_decay"] == 0.5 and stored.recovery == ""
+    stored.step(grads_of(ram, 1))
+    ram.step(grads_of(ram, 1))
+    same_state(exported(stored), ram)
+
+
 def test_a_store_per_rank_holds_its_shard_and_steps_to_the_single_process_bits(tmp_path):
   ram = hostopt.Optimizer(GROUPS)
   n = ram.arena_size

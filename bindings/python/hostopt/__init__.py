@@ -655,6 +655,11 @@ class StoredOptimizer:
     RuntimeError naming the problem: no store, other groups (names, shapes, moment formats,
     rounding seeds) or another shard, a store open elsewhere, a corrupt or truncated chunk.
 
+    The hyper-parameters are those of the step it opens at (each step keeps them), as
+    Optimizer.load restores a checkpoint's; `groups` gives them only where the store keeps
+    none (made before hostopt kept them) or their record cannot be read (:attr:`recovery`
+    says so). :meth:`set_group_config` changes them for later steps.
+
     ``previous=True`` goes back to the applied step before the last, for good (its state and
     step counts; skipped steps since then are undone too), e.g. to undo a step found bad after
     it completed. Every directory's copy of that step is verified before any is let go of.
@@ -678,8 +683,7 @@ class StoredOptimizer:
                      io: str = "auto") -> "StoredOptimizer":
     """A new store holding `opt`'s whole state (params, moments, step counts): an Optimizer
     built from the same `groups` (rounding seeds included: a store reopens only with them).
-    This object steps with `opt`'s hyper-parameters; the store does not keep them (open
-    takes the groups').
+    The store keeps `opt`'s hyper-parameters with each step, as it does the state.
 
     `opt` may be one rank's ``hostopt._core.ShardedOptimizer`` of the same groups: the store
     then holds that rank's shard (open it with ``shard=(world_size, rank)``), e.g. a sharded
@@ -837,9 +841,10 @@ class StoredOptimizer:
 
   @property
   def recovery(self) -> str:
-    """What open did where the last step could not be opened ("" when it opened there): a
-    bad chunk of it (a power loss without sync, corruption) opened the step before; striped
-    stores killed between their stripes' commits opened at the step all of them hold."""
+    """What open did where the last step could not be opened whole ("" when it opened
+    there): a bad chunk of it (a power loss without sync, corruption) opened the step before;
+    striped stores killed between their stripes' commits opened at the step all of them hold;
+    a hyper-parameter record that could not be read left the groups' in use."""
     return self._live().recovery
 
   @property
