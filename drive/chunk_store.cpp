@@ -111,7 +111,8 @@ chunk_store::chunk_store(chunk_store&& o) noexcept
       chunks_(std::move(o.chunks_)), commits_(std::move(o.commits_)), queue_(std::move(o.queue_)),
       store_id_(o.store_id_), write_id_(o.write_id_), committed_(o.committed_), words_(std::move(o.words_)), requests_(std::move(o.requests_)), free_(std::move(o.free_)),
       written_(std::move(o.written_)), written_count_(o.written_count_), run_(std::move(o.run_)),
-      broken_(std::move(o.broken_)), fell_back_(std::move(o.fell_back_)), previous_verified_(o.previous_verified_) {}
+      broken_(std::move(o.broken_)), fell_back_(std::move(o.fell_back_)), previous_verified_(o.previous_verified_),
+      fallen_back_from_(o.fallen_back_from_) {}
 
 chunk_store& chunk_store::operator=(chunk_store&& o) noexcept {
   if (this != &o) {
@@ -199,16 +200,17 @@ chunk_store::head chunk_store::peek(const std::string& dir) {
 }
 
 chunk_store chunk_store::open(const std::string& dir, const store_shape& expected, durability d, unsigned depth,
-                              io_backend backend) {
-  return open_step(dir, expected, nullptr, d, depth, backend);
+                              io_backend backend, bool erase_fallback) {
+  return open_step(dir, expected, nullptr, erase_fallback, d, depth, backend);
 }
 
 chunk_store chunk_store::open_at(const std::string& dir, const store_shape& expected, std::uint64_t step,
                                  durability d, unsigned depth, io_backend backend) {
-  return open_step(dir, expected, &step, d, depth, backend);
+  return open_step(dir, expected, &step, true, d, depth, backend);
 }
 
 chunk_store chunk_store::open_step(const std::string& dir, const store_shape& expected, const std::uint64_t* at,
+                                   bool erase_fallback,
                                    durability d, unsigned depth, io_backend backend) {
   check_shape(expected);
   if (!fs::exists(fs::path(dir) / "commit")) throw std::runtime_error("no store in " + dir + " (no commit file)");
@@ -256,9 +258,10 @@ chunk_store chunk_store::open_step(const std::string& dir, const store_shape& ex
         throw std::runtime_error(std::string(newest.what()) + "; the step before it cannot be opened either: " +
                                  e.what());
       }
-      s.fell_back_ = std::string("step ") + std::to_string(best.step) + " could not be opened (" + newest.what() +
-                     "): opened at step " + std::to_string(older.step);
-      s.erase_record(best.step);
+      s.fell_back_ = std::string("commit ") + std::to_string(best.step) + " could not be opened (" + newest.what() +
+                     "): opened at commit " + std::to_string(older.step);
+      if (erase_fallback) s.erase_record(best.step);
+      else s.fallen_back_from_ = best.step;
       return s;
     }
     if (last.step > best.step) s.erase_record(last.step); // rolled back: that commit is gone for good
@@ -306,12 +309,18 @@ chunk_store::previous_step chunk_store::find_previous(const char* what) {
     store_id_ = later_id;
     words_ = later_words;
     throw std::runtime_error(cannot + e.what() +
-                             " (a step that failed or was killed midway has begun writing over that step's slots)");
+                             " (corrupt, or written over by a step that failed or was killed midway)");
   }
   committed_ = later;
   store_id_ = later_id;
   words_ = later_words;
   return found;
+}
+
+void chunk_store::erase_fallen_back() {
+  if (fallen_back_from_ == no_step) return;
+  erase_record(fallen_back_from_);
+  fallen_back_from_ = no_step;
 }
 
 std::vector<std::uint64_t> chunk_store::verify_previous() {

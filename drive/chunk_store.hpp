@@ -61,8 +61,11 @@ public:
   /// later record is erased). std::runtime_error naming the problem: no store, another
   /// shape, a store open in another process, nothing committed, a chunk whose stamp or
   /// checksum is wrong in both steps.
+  /// With `erase_fallback` false the later record of a fallback stays until
+  /// erase_fallen_back() (a caller with checks of its own to make first); until then a
+  /// later open falls back again.
   static chunk_store open(const std::string& dir, const store_shape& expected, durability d, unsigned depth = 8,
-                          io_backend backend = io_backend::automatic);
+                          io_backend backend = io_backend::automatic, bool erase_fallback = true);
   /// The same at step `step`: the last committed one, or the one before it (its slots are
   /// intact until the next commit) — several stores striped together open at the step all of
   /// them committed. Rolling back verifies that step, then erases the later commit record;
@@ -143,6 +146,8 @@ public:
   /// step's slots under a new attempt's id. Nothing may be in flight or written for
   /// next_step(). A failed erasure leaves this object broken (reopen the store).
   void roll_back();
+  /// Erases the record a fallback left (open with erase_fallback false); nothing otherwise.
+  void erase_fallen_back();
   /// What open found when the last step could not be opened and it opened the one before
   /// ("" otherwise).
   const std::string& fell_back() const { return fell_back_; }
@@ -171,6 +176,7 @@ private:
   std::uint64_t slot_offset(std::uint64_t chunk, std::uint64_t step) const;
   void check_stamp(const request& r, std::int64_t result) const;
   static chunk_store open_step(const std::string& dir, const store_shape& expected, const std::uint64_t* at,
+                               bool erase_fallback,
                                durability d, unsigned depth, io_backend backend);
   void erase_record(std::uint64_t step, bool durable = false);
   struct previous_step; // (the record verify_previous found)
@@ -197,6 +203,7 @@ private:
   std::string broken_;    // why this object refuses to write or commit ("" while it may)
   std::string fell_back_; // open's note when the last step could not be opened
   bool previous_verified_ = false; // verify_previous passed, and nothing was written or committed since
+  std::uint64_t fallen_back_from_ = no_step; // a fallback's later record, not erased yet
 };
 
 } // namespace hostopt::drive

@@ -32,11 +32,13 @@ namespace {
 // The commit words: what kind of store, its chunking, and the optimizer's counters.
 constexpr std::uint64_t store_kind = 0x686f73746f707431; // "hostopt1"
 // The range words came with stores of a range (a shard): records written before them have
-// w_range_begin words (the range is then in the fingerprint alone). An older hostopt
-// refuses a record of more words than it knows.
+// w_range_begin words (the range is then in the fingerprint alone). w_hyperparameters (1:
+// each commit keeps its hyper-parameters, hyperparameter_record.hpp) came after: records
+// before it have w_hyperparameters words. An older hostopt refuses a record of more words
+// than it knows.
 enum word : std::size_t {
   w_kind, w_chunk_elements, w_count, w_skipped, w_stripes, w_stripe, w_commit_id,
-  w_range_begin, w_range_end, w_layout_end, num_words
+  w_range_begin, w_range_end, w_layout_end, w_hyperparameters, num_words
 };
 
 drive::durability durability_of(const state_store_options& o) {
@@ -248,6 +250,7 @@ struct stored_optimizer::impl {
     w[w_range_begin] = whole.range().begin;
     w[w_range_end] = whole.range().end;
     w[w_layout_end] = arena_end(whole.segments());
+    w[w_hyperparameters] = 1;
     return w;
   }
 
@@ -382,9 +385,23 @@ struct stored_optimizer::impl {
       const segment &a = segs[i], &b = whole.segments()[i];
       same = a.name == b.name && a.shape == b.shape && a.offset == b.offset && a.group == b.group;
     }
-    if (!same)
-      throw std::invalid_argument(std::string(what) + ": the in-RAM optimizer holds another layout, range or "
-                                  "moment formats than this store's groups");
+    if (!same) {
+      auto text = [](arena_range r) { return "[" + std::to_string(r.begin) + ", " + std::to_string(r.end) + ")"; };
+      bool same_layout = segs.size() == whole.segments().size();
+      for (std::size_t i = 0; same_layout && i < segs.size(); ++i) {
+        const segment &a = segs[i], &b = whole.segments()[i];
+        same_layout = a.name == b.name && a.shape == b.shape && a.offset == b.offset && a.group == b.group;
+      }
+      std::string differs;
+      if (!same_layout)
+        differs = "another layout (tensor names, shapes or groups) than this store's groups";
+      else if (ram.formats() != formats_of(groups))
+        differs = "other moment formats than this store's groups";
+      else
+        differs = "the range " + text(ram.range()) + " of the layout, where this store holds " + text(whole.range()) +
+                  " (another rank or world size)";
+      throw std::invalid_argument(std::string(what) + ": the in-RAM optimizer holds " + differs);
+    }
     for (std::size_t g = 0; g < groups.size(); ++g)
       if (ram.seeds()[g] != groups[g].rounding_seed) // (the store's fingerprint holds every group's)
         throw std::invalid_argument(std::string(what) + ": group " + std::to_string(g) + "'s rounding seed is " +
@@ -399,7 +416,7 @@ struct stored_optimizer::impl {
   // A store of another range (a shard where the whole is asked for, another rank's, or the
   // whole where a shard is) is refused naming both ranges.
   void check_same_range(const std::vector<std::uint64_t>& w, const std::string& dir) const {
-    if (w.size() != num_words) return; // (written before the range words: the fingerprint decides)
+    if (w.size() <= w_layout_end) return; // (written before the range words: the fingerprint decides)
     const bool stored_whole = w[w_range_begin] == 0 && w[w_range_end] == w[w_layout_end];
     if (stored_whole && whole.whole()) return; // (another model: the layout checks name it)
     auto text = [](std::uint64_t b, std::uint64_t e) { return "[" + std::to_string(b) + ", " + std::to_string(e) + ")"; };
@@ -507,7 +524,8 @@ stored_optimizer stored_optimizer::open_store(std::vector<param_group> groups, c
     const std::string& dir = options.dirs[i];
     heads.push_back(drive::chunk_store::peek(dir));
     const auto& w = heads.back().words;
-    if ((w.size() != num_words && w.size() != w_range_begin) || w[w_kind] != store_kind)
+    if ((w.size() != num_words && w.size() != w_hyperparameters && w.size() != w_range_begin) ||
+        w[w_kind] != store_kind)
       throw std::runtime_error("the store in " + dir + " is not a hostopt optimizer's state store");
     s->check_same_range(w, dir);
     if (w[w_stripes] != n || w[w_stripe] != i)
@@ -546,16 +564,18 @@ stored_optimizer stored_optimizer::open_store(std::vector<param_group> groups, c
   const auto backend = drive::parse_io_backend(options.io, "state_store_options.io");
   for (std::size_t i = 0; i < n; ++i)
     s->stores.push_back(std::make_unique<drive::chunk_store>(
-        drive::chunk_store::open(options.dirs[i], s->shape(i, n), durability_of(options), buffers, backend)));
+        drive::chunk_store::open(options.dirs[i], s->shape(i, n), durability_of(options), buffers, backend,
+                                 false))); // (a fallback's record is erased once every check below passed)
+  // The last commit every stripe made (a step is complete once all of them made it; killed
+  // between the stripes' commits, some made one more), and where each stands after open:
+  // its last commit, or the one before where that could not be opened (a fallback).
+  std::uint64_t complete = heads[0].step;
+  for (const auto& h : heads) complete = std::min(complete, h.step);
   std::uint64_t low = s->stores[0]->committed_step(), high = low;
-  bool fell_back = false;
   for (std::size_t i = 0; i < n; ++i) {
     low = std::min(low, s->stores[i]->committed_step());
     high = std::max(high, s->stores[i]->committed_step());
-    if (!s->stores[i]->fell_back().empty()) {
-      fell_back = true;
-      s->recovery += s->stores[i]->fell_back() + "; ";
-    }
+    if (!s->stores[i]->fell_back().empty()) s->recovery += s->stores[i]->fell_back() + "; ";
   }
   const std::uint64_t last_count = s->stores[0]->committed_words()[w_count];
   auto stripe_at = [&](std::uint64_t commit) {
@@ -563,25 +583,26 @@ stored_optimizer stored_optimizer::open_store(std::vector<param_group> groups, c
       if (s->stores[i]->committed_step() == commit) return options.dirs[i];
     return std::string();
   };
-  if (high > low + 1)
-    throw std::runtime_error("the stripes in " + stripe_at(low) + " and " + stripe_at(high) + " stand at commits " +
-                             std::to_string(low) + " and " + std::to_string(high) +
-                             ", more than a step apart: not one optimizer's stripes");
-  // The commit every stripe goes to: the one all of them hold (killed between the stripes'
-  // commits, some hold a step more, which never completed). Going back, the one before it —
-  // unless a stripe's last step could not be opened: open then went back already.
+  // Where every stripe goes: the commit all of them stand at (or the one before where a
+  // stripe stands a commit ahead). Going back: the commit before the last complete one —
+  // where a stripe fell back from that one, open has gone there already.
   std::uint64_t target = low;
-  if (previous && !fell_back) {
-    if (high != low)
-      throw std::runtime_error(
-          "stored_optimizer::open_previous: a step was killed between the stripes' commits (" + stripe_at(high) +
-          " holds commit " + std::to_string(high) + ", " + stripe_at(low) + " commit " + std::to_string(low) +
-          "): it never completed, and the stripes that committed it no longer hold the step before the last "
-          "completed one. Open the store without going back: it stands at the step every stripe holds");
-    if (low == 0)
+  if (previous) {
+    if (complete == 0)
       throw std::runtime_error("stored_optimizer::open_previous: the store stands at the step it was created with "
                                "(step_count " + std::to_string(last_count) + "): there is no step before it");
-    target = low - 1;
+    target = complete - 1;
+    if (high > target + 1)
+      throw std::runtime_error(
+          "stored_optimizer::open_previous: a step was killed between the stripes' commits (" + stripe_at(high) +
+          " holds commit " + std::to_string(high) + ", another stripe only " + std::to_string(complete) +
+          "): it never completed, and the stripes that committed it no longer hold the step before the last "
+          "completed one. Open the store without going back: it stands at the step every stripe holds");
+  } else if (high > low + 1) {
+    throw std::runtime_error("the stripes in " + stripe_at(low) + " and " + stripe_at(high) + " stand at commits " +
+                             std::to_string(low) + " and " + std::to_string(high) + ", more than a step apart" +
+                             (s->recovery.empty() ? "" : " (" + s->recovery + "opened there)") +
+                             ": not one optimizer's stripes, or stripes that can no longer be opened together");
   }
   // Every stripe's record of that commit, verified, before any stripe erases a later one: one
   // id in all of them, or they are not one store's stripes (a directory named in another
@@ -606,11 +627,12 @@ stored_optimizer stored_optimizer::open_store(std::vector<param_group> groups, c
   // stripes hold t - 1 and t: open brings all to t - 1.)
   for (std::size_t i = 0; i < n; ++i) {
     if (s->stores[i]->committed_step() == target) continue;
-    if (!previous || fell_back)
-      s->recovery += "the store in " + options.dirs[i] + " rolled back to step " + std::to_string(target) +
+    if (!previous)
+      s->recovery += "the store in " + options.dirs[i] + " rolled back to commit " + std::to_string(target) +
                      " with the other stripes; ";
     s->stores[i]->roll_back();
   }
+  for (const auto& st : s->stores) st->erase_fallen_back();
   const auto& committed = s->stores[0]->committed_words();
   s->count = std::int64_t(committed[w_count]);
   s->skipped = std::int64_t(committed[w_skipped]);
@@ -618,7 +640,7 @@ stored_optimizer stored_optimizer::open_store(std::vector<param_group> groups, c
   s->sync = options.sync_every_step;
   // The hyper-parameters of the step it opened at, as load_checkpoint restores them; a store
   // made before they were kept has none (the groups' then), and a record that cannot be read
-  // is said in recovery().
+  // (or a missing file of a store that keeps them) is said in recovery().
   std::string problem;
   std::optional<std::vector<adam_config>> saved =
       read_hyperparameters(s->first_dir, s->stores[0]->committed_step(), committed[w_commit_id], s->configs.size(),
@@ -629,6 +651,9 @@ stored_optimizer stored_optimizer::open_store(std::vector<param_group> groups, c
       problem = e.what();
       saved.reset();
     }
+  if (!saved && problem.empty() && committed.size() > w_hyperparameters && committed[w_hyperparameters] == 1)
+    problem = "the file " + (std::filesystem::path(s->first_dir) / "hyperparameters").string() +
+              " that this store keeps them in is missing";
   if (saved) s->configs = std::move(*saved);
   else if (!problem.empty())
     s->recovery += "the hyper-parameters of the step it opened at could not be read (" + problem +
@@ -773,8 +798,12 @@ void stored_optimizer::close() {
 std::uint64_t stored_optimizer::step_io_bytes() const {
   return 2 * std::uint64_t(impl_->chunks.size()) * (impl_->chunk_bytes + drive::direct_alignment);
 }
-std::size_t stored_optimizer::stripes() const { return impl_->stores.size(); }
+std::size_t stored_optimizer::stripes() const {
+  const std::lock_guard<std::mutex> lock(impl_->lock);
+  return impl_->stores.size();
+}
 std::uint64_t stored_optimizer::cached_pages() const {
+  const std::lock_guard<std::mutex> lock(impl_->lock);
   std::uint64_t pages = 0;
   for (const auto& store : impl_->stores) pages += store->cached_pages();
   return pages;

@@ -172,7 +172,7 @@ TEST_CASE("chunk_store: corruption, another shape, a second opener and misuse ar
   {
     chunk_store s = chunk_store::open(dir.str(), shape, durability::none);
     CHECK(s.committed_step() == 1);
-    CHECK_THAT(s.fell_back(), Catch::Contains("step 2 could not be opened") && Catch::Contains("chunk 3"));
+    CHECK_THAT(s.fell_back(), Catch::Contains("commit 2 could not be opened") && Catch::Contains("chunk 3"));
     CHECK(holds_step(s, 1));
   }
   flip_byte(dir.path / "chunks", chunk3_slot0 + direct_alignment + 77);

@@ -298,7 +298,7 @@ TEST_CASE("stored_optimizer: bad options, buffers and stores are refused by name
   {
     stored_optimizer stored = stored_optimizer::open(groups, o);
     CHECK(stored.step_count() == 0);
-    CHECK_THAT(stored.recovery(), Catch::Contains("step 1 could not be opened") && Catch::Contains("chunk 0"));
+    CHECK_THAT(stored.recovery(), Catch::Contains("commit 1 could not be opened") && Catch::Contains("chunk 0"));
     optimizer fresh(groups);
     require_same_as(stored, fresh, groups);
   }
@@ -399,7 +399,7 @@ TEST_CASE("stored_optimizer: striped over several directories, killed between th
   }
   stored_optimizer stored = stored_optimizer::open(groups, o);
   CHECK(stored.step_count() == 1);
-  CHECK_THAT(stored.recovery(), Catch::Contains("rolled back to step 1"));
+  CHECK_THAT(stored.recovery(), Catch::Contains("rolled back to commit 1"));
   require_same_as(stored, at_step_1, groups);
   const std::vector<float> g = grad_of(n, 7);
   stored.step(const_view{g.data(), n, dtype::f32});
@@ -630,10 +630,41 @@ TEST_CASE("stored_optimizer: open_previous refuses the stripes of two stores and
     f.seekp(at);
     f.put(char(c ^ 0x40));
   }
-  stored_optimizer stored = stored_optimizer::open_previous(groups, options("ya", "yb"));
-  CHECK(stored.step_count() == 2);
-  CHECK_THAT(stored.recovery(), Catch::Contains("could not be opened"));
-  require_same_as(stored, at_2, groups);
+  {
+    stored_optimizer stored = stored_optimizer::open_previous(groups, options("ya", "yb"));
+    CHECK(stored.step_count() == 2);
+    CHECK_THAT(stored.recovery(), Catch::Contains("could not be opened"));
+    require_same_as(stored, at_2, groups);
+  }
+  // Killed between the stripes' commits of step 4 (zb never committed it), with za's step 4
+  // torn: step 3 is the last complete one, and za no longer holds step 2. Refused; a plain
+  // open stands at step 3.
+  for (const char* d : {"za", "zb"}) fs::create_directories(dir.path / d);
+  const state_store_options z = options("za", "zb");
+  {
+    stored_optimizer stored = stored_optimizer::create(groups, z);
+    for (std::int64_t t = 0; t < 4; ++t) stored.step(const_view{grad_of(n, t).data(), n, dtype::f32});
+  }
+  {
+    std::fstream f(dir.path / "zb" / "commit", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(0); // step 4's record: place 0
+    const std::string zeros(4096, '\0');
+    f.write(zeros.data(), std::streamsize(zeros.size()));
+  }
+  {
+    const std::streamoff at = std::streamoff((2 * 0 + 0) * slot + 4096 + 8); // za's first chunk, step 4
+    std::fstream f(dir.path / "za" / "chunks", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(at);
+    char c = 0;
+    f.get(c);
+    f.seekp(at);
+    f.put(char(c ^ 0x40));
+  }
+  CHECK_THROWS_WITH(stored_optimizer::open_previous(groups, z),
+                    Catch::Contains("cannot go back from step_count 3") && Catch::Contains("record is gone"));
+  stored_optimizer stored = stored_optimizer::open(groups, z);
+  CHECK(stored.step_count() == 3);
+  CHECK_THAT(stored.recovery(), Catch::Contains("commit 4 could not be opened"));
 }
 
 TEST_CASE("stored_optimizer: each commit keeps its hyper-parameters, open restores them and open_previous those "
@@ -707,10 +738,11 @@ TEST_CASE("stored_optimizer: each commit keeps its hyper-parameters, open restor
     CHECK(stored.recovery().empty());
     CHECK(stored.group_config(0).lr == 3e-3);
   }
-  // A store made before they were kept has no file: the groups' hyper-parameters, nothing said.
+  // Its file lost (a copy of the chunks alone): the groups' hyper-parameters, and recovery()
+  // says the file is missing. (A store made before hostopt kept them has none, and says nothing.)
   fs::remove(file);
   stored_optimizer stored = stored_optimizer::open(groups, o);
-  CHECK(stored.recovery().empty());
+  CHECK_THAT(stored.recovery(), Catch::Contains("hyperparameters") && Catch::Contains("is missing"));
   CHECK(stored.group_config(0).lr == groups[0].config.lr);
 }
 

@@ -171,7 +171,7 @@ def test_a_store_whose_newest_chunk_is_bad_opens_at_the_step_before(tmp_path):
     f.write(bytes([b[0] ^ 1]))
   with hostopt.StoredOptimizer.open(GROUPS, tmp_path, sync=False) as stored:
     assert stored.step_count == 0
-    assert "step 1 could not be opened" in stored.recovery and "chunk 0" in stored.recovery
+    assert "commit 1 could not be opened" in stored.recovery and "chunk 0" in stored.recovery
     same_state(exported(stored), ram)
 
 
