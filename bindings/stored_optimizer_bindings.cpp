@@ -19,6 +19,15 @@ namespace hostopt::bindings {
 
 namespace {
 
+/// A const getter of stored_optimizer, called with the GIL released.
+template <class R>
+auto released(R (stored_optimizer::*get)() const) {
+  return [get](const stored_optimizer& o) {
+    py::gil_scoped_release release;
+    return (o.*get)();
+  };
+}
+
 using optional_range = std::optional<std::pair<std::size_t, std::size_t>>;
 
 state_store_options store_options(const std::vector<std::string>& dirs, std::size_t staging_bytes, unsigned buffers,
@@ -126,8 +135,10 @@ void bind_stored_optimizer(py::module_& m) {
         py::gil_scoped_release release;
         o.close();
       })
-      .def_property_readonly("step_count", &stored_optimizer::step_count)
-      .def_property_readonly("skipped_steps", &stored_optimizer::skipped_steps)
+      // (Getters that take the optimizer's lock release the GIL: a step holds that lock for
+      // its whole streaming, and other Python threads must not wait on it with the GIL.)
+      .def_property_readonly("step_count", released(&stored_optimizer::step_count))
+      .def_property_readonly("skipped_steps", released(&stored_optimizer::skipped_steps))
       .def_property_readonly("arena_size", &stored_optimizer::arena_size)
       .def_property_readonly("range",
                              [](const stored_optimizer& o) { return py::make_tuple(o.range().begin, o.range().end); })
@@ -136,20 +147,35 @@ void bind_stored_optimizer(py::module_& m) {
       .def_property_readonly("chunk_elements", &stored_optimizer::chunk_elements)
       .def_property_readonly("chunk_bytes", &stored_optimizer::chunk_bytes)
       .def_property_readonly("staging_bytes", &stored_optimizer::staging_bytes)
-      .def_property_readonly("stripes", &stored_optimizer::stripes)
+      .def_property_readonly("stripes", released(&stored_optimizer::stripes))
       .def_property_readonly("recovery", &stored_optimizer::recovery)
       .def_property_readonly("step_io_bytes", &stored_optimizer::step_io_bytes)
-      .def_property_readonly("io_backend", &stored_optimizer::io_backend)
-      .def_property_readonly("cached_pages", &stored_optimizer::cached_pages)
+      .def_property_readonly("io_backend", released(&stored_optimizer::io_backend))
+      .def_property_readonly("cached_pages", released(&stored_optimizer::cached_pages))
       .def("segments",
            [](const stored_optimizer& o) {
              py::list out;
              for (const auto& s : o.segments()) out.append(py::make_tuple(s.name, s.shape, s.offset, s.size, s.group));
              return out;
            })
-      .def("group_config", [](const stored_optimizer& o, std::size_t g) { return config_to(o.group_config(g)); })
+      .def("group_config",
+           [](const stored_optimizer& o, std::size_t g) {
+             adam_config c;
+             {
+               py::gil_scoped_release release;
+               c = o.group_config(g);
+             }
+             return config_to(c);
+           })
       .def("set_group_config", [](stored_optimizer& o, std::size_t g, py::dict d) {
-        o.set_group_config(g, config_from(d, o.group_config(g))); // only the keys given change
+        adam_config base;
+        {
+          py::gil_scoped_release release;
+          base = o.group_config(g);
+        }
+        const adam_config c = config_from(d, base); // only the keys given change
+        py::gil_scoped_release release;
+        o.set_group_config(g, c);
       });
 }
 

@@ -428,7 +428,8 @@ void chunk_store::check_still_there() const {
 
 void chunk_store::start_write(std::uint64_t chunk, staging& s) {
   if (!broken_.empty()) throw std::runtime_error(broken_);
-  previous_verified_ = false; // (this write goes over the previous step's slot)
+  previous_verified_ = false;          // (this write goes over the previous step's slot)
+  fallen_back_from_ = no_step;         // (the next commit takes that record's place)
   if (chunk >= shape_.chunks) throw std::out_of_range("chunk_store: chunk " + std::to_string(chunk) + " of " +
                                                       std::to_string(shape_.chunks));
   if (free_.empty()) throw std::logic_error("chunk_store: the queue is full (finish some first)");
@@ -582,6 +583,7 @@ void chunk_store::commit(const std::vector<std::uint64_t>& words) {
   }
   committed_ = step;
   previous_verified_ = false;
+  fallen_back_from_ = no_step; // (its record's place now holds this commit)
   store_id_ = write_id_;
   write_id_ = fresh_id();
   words_ = words;

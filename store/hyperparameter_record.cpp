@@ -136,8 +136,8 @@ std::optional<std::vector<adam_config>> read_hyperparameters(const std::string& 
   checksum64 sum;
   sum.add(b.data(), values * 8);
   if (word_at(b, 1) != version || word_at(b, 5) != fields()) {
-    problem = where + "a record of another hostopt version (version " + std::to_string(word_at(b, 1)) + ", " +
-              std::to_string(word_at(b, 5)) + " fields per group)";
+    problem = where + "a record of another hostopt version, or a corrupt one (version " +
+              std::to_string(word_at(b, 1)) + ", " + std::to_string(word_at(b, 5)) + " fields per group)";
     return std::nullopt;
   }
   if (word_at(b, values) != sum.finish()) {

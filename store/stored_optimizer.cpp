@@ -569,8 +569,11 @@ stored_optimizer stored_optimizer::open_store(std::vector<param_group> groups, c
   // The last commit every stripe made (a step is complete once all of them made it; killed
   // between the stripes' commits, some made one more), and where each stands after open:
   // its last commit, or the one before where that could not be opened (a fallback).
-  std::uint64_t complete = heads[0].step;
-  for (const auto& h : heads) complete = std::min(complete, h.step);
+  std::uint64_t complete = heads[0].step, top = heads[0].step;
+  for (const auto& h : heads) {
+    complete = std::min(complete, h.step);
+    top = std::max(top, h.step);
+  }
   std::uint64_t low = s->stores[0]->committed_step(), high = low;
   for (std::size_t i = 0; i < n; ++i) {
     low = std::min(low, s->stores[i]->committed_step());
@@ -586,16 +589,26 @@ stored_optimizer stored_optimizer::open_store(std::vector<param_group> groups, c
   // Where every stripe goes: the commit all of them stand at (or the one before where a
   // stripe stands a commit ahead). Going back: the commit before the last complete one —
   // where a stripe fell back from that one, open has gone there already.
+  auto head_at = [&](std::uint64_t commit) {
+    for (std::size_t i = 0; i < n; ++i)
+      if (heads[i].step == commit) return options.dirs[i];
+    return std::string();
+  };
+  if (top > complete + 1)
+    throw std::runtime_error("the stripes in " + head_at(complete) + " and " + head_at(top) +
+                             " last committed commits " + std::to_string(complete) + " and " + std::to_string(top) +
+                             ", more than a step apart: not one optimizer's stripes (or one restored from an older "
+                             "copy)");
   std::uint64_t target = low;
   if (previous) {
     if (complete == 0)
       throw std::runtime_error("stored_optimizer::open_previous: the store stands at the step it was created with "
                                "(step_count " + std::to_string(last_count) + "): there is no step before it");
     target = complete - 1;
-    if (high > target + 1)
+    if (top > complete)
       throw std::runtime_error(
-          "stored_optimizer::open_previous: a step was killed between the stripes' commits (" + stripe_at(high) +
-          " holds commit " + std::to_string(high) + ", another stripe only " + std::to_string(complete) +
+          "stored_optimizer::open_previous: a step was killed between the stripes' commits (" + head_at(top) +
+          " made commit " + std::to_string(top) + ", " + head_at(complete) + " only " + std::to_string(complete) +
           "): it never completed, and the stripes that committed it no longer hold the step before the last "
           "completed one. Open the store without going back: it stands at the step every stripe holds");
   } else if (high > low + 1) {
@@ -642,18 +655,20 @@ stored_optimizer stored_optimizer::open_store(std::vector<param_group> groups, c
   // made before they were kept has none (the groups' then), and a record that cannot be read
   // (or a missing file of a store that keeps them) is said in recovery().
   std::string problem;
-  std::optional<std::vector<adam_config>> saved =
-      read_hyperparameters(s->first_dir, s->stores[0]->committed_step(), committed[w_commit_id], s->configs.size(),
-                           problem);
-  if (saved) try {
-      for (std::size_t g = 0; g < saved->size(); ++g) validate((*saved)[g], "group " + std::to_string(g));
-    } catch (const std::invalid_argument& e) {
-      problem = e.what();
-      saved.reset();
-    }
-  if (!saved && problem.empty() && committed.size() > w_hyperparameters && committed[w_hyperparameters] == 1)
-    problem = "the file " + (std::filesystem::path(s->first_dir) / "hyperparameters").string() +
-              " that this store keeps them in is missing";
+  std::optional<std::vector<adam_config>> saved;
+  if (committed.size() > w_hyperparameters && committed[w_hyperparameters] == 1) { // (else a commit from before)
+    saved = read_hyperparameters(s->first_dir, s->stores[0]->committed_step(), committed[w_commit_id],
+                                 s->configs.size(), problem);
+    if (saved) try {
+        for (std::size_t g = 0; g < saved->size(); ++g) validate((*saved)[g], "group " + std::to_string(g));
+      } catch (const std::invalid_argument& e) {
+        problem = e.what();
+        saved.reset();
+      }
+    if (!saved && problem.empty())
+      problem = "the file " + (std::filesystem::path(s->first_dir) / "hyperparameters").string() +
+                " that this store keeps them in is missing";
+  }
   if (saved) s->configs = std::move(*saved);
   else if (!problem.empty())
     s->recovery += "the hyper-parameters of the step it opened at could not be read (" + problem +

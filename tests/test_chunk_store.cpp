@@ -126,6 +126,52 @@ TEST_CASE("chunk_store: an unfinished step is never committed, the one before st
   CHECK(holds_step(s, 1));
 }
 
+TEST_CASE("chunk_store: a fallback whose erasure is deferred never erases a later commit") {
+  // open(erase_fallback = false) keeps the bad commit's record until erase_fallen_back(); a
+  // commit made first takes that record's place, and the erasure then leaves it alone.
+  temp_dir dir{"chunk_store"};
+  {
+    chunk_store s = chunk_store::create(dir.str(), shape, durability::none);
+    for (int t = 0; t < 3; ++t) write_step(s, 4); // (step 2's slots: slot 0)
+  }
+  flip_byte(dir.path / "chunks", (2 * 3 + 0) * slot_bytes + direct_alignment + 77); // step 2's chunk 3
+  {
+    chunk_store s = chunk_store::open(dir.str(), shape, durability::none, 8, io_backend::automatic, false);
+    CHECK(s.committed_step() == 1);
+    CHECK_THAT(s.fell_back(), Catch::Contains("commit 2 could not be opened"));
+  }
+  { // not erased: the next open falls back again, and erases it
+    chunk_store s = chunk_store::open(dir.str(), shape, durability::none, 8, io_backend::automatic, false);
+    CHECK_FALSE(s.fell_back().empty());
+    s.erase_fallen_back();
+  }
+  {
+    chunk_store s = chunk_store::open(dir.str(), shape, durability::none, 8, io_backend::automatic, false);
+    CHECK(s.committed_step() == 1);
+    CHECK(s.fell_back().empty());
+    write_step(s, 4); // a new step 2
+  }
+  flip_byte(dir.path / "chunks", (2 * 3 + 0) * slot_bytes + direct_alignment + 77); // that one's chunk 3 bad too
+  flip_byte(dir.path / "chunks", (2 * 3 + 0) * slot_bytes + direct_alignment + 77); // (and repaired)
+  {
+    chunk_store s = chunk_store::open(dir.str(), shape, durability::none);
+    CHECK(s.committed_step() == 2);
+    CHECK(holds_step(s, 2));
+  }
+  // Deferred, then a commit, then the erasure: the new commit stays.
+  flip_byte(dir.path / "chunks", (2 * 3 + 0) * slot_bytes + direct_alignment + 77);
+  {
+    chunk_store s = chunk_store::open(dir.str(), shape, durability::none, 8, io_backend::automatic, false);
+    REQUIRE(s.committed_step() == 1);
+    write_step(s, 4);
+    s.erase_fallen_back();
+  }
+  chunk_store s = chunk_store::open(dir.str(), shape, durability::none);
+  CHECK(s.committed_step() == 2);
+  CHECK(s.fell_back().empty());
+  CHECK(holds_step(s, 2));
+}
+
 TEST_CASE("chunk_store: corruption, another shape, a second opener and misuse are refused by name") {
   temp_dir dir{"chunk_store"};
   { // (steps 0..2 committed: step 2's slots are slot 0, step 1's slot 1)
