@@ -125,6 +125,16 @@ state_store_options small_store(const std::string& dir, const std::string& io = 
   return o;
 }
 
+// Flips a bit of the byte at `at` of `file` in place (a slot's payload: a bad chunk).
+void flip_byte(const fs::path& file, std::streamoff at) {
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(at);
+  char c = 0;
+  f.get(c);
+  f.seekp(at);
+  f.put(char(c ^ 0x40));
+}
+
 step_options checked_and_clipped() {
   step_options o;
   o.max_grad_norm = 5.0;
@@ -640,15 +650,7 @@ TEST_CASE("stored_optimizer: open_previous refuses the stripes of two stores and
   }
   // Store y's step 3 rotted in one chunk: open falls back to step 2, which is where going
   // back from step 3 leads; open_previous stands there and says why.
-  {
-    const std::streamoff at = std::streamoff((2 * 1 + 1) * slot + 4096 + 8); // yb's 2nd chunk, step 3
-    std::fstream f(dir.path / "yb" / "chunks", std::ios::in | std::ios::out | std::ios::binary);
-    f.seekg(at);
-    char c = 0;
-    f.get(c);
-    f.seekp(at);
-    f.put(char(c ^ 0x40));
-  }
+  flip_byte(dir.path / "yb" / "chunks", std::streamoff((2 * 1 + 1) * slot + 4096 + 8)); // yb's 2nd chunk, step 3
   {
     stored_optimizer stored = stored_optimizer::open_previous(groups, options("ya", "yb"));
     CHECK(stored.step_count() == 2);
@@ -670,15 +672,7 @@ TEST_CASE("stored_optimizer: open_previous refuses the stripes of two stores and
     const std::string zeros(4096, '\0');
     f.write(zeros.data(), std::streamsize(zeros.size()));
   }
-  {
-    const std::streamoff at = std::streamoff((2 * 0 + 0) * slot + 4096 + 8); // za's first chunk, step 4
-    std::fstream f(dir.path / "za" / "chunks", std::ios::in | std::ios::out | std::ios::binary);
-    f.seekg(at);
-    char c = 0;
-    f.get(c);
-    f.seekp(at);
-    f.put(char(c ^ 0x40));
-  }
+  flip_byte(dir.path / "za" / "chunks", std::streamoff((2 * 0 + 0) * slot + 4096 + 8)); // za's first chunk, step 4
   CHECK_THROWS_WITH(stored_optimizer::open_previous(groups, z), Catch::Contains("killed between the stripes' commits"));
   stored_optimizer stored = stored_optimizer::open(groups, z);
   CHECK(stored.step_count() == 3);
