@@ -141,6 +141,27 @@ void bind_sharded(py::module_& m) {
                out.append(py::make_tuple(s.name, s.shape, s.offset, s.size, s.group));
              return out;
            })
+      // This rank's hyper-parameters (set them alike on every rank, as torch's param_groups).
+      .def("group_config",
+           [](const sharded_optimizer& o, std::size_t g) {
+             adam_config c;
+             {
+               py::gil_scoped_release release; // (the shard's lock: a step may hold it)
+               c = o.local().group_config(g);
+             }
+             return config_to(c);
+           })
+      .def("set_group_config",
+           [](sharded_optimizer& o, std::size_t g, py::dict d) {
+             adam_config base;
+             {
+               py::gil_scoped_release release;
+               base = o.local().group_config(g);
+             }
+             const adam_config c = config_from(d, base); // only the keys given change
+             py::gil_scoped_release release;
+             o.local().set_group_config(g, c);
+           })
       .def("set_params",
            [](sharded_optimizer& o, const std::string& name, py::handle values) {
              const buffer b = check_array(values, "values", "f32", false);

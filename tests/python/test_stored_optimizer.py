@@ -300,8 +300,12 @@ def test_a_shards_store_exports_to_and_imports_from_a_sharded_optimizer(tmp_path
       with pytest.raises(ValueError, match="range"):  # another rank's shard
         stored.copy_to(_core.ShardedOptimizer(spec, world, 1 - rank, threads=1))
       shard = _core.ShardedOptimizer(spec, world, rank, threads=1)
+      stored.set_group_config(0, lr=2e-3)  # (the same on every rank)
       stored.copy_to(shard)
       assert shard.shard == (b, e) and shard.step_count == 2
+      assert shard.group_config(0)["lr"] == 2e-3  # the store's hyper-parameters come with its state
+      stored.set_group_config(0, lr=GROUPS[0]["lr"])
+      shard.set_group_config(0, {"lr": GROUPS[0]["lr"]})
       shard.save(str(ckpt), "step2")
       shards.append(shard)
       with hostopt.StoredOptimizer.from_optimizer(shard, GROUPS, tmp_path / f"again{rank}", sync=False) as again:
