@@ -201,17 +201,6 @@ chunk_store::head chunk_store::peek(const std::string& dir) {
 
 chunk_store chunk_store::open(const std::string& dir, const store_shape& expected, durability d, unsigned depth,
                               io_backend backend, bool erase_fallback) {
-  return open_step(dir, expected, nullptr, erase_fallback, d, depth, backend);
-}
-
-chunk_store chunk_store::open_at(const std::string& dir, const store_shape& expected, std::uint64_t step,
-                                 durability d, unsigned depth, io_backend backend) {
-  return open_step(dir, expected, &step, true, d, depth, backend);
-}
-
-chunk_store chunk_store::open_step(const std::string& dir, const store_shape& expected, const std::uint64_t* at,
-                                   bool erase_fallback,
-                                   durability d, unsigned depth, io_backend backend) {
   check_shape(expected);
   if (!fs::exists(fs::path(dir) / "commit")) throw std::runtime_error("no store in " + dir + " (no commit file)");
   const int lock_fd = lock_store(dir);
@@ -219,8 +208,7 @@ chunk_store chunk_store::open_step(const std::string& dir, const store_shape& ex
   try {
     direct_file commits = direct_file::open((fs::path(dir) / "commit").string());
     direct_file chunks = direct_file::open((fs::path(dir) / "chunks").string());
-    const commit_record last = last_record(dir, commits.fd());
-    const commit_record best = at != nullptr ? last_record(dir, commits.fd(), at) : last;
+    const commit_record best = last_record(dir, commits.fd());
     const store_shape saved{best.chunks, best.chunk_bytes, best.fingerprint};
     const std::uint64_t before = best.step - 1; // (the step whose slots a failed verification falls back to)
     if (!(saved == expected))
@@ -242,7 +230,7 @@ chunk_store chunk_store::open_step(const std::string& dir, const store_shape& ex
       // A chunk of the last step is bad (a power loss without fdatasync took writes the record
       // outlived, or the drive rotted it): the step before, whose slots that step never
       // touched, when its record and every chunk of it verify.
-      if (at != nullptr || best.step == 0) throw;
+      if (best.step == 0) throw;
       commit_record older{};
       try {
         older = last_record(dir, s.commits_.fd(), &before);
@@ -264,7 +252,6 @@ chunk_store chunk_store::open_step(const std::string& dir, const store_shape& ex
       else s.fallen_back_from_ = best.step;
       return s;
     }
-    if (last.step > best.step) s.erase_record(last.step); // rolled back: that commit is gone for good
     return s;
   } catch (...) {
     if (!owned) ::close(lock_fd);

@@ -66,13 +66,6 @@ public:
   /// later open falls back again.
   static chunk_store open(const std::string& dir, const store_shape& expected, durability d, unsigned depth = 8,
                           io_backend backend = io_backend::automatic, bool erase_fallback = true);
-  /// The same at step `step`: the last committed one, or the one before it (its slots are
-  /// intact until the next commit) — several stores striped together open at the step all of
-  /// them committed. Rolling back verifies that step, then erases the later commit record;
-  /// every attempt at a step stamps its own id, so the later step's slots never verify again. std::runtime_error when the store has no
-  /// commit of that step.
-  static chunk_store open_at(const std::string& dir, const store_shape& expected, std::uint64_t step, durability d,
-                             unsigned depth = 8, io_backend backend = io_backend::automatic);
 
   chunk_store(chunk_store&&) noexcept;
   chunk_store& operator=(chunk_store&&) noexcept;
@@ -175,9 +168,6 @@ private:
               int lock_fd, direct_file chunks, direct_file commits);
   std::uint64_t slot_offset(std::uint64_t chunk, std::uint64_t step) const;
   void check_stamp(const request& r, std::int64_t result) const;
-  static chunk_store open_step(const std::string& dir, const store_shape& expected, const std::uint64_t* at,
-                               bool erase_fallback,
-                               durability d, unsigned depth, io_backend backend);
   void erase_record(std::uint64_t step, bool durable = false);
   struct previous_step; // (the record verify_previous found)
   previous_step find_previous(const char* what);
