@@ -131,6 +131,14 @@ void bind_stored_optimizer(py::module_& m) {
             o.copy_state_to(ram.local());
           },
           py::arg("ram"))
+      .def(
+          "copy_params_to",
+          [](const stored_optimizer& o, py::handle out, const std::string& out_dtype) {
+            const buffer b = check_array(out, "out", out_dtype, true);
+            py::gil_scoped_release release;
+            o.copy_params_to({b.data, b.size, b.type});
+          },
+          py::arg("out"), py::arg("out_dtype"))
       .def("close", [](stored_optimizer& o) {
         py::gil_scoped_release release;
         o.close();

@@ -756,6 +756,22 @@ void stored_optimizer::copy_state_to(optimizer& ram) const {
   es.clear_failure();
 }
 
+void stored_optimizer::copy_params_to(mut_view flat_out) const {
+  impl& s = *impl_;
+  const std::lock_guard<std::mutex> lock(s.lock);
+  s.check_usable("copy_params_to");
+  check_view("flat_out", flat_out.data, flat_out.size, flat_out.type, s.end());
+  const std::size_t ob = dtype_size(flat_out.type);
+  s.stream(true, false, [&](std::size_t, impl::chunk& c) {
+    for (const update_piece& piece : c.pieces) // per tensor: padding is never written
+      if (piece.size)
+        convert_params(c.storage.params() + piece.offset,
+                       {static_cast<char*>(flat_out.data) + (s.flat_at(c) + piece.offset) * ob, piece.size,
+                        flat_out.type},
+                       s.exec);
+  });
+}
+
 std::int64_t stored_optimizer::step_count() const {
   const std::lock_guard<std::mutex> lock(impl_->lock);
   return impl_->count;

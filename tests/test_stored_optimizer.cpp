@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -17,6 +18,7 @@
 #include <cstdlib>
 #include <thread>
 
+#include "hostopt/kernels.hpp"
 #include "hostopt/optimizer.hpp"
 #include "hostopt/sharding.hpp"
 #include "temp_dir.hpp"
@@ -165,6 +167,7 @@ TEST_CASE("stored_optimizer: steps give the in-RAM optimizer's bits, copy-out in
         CHECK(stored.io_backend() == io);
         if (chunk == 64) CHECK(stored.chunks() > 10);
         require_same_as(stored, ram, groups);
+        std::vector<std::uint16_t> last_out; // the last applied step's bf16 copy-out
         for (std::int64_t t = 0; t < 4; ++t) {
           std::vector<float> g = grad_of(n, t);
           if (t == 2) g[n / 3] = NAN; // skipped by both
@@ -181,10 +184,52 @@ TEST_CASE("stored_optimizer: steps give the in-RAM optimizer's bits, copy-out in
           CHECK(a.poisoned_blocks == b.poisoned_blocks);
           CHECK(a.saturated_blocks == b.saturated_blocks);
           if (a.applied) CHECK(out_ram == out_stored); // (padding untouched by both)
+          if (a.applied) last_out = out_ram;
         }
         require_same_as(stored, ram, groups);
+        // The params streamed out: the in-RAM master's bits, the step's bf16 rounding, padding untouched.
+        std::vector<float> params(n, -7.0f);
+        stored.copy_params_to(mut_view{params.data(), n, dtype::f32});
+        std::vector<std::uint16_t> params_bf16(n, 0xFFFF);
+        stored.copy_params_to(mut_view{params_bf16.data(), n, dtype::bf16});
+        CHECK(params_bf16 == last_out);
+        std::vector<char> in_tensor(n, 0);
+        for (const segment& s : ram.segments()) {
+          INFO("tensor " << s.name);
+          std::fill(in_tensor.begin() + std::ptrdiff_t(s.offset), in_tensor.begin() + std::ptrdiff_t(s.offset + s.size), 1);
+          if (s.size) CHECK(std::memcmp(params.data() + s.offset, ram.params(s.name).data(), s.size * 4) == 0);
+        }
+        for (std::size_t i = 0; i < n; ++i)
+          if (!in_tensor[i]) REQUIRE(params[i] == -7.0f);
         CHECK(stored.cached_pages() == 0); // O_DIRECT: the page cache never held the state
       }
+}
+
+TEST_CASE("stored_optimizer: copy_params_to refuses a buffer of another size, and works after a reopen") {
+  const auto groups = mixed_groups();
+  temp_dir dir{"stored_optimizer"};
+  optimizer ram(groups);
+  const std::size_t n = ram.arena_size();
+  state_store_options o = small_store(dir.str());
+  {
+    stored_optimizer stored = stored_optimizer::create(groups, o);
+    for (std::int64_t t = 0; t < 2; ++t) {
+      stored.step(const_view{grad_of(n, t).data(), n, dtype::f32});
+      ram.step(const_view{grad_of(n, t).data(), n, dtype::f32});
+    }
+    std::vector<float> short_buffer(n - 1, 5.0f);
+    CHECK_THROWS_WITH(stored.copy_params_to(mut_view{short_buffer.data(), n - 1, dtype::f32}),
+                      Catch::Contains("flat_out") && Catch::Contains(std::to_string(n)));
+    CHECK(std::all_of(short_buffer.begin(), short_buffer.end(), [](float x) { return x == 5.0f; }));
+  }
+  stored_optimizer stored = stored_optimizer::open(groups, o);
+  std::vector<std::uint16_t> got(n, 0), want(n, 0);
+  stored.copy_params_to(mut_view{got.data(), n, dtype::f16});
+  for (const segment& s : ram.segments())
+    if (s.size) convert_params(ram.params(s.name).data(), mut_view{want.data() + s.offset, s.size, dtype::f16});
+  CHECK(got == want);
+  stored.close();
+  CHECK_THROWS_WITH(stored.copy_params_to(mut_view{got.data(), n, dtype::f16}), Catch::Contains("closed"));
 }
 
 TEST_CASE("stored_optimizer: reopened, it continues where it was, an in-RAM state imports and exports") {

@@ -145,6 +145,14 @@ public:
   /// an I/O error midway leaves `ram` marked failed (not usable until it is loaded).
   void copy_state_to(optimizer& ram) const;
 
+  /// The master parameters of the last completed step, streamed from the drive (every chunk
+  /// verified as a step's reads are) into `flat_out` (arena_size() elements; float32, or
+  /// bfloat16 / float16 rounded as the step's copy-out rounds them): what a resumed run puts
+  /// back into its model. The padding between tensors is left as it is; the state is not
+  /// changed, and needs no RAM beyond the staging buffers. An I/O error or a bad chunk
+  /// throws with flat_out partly written.
+  void copy_params_to(mut_view flat_out) const;
+
 private:
   struct impl;
   explicit stored_optimizer(std::unique_ptr<impl> s);

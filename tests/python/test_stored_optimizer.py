@@ -65,6 +65,14 @@ def test_steps_give_the_optimizers_bits_and_reopen_where_they_were(tmp_path, io)
   del stored
   stored = hostopt.StoredOptimizer.open(GROUPS, tmp_path, sync=False, io=io)
   assert stored.step_count == 2 and stored.skipped_steps == 1
+  flat = stored.read_params()  # a resumed run's parameters: the master copy's bits
+  half = stored.read_params(np.full(stored.arena_size, 7, np.float16))  # rounded as a step's out
+  for n in ram.names:
+    _, shape, offset, size, _ = stored.segment(n)
+    np.testing.assert_array_equal(flat[offset:offset + size].reshape(shape), ram.params(n))
+    np.testing.assert_array_equal(half[offset:offset + size], ram.params(n).reshape(-1).astype(np.float16))
+  with pytest.raises(ValueError, match="out"):
+    stored.read_params(np.zeros(stored.arena_size - 1, np.float32))
   stored.set_group_config(2, lr=1e-2)
   ram.set_group_config(2, lr=1e-2)
   g = grads_of(ram, 9)

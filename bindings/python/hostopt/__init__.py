@@ -710,6 +710,23 @@ class StoredOptimizer:
                        "export a shard into a hostopt._core.ShardedOptimizer of the same groups, world size and rank")
     core.copy_state_to(ram)
 
+  def read_params(self, out=None) -> np.ndarray:
+    """The master parameters of the last completed step, streamed from the drive (every chunk
+    verified, the state unchanged, no RAM beyond the staging buffers): what a resumed run
+    puts back into its model. A flat array of :attr:`arena_size` elements: `out` (float32,
+    or bfloat16 / float16 rounded as a step's ``out`` rounds) or a new float32 array. The
+    padding between tensors is zero in a new array and left as it is in `out`; tensor
+    `name` is ``p[offset:offset + size].reshape(shape)`` of :meth:`segment`. An I/O error
+    or a bad chunk raises with `out` partly written."""
+    core = self._live()
+    if out is None:
+      out = np.zeros(core.arena_size, np.float32)
+    o, ot = as_buffer(out, "out", writable=True)
+    if o.ndim != 1:
+      raise ValueError(f"out has shape {o.shape}: a flat out is 1-D, arena_size = {core.arena_size} elements")
+    core.copy_params_to(o, ot)
+    return out
+
   @staticmethod
   def _flat_of(layout, arrays: Mapping, what: str, held: Optional[Tuple[int, int]] = None) -> Tuple[np.ndarray, str]:
     """A mapping name -> array of every tensor as one flat array in the arena layout (a copy),
