@@ -558,9 +558,9 @@ class StoredOptimizer:
   These are keywords of create, open and from_optimizer. The directory must be on a
   filesystem with O_DIRECT (not tmpfs); the store takes about
   twice the state's bytes there (two slots per chunk). `dir` may be a list of directories,
-  one per drive: chunk k goes to dir[k % n] (open names them in the same order). Not yet:
-  per-tensor steps (every step takes every tensor's gradient), the offload
-  pipeline, hostopt.torch and hostopt.jax fronts.
+  one per drive: chunk k goes to dir[k % n] (open names them in the same order).
+  hostopt.jax's ``store=`` keeps its state in one. Not yet: per-tensor steps (every step
+  takes every tensor's gradient), the offload pipeline, the hostopt.torch front.
 
   ``shard=(world_size, rank)`` (a keyword of create and open only) keeps one rank's shard of
   the layout, each rank its own store: the range ``hostopt._core.shard_of`` gives
@@ -582,6 +582,8 @@ class StoredOptimizer:
     >>> del opt; hostopt.StoredOptimizer.open(groups, d, sync=False).step_count
     1
   """
+
+  _hostopt_front: str  # set by a front (hostopt.jax) to name itself in CompressedMomentsWarning
 
   def __init__(self, core: Any, groups: List[Mapping]) -> None:  # (made by create, open and from_optimizer)
     self._core: Optional[_core.StoredOptimizer] = core

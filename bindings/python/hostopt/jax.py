@@ -74,9 +74,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import Optimizer as _Optimizer
+from . import StoredOptimizer as _StoredOptimizer
 from . import _threads
 # The extension's functions by their own names: in this module `_core` is only HostAdam's
-# core optimizer (self._core, a hostopt.Optimizer; its extension object is self._core._core).
+# core optimizer (self._core, a hostopt.Optimizer; its extension object is self._core._core;
+# with store= there is none: self._store, a hostopt.StoredOptimizer, holds the state).
 from ._core import accumulate as _accumulate_into, convert as _convert, moment_format as _moment_format
 from ._arrays import as_buffer, check_optional_bool, check_seed
 from ._block_checks import report as _report_blocks
@@ -135,7 +137,8 @@ class HostAdam:
                eps_root: float = 0.0, weight_decay=0.0, mask=None, decoupled: bool = True, nesterov: bool = False,
                param_dtype=None, max_grad_norm: Optional[float] = None, skip_nonfinite: Optional[bool] = None,
                threads: int = 0, offload: Optional[str] = None, offload_chunk: int = 1 << 22, groups=None,
-               group_options: Optional[dict] = None, moments: str = "f32", rounding_seed: int = 0):
+               group_options: Optional[dict] = None, moments: str = "f32", rounding_seed: int = 0,
+               store=None, store_options: Optional[dict] = None, resume: bool = False):
     skip_nonfinite = check_optional_bool(skip_nonfinite, "skip_nonfinite")
     if offload not in (None, "host", "cuda"):
       raise ValueError(f"offload={offload!r}: expected None (parameters on a GPU go through the pipeline, CPU ones "
@@ -195,10 +198,19 @@ class HostAdam:
         self._group_of.append((label, decay))
     self._formats = [self._options[lab]["moments"] for lab in labels]  # each leaf's moment format
     self._threads = _threads.resolve(int(threads))
-    self._core = _Optimizer(core_groups, threads=self._threads)
-    self._core._hostopt_front = "hostopt.jax"  # names this front in its CompressedMomentsWarning
-    for name, x in zip(self._names, leaves):
-      self._core.params(name)[...] = np.asarray(jax.device_get(x), dtype=np.float32)
+    self._store: Optional[_StoredOptimizer] = None  # the state on drives (store=), else None
+    if store is None:
+      if store_options is not None or resume:
+        raise ValueError(f"{'store_options' if store_options is not None else 'resume=True'} without store=: name "
+                         "the store's directory (or directories, one per drive)")
+      self._core = _Optimizer(core_groups, threads=self._threads)
+      self._core._hostopt_front = "hostopt.jax"  # names this front in its CompressedMomentsWarning
+      for name, x in zip(self._names, leaves):
+        self._core.params(name)[...] = np.asarray(jax.device_get(x), dtype=np.float32)
+    else:
+      self._store = self._make_store(core_groups, store, store_options, resume, leaves, offload)
+      for g, hyper in enumerate(self._hypers):  # this optimizer's hyper-parameters, as load() keeps them
+        self._store.set_group_config(g, **dataclasses.asdict(hyper))
     self._max_grad_norm = float(max_grad_norm or 0.0)
     if not (math.isfinite(self._max_grad_norm) and self._max_grad_norm >= 0):  # refused now, not at a step
       raise ValueError(f"max_grad_norm = {max_grad_norm!r}: expected None, 0 (no clipping) or a finite value > 0")
@@ -214,7 +226,38 @@ class HostAdam:
     self._lock = threading.RLock()
     self._executor: Optional["concurrent.futures.ThreadPoolExecutor"] = None
     self.last_step = None  # the StepStats of the last step (applied, grad_norm, skipped_steps, ...)
-    self._device_step = self._device_path(leaves, offload, offload_chunk)
+    self._device_step = None if self._store is not None else self._device_path(leaves, offload, offload_chunk)
+
+  def _make_store(self, core_groups, store, store_options, resume, leaves, offload) -> "_StoredOptimizer":
+    """The StoredOptimizer of store=: a new one holding `leaves` as its parameters, or with
+    resume=True the one in the directory at its last completed step."""
+    if not isinstance(resume, bool):
+      raise TypeError(f"resume: expected a bool, got {type(resume).__name__}")
+    devices = {d for x in leaves if isinstance(x, jax.Array) for d in x.devices()}
+    if offload is not None or any(d.platform != "cpu" for d in devices):
+      raise ValueError("store= with parameters on an accelerator (or offload=): not yet; the state on drives steps "
+                       "CPU parameters (the offload pipeline does not stream from a store)")
+    options = dict(store_options or {})
+    allowed = {"staging_bytes", "buffers", "chunk_elements", "sync", "io", "kernel"}
+    unknown = set(options) - allowed
+    if unknown:
+      raise ValueError(f"store_options: unknown {sorted(unknown)}; expected some of {sorted(allowed)} "
+                       "(hostopt.StoredOptimizer's keywords)")
+    if resume:
+      if "chunk_elements" in options:
+        raise ValueError("store_options['chunk_elements'] with resume=True: a store keeps the chunking it was "
+                         "created with")
+      opened = _StoredOptimizer.open(core_groups, store, threads=self._threads, **options)
+    else:
+      initial = {n: np.asarray(jax.device_get(x), dtype=np.float32) for n, x in zip(self._names, leaves)}
+      try:
+        opened = _StoredOptimizer.create(core_groups, store, initial_params=initial, threads=self._threads, **options)
+      except RuntimeError as e:
+        if "a store exists" not in str(e):
+          raise
+        raise RuntimeError(f"{e} (resume=True continues it)") from None
+    opened._hostopt_front = "hostopt.jax"  # names this front in its CompressedMomentsWarning
+    return opened
 
   def _labels(self, groups, params, leaves) -> List[str]:
     """Each leaf's group label: `groups` is a tree of labels like the params (or a prefix of
@@ -286,8 +329,14 @@ class HostAdam:
     self._pool = (self._pool + [bufs])[-2:]  # keep two sets for reuse; older ones live on with their users
     return bufs
 
+  def _stepper(self) -> Any:
+    """What steps: the in-RAM hostopt.Optimizer, or with store= the StoredOptimizer (both
+    take step counts and hyper-parameters alike)."""
+    return self._store if self._store is not None else self._core
+
   def _set_schedules(self) -> None:
-    count = self._core.step_count
+    target = self._stepper()
+    count = target.step_count
     for g, (label, decay) in enumerate(self._group_of):
       lr, wd = self._options[label]["learning_rate"], self._options[label]["weight_decay"]
       hyper = {}
@@ -296,7 +345,7 @@ class HostAdam:
       if decay and callable(wd):
         hyper["weight_decay"] = float(wd(count))
       if hyper:
-        self._core.set_group_config(g, **hyper)
+        target.set_group_config(g, **hyper)
 
   def step(self, grads=None, *, grad_norm: Optional[float] = None):
     """Applies one step and returns the new params.
@@ -333,6 +382,11 @@ class HostAdam:
       if grads is None and self._acc is None:
         raise ValueError("step(None): nothing accumulated (call accumulate(grads) first, or pass grads)")
       glist: Optional[Sequence[Optional[np.ndarray]]] = self._grads(grads) if grads is not None else None
+      if self._store is not None and glist is not None and self._acc is None:
+        missing = [n for n, g in zip(self._names, glist) if g is None]
+        if missing:
+          raise ValueError(f"grads{missing[0]} is None: with store= every step takes every leaf's gradient (the "
+                           f"state streams through whole; {len(missing)} leaves without one)")
       self._set_schedules()  # everything that can fail before the accumulator changes
       if glist is not None and self._acc is not None:
         self._add_to_accumulator(glist)
@@ -341,6 +395,8 @@ class HostAdam:
         glist, scale = cast(List[np.ndarray], self._acc), 1.0 / self._micro_batches  # not None: checked above
       else:
         scale = 1.0
+      if self._store is not None:
+        return self._stored_step(glist, scale, grad_norm)
       out = self._buffers()
       present = {n: g for n, g in zip(self._names, glist) if g is not None}
       self.last_step = _stats(self._core.step(present, out=dict(zip(self._names, out)), grad_scale=scale,
@@ -355,6 +411,29 @@ class HostAdam:
       arrays = [_to_jax(b) for b in out]
       arrays = [a if np.dtype(a.dtype) == d else a.astype(d) for a, d in zip(arrays, self._out_dtypes)]
       return self._treedef.unflatten(arrays)
+
+  def _stored_step(self, glist, scale: float, grad_norm: Optional[float]):
+    """One step streamed through the store (every leaf has a gradient, or an accumulated
+    sum); the new params come out into a fresh flat buffer whose slices JAX takes (a
+    skipped step reads them from the store)."""
+    store = cast(_StoredOptimizer, self._store)
+    flat = _aligned(store.arena_size, self._copy_out)
+    result = store.step(dict(zip(self._names, glist)), flat, grad_scale=scale, max_grad_norm=self._max_grad_norm,
+                        skip_nonfinite=self._skip_nonfinite, known_grad_norm=grad_norm)
+    self.last_step = _stats(result)
+    self._acc, self._micro_batches = None, 0  # a skipped step drops the micro-batches it was given too
+    if not self.last_step.applied:
+      store.read_params(flat)
+    return self._treedef.unflatten(self._leaves_of(flat))
+
+  def _leaves_of(self, flat: np.ndarray) -> List[jax.Array]:
+    """The leaves of a flat array in the store's layout, as jax arrays in param_dtype."""
+    arrays = []
+    for name, d in zip(self._names, self._out_dtypes):
+      _, shape, offset, size, _ = cast(_StoredOptimizer, self._store).segment(name)
+      a = _to_jax(flat[offset:offset + size].reshape(shape))
+      arrays.append(a if np.dtype(a.dtype) == d else a.astype(d))
+    return arrays
 
   def _device_grads(self, grads) -> List[Optional[jax.Array]]:
     """The gradient leaves as they are (device arrays; None: no gradient), checked."""
@@ -438,23 +517,49 @@ class HostAdam:
       self._accumulate(grads)
 
   def close(self) -> None:
-    """Waits for queued asynchronous steps and stops their worker thread."""
+    """Waits for queued asynchronous steps and stops their worker thread; with store=,
+    then releases the store (another process may open it; later steps raise ValueError)."""
     if self._executor is not None:
       self._executor.shutdown(wait=True)
       self._executor = None
+    if self._store is not None:
+      with self._lock:
+        self._store.close()
 
   # --- state -----------------------------------------------------------------------------
 
   @property
   def step_count(self) -> int:
     """Applied steps so far (skipped steps do not count)."""
-    return self._core.step_count
+    return self._stepper().step_count
 
   @property
   def state_bytes(self) -> int:
     """Bytes of host state (masters and moments: 12 per parameter with f32 moments, 8 with
-    bf16, 6.0625 with 8-bit, plus alignment)."""
-    return self._core.state_bytes
+    bf16, 6.0625 with 8-bit, plus alignment); with store=, its staging buffers (the state
+    is on the drives)."""
+    return self._store.staging_bytes if self._store is not None else self._core.state_bytes
+
+  @property
+  def store(self) -> Optional["_StoredOptimizer"]:
+    """The hostopt.StoredOptimizer holding the state with store= (its chunks, stripes,
+    io_backend, recovery, ...), else None."""
+    return self._store
+
+  def _ram(self) -> "_Optimizer":
+    """The state in RAM: this optimizer's own, or with store= the store's exported into a
+    new hostopt.Optimizer (the whole state in RAM, for as long as it is held)."""
+    if self._store is None:
+      return self._core
+    ram = _Optimizer(self._store._groups, threads=self._threads)
+    self._store.copy_to(ram)
+    return ram
+
+  def _refuse_store(self, what: str) -> None:
+    if self._store is not None:
+      raise ValueError(f"{what} with store=: the store is the checkpoint (every step commits there); to bring "
+                       "another state into a store, load it into a hostopt.Optimizer of the same groups and make "
+                       "the store with hostopt.StoredOptimizer.from_optimizer")
 
   def memory(self) -> dict:
     """Where this optimizer's bytes are (hostopt-bench model's accounting): host state
@@ -470,15 +575,25 @@ class HostAdam:
       if self._device_step is not None:
         offloaded = self._device_step.memory()
         acc = offloaded.pop("accumulator_bytes")
-      host = self._core.state_bytes + copy_out + acc + offloaded["pinned_bytes"]
+      state = self.state_bytes
+      host = state + copy_out + acc + offloaded["pinned_bytes"]
       per = (lambda b: b / n) if n else (lambda b: 0.0)
-      return {"params": n, "state_bytes": self._core.state_bytes, "state_bytes_per_param": per(self._core.state_bytes),
+      return {"params": n, "state_bytes": state, "state_bytes_per_param": per(state),
               "copy_out_bytes": copy_out, "accumulator_bytes": acc, "host_bytes": host,
               "host_bytes_per_param": per(host), **offloaded}
 
   def params(self):
-    """The float32 master parameters, as a tree of read-only numpy views."""
+    """The float32 master parameters, as a tree of read-only numpy views (with store=, of
+    a copy streamed from the drives)."""
+    if self._store is not None:
+      with self._lock:
+        flat = self._store.read_params()
+      return self._views(lambda name: flat[slice(*self._extent(name))].reshape(self._store.segment(name)[1]))
     return self._views(self._core.params)
+
+  def _extent(self, name: str):
+    _, _, offset, size, _ = cast(_StoredOptimizer, self._store).segment(name)
+    return offset, offset + size
 
   def moment_formats(self):
     """Each leaf's moment format ("f32", "bf16" or "8bit"), as a tree like the params."""
@@ -490,13 +605,14 @@ class HostAdam:
     (exactly decoded) compressed ones."""
     import optax
     with self._lock:
+      ram = self._ram()
       mu, nu = [], []
       for name, fmt in zip(self._names, self._formats):
-        m, v = (self._core.exp_avg(name), self._core.exp_avg_sq(name)) if fmt == "f32" else self._core.read_moments(name)
+        m, v = (ram.exp_avg(name), ram.exp_avg_sq(name)) if fmt == "f32" else ram.read_moments(name)
         for x, out in ((m, mu), (v, nu)):
           x.setflags(write=False)
           out.append(x)
-      return optax.ScaleByAdamState(count=np.asarray(self._core.step_count, np.int32),
+      return optax.ScaleByAdamState(count=np.asarray(ram.step_count, np.int32),
                                     mu=self._treedef.unflatten(mu), nu=self._treedef.unflatten(nu))
 
   def _views(self, getter):
@@ -515,12 +631,13 @@ class HostAdam:
     and nu), and 'rounding_seed' (their stochastic rounding's). Every copy is exact: loading
     it resumes bit for bit."""
     with self._lock:
-      sd: Dict[str, Any] = {"step": self._core.step_count, "params": {}, "mu": {}, "nu": {}}
+      ram = self._ram()
+      sd: Dict[str, Any] = {"step": ram.step_count, "params": {}, "mu": {}, "nu": {}}
       if any(fmt != "f32" for fmt in self._formats):
-        sd["rounding_seed"] = self._core.group_rounding_seed(0)
+        sd["rounding_seed"] = ram.group_rounding_seed(0)
       for name, fmt, shape in zip(self._names, self._formats, self._shapes):
-        sd["params"][name] = np.array(self._core.params(name))
-        for key, x in leaf_moments(self._core, name, fmt, shape).items():
+        sd["params"][name] = np.array(ram.params(name))
+        for key, x in leaf_moments(ram, name, fmt, shape).items():
           sd.setdefault(key, {})[name] = x
       return sd
 
@@ -528,7 +645,9 @@ class HostAdam:
     """Restores a state_dict() of the same tree; checked completely before anything
     changes. Moments of another format than a leaf's are refused unless convert_moments
     (then converted: exactly into f32, stochastically rounded into bf16 or 8-bit). A
-    'rounding_seed' in it becomes this optimizer's (the same stream continues)."""
+    'rounding_seed' in it becomes this optimizer's (the same stream continues). Refused with
+    store= (ValueError)."""
+    self._refuse_store("load_state_dict")
     with self._lock:
       step = state.get("step")
       if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 0 <= int(step) < 1 << 63:
@@ -564,22 +683,29 @@ class HostAdam:
           self._core.set_group_rounding_seed(g, seed)
 
   def save(self, path: str) -> None:
-    """The whole state as a safetensors checkpoint, written atomically (hostopt.Optimizer.save)."""
+    """The whole state as a safetensors checkpoint, written atomically (hostopt.Optimizer.save).
+    With store=, an export: the whole state passes through RAM once."""
     with self._lock:
-      self._core.save(path)
+      self._ram().save(path)
 
   def load(self, path: str) -> None:
     """Loads a checkpoint of this tree and groups (verified before anything changes): the
     parameters, moments and counts; the hyper-parameters stay this optimizer's, as with
-    load_state_dict (a checkpoint of other groups: use state_dict/load_state_dict)."""
+    load_state_dict (a checkpoint of other groups: use state_dict/load_state_dict). Refused
+    with store= (ValueError)."""
+    self._refuse_store("load")
     with self._lock:
       self._core.load(path)
       for g, hyper in enumerate(self._hypers):
         self._core.set_group_config(g, **dataclasses.asdict(hyper))
 
   def current_params(self):
-    """The current parameters as new jax arrays in param_dtype (a copy of the masters)."""
+    """The current parameters as new jax arrays in param_dtype (a copy of the masters; with
+    store=, streamed from the drives: what a resumed run puts back into its model)."""
     with self._lock:
+      if self._store is not None:
+        return self._treedef.unflatten([jax.device_put(np.array(x, dtype=d)) for x, d in
+                                        zip(jax.tree_util.tree_leaves(self.params()), self._out_dtypes)])
       return self._treedef.unflatten([jax.device_put(np.array(self._core.params(n), dtype=d, copy=True))
                                       for n, d in zip(self._names, self._out_dtypes)])
 
@@ -662,13 +788,30 @@ def _doc(decoupled: bool) -> str:
       per parameter), ``"bf16"`` (8) or ``"8bit"`` (6.06), stochastically rounded.
     rounding_seed (int, default 0): the key of that rounding, in ``[0, 2**64)``: the same
       seed gives the same bits.
+    store (str, os.PathLike, a list of them, or None; default None): keep the state on
+      local drives, not in RAM (:class:`hostopt.StoredOptimizer`; a list stripes it, one
+      directory per drive): each step streams it through staging buffers and commits, so
+      what is on the drives is always a verified checkpoint of the last completed step.
+      The same bits as in RAM. Every step takes every leaf's gradient; CPU parameters only
+      (no offload pipeline yet); ``load``/``load_state_dict`` are refused, ``save``,
+      ``state_dict`` and ``optax_state`` export through RAM.
+    store_options (dict or None, default None): hostopt.StoredOptimizer's keywords
+      (staging_bytes, buffers, chunk_elements, sync, io, kernel).
+    resume (bool, default False): open the store at its last completed step instead of
+      making a new one (refused where there is none, as making one is where one exists).
+      ``params`` then give only the tree, shapes and dtypes (``jax.eval_shape``'s structs
+      will do): take the parameters from :meth:`HostAdam.current_params`. The
+      hyper-parameters are this call's, as ``load`` keeps them.
 
   Returns:
     A :class:`HostAdam`: ``step(grads)`` applies one step and returns the new params.
 
   Raises:
     ValueError: an empty tree, an unknown offload, moments or group label, params on more
-      than one device, or a hyper-parameter outside its range.
+      than one device, or a hyper-parameter outside its range; store= with params on an
+      accelerator.
+    RuntimeError: store= naming a directory that holds a store (without resume) or, with
+      resume, none; a store of other groups, or open elsewhere.
     TypeError: a leaf or param_dtype that is not float32, bfloat16 or float16.
 
   Example:
@@ -686,23 +829,25 @@ def adamw(params, learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float 
           weight_decay=1e-4, mask=None, *, nesterov: bool = False, param_dtype=None,
           max_grad_norm: Optional[float] = None, skip_nonfinite: Optional[bool] = None, threads: int = 0,
           offload: Optional[str] = None, offload_chunk: int = 1 << 22, groups=None,
-          group_options: Optional[dict] = None, moments: str = "f32", rounding_seed: int = 0) -> HostAdam:
+          group_options: Optional[dict] = None, moments: str = "f32", rounding_seed: int = 0, store=None,
+          store_options: Optional[dict] = None, resume: bool = False) -> HostAdam:
   return HostAdam(params, learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
                   weight_decay=weight_decay, mask=mask, decoupled=True, nesterov=nesterov, param_dtype=param_dtype,
                   max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, threads=threads, offload=offload,
                   offload_chunk=offload_chunk, groups=groups, group_options=group_options, moments=moments,
-                  rounding_seed=rounding_seed)
+                  rounding_seed=rounding_seed, store=store, store_options=store_options, resume=resume)
 
 
 def adam(params, learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0, *,
          nesterov: bool = False, param_dtype=None, max_grad_norm: Optional[float] = None,
          skip_nonfinite: Optional[bool] = None, threads: int = 0, offload: Optional[str] = None,
          offload_chunk: int = 1 << 22, groups=None, group_options: Optional[dict] = None, moments: str = "f32",
-         rounding_seed: int = 0) -> HostAdam:
+         rounding_seed: int = 0, store=None, store_options: Optional[dict] = None, resume: bool = False) -> HostAdam:
   return HostAdam(params, learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root, weight_decay=0.0,
                   decoupled=False, nesterov=nesterov, param_dtype=param_dtype, max_grad_norm=max_grad_norm,
                   skip_nonfinite=skip_nonfinite, threads=threads, offload=offload, offload_chunk=offload_chunk,
-                  groups=groups, group_options=group_options, moments=moments, rounding_seed=rounding_seed)
+                  groups=groups, group_options=group_options, moments=moments, rounding_seed=rounding_seed,
+                  store=store, store_options=store_options, resume=resume)
 
 
 adamw.__doc__ = _doc(decoupled=True)
