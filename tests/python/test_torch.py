@@ -1130,7 +1130,7 @@ def test_a_compiled_step_builds_the_layout_eagerly_and_steps_as_eager():
 
 _OPTIONS = ("params", "lr", "betas", "eps", "weight_decay", "amsgrad", "foreach", "maximize", "capturable",
             "differentiable", "fused", "decoupled_weight_decay", "threads", "offload", "offload_chunk", "overlap",
-            "overlap_backward", "moments", "rounding_seed", "skip_nonfinite")
+            "overlap_backward", "moments", "rounding_seed", "skip_nonfinite", "store", "store_options", "resume")
 
 
 @pytest.mark.parametrize("name", ["Adam", "AdamW"])

@@ -788,10 +788,11 @@ def _doc(decoupled: bool) -> str:
       per parameter), ``"bf16"`` (8) or ``"8bit"`` (6.06), stochastically rounded.
     rounding_seed (int, default 0): the key of that rounding, in ``[0, 2**64)``: the same
       seed gives the same bits.
-    store (str, os.PathLike, a list of them, or None; default None): keep the state on
-      local drives, not in RAM (:class:`hostopt.StoredOptimizer`; a list stripes it, one
-      directory per drive): each step streams it through staging buffers and commits, so
-      what is on the drives is always a verified checkpoint of the last completed step.
+    store (str or None, default None): a directory (a path; a list of them stripes the state,
+      one directory per drive) to keep the state on local drives, not in RAM
+      (:class:`hostopt.StoredOptimizer`): each step streams it through staging buffers and
+      commits, so what is on the drives is always a verified checkpoint of the last
+      completed step.
       The same bits as in RAM. Every step takes every leaf's gradient; CPU parameters only
       (no offload pipeline yet); ``load``/``load_state_dict`` are refused, ``save``,
       ``state_dict`` and ``optax_state`` export through RAM.

@@ -87,6 +87,11 @@ state sharded (``_torch_dtensor``; docs/integrations.md, "FSDP2").
 
 ``foreach`` and ``fused`` are accepted for compatibility and change nothing: hostopt's step is
 always one fused pass. ``amsgrad``, ``capturable`` and ``differentiable`` are refused.
+State on drives: ``store=dir`` (``store_options=``, ``resume=``) keeps the state in a
+hostopt.StoredOptimizer on local drives, streamed through each step and committed (a
+checkpoint after every step); the argument list says what it keeps of the above
+(``_torch_store``; docs/drive.md).
+
 Threads: OMP_NUM_THREADS when set, else all physical cores of the process's CPU set, unless ``threads=`` says otherwise
 (``default_threads()``, hostopt's default on every front).
 """
@@ -111,6 +116,7 @@ from ._dtypes import kernel_tag, tag_of
 from ._threads import default_threads
 from ._torch_dtensor import LocalShards, any_dtensor
 from ._torch_offload import ChunkEvents, DeviceBuffers, grad_hook, remove_handles
+from ._torch_store import TorchStore, check_options as check_store_options
 from ._torch_state import (CODES, MASTER, MAX_STEP, MOMENT_ENTRIES, MOMENTS, SCALES, Layout, Tracked, arena_view,
                            check_master, check_moment_state, check_step, dense_order, encoded, flat, hyper_parameters,
                            moment_keys, moments_as_f32, rounds_to)
@@ -183,7 +189,8 @@ class _HostAdam(torch.optim.Optimizer):
                decoupled_weight_decay: Optional[bool] = None, threads: Optional[int] = None,
                offload: Optional[str] = None, offload_chunk: int = 1 << 22, overlap: bool = False,
                overlap_backward: bool = False, moments: str = "f32", rounding_seed: int = 0,
-               skip_nonfinite: Optional[bool] = None):
+               skip_nonfinite: Optional[bool] = None, store=None, store_options: Optional[dict] = None,
+               resume: bool = False):
     # torch's own checks and messages.
     if not 0.0 <= lr:
       raise ValueError(f"Invalid learning rate: {lr}")
@@ -218,6 +225,8 @@ class _HostAdam(torch.optim.Optimizer):
     if overlap_backward and not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
       raise ValueError(f"overlap_backward=True needs post-accumulate-grad hooks (torch >= 2.1); this is torch "
                        f"{torch.__version__}")
+    store_opts = check_store_options(store, store_options, resume, offload, overlap, overlap_backward)
+    self._store: Optional[TorchStore] = None  # the state on drives (store=), made below
     self._offload, self._offload_chunk, self._overlap = offload, int(offload_chunk), bool(overlap)
     self._overlap_backward = bool(overlap_backward)
     self._engine, self._engine_stream = None, 0
@@ -256,9 +265,17 @@ class _HostAdam(torch.optim.Optimizer):
           fused=fused, decoupled_weight_decay=decoupled_weight_decay, threads=threads, offload=offload,
           offload_chunk=offload_chunk, overlap=overlap, moments=moments, rounding_seed=rounding_seed,
           skip_nonfinite=skip_nonfinite))
+    if store is not None:
+      if self._shards is not None:
+        raise ValueError("store= with DTensor parameters (FSDP2, tensor parallel): not yet; each rank's shard would "
+                         "need its own store (hostopt.StoredOptimizer's shard=)")
+      self._store = TorchStore(self, store, store_opts, resume)
     self._made = True  # (add_param_group: torch's __init__ adds the first groups before this)
 
   def _refuse_copy(self) -> None:
+    if self.__dict__.get("_store") is not None:
+      raise TypeError("a hostopt.torch optimizer with store= cannot be pickled or deep-copied (it holds its store's "
+                      "lock): the store is the checkpoint; state_dict() exports it")
     if self.__dict__.get("_shards") is not None:
       raise TypeError("a hostopt.torch optimizer over DTensor parameters cannot be pickled or deep-copied (its "
                       "parameters belong to a process group): save its state_dict, with torch.distributed.checkpoint")
@@ -299,7 +316,7 @@ class _HostAdam(torch.optim.Optimizer):
     self.__dict__.setdefault("_threads", default_threads())
     for key, value in (("_offload", None), ("_offload_chunk", 1 << 22), ("_overlap", False),
                        ("_overlap_backward", False), ("_skip_nonfinite", None), ("last_step", None),
-                       ("_shards", None), ("_made", True)):
+                       ("_shards", None), ("_made", True), ("_store", None)):
       self.__dict__.setdefault(key, value)
     self._engine, self._engine_stream, self._pending = None, 0, []
     self._layout, self._hidden = None, {}
@@ -326,6 +343,9 @@ class _HostAdam(torch.optim.Optimizer):
       param_group["moments"] = _moment_format(param_group["moments"], "param group moments")
     if "rounding_seed" in param_group:
       param_group["rounding_seed"] = _check_seed(param_group["rounding_seed"], "param group rounding_seed")
+    if self.__dict__.get("_store") is not None:
+      raise ValueError("add_param_group with store=: the layout on the drives is fixed when the store is made; "
+                       "nothing was changed")
     if self.__dict__.get("_made") and self._shards is None:
       params = param_group["params"]
       self._refuse_dtensors([{"params": [params] if torch.is_tensor(params) else list(params)}])
@@ -841,6 +861,20 @@ class _HostAdam(torch.optim.Optimizer):
       self.last_step = _merged(results)
       _report_blocks(self, self.last_step, "hostopt.torch")
 
+  @property
+  def store(self) -> Any:
+    """With ``store=``, the store (its ``chunks``, ``stripes``, ``io_backend``,
+    ``recovery``, ``step_io_bytes``, ``cached_pages``, ``step_count``); else None."""
+    return None if self._store is None else self._store.core
+
+  @_serialized
+  def close(self) -> None:
+    """With ``store=``: releases the store (its lock and staging memory; every completed
+    step is on the drives already), so another optimizer may open it; later steps raise.
+    Without: nothing to release."""
+    if self._store is not None:
+      self._store.close()
+
   @_serialized
   def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
     """Resets the gradients, as torch.optim.Optimizer.zero_grad: ``set_to_none`` None is the
@@ -866,6 +900,12 @@ class _HostAdam(torch.optim.Optimizer):
   def _step(self) -> None:
     if self._shards is not None:
       return self._shards.step()
+    if self._store is not None:
+      result = self._store.step(self._skip_nonfinite, None)
+      if result is not None:
+        self.last_step = _merged([result])
+        _report_blocks(self, self.last_step, "hostopt.torch")
+      return None
     plan = self._prepare_step()
     self._run_step(plan, self._grad_norm() if plan.skip else None)
 
@@ -1045,6 +1085,9 @@ class _HostAdam(torch.optim.Optimizer):
     if self._shards is not None:
       self._shards.refresh()  # opt.state as DTensors (torch.distributed.checkpoint saves them sharded)
     sd = super().state_dict()
+    if self._store is not None:  # exported: the whole state passes through RAM once
+      sd["state"] = self._store.state_dict_state()
+      return sd
     sd["state"] = {k: {key: (v.clone() if torch.is_tensor(v) else v) for key, v in st.items()}
                    for k, st in sd["state"].items()}
     return sd
@@ -1059,7 +1102,11 @@ class _HostAdam(torch.optim.Optimizer):
     group's ``moments`` (f32 for torch.optim's). Moments of another format (or 8-bit codes
     of a parameter laid out in another memory order) are refused, with nothing changed,
     unless ``convert_moments=True``: they are then converted here (decoded exactly, then
-    encoded: lossy into bf16 or 8-bit)."""
+    encoded: lossy into bf16 or 8-bit). Refused with ``store=`` (ValueError)."""
+    if self._store is not None:
+      raise ValueError("load_state_dict with store=: the store is the checkpoint (every step commits there); to "
+                       "bring another state into a store, load it into an optimizer without store= and make the "
+                       "store with hostopt.StoredOptimizer.from_optimizer, or start a new store from the model")
     self._drain()
     # torch 2's load pre-hooks, as torch.optim runs them: on a shallow copy, and what they
     # return is what is checked and loaded (torch's own load below runs without them).
@@ -1288,6 +1335,24 @@ def _doc(mode: str) -> str:
       moments and the parameters are stepped in place (a NaN would poison its block for
       good). False: never. ``opt.last_step`` tells what a step did. Anything but None,
       True or False: TypeError.
+    store (str or None, default None): a directory (a path; a list of them stripes the state,
+      one directory per drive) to keep the state on local drives, not in RAM
+      (hostopt.StoredOptimizer): each step streams it through staging buffers and commits,
+      so what is on the drives is always a verified checkpoint of the last completed step.
+      The in-RAM
+      optimizer's bits where the parameters share one dtype (its layout), and its
+      ``state_dict`` format (an export through RAM, which the in-RAM optimizer loads).
+      CPU parameters, every step every parameter's gradient (one step count), a fixed
+      ``param_groups``: ``offload``, ``overlap``, DTensors, ``add_param_group`` and
+      ``load_state_dict`` are refused (ValueError). ``opt.state[p]`` holds only ``step``.
+      ``close()`` releases the store; ``opt.store`` tells its chunks and ``recovery``.
+    store_options (dict or None, default None): hostopt.StoredOptimizer's keywords
+      (staging_bytes, buffers, chunk_elements, sync, io, kernel).
+    resume (bool, default False): open the store at its last completed step instead of
+      making a new one (refused where there is none, as making one is where one exists):
+      the parameters' values become the store's. The hyper-parameters stay param_groups':
+      after loading an lr scheduler's state_dict, set each group's ``lr`` from its
+      ``get_last_lr()``, which a fresh optimizer's ``load_state_dict`` would have restored.
 
   Attributes:
     last_step (StepStats or None): what the last step did (applied, step, skipped_steps,
@@ -1328,9 +1393,11 @@ class AdamW(_HostAdam):
                decoupled_weight_decay: Optional[bool] = None, threads: Optional[int] = None,
                offload: Optional[str] = None, offload_chunk: int = 1 << 22, overlap: bool = False,
                overlap_backward: bool = False, moments: str = "f32", rounding_seed: int = 0,
-               skip_nonfinite: Optional[bool] = None):
+               skip_nonfinite: Optional[bool] = None, store=None, store_options: Optional[dict] = None,
+               resume: bool = False):
     super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                      capturable=capturable, differentiable=differentiable, fused=fused,
                      decoupled_weight_decay=decoupled_weight_decay, threads=threads, offload=offload,
                      offload_chunk=offload_chunk, overlap=overlap, overlap_backward=overlap_backward,
-                     moments=moments, rounding_seed=rounding_seed, skip_nonfinite=skip_nonfinite)
+                     moments=moments, rounding_seed=rounding_seed, skip_nonfinite=skip_nonfinite, store=store,
+                     store_options=store_options, resume=resume)
