@@ -139,6 +139,13 @@ void bind_stored_optimizer(py::module_& m) {
             o.copy_params_to({b.data, b.size, b.type});
           },
           py::arg("out"), py::arg("out_dtype"))
+      .def(
+          "save",
+          [](const stored_optimizer& o, const std::string& path) {
+            py::gil_scoped_release release;
+            o.save_checkpoint(path);
+          },
+          py::arg("path"))
       .def("close", [](stored_optimizer& o) {
         py::gil_scoped_release release;
         o.close();

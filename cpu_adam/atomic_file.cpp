@@ -97,7 +97,8 @@ void check_replaceable(std::string_view owner, const std::string& path, const st
 std::pair<int, std::string> create_locked_temp(std::string_view owner, const std::string& path) {
   for (int attempt = 0;; ++attempt) {
     const std::string tmp = unique_temp_path(path);
-    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+    // (read and write: a file written out of order is read back for its checksum)
+    const int fd = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
     if (fd < 0 && (errno != EEXIST || attempt == 8))
       fail_file_errno(owner, tmp, "cannot create the temporary file");
     if (fd < 0) continue;
@@ -202,6 +203,16 @@ void file_writer::write(const void* data, std::size_t n) {
 
 void file_writer::write_at(const void* data, std::size_t n, std::uint64_t at, const std::string& problem) {
   if (::pwrite(fd_, data, n, off_t(at)) != ssize_t(n)) fail_file_errno(owner_, path_, problem);
+}
+
+void file_writer::read_at(void* data, std::size_t n, std::uint64_t at) const {
+  for (std::size_t done = 0; done < n;) {
+    const ssize_t got = ::pread(fd_, static_cast<char*>(data) + done, n - done, off_t(at + done));
+    if (got < 0 && errno == EINTR) continue;
+    if (got == 0) fail_file(owner_, path_, "read back: the file is shorter than written");
+    if (got < 0) fail_file_errno(owner_, path_, "read back failed");
+    done += std::size_t(got);
+  }
 }
 
 void replace_file_atomically(std::string_view owner, const std::string& path, const std::string& what,

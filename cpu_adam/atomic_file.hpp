@@ -67,6 +67,9 @@ public:
   void write(const void* data, std::size_t n);
   /// Writes `n` bytes at byte `at`, over bytes written before; `problem` words a failure.
   void write_at(const void* data, std::size_t n, std::uint64_t at, const std::string& problem);
+  /// Reads back `n` bytes from byte `at` (what was written: a checksum over a file written
+  /// out of order).
+  void read_at(void* data, std::size_t n, std::uint64_t at) const;
 
 private:
   std::string owner_, path_;

@@ -6,9 +6,11 @@
 #include "hostopt/checkpoint.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <span>
 #include <stdexcept>
@@ -188,14 +190,27 @@ struct saved_data {
   json pieces = json::object(); // tensors the range cuts: name -> [a, b)
   std::vector<data_chunk> chunks;
   std::uint64_t bytes = 0;
+  // Per tensor: where each kind's entry begins in the data section (where a piece written
+  // out of order goes).
+  std::vector<std::array<std::uint64_t, 4>> entry_begin;
 };
 
-saved_data lay_out_data(const exclusive_state& st, const std::vector<moment_format>& formats) {
-  const auto segs = st.segments();
-  const arena_range held = st.range();
+checkpoint_description describe(const exclusive_state& st) {
+  return {st.segments(), st.range(), st.formats(), st.configs(), st.seeds(), st.step_count(), st.skipped_steps(),
+          st.tensor_lags()};
+}
+
+// The entries of `d`'s tensors, with the chunks of `st`'s arena where one is given (a save
+// from RAM; a streamed save writes the pieces where entry_begin says).
+saved_data lay_out_data(const checkpoint_description& d, const exclusive_state* st) {
+  const auto segs = d.segs;
+  const arena_range held = d.range;
+  const std::vector<moment_format>& formats = d.formats;
   const std::size_t end = arena_end(segs);
   saved_data out;
-  for (const auto& s : segs) {
+  out.entry_begin.assign(segs.size(), {});
+  for (std::size_t i = 0; i < segs.size(); ++i) {
+    const segment& s = segs[i];
     const piece_of p = piece_in(s, held, end);
     if (!p.held) continue;
     const std::size_t n = p.b - p.a;
@@ -206,9 +221,10 @@ saved_data lay_out_data(const exclusive_state& st, const std::vector<moment_form
       const std::uint64_t bytes = entry_bytes(k, f, n);
       out.entries[s.name + "." + kinds[k]] =
           entry_json(entry_dtype(k, f), entry_shape(k, shape, n), out.bytes, out.bytes + bytes);
+      out.entry_begin[i][std::size_t(k)] = out.bytes;
       out.bytes += bytes;
-      if (!n) continue;
-      data_chunk c{st.data_at(k, s.group, s.offset + p.a - held.begin), bytes};
+      if (!n || !st) continue;
+      data_chunk c{st->data_at(k, s.group, s.offset + p.a - held.begin), bytes};
       if (k == kind_exp_avg_sq && f != moment_format::q8) {
         c.tensor = &s;
         c.first = p.a;
@@ -221,34 +237,34 @@ saved_data lay_out_data(const exclusive_state& st, const std::vector<moment_form
 }
 
 // __metadata__: hostopt's own entries (the checksum as its placeholder), then the caller's.
-json saved_metadata(const exclusive_state& st, const std::vector<moment_format>& formats, const json& pieces,
-                    const checkpoint_metadata& extra) {
-  const auto segs = st.segments();
+json saved_metadata(const checkpoint_description& st, const json& pieces, const checkpoint_metadata& extra) {
+  const auto segs = st.segs;
+  const std::vector<moment_format>& formats = st.formats;
   json groups = json::array(), tensor_groups = json::object();
-  for (const auto& c : st.configs()) groups.push_back(config_json(c));
+  for (const auto& c : st.configs) groups.push_back(config_json(c));
   for (const auto& s : segs) tensor_groups[s.name] = s.group;
   json meta = {{"format", format_name},
                {"version", format_version},
-               {"step", std::to_string(st.step_count())},
-               {"skipped_steps", std::to_string(st.skipped_steps())},
+               {"step", std::to_string(st.step_count)},
+               {"skipped_steps", std::to_string(st.skipped_steps)},
                {"groups", groups.dump()},
                {"tensor_groups", tensor_groups.dump()},
                {"arena", std::to_string(arena_end(segs))},
-               {"range", range_text(st.range())},
+               {"range", range_text(st.range)},
                {"checksum", checksum_placeholder}};
   if (!pieces.empty()) meta["pieces"] = pieces.dump();
   if (std::any_of(formats.begin(), formats.end(), [](moment_format f) { return f != moment_format::f32; })) {
     json names = json::array(), seeds = json::array(); // written only then: f32 files stay as they were
     for (const moment_format f : formats) names.push_back(std::string(moment_format_name(f)));
-    for (const std::uint64_t seed : st.seeds()) seeds.push_back(std::to_string(seed));
+    for (const std::uint64_t seed : st.seeds) seeds.push_back(std::to_string(seed));
     meta["moments"] = names.dump();
     meta["rounding_seeds"] = seeds.dump();
   }
   // Tensors behind the shared count (torch's per-parameter steps) have their own.
-  if (const auto lags = st.tensor_lags(); !lags.empty()) {
+  if (const auto& lags = st.tensor_lags; !lags.empty()) {
     json own = json::object();
     for (std::size_t i = 0; i < segs.size(); ++i)
-      if (lags[i]) own[segs[i].name] = std::to_string(st.step_count() - lags[i]);
+      if (lags[i]) own[segs[i].name] = std::to_string(st.step_count - lags[i]);
     meta["tensor_steps"] = own.dump();
   }
   for (const auto& [k, v] : extra) {
@@ -882,10 +898,10 @@ void save_checkpoint(const optimizer& opt, const std::string& path, const checkp
   check_path(path, "checkpoint");
   // The whole save sees one state: no step, load or chunked step runs meanwhile.
   const exclusive_state st(opt, "save_checkpoint");
-  const std::vector<moment_format> formats = st.formats();
-  saved_data data = lay_out_data(st, formats);
+  const checkpoint_description d = describe(st);
+  saved_data data = lay_out_data(d, &st);
   json header = std::move(data.entries);
-  header["__metadata__"] = saved_metadata(st, formats, data.pieces, extra);
+  header["__metadata__"] = saved_metadata(d, data.pieces, extra);
   const std::string text = header_text(header);
   const std::size_t digits_at = checksum_digits_at(text, checksum_placeholder);
   if (digits_at == std::string::npos)
@@ -894,6 +910,53 @@ void save_checkpoint(const optimizer& opt, const std::string& path, const checkp
     refuse_negative_second_moment(path, reinterpret_cast<const unsigned char*>(c.src), c.bytes, c, 0);
   replace_file_atomically(checkpoint_owner, path, "checkpoint",
                           [&](file_writer& out) { write_checkpoint(out, path, text, data, 8 + digits_at); });
+}
+
+void save_checkpoint_streamed(const checkpoint_description& d, const std::string& path,
+                              const std::function<void(const checkpoint_put&)>& fill) {
+  check_path(path, "checkpoint");
+  const saved_data data = lay_out_data(d, nullptr);
+  json header = data.entries;
+  header["__metadata__"] = saved_metadata(d, data.pieces, {});
+  const std::string text = header_text(header);
+  const std::size_t digits_at = checksum_digits_at(text, checksum_placeholder);
+  if (digits_at == std::string::npos)
+    throw std::logic_error("checkpoint header: the checksum slot is not unique");
+  const std::uint64_t data_at = 8 + text.size();
+  replace_file_atomically(checkpoint_owner, path, "checkpoint", [&](file_writer& out) {
+    const auto len = length_prefix(text.size());
+    out.write(len.data(), len.size());
+    out.write(text.data(), text.size());
+    std::uint64_t put_bytes = 0;
+    fill([&](std::size_t tensor, int kind, std::size_t first, const void* bytes, std::size_t n) {
+      const segment& s = d.segs[tensor];
+      const moment_format f = d.formats[s.group];
+      const piece_of held = piece_in(s, d.range, arena_end(d.segs));
+      const std::size_t from = first - held.a; // (the entry starts at the range's first element of it)
+      if (!held.held || kind < 0 || kind >= kinds_of(f) || first < held.a || (kind == kind_scales && from % q8_block))
+        throw std::logic_error("save_checkpoint_streamed: a piece of tensor '" + s.name + "' that no entry holds");
+      const std::uint64_t begin = data.entry_begin[tensor][std::size_t(kind)];
+      const std::uint64_t at = begin + entry_bytes(kind, f, from);
+      if (at + n > begin + entry_bytes(kind, f, held.b - held.a))
+        throw std::logic_error("save_checkpoint_streamed: a piece of tensor '" + s.name + "' past its entry's end");
+      if (n) out.write_at(bytes, n, data_at + at, "write failed");
+      put_bytes += n;
+    });
+    if (put_bytes != data.bytes)
+      throw std::logic_error("save_checkpoint_streamed: " + std::to_string(put_bytes) + " bytes of data put, the " +
+                             "entries hold " + std::to_string(data.bytes));
+    // The checksum, over the file in its order: read back once.
+    checksum64 sum = checksum_of_head(text);
+    std::vector<unsigned char> block(std::min<std::uint64_t>(io_block, std::max<std::uint64_t>(data.bytes, 1)));
+    for (std::uint64_t done = 0; done < data.bytes;) {
+      const std::size_t n = std::size_t(std::min<std::uint64_t>(block.size(), data.bytes - done));
+      out.read_at(block.data(), n, data_at + done);
+      sum.add(block.data(), n);
+      done += n;
+    }
+    const std::string digits = sum.digits();
+    out.write_at(digits.data(), digits.size(), 8 + digits_at, "cannot write the checksum");
+  });
 }
 
 void load_checkpoint(optimizer& opt, std::span<const std::string> paths,

@@ -2,15 +2,44 @@
 // Checkpoint writing and reading with extra metadata: what the sharded optimizer uses to
 // tie the shard files of one save together (save id, step, range). See checkpoint.hpp.
 
+#include <cstdint>
+#include <functional>
 #include <map>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "hostopt/optimizer.hpp"
 
 namespace hostopt::detail {
 
 using checkpoint_metadata = std::map<std::string, std::string>;
+
+/// What a checkpoint records besides the data: an in-RAM optimizer's state, or a state
+/// store's (which is not in RAM).
+struct checkpoint_description {
+  std::span<const segment> segs; // the whole layout
+  arena_range range;             // the part of it held
+  std::vector<moment_format> formats;
+  std::vector<adam_config> configs;
+  std::vector<std::uint64_t> seeds;
+  std::int64_t step_count = 0, skipped_steps = 0;
+  std::vector<std::int64_t> tensor_lags; // empty: every tensor at step_count
+};
+
+/// Hands a streamed save one piece of tensor segs[tensor]'s entry `kind` (0 param, 1
+/// exp_avg, 2 exp_avg_sq, 3 moment_scales), from the tensor's element `first` on, as the
+/// in-RAM arena holds it (scales: whole 32-element blocks).
+using checkpoint_put = std::function<void(std::size_t tensor, int kind, std::size_t first, const void* data,
+                                          std::size_t bytes)>;
+
+/// The checkpoint save_checkpoint writes of an optimizer holding the state `d` describes —
+/// the same bytes — from pieces `fill` hands over through its argument in any order, every
+/// byte of every entry once (a state store streams its chunks). Written where the pieces
+/// go, then read back once for the checksum; atomic as save_checkpoint (any failure,
+/// a missing or stray piece included, leaves `path` as it was).
+void save_checkpoint_streamed(const checkpoint_description& d, const std::string& path,
+                              const std::function<void(const checkpoint_put&)>& fill);
 
 /// save_checkpoint, with `extra` entries added to __metadata__ (covered by the checksum;
 /// keys must not collide with hostopt's own).

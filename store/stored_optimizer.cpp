@@ -12,6 +12,7 @@
 
 #include "buffer_checks.hpp"
 #include "checksum.hpp"
+#include "checkpoint_io.hpp"
 #include "chunk_store.hpp"
 #include "exclusive_state.hpp"
 #include "held_layout.hpp"
@@ -769,6 +770,37 @@ void stored_optimizer::copy_params_to(mut_view flat_out) const {
                        {static_cast<char*>(flat_out.data) + (s.flat_at(c) + piece.offset) * ob, piece.size,
                         flat_out.type},
                        s.exec);
+  });
+}
+
+void stored_optimizer::save_checkpoint(const std::string& path) const {
+  impl& s = *impl_;
+  const std::lock_guard<std::mutex> lock(s.lock);
+  s.check_usable("save_checkpoint");
+  if (!s.whole.whole())
+    throw std::invalid_argument("stored_optimizer::save_checkpoint: this store holds a shard [" +
+                                std::to_string(s.whole.range().begin) + ", " + std::to_string(s.whole.range().end) +
+                                ") of the layout: copy_state_to a sharded_optimizer of the same rank, and save that");
+  const std::span<const segment> segs = s.whole.segments();
+  const detail::checkpoint_description d{segs, s.whole.range(), formats_of(s.groups), s.configs, s.seeds, s.count,
+                                         s.skipped, {}};
+  std::size_t i = 0; // the first tensor that does not end before the chunk: chunks come in layout order
+  detail::save_checkpoint_streamed(d, path, [&](const detail::checkpoint_put& put) {
+    i = 0;
+    s.stream(true, false, [&](std::size_t, impl::chunk& c) {
+      while (i < segs.size() && segs[i].offset + segs[i].size <= c.range.begin) ++i;
+      for (std::size_t j = i; j < segs.size() && segs[j].offset < c.range.end; ++j) {
+        const segment& seg = segs[j];
+        const std::size_t lo = std::max(seg.offset, c.range.begin), hi = std::min(seg.offset + seg.size, c.range.end);
+        if (lo >= hi) continue; // (an empty tensor)
+        const std::size_t local = lo - c.range.begin, n = hi - lo, first = lo - seg.offset, g = seg.group;
+        const moment_format f = s.groups[g].moments;
+        put(j, 0, first, c.storage.params() + local, n * 4);
+        for (int k = 1; k <= 2; ++k) put(j, k, first, c.storage.moment_at(k, g, local), n * moment_code_bytes(f));
+        if (f == moment_format::q8)
+          put(j, 3, first, c.storage.moment_at(3, g, local), 2 * ((n + q8_block - 1) / q8_block));
+      }
+    });
   });
 }
 

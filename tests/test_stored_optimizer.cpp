@@ -14,10 +14,12 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <random>
 #include <cstdlib>
 #include <thread>
 
+#include "hostopt/checkpoint.hpp"
 #include "hostopt/kernels.hpp"
 #include "hostopt/optimizer.hpp"
 #include "hostopt/sharding.hpp"
@@ -203,6 +205,76 @@ TEST_CASE("stored_optimizer: steps give the in-RAM optimizer's bits, copy-out in
           if (!in_tensor[i]) REQUIRE(params[i] == -7.0f);
         CHECK(stored.cached_pages() == 0); // O_DIRECT: the page cache never held the state
       }
+}
+
+namespace {
+std::string file_bytes(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+} // namespace
+
+TEST_CASE("stored_optimizer: save_checkpoint streams the very file an in-RAM save of its state writes") {
+  for (const auto& groups : {mixed_groups(), f32_groups()})
+    for (const std::size_t chunk : {std::size_t(64), std::size_t(96), std::size_t(0)}) {
+      INFO("chunk " << chunk);
+      temp_dir dir{"stored_optimizer"};
+      optimizer reference(groups);
+      const std::size_t n = reference.arena_size();
+      state_store_options o = small_store((dir.path / "store").string());
+      fs::create_directory(dir.path / "store");
+      o.chunk_elements = chunk;
+      o.buffers = 4;
+      stored_optimizer stored = stored_optimizer::create(groups, o);
+      for (std::int64_t t = 0; t < 3; ++t) {
+        std::vector<float> g = grad_of(n, t);
+        if (t == 1) g[n / 2] = NAN; // a skipped step: its count is saved too
+        reference.step(const_view{g.data(), n, dtype::f32}, {}, checked_and_clipped());
+        stored.step(const_view{g.data(), n, dtype::f32}, {}, checked_and_clipped());
+      }
+      reference.set_lr(0, 3e-3); // the hyper-parameters saved are those of the next step
+      stored.set_lr(0, 3e-3);
+      const fs::path streamed = dir.path / "streamed.safetensors", in_ram = dir.path / "in_ram.safetensors";
+      stored.save_checkpoint(streamed.string());
+      optimizer exported(groups);
+      stored.copy_state_to(exported);
+      save_checkpoint(exported, in_ram.string());
+      const std::string a = file_bytes(streamed), b = file_bytes(in_ram);
+      CHECK(a.size() > std::size_t(n) * 4);
+      REQUIRE(a == b);
+      optimizer loaded(groups);
+      load_checkpoint(loaded, streamed.string());
+      require_same_state(loaded, reference);
+      CHECK(loaded.group_config(0).lr == 3e-3);
+      CHECK(stored.cached_pages() == 0);
+    }
+}
+
+TEST_CASE("stored_optimizer: save_checkpoint refuses a shard, a path it may not replace and a closed store") {
+  const auto groups = mixed_groups();
+  temp_dir dir{"stored_optimizer"};
+  fs::create_directory(dir.path / "store");
+  state_store_options o = small_store((dir.path / "store").string());
+  optimizer ram(groups);
+  const std::size_t n = ram.arena_size();
+  {
+    stored_optimizer stored = stored_optimizer::create(groups, o);
+    stored.step(const_view{grad_of(n, 0).data(), n, dtype::f32});
+    const fs::path taken = dir.path / "a_directory";
+    fs::create_directory(taken);
+    CHECK_THROWS_WITH(stored.save_checkpoint(taken.string()), Catch::Contains("a_directory"));
+    CHECK(fs::is_directory(taken));
+    CHECK(std::distance(fs::directory_iterator(dir.path), fs::directory_iterator()) == 2); // no temporary left
+    stored.close();
+    CHECK_THROWS_WITH(stored.save_checkpoint((dir.path / "x.safetensors").string()), Catch::Contains("closed"));
+    CHECK_FALSE(fs::exists(dir.path / "x.safetensors"));
+  }
+  fs::create_directory(dir.path / "shard");
+  state_store_options so = small_store((dir.path / "shard").string());
+  so.range = shard_of(groups, 2, 1);
+  stored_optimizer shard = stored_optimizer::create(groups, so);
+  CHECK_THROWS_AS(shard.save_checkpoint((dir.path / "s.safetensors").string()), std::invalid_argument);
+  CHECK_FALSE(fs::exists(dir.path / "s.safetensors"));
 }
 
 TEST_CASE("stored_optimizer: copy_params_to refuses a buffer of another size, and works after a reopen") {

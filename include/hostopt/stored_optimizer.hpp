@@ -153,6 +153,14 @@ public:
   /// throws with flat_out partly written.
   void copy_params_to(mut_view flat_out) const;
 
+  /// Writes the last completed step as a checkpoint file (save_checkpoint's format, the same
+  /// bytes as saving an optimizer that copy_state_to filled), streamed: every chunk read
+  /// once (verified), its pieces written where the file holds them, the file then read back
+  /// once for its checksum; no RAM beyond the staging buffers. Atomic as save_checkpoint;
+  /// the same paths are refused. A store of a shard is refused (std::invalid_argument): a
+  /// sharded checkpoint goes through copy_state_to into a sharded_optimizer.
+  void save_checkpoint(const std::string& path) const;
+
 private:
   struct impl;
   explicit stored_optimizer(std::unique_ptr<impl> s);

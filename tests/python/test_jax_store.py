@@ -72,7 +72,9 @@ def test_steps_resume_and_export_with_the_in_ram_fronts_bits(tmp_path, dtype):
   same(ram.step(grads_of(params, 8)), stored.step(grads_of(params, 8)))
   same(ram.params(), stored.params())
   same_state_dict(ram.state_dict(), stored.state_dict())
-  stored.save(str(tmp_path / "export.safetensors"))  # the export: today's checkpoint format
+  stored.save(str(tmp_path / "export.safetensors"))  # streamed from the drive: today's checkpoint format
+  ram.save(str(tmp_path / "ram.safetensors"))
+  assert (tmp_path / "export.safetensors").read_bytes() == (tmp_path / "ram.safetensors").read_bytes()
   back = make(params)
   back.load(str(tmp_path / "export.safetensors"))
   same_state_dict(back.state_dict(), ram.state_dict())

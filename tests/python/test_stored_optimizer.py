@@ -102,6 +102,9 @@ def test_an_optimizers_state_imports_and_exports(tmp_path):
   back = hostopt.Optimizer(GROUPS)
   back.load(str(path))
   same_state(back, ram)
+  streamed = tmp_path / "streamed.safetensors"  # the same file, streamed from the drive
+  stored.save(streamed)
+  assert streamed.read_bytes() == path.read_bytes()
 
 
 def test_refusals_name_the_problem_and_change_nothing(tmp_path):
@@ -248,6 +251,9 @@ def test_a_store_per_rank_holds_its_shard_and_steps_to_the_single_process_bits(t
       stored.step(flats[0][b:e])
     with pytest.raises(ValueError, match="export a shard into a hostopt._core.ShardedOptimizer"):
       stored.copy_to(hostopt.Optimizer(GROUPS))
+    with pytest.raises(ValueError, match="save: this store holds a shard"):
+      stored.save(tmp_path / f"rank{rank}.safetensors")
+    assert not (tmp_path / f"rank{rank}.safetensors").exists()
     assert stored.step_count == 0
     out = np.zeros(e - b, np.float32)
     stored.step(flats[0][b:e], out, max_grad_norm=2.0, known_grad_norm=3.0)

@@ -540,9 +540,9 @@ class StoredOptimizer:
   :class:`Optimizer`'s bits, for every moment format and kernel.
 
   Make one with :meth:`create` (a new store), :meth:`open` (an existing one) or
-  :meth:`from_optimizer` (an Optimizer's state imported); :meth:`copy_to` exports it into an
-  Optimizer (then ``save`` writes today's checkpoint format). Every method takes
-  ``groups`` as :class:`Optimizer` does.
+  :meth:`from_optimizer` (an Optimizer's state imported); :meth:`save` writes today's
+  checkpoint format streamed from the drive, :meth:`copy_to` exports the state into an
+  Optimizer. Every method takes ``groups`` as :class:`Optimizer` does.
 
   Keyword Args:
     staging_bytes (int): RAM for the staging buffers (default 256 MiB).
@@ -711,6 +711,19 @@ class StoredOptimizer:
       raise ValueError(f"copy_to: this store holds a shard {self._range}, and an Optimizer holds the whole layout: "
                        "export a shard into a hostopt._core.ShardedOptimizer of the same groups, world size and rank")
     core.copy_state_to(ram)
+
+  def save(self, path: Union[str, os.PathLike]) -> None:
+    """Writes the last completed step as a checkpoint file in :meth:`Optimizer.save`'s format
+    (the very bytes an Optimizer filled by :meth:`copy_to` would save; ``Optimizer.load``
+    and the fronts read it), streamed: each chunk read once and verified, its pieces written
+    where the file holds them, the file read back once for its checksum, no RAM beyond the
+    staging buffers. Atomic (temp file, fsync, rename). A shard's store is refused
+    (ValueError): export it with :meth:`copy_to` into a ``hostopt._core.ShardedOptimizer``."""
+    core = self._live()
+    if self._sharded:
+      raise ValueError(f"save: this store holds a shard {self._range}: export it into a "
+                       "hostopt._core.ShardedOptimizer of the same groups, world size and rank (copy_to), and save that")
+    core.save(os.fspath(path))
 
   def read_params(self, out=None) -> np.ndarray:
     """The master parameters of the last completed step, streamed from the drive (every chunk

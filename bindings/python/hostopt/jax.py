@@ -683,10 +683,13 @@ class HostAdam:
           self._core.set_group_rounding_seed(g, seed)
 
   def save(self, path: str) -> None:
-    """The whole state as a safetensors checkpoint, written atomically (hostopt.Optimizer.save).
-    With store=, an export: the whole state passes through RAM once."""
+    """The whole state as a safetensors checkpoint, written atomically (hostopt.Optimizer.save);
+    with store=, streamed from the drives (hostopt.StoredOptimizer.save: the same file)."""
     with self._lock:
-      self._ram().save(path)
+      if self._store is not None:
+        self._store.save(path)
+      else:
+        self._core.save(path)
 
   def load(self, path: str) -> None:
     """Loads a checkpoint of this tree and groups (verified before anything changes): the
@@ -794,8 +797,8 @@ def _doc(decoupled: bool) -> str:
       commits, so what is on the drives is always a verified checkpoint of the last
       completed step.
       The same bits as in RAM. Every step takes every leaf's gradient; CPU parameters only
-      (no offload pipeline yet); ``load``/``load_state_dict`` are refused, ``save``,
-      ``state_dict`` and ``optax_state`` export through RAM.
+      (no offload pipeline yet); ``load``/``load_state_dict`` are refused, ``save`` streams
+      a checkpoint from the drives, ``state_dict`` and ``optax_state`` export through RAM.
     store_options (dict or None, default None): hostopt.StoredOptimizer's keywords
       (staging_bytes, buffers, chunk_elements, sync, io, kernel).
     resume (bool, default False): open the store at its last completed step instead of
