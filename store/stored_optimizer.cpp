@@ -683,9 +683,25 @@ step_result stored_optimizer::step(const_view flat_grad, mut_view flat_out, floa
 }
 
 step_result stored_optimizer::step(const_view flat_grad, mut_view flat_out, const step_options& opts) {
+  return step(flat_grad, flat_out, opts, {}, {});
+}
+
+step_result stored_optimizer::step(const_view flat_grad, mut_view flat_out, const step_options& opts,
+                                   const_view flat_params, std::span<const arena_range> adopt) {
   impl& s = *impl_;
   const std::lock_guard<std::mutex> lock(s.lock);
   s.check_usable("step");
+  if (!adopt.empty()) {
+    check_view("flat_params", flat_params.data, flat_params.size, flat_params.type, s.end());
+    if (flat_params.type != dtype::f32)
+      throw std::invalid_argument("stored_optimizer::step: flat_params holds master parameters: float32 expected");
+    for (std::size_t i = 0; i < adopt.size(); ++i)
+      if (adopt[i].begin >= adopt[i].end || adopt[i].end > s.end() || (i && adopt[i].begin < adopt[i - 1].end))
+        throw std::invalid_argument("stored_optimizer::step: adopt[" + std::to_string(i) + "] = [" +
+                                    std::to_string(adopt[i].begin) + ", " + std::to_string(adopt[i].end) +
+                                    "): expected sorted, disjoint, non-empty ranges within [0, " +
+                                    std::to_string(s.end()) + ")");
+  }
   check_grad_scale(opts.grad_scale);
   if (!s.whole.whole() && opts.known_grad_norm < 0 && (opts.skip_nonfinite || opts.max_grad_norm != 0))
     throw std::invalid_argument(std::string("stored_optimizer::step: this store holds a range of the layout (a "
@@ -723,7 +739,15 @@ step_result stored_optimizer::step(const_view flat_grad, mut_view flat_out, cons
   }
   block_counts seen;
   const std::size_t gb = dtype_size(flat_grad.type), ob = has_out ? dtype_size(flat_out.type) : 0;
+  std::size_t next_adopt = 0; // the first range that does not end before the chunk (chunks come in order)
   s.stream(true, true, [&](std::size_t, impl::chunk& c) {
+    const std::size_t c_begin = s.flat_at(c), c_end = c_begin + c.range.size();
+    while (next_adopt < adopt.size() && adopt[next_adopt].end <= c_begin) ++next_adopt;
+    for (std::size_t i = next_adopt; i < adopt.size() && adopt[i].begin < c_end; ++i) {
+      const std::size_t lo = std::max(adopt[i].begin, c_begin), hi = std::min(adopt[i].end, c_end);
+      std::memcpy(c.storage.params() + (lo - c_begin), static_cast<const float*>(flat_params.data) + lo,
+                  (hi - lo) * sizeof(float));
+    }
     const block_counts b = s.update(c, flat_grad.data, gb, has_out ? flat_out.data : nullptr, ob);
     seen.poisoned += b.poisoned;
     seen.saturated += b.saturated;

@@ -277,6 +277,43 @@ TEST_CASE("stored_optimizer: save_checkpoint refuses a shard, a path it may not 
   CHECK_FALSE(fs::exists(dir.path / "s.safetensors"));
 }
 
+TEST_CASE("stored_optimizer: a step adopts the parameters a front's user wrote, as the in-RAM masters take them") {
+  const auto groups = mixed_groups();
+  for (const std::size_t chunk : {std::size_t(64), std::size_t(0)}) {
+    INFO("chunk " << chunk);
+    temp_dir dir{"stored_optimizer"};
+    optimizer ram(groups);
+    const std::size_t n = ram.arena_size();
+    state_store_options o = small_store(dir.str());
+    o.chunk_elements = chunk;
+    stored_optimizer stored = stored_optimizer::create(groups, o);
+    ram.step(const_view{grad_of(n, 0).data(), n, dtype::f32});
+    stored.step(const_view{grad_of(n, 0).data(), n, dtype::f32});
+    // The user writes two tensors (one cut by chunks, one 8-bit) and part of nothing else.
+    std::vector<float> written(n, 123.0f); // (read only in the ranges adopted)
+    std::vector<arena_range> adopt;
+    for (const segment& seg : ram.segments())
+      if (seg.name == "attn" || seg.name == "mlp") {
+        std::vector<float> v(seg.size);
+        for (std::size_t i = 0; i < seg.size; ++i) v[i] = 0.5f - 0.001f * float(i % 997);
+        ram.set_params(seg.name, const_view{v.data(), seg.size, dtype::f32});
+        std::copy(v.begin(), v.end(), written.begin() + std::ptrdiff_t(seg.offset));
+        adopt.push_back({seg.offset, seg.offset + seg.size});
+      }
+    std::sort(adopt.begin(), adopt.end(), [](arena_range a, arena_range b) { return a.begin < b.begin; });
+    const std::vector<float> g = grad_of(n, 1);
+    std::vector<arena_range> unsorted{adopt[1], adopt[0]};
+    CHECK_THROWS_WITH(stored.step(const_view{g.data(), n, dtype::f32}, {}, checked_and_clipped(),
+                                  const_view{written.data(), n, dtype::f32}, unsorted),
+                      Catch::Contains("adopt[1]") && Catch::Contains("sorted"));
+    CHECK(stored.step_count() == 1);
+    ram.step(const_view{g.data(), n, dtype::f32}, {}, checked_and_clipped());
+    stored.step(const_view{g.data(), n, dtype::f32}, {}, checked_and_clipped(), const_view{written.data(), n, dtype::f32},
+                adopt);
+    require_same_as(stored, ram, groups);
+  }
+}
+
 TEST_CASE("stored_optimizer: copy_params_to refuses a buffer of another size, and works after a reopen") {
   const auto groups = mixed_groups();
   temp_dir dir{"stored_optimizer"};

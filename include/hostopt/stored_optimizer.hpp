@@ -103,6 +103,13 @@ public:
   /// gradients) touches no drive: its count is committed with the next applied step.
   step_result step(const_view flat_grad, mut_view flat_out, const step_options& options);
   step_result step(const_view flat_grad, mut_view flat_out = {}, float grad_scale = 1.0f);
+  /// step(), first setting the master parameters of the flat ranges `adopt` (sorted,
+  /// disjoint [begin, end) element ranges of flat buffers) to `flat_params`' values there
+  /// (float32, arena_size() elements; read nowhere else): a front adopting parameters its
+  /// user wrote since the last step, as the in-RAM optimizer's parameters are its masters.
+  /// Committed with the step; a skipped step adopts nothing (adopt again at the next).
+  step_result step(const_view flat_grad, mut_view flat_out, const step_options& options, const_view flat_params,
+                   std::span<const arena_range> adopt);
 
   std::int64_t step_count() const;
   std::int64_t skipped_steps() const;

@@ -130,3 +130,23 @@ def test_refusals_name_the_problem_and_change_nothing(tmp_path):
   other = dict(params, extra=jnp.zeros(3))
   with pytest.raises(RuntimeError):
     hj.adamw(other, SCHEDULE, store=tmp_path, store_options={"sync": False}, resume=True)  # another model's store
+
+
+def test_a_refused_call_leaves_no_store_and_a_failed_step_keeps_the_micro_batches(tmp_path):
+  params = model()
+  with pytest.raises(ValueError, match="max_grad_norm"):
+    hj.adamw(params, 1e-3, store=tmp_path, max_grad_norm=-1.0)
+  assert not any(tmp_path.iterdir())
+  ram, stored = make(params), make(params, tmp_path)
+  for o in (ram, stored):
+    o.accumulate(grads_of(params, 0))
+  chunks = [f for f in tmp_path.iterdir() if f.stat().st_size > 8192]
+  saved = {f: f.read_bytes() for f in chunks}
+  for f in chunks:
+    f.write_bytes(b"")  # the store's chunk files truncated: the step fails while streaming
+  with pytest.raises(RuntimeError):
+    stored.step(grads_of(params, 1))
+  for f, data in saved.items():
+    f.write_bytes(data)
+  same(ram.step(grads_of(params, 1)), stored.step(grads_of(params, 1)))  # the retry averages two micro-batches
+  same_state_dict(ram.state_dict(), stored.state_dict())

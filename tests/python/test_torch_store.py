@@ -118,8 +118,12 @@ def test_refusals_name_the_problem_and_change_nothing(tmp_path):
   assert opt.store.step_count == 1 and opt.last_step.step == 1
   with pytest.raises(ValueError, match="add_param_group with store="):
     opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))]})
-  with pytest.raises(ValueError, match="load_state_dict with store=: the store is the checkpoint"):
-    opt.load_state_dict(opt.state_dict())
+  sd = opt.state_dict()
+  opt.load_state_dict(sd)  # its own state (accelerate's prepare does this): taken, with its param_groups
+  opt.load_state_dict(copy.deepcopy(sd))  # equal values: taken too
+  sd["state"][0]["exp_avg_sq_codes"][0, 0, 0, 0] += 1
+  with pytest.raises(ValueError, match="load_state_dict with store=: the store is the checkpoint.*not the one it"):
+    opt.load_state_dict(sd)
   with pytest.raises(TypeError, match="with store= cannot be pickled or deep-copied"):
     copy.deepcopy(opt)
   opt.param_groups[1]["moments"] = "f32"
@@ -159,3 +163,93 @@ def test_refusals_name_the_problem_and_change_nothing(tmp_path):
   assert not any(empty.iterdir())  # nothing made by the refusals
   with pytest.raises(RuntimeError):
     ht.AdamW(params[:2], store=tmp_path, store_options={"sync": False}, resume=True)  # another model's store
+
+
+def test_parameters_the_user_writes_are_adopted_as_the_in_ram_optimizer_adopts_them(tmp_path):
+  for dtype in (torch.float32, torch.bfloat16):
+    a, b = model(dtype), model(dtype)
+    ram, _ = optimizer(a)
+    d = tmp_path / str(dtype)
+    d.mkdir()
+    stored, _ = optimizer(b, d)
+    pretrained = model(dtype, seed=5).state_dict()
+    for m in (a, b):
+      m.load_state_dict(pretrained)  # after the optimizer was made: a fine-tuning run's order
+    for t in range(3):
+      for m in (a, b):
+        backward(m, t)
+      ram.step()
+      stored.step()
+      same_params(a, b)
+      with torch.no_grad():
+        for m in (a, b):
+          if t == 0:
+            m[2].weight.clamp_(-0.05, 0.05)  # an in-place edit
+          if t == 1:
+            m[3].bias.data = torch.full_like(m[3].bias, 0.25)  # a replaced .data of the same layout
+    with torch.no_grad():
+      for m in (a, b):
+        m[3].weight.mul_(0.5)  # written, exported (the masters as the last step left them), then stepped
+    same_state_dict(ram.state_dict(), stored.state_dict())
+    for m in (a, b):
+      backward(m, 3)
+    ram.step()
+    stored.step()
+    same_params(a, b)
+
+
+def test_a_changed_layout_or_another_model_is_refused_by_name(tmp_path):
+  m = model()
+  opt, _ = optimizer(m, tmp_path)
+  backward(m, 0)
+  opt.step()
+  before = [p.detach().clone() for p in m.parameters()]
+  backward(m, 1)
+  m.to(memory_format=torch.channels_last)  # (the conv weight already was: this changes nothing there)
+  w = m[2].weight
+  saved = w.data
+  base = torch.zeros(w.shape[0], w.shape[1] * 2)
+  base[:, :w.shape[1]] = w.detach()
+  w.data = base[:, :w.shape[1]]  # a view with gaps
+  with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] is now .* strides .*memory order are "
+                     r"fixed"):
+    opt.step()
+  assert not base[:, w.shape[1]:].any()
+  w.data = saved
+  m[0].weight.data = m[0].weight.data.contiguous()  # another memory order
+  with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] is now"):
+    opt.step()
+  m[0].weight.data = m[0].weight.data.to(memory_format=torch.channels_last)
+  for p, q in zip(before, m.parameters()):
+    assert torch.equal(p, q.detach())
+  opt.close()
+  other = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 4 * 4, 37),
+                              torch.nn.Linear(37, 5))  # the same sizes, the conv weight in the default order
+  with pytest.raises(RuntimeError):
+    optimizer(other, tmp_path, resume=True)
+  shuffled = model()
+  shuffled[2].weight = torch.nn.Parameter(shuffled[2].weight.detach().reshape(37 * 8, 16))  # same size, other shape
+  with pytest.raises(RuntimeError):
+    optimizer(shuffled, tmp_path, resume=True)
+  resumed, _ = optimizer(model(seed=3), tmp_path, resume=True)  # the same model: taken
+  assert resumed.store.step_count == 1
+
+
+def test_frozen_parameters_are_left_out_and_a_late_gradient_refused(tmp_path):
+  a, b = model(), model()
+  for m in (a, b):
+    m[0].weight.requires_grad_(False)
+  ram = ht.AdamW(a.parameters(), lr=1e-2)
+  stored = ht.AdamW(b.parameters(), lr=1e-2, store=tmp_path, store_options=STORE)
+  for t in range(2):
+    for m in (a, b):
+      backward(m, t)
+    ram.step()
+    stored.step()
+    same_params(a, b)  # (f32 moments: the step's bits do not depend on where a tensor lies)
+  assert b[0].weight not in stored.state
+  same_state_dict(ram.state_dict(), stored.state_dict())
+  b[0].weight.requires_grad_(True)
+  backward(b, 2)
+  with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] has a gradient but was frozen"):
+    stored.step()

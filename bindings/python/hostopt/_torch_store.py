@@ -2,12 +2,20 @@
 hostopt.StoredOptimizer), not in RAM.
 
 The arena is laid out as the in-RAM path lays out one dtype's (groups and parameters in
-reverse order, named "group.index"), so parameters of one dtype step to the in-RAM
-optimizer's bits, compressed moments included, and its state_dict loads into either. Each
-step gathers the gradients into one flat buffer in that layout, streams the store through the
-fused step, and copies the new parameters back into each ``p`` (in its dtype). The store has
-one step count: every step takes every parameter's gradient.
+reverse order), so where every parameter trains and all share one dtype they step to the
+in-RAM optimizer's bits, compressed moments included, and its state_dict loads into either.
+Each step gathers the gradients into one flat buffer in that layout, streams the store
+through the fused step, and copies the new parameters back into each ``p`` (in its dtype).
+
+The masters are on the drives, so a parameter is not its master as in RAM: each step
+compares every parameter with what the last step wrote into it (that copy-out is kept), and
+one the user wrote since (a loaded checkpoint, an in-place edit, a replaced ``.data``) has
+its values adopted as masters by the step, as the in-RAM optimizer adopts them. A
+parameter whose shape or memory order changed is refused: the layout on the drives is fixed.
+Parameters frozen when the store is made (``requires_grad=False``) are left out of it. The
+store has one step count: every step takes every held parameter's gradient.
 """
+import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -21,6 +29,7 @@ from ._dtypes import kernel_tag, tag_of
 from ._torch_state import MASTER, SCALES, arena_view, dense_order, flat, moment_keys
 
 OPTION_KEYS = ("staging_bytes", "buffers", "chunk_elements", "sync", "io", "kernel")
+_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
 def check_options(store, store_options: Optional[dict], resume: bool, offload, overlap: bool,
@@ -47,15 +56,22 @@ def check_options(store, store_options: Optional[dict], resume: bool, offload, o
   return options
 
 
+def _memory_order(p: torch.Tensor) -> Tuple[int, ...]:
+  """The dimensions from the outermost in memory to the innermost (a dense tensor's order)."""
+  return tuple(sorted(range(p.dim()), key=lambda d: (-p.stride(d), d)))
+
+
 class TorchStore:
   """The store of one hostopt.torch optimizer and the layout of its parameters in it."""
 
   def __init__(self, opt: Any, store, options: dict, resume: bool) -> None:
     self._opt = opt
     groups = opt.param_groups
-    entries: List[Tuple[int, torch.Tensor]] = []
+    entries: List[Tuple[int, int, torch.Tensor]] = []  # (group, index over every parameter, p) of those held
     seen = set()
-    self._where: List[str] = []
+    self._where: Dict[int, str] = {}  # index over every parameter -> its name in param_groups
+    self._all: List[torch.Tensor] = []
+    k = 0
     for gi, group in enumerate(groups):
       for pi, p in enumerate(group["params"]):
         where = f"param_groups[{gi}]['params'][{pi}]"
@@ -70,24 +86,41 @@ class TorchStore:
         if not dense_order(p):
           raise ValueError(f"{where} is a strided view with gaps or overlaps (strides {tuple(p.stride())}): "
                            "hostopt keeps each parameter in one dense slice")
-        entries.append((gi, p))
-        self._where.append(where)
-    self._params = [p for _, p in entries]
+        self._where[k] = where
+        self._all.append(p)
+        if p.requires_grad:  # (a frozen one needs no state: it is left out of the store)
+          entries.append((gi, k, p))
+        k += 1
+    if not entries:
+      raise ValueError("store=: every parameter is frozen (requires_grad=False): nothing to keep")
+    self._params = [p for _, _, p in entries]
+    self._index = [k for _, k, _ in entries]
+    self._shapes = [(tuple(p.shape), tuple(p.stride())) for p in self._params]
     self._group_ids = [id(g) for g in groups]
     self._formats = [opt._group_format(g) for g in groups]
-    # The in-RAM path's layout of one dtype (see _HostAdam._build): groups and parameters reversed.
+    self._group_of = [gi for gi, _, _ in entries]
+    # The in-RAM path's layout of one dtype (see _HostAdam._build): groups and parameters
+    # reversed. The names carry a non-default memory order and the shapes are the real ones,
+    # so a store opens only for parameters of the same shapes and memory orders.
     order = list(range(len(groups)))[::-1]
     self._core_group = {gi: j for j, gi in enumerate(order)}
     self._spec: List[Dict[str, Any]] = [
         {"config": opt._config(groups[gi], f"param_groups[{gi}]"), "tensors": [],
          "moments": self._formats[gi], "rounding_seed": int(groups[gi].get("rounding_seed", 0))} for gi in order]
-    for k, (gi, p) in reversed(list(enumerate(entries))):
-      self._spec[self._core_group[gi]]["tensors"].append((f"{gi}.{k}", [p.numel()]))
+    names = []
+    for gi, k, p in entries:
+      mem = _memory_order(p)
+      names.append(f"{gi}.{k}" if mem == tuple(range(p.dim())) else f"{gi}.{k}:" + ",".join(map(str, mem)))
+    for name, (gi, _, p) in reversed(list(zip(names, entries))):
+      self._spec[self._core_group[gi]]["tensors"].append((name, list(p.shape)))
     segs, size = _core.arena_layout(self._spec)
     by_name = {x.name: x for x in (Segment(*s) for s in segs)}
-    self._segs = [by_name[f"{gi}.{k}"] for k, (gi, _) in enumerate(entries)]
+    self._segs = [by_name[name] for name in names]
     self._size = size
+    kinds = {p.dtype for p in self._params}
+    self._dtype = kinds.pop() if len(kinds) == 1 else torch.float32  # gradients and copy-out: one dtype per step
     self._applied: Dict[int, dict] = {}  # core group -> the config last given to the store
+    self._export: Optional[Tuple[int, List[Any]]] = None  # (step count, weakrefs) of the last state_dict's tensors
     dirs = _StoredOptimizer._dirs(store)
     kernel = str(options.pop("kernel", ""))
     args = _StoredOptimizer._options(options.get("staging_bytes", 256 << 20), options.get("buffers", 8),
@@ -109,6 +142,11 @@ class TorchStore:
         if "a store exists" not in str(e):
           raise
         raise RuntimeError(f"{e} (resume=True continues it)") from None
+    # What each parameter held after the store last wrote it (the step's copy-out): a
+    # parameter that differs from it was written by the user.
+    self._last = torch.zeros(size, dtype=self._dtype)
+    for s, p in zip(self._segs, self._params):
+      self._last[s.offset:s.offset + s.size].copy_(flat(p.detach()))
     self._steps = np.zeros(len(self._params), np.float32)  # torch's per-parameter "step", one view each
     self._shown = False
     self._closed = False
@@ -128,7 +166,7 @@ class TorchStore:
                        "with resume=True to go on")
 
   def _show(self) -> None:
-    """opt.state[p]["step"] of every parameter once stepped (views of one count: the store has one)."""
+    """opt.state[p]["step"] of every held parameter once stepped (views of one count: the store has one)."""
     count = self._core.step_count
     self._steps[:] = count
     if count and not self._shown:
@@ -143,38 +181,61 @@ class TorchStore:
     for s, p in zip(self._segs, self._params):
       flat(p.data).copy_(torch.from_numpy(flat32[s.offset:s.offset + s.size]))
 
-  def _check_unchanged(self) -> None:
-    """The store's layout is fixed: the same groups, parameters and formats at every step."""
+  def _check_unchanged(self, what: str) -> None:
+    """The store's layout is fixed: the same groups, parameters, shapes, memory orders and formats."""
     groups = self._opt.param_groups
     now = [p for g in groups for p in g["params"]]
-    if len(now) != len(self._params) or any(a is not b for a, b in zip(now, self._params)) or \
+    if len(now) != len(self._all) or any(a is not b for a, b in zip(now, self._all)) or \
         [id(g) for g in groups] != self._group_ids:
-      raise ValueError("param_groups changed (add_param_group, parameters added, replaced or removed, or some groups "
-                       "stepped alone as DeepSpeed's ZeRO does): with store= the layout on the drives is fixed, every "
-                       "step takes every group; nothing was stepped")
+      raise ValueError(f"{what}: param_groups changed (add_param_group, parameters added, replaced or removed, or "
+                       "some groups stepped alone as DeepSpeed's ZeRO does): with store= the layout on the drives is "
+                       "fixed, every step takes every group; nothing was changed")
     for gi, g in enumerate(groups):
       if self._opt._group_format(g) != self._formats[gi]:
-        raise ValueError(f"param_groups[{gi}] stores {self._opt._group_format(g)!r}, its parameters hold "
-                         f"{self._formats[gi]!r} moments: a parameter's moment format is fixed; nothing was stepped")
+        raise ValueError(f"{what}: param_groups[{gi}] stores {self._opt._group_format(g)!r}, its parameters hold "
+                         f"{self._formats[gi]!r} moments: a parameter's moment format is fixed; nothing was changed")
+    for k, p, (shape, stride) in zip(self._index, self._params, self._shapes):
+      if tuple(p.shape) != shape or tuple(p.stride()) != stride or p.dtype not in _BITS or p.device.type != "cpu":
+        raise ValueError(f"{what}: {self._where[k]} is now {tuple(p.shape)} {p.dtype} with strides "
+                         f"{tuple(p.stride())} on {p.device}; the store holds it as {shape} with strides {stride}: "
+                         "with store= a parameter's shape, dtype and memory order are fixed (model.to(memory_format=...)"
+                         " and a .data of another layout are refused); nothing was changed")
+
+  def _written(self) -> List[int]:
+    """The held parameters the user wrote since the store last wrote them (bit for bit)."""
+    out = []
+    for i, (s, p) in enumerate(zip(self._segs, self._params)):
+      last = self._last[s.offset:s.offset + s.size]
+      if last.dtype != p.dtype:
+        last = last.to(p.dtype)  # (mixed dtypes: the copy-out was float32, p its rounding)
+      if not torch.equal(flat(p.detach()).view(_BITS[p.dtype]), last.view(_BITS[p.dtype])):
+        out.append(i)
+    return out
 
   def step(self, skip: Optional[bool], grad_norm) -> Optional[Any]:
-    """One step over every parameter; None where no parameter has a gradient (as torch)."""
+    """One step over every held parameter; None where none has a gradient (as torch)."""
     self._check_open("step")
-    self._check_unchanged()
+    self._check_unchanged("step")
+    held = set(map(id, self._params))
+    late = [k for k, p in enumerate(self._all) if id(p) not in held and p.grad is not None]
+    if late:
+      raise ValueError(f"{self._where[late[0]]} has a gradient but was frozen (requires_grad=False) when the store "
+                       "was made, so the store holds no state for it: make a new store to train it; nothing was "
+                       "stepped")
     grads = [p.grad for p in self._params]
     if all(g is None for g in grads):
       return None
-    missing = [w for w, g in zip(self._where, grads) if g is None]
+    missing = [self._where[k] for k, g in zip(self._index, grads) if g is None]
     if missing:
       raise ValueError(f"{missing[0]} has no gradient: with store= every step takes every parameter's gradient "
                        f"(the state streams through whole; {len(missing)} without one); nothing was stepped")
-    for w, p, g in zip(self._where, self._params, grads):
+    for k, p, g in zip(self._index, self._params, grads):
       if g.layout != torch.strided:
-        raise RuntimeError(f"{w} has a sparse gradient ({g.layout}): hostopt.torch does not support sparse "
-                           "gradients; nothing was stepped")
+        raise RuntimeError(f"{self._where[k]} has a sparse gradient ({g.layout}): hostopt.torch does not support "
+                           "sparse gradients; nothing was stepped")
       if tuple(g.shape) != tuple(p.shape) or g.device != p.device:
-        raise ValueError(f"{w} has a gradient of shape {tuple(g.shape)} on {g.device}: expected the parameter's, "
-                         f"{tuple(p.shape)} on {p.device}; nothing was stepped")
+        raise ValueError(f"{self._where[k]} has a gradient of shape {tuple(g.shape)} on {g.device}: expected the "
+                         f"parameter's, {tuple(p.shape)} on {p.device}; nothing was stepped")
     configs = {self._core_group[gi]: self._opt._config(g, f"param_groups[{gi}]")
                for gi, g in enumerate(self._opt.param_groups)}  # lr schedulers take effect here
     if skip is None:
@@ -184,40 +245,49 @@ class TorchStore:
       if self._applied.get(j) != cfg:
         self._core.set_group_config(j, cfg)
         self._applied[j] = cfg
-    # One gradient dtype and one copy-out dtype per step: the parameters' own where they all
-    # share one, else float32 (exact widening of each).
-    kinds = {g.dtype for g in grads} | {p.dtype for p in self._params}
-    dtype = kinds.pop() if len(kinds) == 1 else torch.float32
-    flat_g = torch.zeros(self._size, dtype=dtype)
+    flat_g = torch.zeros(self._size, dtype=self._dtype)
     for s, p, g in zip(self._segs, self._params, grads):
       if g.stride() != p.stride() or not dense_order(g):
         g = torch.empty_like(p).copy_(g)  # the parameter's memory order
       flat_g[s.offset:s.offset + s.size].copy_(flat(g))
-    out = torch.empty(self._size, dtype=dtype)
-    tag = kernel_tag(dtype)
-    result = self._core.step_flat(as_buffer(flat_g, "grads")[0], tag, as_buffer(out, "out", writable=True)[0], tag,
-                                  1.0, 0.0, bool(skip), float(norm))
-    if result.applied:
+    out = torch.empty(self._size, dtype=self._dtype)
+    tag = kernel_tag(self._dtype)
+    g_view, o_view = as_buffer(flat_g, "grads")[0], as_buffer(out, "out", writable=True)[0]
+    written = self._written()
+    if written:  # adopted as masters by the step (the in-RAM optimizer's parameters are its masters)
+      values = np.zeros(self._size, np.float32)
+      adopt = []
+      for i in written:
+        s, p = self._segs[i], self._params[i]
+        values[s.offset:s.offset + s.size] = flat(p.detach()).float().numpy()
+        adopt.append((s.offset, s.offset + s.size))
+      result = self._core.step_flat_adopting(g_view, tag, o_view, tag, 1.0, 0.0, bool(skip), float(norm), values,
+                                             sorted(adopt))
+    else:
+      result = self._core.step_flat(g_view, tag, o_view, tag, 1.0, 0.0, bool(skip), float(norm))
+    if result.applied:  # (a skipped one wrote nothing: a parameter written meanwhile is adopted at the next)
       for s, p in zip(self._segs, self._params):
         flat(p.data).copy_(out[s.offset:s.offset + s.size])
+      self._last = out
     self._show()
     return result
 
-  def state_dict_state(self) -> Dict[int, dict]:
-    """torch's state_dict()["state"], exported through an in-RAM optimizer: the in-RAM path's
-    entries (moments by format, 16-bit parameters' masters), so either path loads it."""
+  def export_state(self) -> Dict[torch.Tensor, dict]:
+    """Each held parameter's state in the in-RAM path's entries (moments by format, 16-bit
+    parameters' masters: the store's, as the in-RAM path's until a step adopts what the user
+    wrote), exported through an in-RAM optimizer; empty before the first step (as torch)."""
     self._check_open("state_dict")
+    self._check_unchanged("state_dict")
     if not self._core.step_count:
-      return {}  # (as torch: no entry for a parameter never stepped)
+      return {}
     ram = _core.Optimizer(self._spec, self._opt._threads, "")
     self._core.copy_state_to(ram)
     compressed = any(f != "f32" for f in self._formats)
     flat_m, flat_v = (None, None) if compressed else (ram.exp_avg(), ram.exp_avg_sq())
     flat_p = ram.params()
-    state: Dict[int, dict] = {}
-    gi_of = [gi for gi, g in enumerate(self._opt.param_groups) for _ in g["params"]]
-    for k, (s, p) in enumerate(zip(self._segs, self._params)):
-      fmt = self._formats[gi_of[k]]
+    state: Dict[torch.Tensor, dict] = {}
+    for i, (s, p) in enumerate(zip(self._segs, self._params)):
+      fmt = self._formats[self._group_of[i]]
       m, v, scales = self._opt._moment_views(ram, s.name, fmt, p, flat_m, flat_v, s.offset, s.size)
       st: Dict[str, Any] = {"step": torch.tensor(float(self._core.step_count))}
       st.update(zip(moment_keys(fmt), (m.clone(), v.clone())))
@@ -225,5 +295,34 @@ class TorchStore:
         st[SCALES] = scales.clone()
       if p.dtype != torch.float32:
         st[MASTER] = arena_view(flat_p[s.offset:s.offset + s.size], p).clone()
-      state[k] = st
+      state[p] = st
+    self._export = (self._core.step_count, [weakref.ref(t) for st in state.values() for t in st.values()])
     return state
+
+  def is_own_export(self, state: dict) -> bool:
+    """Whether a state_dict's "state" is the last export's tensors, unchanged since (what
+    accelerate's prepare hands back: optimizer.load_state_dict(optimizer.state_dict()))."""
+    if self._export is None or self._export[0] != self._core.step_count or self._written():
+      return False
+    given = {id(t) for st in state.values() for t in st.values()}
+    alive = [r() for r in self._export[1]]
+    return all(t is not None for t in alive) and given == {id(t) for t in alive} and len(given) == len(alive)
+
+  def same_state(self, state: dict) -> bool:
+    """Whether a state_dict's "state" (indices over every parameter) equals this store's, value
+    for value (an export through RAM)."""
+    mine = self.export_state()
+    index = {id(p): k for k, p in enumerate(self._all)}
+    want = {index[id(p)]: st for p, st in mine.items()}
+    if set(state) != set(want):
+      return False
+    for k, st in want.items():
+      other = state[k]
+      if set(other) != set(st):
+        return False
+      for key, x in st.items():
+        y = other[key]
+        if not (torch.is_tensor(y) and y.dtype == x.dtype and y.shape == x.shape and
+                torch.equal(y.view(torch.uint8) if y.dim() else y, x.view(torch.uint8) if x.dim() else x)):
+          return False
+    return True

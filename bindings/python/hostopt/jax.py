@@ -198,6 +198,10 @@ class HostAdam:
         self._group_of.append((label, decay))
     self._formats = [self._options[lab]["moments"] for lab in labels]  # each leaf's moment format
     self._threads = _threads.resolve(int(threads))
+    self._max_grad_norm = float(max_grad_norm or 0.0)
+    if not (math.isfinite(self._max_grad_norm) and self._max_grad_norm >= 0):  # refused now, not at a step
+      raise ValueError(f"max_grad_norm = {max_grad_norm!r}: expected None, 0 (no clipping) or a finite value > 0")
+    # (Everything is checked before a store is made: a refused call leaves no store behind.)
     self._store: Optional[_StoredOptimizer] = None  # the state on drives (store=), else None
     if store is None:
       if store_options is not None or resume:
@@ -211,9 +215,6 @@ class HostAdam:
       self._store = self._make_store(core_groups, store, store_options, resume, leaves, offload)
       for g, hyper in enumerate(self._hypers):  # this optimizer's hyper-parameters, as load() keeps them
         self._store.set_group_config(g, **dataclasses.asdict(hyper))
-    self._max_grad_norm = float(max_grad_norm or 0.0)
-    if not (math.isfinite(self._max_grad_norm) and self._max_grad_norm >= 0):  # refused now, not at a step
-      raise ValueError(f"max_grad_norm = {max_grad_norm!r}: expected None, 0 (no clipping) or a finite value > 0")
     # None: checked when a group has 8-bit moments (a NaN would poison its whole block).
     self._skip_auto = skip_nonfinite is None
     self._skip_nonfinite = "8bit" in self._formats if skip_nonfinite is None else skip_nonfinite
@@ -388,6 +389,11 @@ class HostAdam:
           raise ValueError(f"grads{missing[0]} is None: with store= every step takes every leaf's gradient (the "
                            f"state streams through whole; {len(missing)} leaves without one)")
       self._set_schedules()  # everything that can fail before the accumulator changes
+      if self._store is not None and glist is not None and self._acc is not None:
+        # The last micro-batch summed into copies: a step that fails (an I/O error) leaves the
+        # accumulator as it was, so a retry sums it once.
+        glist, scale = self._summed(glist), 1.0 / (self._micro_batches + 1)
+        return self._stored_step(glist, scale, grad_norm)
       if glist is not None and self._acc is not None:
         self._add_to_accumulator(glist)
         glist = None
@@ -483,6 +489,19 @@ class HostAdam:
       if self._executor is None:
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hostopt-jax")
     return self._executor.submit(self.step, grads, grad_norm=grad_norm)
+
+  def _summed(self, glist) -> List[np.ndarray]:
+    """The accumulator plus `glist` (checked grads), in new arrays; the accumulator unchanged."""
+    acc = cast(List[np.ndarray], self._acc)
+    out = []
+    for a, n, g in zip(acc, self._names, glist):
+      total = _aligned(a.size, np.float32).reshape(a.shape)
+      total[...] = a
+      if g is not None:
+        grad, tag = as_buffer(np.ascontiguousarray(g), f"grads{n}")
+        _accumulate_into(total.reshape(-1), grad.reshape(-1), tag, False, self._threads)
+      out.append(total)
+    return out
 
   def _add_to_accumulator(self, glist) -> None:
     """acc += grads (checked grads; a leaf without a gradient adds nothing)."""

@@ -103,7 +103,7 @@ import math
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, NamedTuple, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, cast
 
 import numpy as np
 import torch
@@ -861,6 +861,29 @@ class _HostAdam(torch.optim.Optimizer):
       self.last_step = _merged(results)
       _report_blocks(self, self.last_step, "hostopt.torch")
 
+  def _load_own_state(self, state_dict: dict) -> None:
+    """load_state_dict with store=: only of the state the store holds (accelerate's prepare
+    loads what state_dict gave it), whose param_groups' hyper-parameters are then taken, as
+    torch takes them; any other state is refused, nothing changed."""
+    store = cast(TorchStore, self._store)
+    saved = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+    if not isinstance(saved, list) or len(saved) != len(self.param_groups) or any(
+        not isinstance(s, dict) or len(s.get("params", ())) != len(g["params"]) for s, g in zip(saved, self.param_groups)):
+      raise ValueError("load_state_dict with store=: param_groups of another shape than this optimizer's; nothing "
+                       "was changed")
+    state = state_dict.get("state", {})
+    if not (store.is_own_export(state) or store.same_state(state)):
+      raise ValueError("load_state_dict with store=: the store is the checkpoint (every step commits there), and "
+                       "this state is not the one it holds; to bring another state into a store, load it into an "
+                       "optimizer without store= and make the store with hostopt.StoredOptimizer.from_optimizer, or "
+                       "start a new store from the model; nothing was changed")
+    for gi, (group, s) in enumerate(zip(self.param_groups, saved)):  # (in place: the store's groups stay these dicts)
+      if s.get("moments", self._group_format(group)) != self._group_format(group):
+        raise ValueError(f"load_state_dict with store=: param_groups[{gi}] saved with {s.get('moments')!r} moments, "
+                         f"the store holds {self._group_format(group)!r}; nothing was changed")
+    for group, s in zip(self.param_groups, saved):
+      group.update({k: v for k, v in s.items() if k != "params"})
+
   @property
   def store(self) -> Any:
     """With ``store=``, the store (its ``chunks``, ``stripes``, ``io_backend``,
@@ -1084,10 +1107,17 @@ class _HostAdam(torch.optim.Optimizer):
     self._drain()
     if self._shards is not None:
       self._shards.refresh()  # opt.state as DTensors (torch.distributed.checkpoint saves them sharded)
+    if self._store is not None:  # exported (the whole state through RAM once), torch's hooks run on it
+      exported = self._store.export_state()
+      shown = {p: self.state[p] for p in exported}
+      try:
+        for p, st in exported.items():
+          self.state[p] = st
+        return super().state_dict()
+      finally:
+        for p, st in shown.items():
+          self.state[p] = st
     sd = super().state_dict()
-    if self._store is not None:  # exported: the whole state passes through RAM once
-      sd["state"] = self._store.state_dict_state()
-      return sd
     sd["state"] = {k: {key: (v.clone() if torch.is_tensor(v) else v) for key, v in st.items()}
                    for k, st in sd["state"].items()}
     return sd
@@ -1102,11 +1132,11 @@ class _HostAdam(torch.optim.Optimizer):
     group's ``moments`` (f32 for torch.optim's). Moments of another format (or 8-bit codes
     of a parameter laid out in another memory order) are refused, with nothing changed,
     unless ``convert_moments=True``: they are then converted here (decoded exactly, then
-    encoded: lossy into bf16 or 8-bit). Refused with ``store=`` (ValueError)."""
+    encoded: lossy into bf16 or 8-bit). With ``store=``, only the state the store holds is
+    taken (accelerate's prepare loads what ``state_dict`` gave it): its param_groups'
+    hyper-parameters; any other state is refused (ValueError)."""
     if self._store is not None:
-      raise ValueError("load_state_dict with store=: the store is the checkpoint (every step commits there); to "
-                       "bring another state into a store, load it into an optimizer without store= and make the "
-                       "store with hostopt.StoredOptimizer.from_optimizer, or start a new store from the model")
+      return self._load_own_state(state_dict)
     self._drain()
     # torch 2's load pre-hooks, as torch.optim runs them: on a shallow copy, and what they
     # return is what is checked and loaded (torch's own load below runs without them).
@@ -1342,10 +1372,13 @@ def _doc(mode: str) -> str:
       The in-RAM
       optimizer's bits where the parameters share one dtype (its layout), and its
       ``state_dict`` format (an export through RAM, which the in-RAM optimizer loads).
-      CPU parameters, every step every parameter's gradient (one step count), a fixed
-      ``param_groups``: ``offload``, ``overlap``, DTensors, ``add_param_group`` and
-      ``load_state_dict`` are refused (ValueError). ``opt.state[p]`` holds only ``step``.
-      ``close()`` releases the store; ``opt.store`` tells its chunks and ``recovery``.
+      CPU parameters, every step every trained parameter's gradient (one step count;
+      parameters frozen when it is made are left out), a fixed ``param_groups`` and fixed
+      shapes and memory orders: ``offload``, ``overlap``, DTensors, ``add_param_group`` and
+      the ``load_state_dict`` of another state are refused (ValueError). Values the user
+      writes into a parameter are adopted as its master at the next step, as in RAM.
+      ``opt.state[p]`` holds only ``step``. ``close()`` releases the store; ``opt.store``
+      tells its chunks and ``recovery``.
     store_options (dict or None, default None): hostopt.StoredOptimizer's keywords
       (staging_bytes, buffers, chunk_elements, sync, io, kernel).
     resume (bool, default False): open the store at its last completed step instead of
