@@ -194,3 +194,13 @@ def test_accelerate_save_state_load_state_is_exact(tmp_path, moments):
   assert rest == whole[200:]
   assert params_equal(whole_net, net)
   state_equal(whole_opt.state_dict(), opt.state_dict())
+
+
+def test_accelerate_with_the_state_on_a_drive_steps_as_in_ram(tmp_path):
+  # prepare() reloads the optimizer's own state_dict: a store takes it; the steps are the in-RAM bits.
+  in_ram, in_ram_net, _ = accelerate_run(hostopt_adamw)
+  stored, net, opt = accelerate_run(lambda net, lr: hostopt_adamw(net, lr, store=tmp_path,
+                                                                   store_options={"sync": False}))
+  assert opt.optimizer.store.step_count == STEPS
+  assert stored == in_ram
+  assert params_equal(in_ram_net, net)
