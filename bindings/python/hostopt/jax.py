@@ -585,10 +585,14 @@ class HostAdam:
     (masters and moments, as state_bytes), host copy-out buffers
     (the sets the pool keeps, param_dtype), the host f32 accumulator (allocated by the first
     accumulate), the offload pipeline's pinned buffers and device buffers (offloaded path).
+    With store=, the state's host bytes are the staging buffers, and the copy-out is the
+    flat buffer each step makes (it lives as long as the arrays handed out over it).
     JAX holds the parameters and gradients besides."""
     with self._lock:
       n = sum(int(np.prod(s)) for s in self._shapes)
       copy_out = sum(b.nbytes for bufs in self._pool for b in bufs)
+      if self._store is not None:  # each step's flat copy-out (new each step: JAX keeps the arrays over it)
+        copy_out = self._store.arena_size * np.dtype(self._copy_out).itemsize
       acc = sum(a.nbytes for a in self._acc) if self._acc is not None else 0
       offloaded = {"pinned_bytes": 0, "device_buffer_bytes": 0, "device_step_bytes": 0}
       if self._device_step is not None:
