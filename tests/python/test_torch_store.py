@@ -103,13 +103,19 @@ def test_steps_export_and_resume_with_the_in_ram_optimizers_bits(tmp_path, dtype
   same_state_dict(ram.state_dict(), resumed.state_dict())
 
 
-def test_refusals_name_the_problem_and_change_nothing(tmp_path):
+def stepped_once(tmp_path):
+  """A model, its stored optimizer after one step, the parameters then, and the next step's gradients."""
   m = model()
   opt, _ = optimizer(m, tmp_path)
   backward(m, 0)
   opt.step()
   before = [p.detach().clone() for p in m.parameters()]
   backward(m, 1)
+  return m, opt, before
+
+
+def test_refusals_name_the_problem_and_change_nothing(tmp_path):
+  m, opt, before = stepped_once(tmp_path)
   m[3].bias.grad = None
   with pytest.raises(ValueError, match=r"param_groups\[2\]\['params'\]\[2\] has no gradient: with store= every step"):
     opt.step()
@@ -199,12 +205,7 @@ def test_parameters_the_user_writes_are_adopted_as_the_in_ram_optimizer_adopts_t
 
 
 def test_a_changed_layout_or_another_model_is_refused_by_name(tmp_path):
-  m = model()
-  opt, _ = optimizer(m, tmp_path)
-  backward(m, 0)
-  opt.step()
-  before = [p.detach().clone() for p in m.parameters()]
-  backward(m, 1)
+  m, opt, before = stepped_once(tmp_path)
   m.to(memory_format=torch.channels_last)  # (the conv weight already was: this changes nothing there)
   w = m[2].weight
   saved = w.data
