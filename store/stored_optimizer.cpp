@@ -100,6 +100,7 @@ struct stored_optimizer::impl {
   std::vector<std::unique_ptr<drive::chunk_store>> stores; // one per directory: chunk k in stores[k % n]
   std::uint64_t commit_id = 0; // the same in every stripe's record of one commit
   std::string first_dir;       // where each commit's hyper-parameters are kept (hyperparameter_record.hpp)
+  std::vector<std::string> dirs; // every stripe's directory (an export must not land on the store's files)
   bool sync = true;
   std::string broken;          // why every later step is refused ("" while none is)
   bool closed = false;
@@ -440,6 +441,7 @@ struct stored_optimizer::impl {
       stores.push_back(std::make_unique<drive::chunk_store>(drive::chunk_store::create(
           o.dirs[i], shape(i, n), durability_of(o), o.buffers, drive::parse_io_backend(o.io, "state_store_options.io"))));
     first_dir = o.dirs[0];
+    dirs = o.dirs;
     sync = o.sync_every_step;
     make_staging(o.buffers);
   }
@@ -651,6 +653,7 @@ stored_optimizer stored_optimizer::open_store(std::vector<param_group> groups, c
   s->count = std::int64_t(committed[w_count]);
   s->skipped = std::int64_t(committed[w_skipped]);
   s->first_dir = options.dirs[0];
+  s->dirs = options.dirs;
   s->sync = options.sync_every_step;
   // The hyper-parameters of the step it opened at, as load_checkpoint restores them; a store
   // made before they were kept has none (the groups' then), and a record that cannot be read
@@ -805,6 +808,15 @@ void stored_optimizer::save_checkpoint(const std::string& path) const {
     throw std::invalid_argument("stored_optimizer::save_checkpoint: this store holds a shard [" +
                                 std::to_string(s.whole.range().begin) + ", " + std::to_string(s.whole.range().end) +
                                 ") of the layout: copy_state_to a sharded_optimizer of the same rank, and save that");
+  for (const std::string& dir : s.dirs) // (a checkpoint written over the chunks or the commit record would end the store)
+    for (const char* own : {"chunks", "commit", "lock", "hyperparameters"}) {
+      std::error_code e1, e2;
+      const std::filesystem::path mine = std::filesystem::weakly_canonical(std::filesystem::path(dir) / own, e1);
+      const std::filesystem::path target = std::filesystem::weakly_canonical(path, e2);
+      if (!e1 && !e2 && mine == target)
+        throw std::invalid_argument("stored_optimizer::save_checkpoint: '" + path + "' is this store's own " + own +
+                                    " file: save the checkpoint elsewhere");
+    }
   const std::span<const segment> segs = s.whole.segments();
   const detail::checkpoint_description d{segs, s.whole.range(), formats_of(s.groups), s.configs, s.seeds, s.count,
                                          s.skipped, {}};

@@ -265,6 +265,9 @@ TEST_CASE("stored_optimizer: save_checkpoint refuses a shard, a path it may not 
     CHECK_THROWS_WITH(stored.save_checkpoint(taken.string()), Catch::Contains("a_directory"));
     CHECK(fs::is_directory(taken));
     CHECK(std::distance(fs::directory_iterator(dir.path), fs::directory_iterator()) == 2); // no temporary left
+    CHECK_THROWS_WITH(stored.save_checkpoint((dir.path / "store" / "commit").string()),
+                      Catch::Contains("this store's own commit file"));
+    stored.step(const_view{grad_of(n, 1).data(), n, dtype::f32}); // (the store stands)
     stored.close();
     CHECK_THROWS_WITH(stored.save_checkpoint((dir.path / "x.safetensors").string()), Catch::Contains("closed"));
     CHECK_FALSE(fs::exists(dir.path / "x.safetensors"));

@@ -254,3 +254,53 @@ def test_frozen_parameters_are_left_out_and_a_late_gradient_refused(tmp_path):
   backward(b, 2)
   with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] has a gradient but was frozen"):
     stored.step()
+
+
+def test_load_state_dict_takes_only_the_stores_own_state_its_hyper_parameters_checked(tmp_path):
+  m, opt, _ = stepped_once(tmp_path)
+  sd = opt.state_dict()
+  sd["state"][0]["exp_avg_codes"].add_(1)  # changed in place after the export: not the store's
+  with pytest.raises(ValueError, match="not the one it holds"):
+    opt.load_state_dict(sd)
+  sd = opt.state_dict()
+  sd["state"][0], sd["state"][1] = sd["state"][1], sd["state"][0]  # two parameters' entries swapped
+  with pytest.raises(ValueError, match="not the one it holds"):
+    opt.load_state_dict(sd)
+  for key, value, why in (("lr", -1.0, "lr"), ("amsgrad", True, "amsgrad"), ("rounding_seed", 99, "rounding_seed")):
+    sd = copy.deepcopy(opt.state_dict())
+    sd["param_groups"][0][key] = value
+    with pytest.raises(ValueError, match=why):
+      opt.load_state_dict(sd)
+  assert opt.param_groups[0]["lr"] == 1e-2 and not opt.param_groups[0]["amsgrad"]
+  sd = copy.deepcopy(opt.state_dict())  # saved ids in another order name the parameters as torch maps them
+  ids = sd["param_groups"][2]["params"]
+  sd["param_groups"][2]["params"] = ids[::-1]
+  sd["state"] = {ids[::-1][i]: sd["state"][ids[i]] for i in range(len(ids))} | {
+      k: v for k, v in sd["state"].items() if k not in ids}
+  opt.load_state_dict(sd)  # the same state, ids renamed: taken
+  sd["param_groups"][0]["lr"] = 5e-3
+  opt.load_state_dict(sd)
+  assert opt.param_groups[0]["lr"] == 5e-3
+  if hasattr(opt, "register_load_state_dict_post_hook"):  # torch 2: its load hooks run as in RAM
+    seen = []
+    opt.register_load_state_dict_pre_hook(lambda o, s: seen.append("pre"))
+    opt.register_load_state_dict_post_hook(lambda o: seen.append("post"))
+    opt.load_state_dict(opt.state_dict())
+    assert seen == ["pre", "post"]
+
+
+def test_a_dtype_change_is_refused_and_a_1x1_convs_strides_may_change(tmp_path):
+  torch.manual_seed(0)
+  m = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 1), torch.nn.Flatten())
+  opt = ht.AdamW(m.parameters(), lr=1e-2, store=tmp_path, store_options=STORE)
+  x = torch.randn(2, 4, 3, 3)
+  m(x).pow(2).mean().backward()
+  opt.step()
+  m.to(memory_format=torch.channels_last)  # a 1x1 kernel: other strides, the same memory order
+  m(x).pow(2).mean().backward()
+  opt.step()
+  assert opt.store.step_count == 2
+  m[0].bias.data = m[0].bias.data.to(torch.bfloat16)
+  with pytest.raises(ValueError, match=r"\['params'\]\[1\] is now \(4,\) torch.bfloat16.*dtype and memory order are "
+                     "fixed"):
+    opt.step()

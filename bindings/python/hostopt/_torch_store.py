@@ -57,8 +57,9 @@ def check_options(store, store_options: Optional[dict], resume: bool, offload, o
 
 
 def _memory_order(p: torch.Tensor) -> Tuple[int, ...]:
-  """The dimensions from the outermost in memory to the innermost (a dense tensor's order)."""
-  return tuple(sorted(range(p.dim()), key=lambda d: (-p.stride(d), d)))
+  """The dimensions of extent > 1 from the outermost in memory to the innermost: what orders
+  a dense tensor's elements in memory (a dimension of extent 1 may have any stride)."""
+  return tuple(d for d in sorted(range(p.dim()), key=lambda d: (-p.stride(d), d)) if p.shape[d] != 1)
 
 
 class TorchStore:
@@ -95,7 +96,7 @@ class TorchStore:
       raise ValueError("store=: every parameter is frozen (requires_grad=False): nothing to keep")
     self._params = [p for _, _, p in entries]
     self._index = [k for _, k, _ in entries]
-    self._shapes = [(tuple(p.shape), tuple(p.stride())) for p in self._params]
+    self._shapes = [(tuple(p.shape), _memory_order(p), p.dtype) for p in self._params]
     self._group_ids = [id(g) for g in groups]
     self._formats = [opt._group_format(g) for g in groups]
     self._group_of = [gi for gi, _, _ in entries]
@@ -110,7 +111,8 @@ class TorchStore:
     names = []
     for gi, k, p in entries:
       mem = _memory_order(p)
-      names.append(f"{gi}.{k}" if mem == tuple(range(p.dim())) else f"{gi}.{k}:" + ",".join(map(str, mem)))
+      default = tuple(d for d in range(p.dim()) if p.shape[d] != 1)
+      names.append(f"{gi}.{k}" if mem == default else f"{gi}.{k}:" + ",".join(map(str, mem)))
     for name, (gi, _, p) in reversed(list(zip(names, entries))):
       self._spec[self._core_group[gi]]["tensors"].append((name, list(p.shape)))
     segs, size = _core.arena_layout(self._spec)
@@ -120,7 +122,8 @@ class TorchStore:
     kinds = {p.dtype for p in self._params}
     self._dtype = kinds.pop() if len(kinds) == 1 else torch.float32  # gradients and copy-out: one dtype per step
     self._applied: Dict[int, dict] = {}  # core group -> the config last given to the store
-    self._export: Optional[Tuple[int, List[Any]]] = None  # (step count, weakrefs) of the last state_dict's tensors
+    # The last state_dict's tensors: (step count, {(parameter index, key): (weakref, version)}).
+    self._export: Optional[Tuple[int, Dict[Tuple[int, str], Tuple[Any, int]]]] = None
     dirs = _StoredOptimizer._dirs(store)
     kernel = str(options.pop("kernel", ""))
     args = _StoredOptimizer._options(options.get("staging_bytes", 256 << 20), options.get("buffers", 8),
@@ -194,12 +197,14 @@ class TorchStore:
       if self._opt._group_format(g) != self._formats[gi]:
         raise ValueError(f"{what}: param_groups[{gi}] stores {self._opt._group_format(g)!r}, its parameters hold "
                          f"{self._formats[gi]!r} moments: a parameter's moment format is fixed; nothing was changed")
-    for k, p, (shape, stride) in zip(self._index, self._params, self._shapes):
-      if tuple(p.shape) != shape or tuple(p.stride()) != stride or p.dtype not in _BITS or p.device.type != "cpu":
+    for k, p, (shape, order, dtype) in zip(self._index, self._params, self._shapes):
+      if tuple(p.shape) != shape or p.dtype != dtype or p.device.type != "cpu" or not dense_order(p) or \
+          _memory_order(p) != order:
         raise ValueError(f"{what}: {self._where[k]} is now {tuple(p.shape)} {p.dtype} with strides "
-                         f"{tuple(p.stride())} on {p.device}; the store holds it as {shape} with strides {stride}: "
-                         "with store= a parameter's shape, dtype and memory order are fixed (model.to(memory_format=...)"
-                         " and a .data of another layout are refused); nothing was changed")
+                         f"{tuple(p.stride())} on {p.device}; the store holds it as {shape} {dtype} in the memory "
+                         f"order {order}: with store= a parameter's shape, dtype and memory order are fixed "
+                         "(model.to(memory_format=...), .to(dtype) and a .data of another layout are refused); "
+                         "nothing was changed")
 
   def _written(self) -> List[int]:
     """The held parameters the user wrote since the store last wrote them (bit for bit)."""
@@ -296,28 +301,44 @@ class TorchStore:
       if p.dtype != torch.float32:
         st[MASTER] = arena_view(flat_p[s.offset:s.offset + s.size], p).clone()
       state[p] = st
-    self._export = (self._core.step_count, [weakref.ref(t) for st in state.values() for t in st.values()])
+    index = {id(p): k for k, p in enumerate(self._all)}
+    self._export = (self._core.step_count, {(index[id(p)], key): (weakref.ref(t), t._version)
+                                            for p, st in state.items() for key, t in st.items()})
     return state
 
-  def is_own_export(self, state: dict) -> bool:
-    """Whether a state_dict's "state" is the last export's tensors, unchanged since (what
-    accelerate's prepare hands back: optimizer.load_state_dict(optimizer.state_dict()))."""
+  def is_own_export(self, state: dict, position: Dict[Any, int]) -> bool:
+    """Whether a state_dict's "state" is the last export's tensors, in their places and
+    unchanged since (no in-place write: their version counters as exported), and the store
+    unchanged too (what accelerate's prepare hands back: load_state_dict(state_dict())).
+    `position`: a saved parameter id -> its parameter's index (torch's mapping)."""
     if self._export is None or self._export[0] != self._core.step_count or self._written():
       return False
-    given = {id(t) for st in state.values() for t in st.values()}
-    alive = [r() for r in self._export[1]]
-    return all(t is not None for t in alive) and given == {id(t) for t in alive} and len(given) == len(alive)
+    given = {}
+    for saved_id, st in state.items():
+      if saved_id not in position or not isinstance(st, dict):
+        return False
+      for key, t in st.items():
+        given[(position[saved_id], key)] = t
+    exported = self._export[1]
+    if set(given) != set(exported):
+      return False
+    return all(ref() is given[place] and given[place]._version == version for place, (ref, version) in exported.items())
 
-  def same_state(self, state: dict) -> bool:
-    """Whether a state_dict's "state" (indices over every parameter) equals this store's, value
-    for value (an export through RAM)."""
+  def same_state(self, state: dict, position: Dict[Any, int]) -> bool:
+    """Whether a state_dict's "state" equals this store's, value for value (an export through
+    RAM). `position`: a saved parameter id -> its parameter's index (torch's mapping)."""
     mine = self.export_state()
     index = {id(p): k for k, p in enumerate(self._all)}
     want = {index[id(p)]: st for p, st in mine.items()}
-    if set(state) != set(want):
+    if any(saved_id not in position for saved_id in state):
+      return False
+    placed = {position[saved_id]: st for saved_id, st in state.items()}
+    if set(placed) != set(want) or len(placed) != len(state):
       return False
     for k, st in want.items():
-      other = state[k]
+      other = placed[k]
+      if not isinstance(other, dict):
+        return False
       if set(other) != set(st):
         return False
       for key, x in st.items():

@@ -864,25 +864,34 @@ class _HostAdam(torch.optim.Optimizer):
   def _load_own_state(self, state_dict: dict) -> None:
     """load_state_dict with store=: only of the state the store holds (accelerate's prepare
     loads what state_dict gave it), whose param_groups' hyper-parameters are then taken, as
-    torch takes them; any other state is refused, nothing changed."""
+    torch takes them, checked first; any other state is refused, nothing changed."""
     store = cast(TorchStore, self._store)
     saved = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
     if not isinstance(saved, list) or len(saved) != len(self.param_groups) or any(
         not isinstance(s, dict) or len(s.get("params", ())) != len(g["params"]) for s, g in zip(saved, self.param_groups)):
       raise ValueError("load_state_dict with store=: param_groups of another shape than this optimizer's; nothing "
                        "was changed")
+    merged = []
+    for gi, (group, s) in enumerate(zip(self.param_groups, saved)):
+      where = f"state_dict['param_groups'][{gi}]"
+      candidate = {**group, **{k: v for k, v in s.items() if k != "params"}}
+      self._refuse_unsupported(candidate, where)
+      self._config(candidate, where)  # the hyper-parameters a step takes, checked now
+      for key, held in (("moments", self._group_format(group)), ("rounding_seed", group.get("rounding_seed", 0))):
+        if candidate.get(key, held) != held:
+          raise ValueError(f"load_state_dict with store=: {where}[{key!r}] = {candidate.get(key)!r}, the store "
+                           f"holds {held!r} (fixed when it was made); nothing was changed")
+      merged.append({k: v for k, v in s.items() if k != "params"})
+    # torch's mapping: the saved parameter ids, in param_groups order, name the parameters in order.
+    position = {saved_id: k for k, saved_id in enumerate(i for s in saved for i in s["params"])}
     state = state_dict.get("state", {})
-    if not (store.is_own_export(state) or store.same_state(state)):
+    if not isinstance(state, dict) or not (store.is_own_export(state, position) or store.same_state(state, position)):
       raise ValueError("load_state_dict with store=: the store is the checkpoint (every step commits there), and "
                        "this state is not the one it holds; to bring another state into a store, load it into an "
                        "optimizer without store= and make the store with hostopt.StoredOptimizer.from_optimizer, or "
                        "start a new store from the model; nothing was changed")
-    for gi, (group, s) in enumerate(zip(self.param_groups, saved)):  # (in place: the store's groups stay these dicts)
-      if s.get("moments", self._group_format(group)) != self._group_format(group):
-        raise ValueError(f"load_state_dict with store=: param_groups[{gi}] saved with {s.get('moments')!r} moments, "
-                         f"the store holds {self._group_format(group)!r}; nothing was changed")
-    for group, s in zip(self.param_groups, saved):
-      group.update({k: v for k, v in s.items() if k != "params"})
+    for group, values in zip(self.param_groups, merged):  # (in place: the store's groups stay these dicts)
+      group.update(values)
 
   @property
   def store(self) -> Any:
@@ -1135,8 +1144,6 @@ class _HostAdam(torch.optim.Optimizer):
     encoded: lossy into bf16 or 8-bit). With ``store=``, only the state the store holds is
     taken (accelerate's prepare loads what ``state_dict`` gave it): its param_groups'
     hyper-parameters; any other state is refused (ValueError)."""
-    if self._store is not None:
-      return self._load_own_state(state_dict)
     self._drain()
     # torch 2's load pre-hooks, as torch.optim runs them: on a shallow copy, and what they
     # return is what is checked and loaded (torch's own load below runs without them).
@@ -1147,6 +1154,11 @@ class _HostAdam(torch.optim.Optimizer):
       result = hook(self, state_dict)
       if result is not None:
         state_dict = result
+    if self._store is not None:
+      self._load_own_state(state_dict)
+      for hook in list((post_hooks or {}).values()):
+        hook(self)
+      return
     if self._shards is not None:  # DTensor entries: their local shards, loaded by the inner optimizer
       self._shards.load_state_dict(state_dict, convert_moments)
       for hook in list((post_hooks or {}).values()):
