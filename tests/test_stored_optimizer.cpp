@@ -25,6 +25,9 @@
 #include "hostopt/sharding.hpp"
 #include "temp_dir.hpp"
 #include "io_queue.hpp"
+#include "checksum.hpp"
+#include "chunk_store.hpp"
+#include "direct_file.hpp"
 #include "hostopt/stored_optimizer.hpp"
 
 namespace fs = std::filesystem;
@@ -314,6 +317,71 @@ TEST_CASE("stored_optimizer: a step adopts the parameters a front's user wrote, 
     stored.step(const_view{g.data(), n, dtype::f32}, {}, checked_and_clipped(), const_view{written.data(), n, dtype::f32},
                 adopt);
     require_same_as(stored, ram, groups);
+  }
+}
+
+namespace {
+// Rewrites both commit records of the store in `dir` as a hostopt from before kept `words` of
+// them would have written them: the later words zeroed and not counted, the checksum redone.
+// (The record's layout, as chunk_store.cpp writes it: magic, version, unused, store id, step,
+// chunks, chunk bytes, fingerprint, word count, max_words words, their checksum.)
+void keep_only_words(const fs::path& dir, std::size_t words) {
+  const fs::path file = dir / "commit";
+  std::string bytes = file_bytes(file);
+  REQUIRE(bytes.size() == 2 * drive::direct_alignment);
+  constexpr std::size_t count_at = 8 + 4 + 4 + 6 * 8 - 8, words_at = count_at + 8;
+  const std::size_t sum_at = words_at + 8 * drive::chunk_store::max_words;
+  for (std::size_t place = 0; place < 2; ++place) {
+    char* r = bytes.data() + place * drive::direct_alignment;
+    std::uint64_t n = 0;
+    std::memcpy(&n, r + count_at, 8);
+    if (n == 0) continue; // (a place no commit wrote yet)
+    REQUIRE(n >= words);
+    n = words;
+    std::memcpy(r + count_at, &n, 8);
+    std::memset(r + words_at + 8 * words, 0, 8 * (drive::chunk_store::max_words - words));
+    hostopt::detail::checksum64 c;
+    c.add(r, sum_at);
+    const std::uint64_t sum = c.finish();
+    std::memcpy(r + sum_at, &sum, 8);
+  }
+  std::ofstream(file, std::ios::binary | std::ios::trunc).write(bytes.data(), std::streamsize(bytes.size()));
+}
+} // namespace
+
+TEST_CASE("stored_optimizer: a store from before hostopt kept hyper-parameters (or ranges) opens with the groups'") {
+  // 10 words: before each commit kept its hyper-parameters; 7: before a store could hold a range.
+  for (const std::size_t words : {std::size_t(10), std::size_t(7)}) {
+    INFO(words << " words per commit record");
+    const auto groups = mixed_groups();
+    temp_dir dir{"stored_optimizer"};
+    optimizer ram(groups);
+    const std::size_t n = ram.arena_size();
+    state_store_options o = small_store(dir.str());
+    {
+      stored_optimizer stored = stored_optimizer::create(groups, o);
+      for (std::int64_t t = 0; t < 2; ++t) {
+        stored.step(const_view{grad_of(n, t).data(), n, dtype::f32});
+        ram.step(const_view{grad_of(n, t).data(), n, dtype::f32});
+      }
+    }
+    keep_only_words(dir.path, words);
+    fs::remove(dir.path / "hyperparameters"); // (an older hostopt wrote none)
+    auto changed = groups;
+    changed[1].config.lr = 7e-3; // the caller's: an old store keeps none
+    stored_optimizer stored = stored_optimizer::open(changed, o);
+    CHECK(stored.recovery().empty()); // silent: nothing was lost
+    CHECK(stored.step_count() == 2);
+    CHECK(stored.group_config(1).lr == 7e-3);
+    require_same_as(stored, ram, groups);
+    ram.set_lr(1, 7e-3);
+    stored.step(const_view{grad_of(n, 2).data(), n, dtype::f32}); // upgraded: this commit keeps them
+    ram.step(const_view{grad_of(n, 2).data(), n, dtype::f32});
+    stored.close();
+    stored_optimizer again = stored_optimizer::open(groups, o); // the groups say 2e-3; the store 7e-3
+    CHECK(again.group_config(1).lr == 7e-3);
+    CHECK(again.recovery().empty());
+    require_same_as(again, ram, groups);
   }
 }
 
