@@ -321,6 +321,18 @@ TEST_CASE("stored_optimizer: a step adopts the parameters a front's user wrote, 
 }
 
 namespace {
+// A new store of `groups` (options `o`) and the in-RAM `ram`, both stepped `steps` times alike.
+stored_optimizer stepped_store(const std::vector<param_group>& groups, const state_store_options& o, optimizer& ram,
+                               std::int64_t steps) {
+  stored_optimizer stored = stored_optimizer::create(groups, o);
+  const std::size_t n = ram.arena_size();
+  for (std::int64_t t = 0; t < steps; ++t) {
+    stored.step(const_view{grad_of(n, t).data(), n, dtype::f32});
+    ram.step(const_view{grad_of(n, t).data(), n, dtype::f32});
+  }
+  return stored;
+}
+
 // Rewrites both commit records of the store in `dir` as a hostopt from before kept `words` of
 // them would have written them: the later words zeroed and not counted, the checksum redone.
 // (The record's layout, as chunk_store.cpp writes it: magic, version, unused, store id, step,
@@ -358,13 +370,7 @@ TEST_CASE("stored_optimizer: a store from before hostopt kept hyper-parameters (
     optimizer ram(groups);
     const std::size_t n = ram.arena_size();
     state_store_options o = small_store(dir.str());
-    {
-      stored_optimizer stored = stored_optimizer::create(groups, o);
-      for (std::int64_t t = 0; t < 2; ++t) {
-        stored.step(const_view{grad_of(n, t).data(), n, dtype::f32});
-        ram.step(const_view{grad_of(n, t).data(), n, dtype::f32});
-      }
-    }
+    stepped_store(groups, o, ram, 2); // (closed again)
     keep_only_words(dir.path, words);
     fs::remove(dir.path / "hyperparameters"); // (an older hostopt wrote none)
     auto changed = groups;
@@ -392,11 +398,7 @@ TEST_CASE("stored_optimizer: copy_params_to refuses a buffer of another size, an
   const std::size_t n = ram.arena_size();
   state_store_options o = small_store(dir.str());
   {
-    stored_optimizer stored = stored_optimizer::create(groups, o);
-    for (std::int64_t t = 0; t < 2; ++t) {
-      stored.step(const_view{grad_of(n, t).data(), n, dtype::f32});
-      ram.step(const_view{grad_of(n, t).data(), n, dtype::f32});
-    }
+    stored_optimizer stored = stepped_store(groups, o, ram, 2);
     std::vector<float> short_buffer(n - 1, 5.0f);
     CHECK_THROWS_WITH(stored.copy_params_to(mut_view{short_buffer.data(), n - 1, dtype::f32}),
                       Catch::Contains("flat_out") && Catch::Contains(std::to_string(n)));
