@@ -98,16 +98,32 @@ inline step_options options_of(float grad_scale, double max_grad_norm, bool skip
   return so;
 }
 
+/// A flat step's arguments, checked: the gradient, the optional copy-out, the options.
+struct flat_step_args {
+  buffer grad, out;
+  step_options options;
+  const_view grad_view() const { return {grad.data, grad.size, grad.type}; }
+  mut_view out_view() const { return {out.data, out.size, out.type}; }
+};
+
+inline flat_step_args flat_step_args_of(py::handle grad, const std::string& grad_dtype, py::handle out,
+                                        const std::string& out_dtype, float grad_scale, double max_grad_norm,
+                                        bool skip_nonfinite, double known_grad_norm) {
+  flat_step_args a;
+  a.grad = check_array(grad, "grad", grad_dtype, false);
+  if (!out.is_none()) a.out = check_array(out, "out", out_dtype, true);
+  a.options = options_of(grad_scale, max_grad_norm, skip_nonfinite, known_grad_norm);
+  return a;
+}
+
 template <class Opt>
 step_result step_flat(Opt& o, py::handle grad, const std::string& grad_dtype, py::handle out,
                       const std::string& out_dtype, float grad_scale, double max_grad_norm, bool skip_nonfinite,
                       double known_grad_norm) {
-  const buffer g = check_array(grad, "grad", grad_dtype, false);
-  buffer b;
-  if (!out.is_none()) b = check_array(out, "out", out_dtype, true);
-  const step_options so = options_of(grad_scale, max_grad_norm, skip_nonfinite, known_grad_norm);
+  const flat_step_args a =
+      flat_step_args_of(grad, grad_dtype, out, out_dtype, grad_scale, max_grad_norm, skip_nonfinite, known_grad_norm);
   py::gil_scoped_release release;
-  return o.step({g.data, g.size, g.type}, {b.data, b.size, b.type}, so);
+  return o.step(a.grad_view(), a.out_view(), a.options);
 }
 
 } // namespace hostopt::bindings

@@ -123,15 +123,13 @@ void bind_stored_optimizer(py::module_& m) {
           [](stored_optimizer& o, py::handle grad, const std::string& grad_dtype, py::handle out,
              const std::string& out_dtype, float grad_scale, double max_grad_norm, bool skip_nonfinite,
              double known_grad_norm, py::handle params, const std::vector<std::pair<std::size_t, std::size_t>>& adopt) {
-            const buffer g = check_array(grad, "grad", grad_dtype, false);
-            buffer b;
-            if (!out.is_none()) b = check_array(out, "out", out_dtype, true);
+            const flat_step_args a = flat_step_args_of(grad, grad_dtype, out, out_dtype, grad_scale, max_grad_norm,
+                                                       skip_nonfinite, known_grad_norm);
             const buffer p = check_array(params, "params", "f32", false);
             std::vector<arena_range> ranges;
             for (const auto& [begin, end] : adopt) ranges.push_back({begin, end});
-            const step_options so = options_of(grad_scale, max_grad_norm, skip_nonfinite, known_grad_norm);
             py::gil_scoped_release release;
-            return o.step({g.data, g.size, g.type}, {b.data, b.size, b.type}, so, {p.data, p.size, p.type}, ranges);
+            return o.step(a.grad_view(), a.out_view(), a.options, {p.data, p.size, p.type}, ranges);
           },
           py::arg("grad"), py::arg("grad_dtype"), py::arg("out"), py::arg("out_dtype"), py::arg("grad_scale"),
           py::arg("max_grad_norm"), py::arg("skip_nonfinite"), py::arg("known_grad_norm"), py::arg("params"),

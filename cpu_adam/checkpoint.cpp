@@ -923,6 +923,7 @@ void save_checkpoint_streamed(const checkpoint_description& d, const std::string
   if (digits_at == std::string::npos)
     throw std::logic_error("checkpoint header: the checksum slot is not unique");
   const std::uint64_t data_at = 8 + text.size();
+  const std::size_t end = arena_end(d.segs);
   replace_file_atomically(checkpoint_owner, path, "checkpoint", [&](file_writer& out) {
     const auto len = length_prefix(text.size());
     out.write(len.data(), len.size());
@@ -931,7 +932,7 @@ void save_checkpoint_streamed(const checkpoint_description& d, const std::string
     fill([&](std::size_t tensor, int kind, std::size_t first, const void* bytes, std::size_t n) {
       const segment& s = d.segs[tensor];
       const moment_format f = d.formats[s.group];
-      const piece_of held = piece_in(s, d.range, arena_end(d.segs));
+      const piece_of held = piece_in(s, d.range, end);
       const std::size_t from = first - held.a; // (the entry starts at the range's first element of it)
       if (!held.held || kind < 0 || kind >= kinds_of(f) || first < held.a || (kind == kind_scales && from % q8_block))
         throw std::logic_error("save_checkpoint_streamed: a piece of tensor '" + s.name + "' that no entry holds");

@@ -250,7 +250,7 @@ class TorchStore:
       if self._applied.get(j) != cfg:
         self._core.set_group_config(j, cfg)
         self._applied[j] = cfg
-    flat_g = torch.zeros(self._size, dtype=self._dtype)
+    flat_g = torch.empty(self._size, dtype=self._dtype)  # (the padding between tensors is never read)
     for s, p, g in zip(self._segs, self._params, grads):
       if g.stride() != p.stride() or not dense_order(g):
         g = torch.empty_like(p).copy_(g)  # the parameter's memory order
