@@ -17,17 +17,12 @@
 #include <nlohmann/json.hpp>
 
 #include "reference.hpp"
+#include "temp_dir.hpp"
 
 using namespace hostopt;
 namespace fs = std::filesystem;
 
 namespace {
-
-fs::path scratch_dir() {
-  const fs::path d = fs::temp_directory_path() / ("hostopt_ckpt_test_" + std::to_string(::getpid()));
-  fs::create_directories(d);
-  return d;
-}
 
 std::vector<param_group> model() {
   adam_config a, b;
@@ -84,7 +79,8 @@ struct snapshot {
 } // namespace
 
 TEST_CASE("10 steps, save, load into a fresh optimizer, 10 steps == 20 straight steps", "[checkpoint]") {
-  const fs::path dir = scratch_dir();
+  const hostopt_test::temp_dir scratch("ckpt_test");
+  const fs::path& dir = scratch.path;
   std::mt19937 rng_a(1), rng_b(1);
   optimizer straight(model());
   train(straight, 20, rng_a);
@@ -105,11 +101,11 @@ TEST_CASE("10 steps, save, load into a fresh optimizer, 10 steps == 20 straight 
   CHECK(std::memcmp(resumed.params().data(), straight.params().data(), straight.arena_size() * 4) == 0);
   CHECK(std::memcmp(resumed.exp_avg_sq().data(), straight.exp_avg_sq().data(), straight.arena_size() * 4) == 0);
   CHECK(resumed.step_count() == 20);
-  fs::remove_all(dir);
 }
 
 TEST_CASE("the file is standard safetensors, replaced atomically", "[checkpoint]") {
-  const fs::path dir = scratch_dir();
+  const hostopt_test::temp_dir scratch("ckpt_test");
+  const fs::path& dir = scratch.path;
   const fs::path path = dir / "state.safetensors";
   std::mt19937 rng(2);
   optimizer opt(model());
@@ -141,11 +137,11 @@ TEST_CASE("the file is standard safetensors, replaced atomically", "[checkpoint]
   CHECK_THROWS_WITH(save_checkpoint(opt, (dir / "no_such_dir" / "x.safetensors").string()),
                     Catch::Contains("no_such_dir") && Catch::Contains("No such file"));
   CHECK(split(read_file(path)).first["__metadata__"]["step"] == "3");
-  fs::remove_all(dir);
 }
 
 TEST_CASE("bad checkpoints are refused with a message naming the problem, nothing changes", "[checkpoint][errors]") {
-  const fs::path dir = scratch_dir();
+  const hostopt_test::temp_dir scratch("ckpt_test");
+  const fs::path& dir = scratch.path;
   const fs::path good = dir / "good.safetensors", bad = dir / "bad.safetensors";
   std::mt19937 rng(3);
   optimizer source(model());
@@ -227,11 +223,11 @@ TEST_CASE("bad checkpoints are refused with a message naming the problem, nothin
   CHECK_THROWS_WITH(load_checkpoint(different, good.string()),
                     Catch::Contains("different tensor names") || Catch::Contains("a different model"));
   CHECK_THROWS_WITH(load_checkpoint(target, (dir / "missing.safetensors").string()), Catch::Contains("cannot open"));
-  fs::remove_all(dir);
 }
 
 TEST_CASE("saves replace only regular files, links, fifos, devices and directories are refused", "[checkpoint][files]") {
-  const fs::path dir = scratch_dir();
+  const hostopt_test::temp_dir scratch("ckpt_test");
+  const fs::path& dir = scratch.path;
   optimizer opt(model());
   std::mt19937 rng(4);
   train(opt, 1, rng);
@@ -262,22 +258,22 @@ TEST_CASE("saves replace only regular files, links, fifos, devices and directori
   // Nothing was left behind by the refused saves.
   for (auto it = fs::directory_iterator(dir); it != fs::directory_iterator(); ++it)
     CHECK(it->path().filename().string().find("hostopt-tmp") == std::string::npos);
-  fs::remove_all(dir);
 }
 
 TEST_CASE("loading from a fifo is refused at once instead of blocking", "[checkpoint][files]") {
-  const fs::path dir = scratch_dir();
+  const hostopt_test::temp_dir scratch("ckpt_test");
+  const fs::path& dir = scratch.path;
   const fs::path fifo = dir / "fifo.safetensors";
   REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
   optimizer opt(model());
   // No writer ever opens the fifo: a load that opened it blocking would never return (the
   // suite's timeout then fails it). No clock is read here: a busy machine cannot fail it.
   CHECK_THROWS_WITH(load_checkpoint(opt, fifo.string()), Catch::Contains("not a regular file"));
-  fs::remove_all(dir);
 }
 
 TEST_CASE("temp files are unique per save, and a dead writer's are removed by the next save", "[checkpoint][files]") {
-  const fs::path dir = scratch_dir();
+  const hostopt_test::temp_dir scratch("ckpt_test");
+  const fs::path& dir = scratch.path;
   const fs::path path = dir / "state.safetensors";
   optimizer opt(model());
   std::mt19937 rng(5);
@@ -318,22 +314,22 @@ TEST_CASE("temp files are unique per save, and a dead writer's are removed by th
   std::size_t files = 0;
   for (auto it = fs::directory_iterator(dir); it != fs::directory_iterator(); ++it) ++files;
   CHECK(files == 1);
-  fs::remove_all(dir);
 }
 
 TEST_CASE("paths with a NUL byte are refused, not truncated", "[checkpoint][files]") {
-  const fs::path dir = scratch_dir();
+  const hostopt_test::temp_dir scratch("ckpt_test");
+  const fs::path& dir = scratch.path;
   optimizer opt(model());
   const std::string with_nul = (dir / "a.safetensors").string() + std::string("\0.bak", 5);
   CHECK_THROWS_WITH(save_checkpoint(opt, with_nul), Catch::Contains("NUL"));
   CHECK_FALSE(fs::exists(dir / "a.safetensors"));
   CHECK_THROWS_WITH(load_checkpoint(opt, with_nul), Catch::Contains("NUL"));
   CHECK_THROWS_AS(save_checkpoint(opt, ""), std::invalid_argument);
-  fs::remove_all(dir);
 }
 
 TEST_CASE("loading needs no second copy of the state and refuses trailing bytes", "[checkpoint]") {
-  const fs::path dir = scratch_dir();
+  const hostopt_test::temp_dir scratch("ckpt_test");
+  const fs::path& dir = scratch.path;
   const fs::path path = dir / "big.safetensors";
   // 8M parameters: 96 MiB of state. A load that staged the whole data section would add
   // 96 MiB to the peak; the streaming load adds a few MiB of buffers.
@@ -370,13 +366,13 @@ TEST_CASE("loading needs no second copy of the state and refuses trailing bytes"
   optimizer fresh({{adam_config{}, {{"w", {8 << 20}}}}});
   CHECK_THROWS_WITH(load_checkpoint(fresh, path.string()), Catch::Contains("belong to no tensor"));
   CHECK(fresh.step_count() == 0);
-  fs::remove_all(dir);
 }
 
 TEST_CASE("many tensors, empty ones among them, save and load exactly", "[checkpoint]") {
   // Empty tensors share their data offset with the next one: the overlap check must not
   // mistake them for an overlap (an unstable sort did, with six or more tensors).
-  const fs::path dir = scratch_dir();
+  const hostopt_test::temp_dir scratch("ckpt_test");
+  const fs::path& dir = scratch.path;
   std::vector<tensor_spec> tensors;
   for (int i = 0; i < 24; ++i) tensors.push_back({"t" + std::to_string(i), {i % 3 == 0 ? 0 : i}});
   const std::vector<param_group> groups{{adam_config{}, tensors}};
@@ -386,7 +382,6 @@ TEST_CASE("many tensors, empty ones among them, save and load exactly", "[checkp
   save_checkpoint(opt, (dir / "many.safetensors").string());
   load_checkpoint(loaded, (dir / "many.safetensors").string());
   CHECK(snapshot(loaded) == snapshot(opt));
-  fs::remove_all(dir);
 }
 
 namespace {
@@ -469,7 +464,8 @@ std::uint32_t bits_of(float x) {
 TEST_CASE("a file with a valid checksum and a negative exp_avg_sq is refused, naming tensor and index, "
           "what a step writes (NaN, inf) loads",
           "[checkpoint][errors]") {
-  const fs::path dir = scratch_dir();
+  const hostopt_test::temp_dir scratch("ckpt_test");
+  const fs::path& dir = scratch.path;
   const std::string path = (dir / "v.safetensors").string();
   std::mt19937 rng(11);
   optimizer source(model());
@@ -506,12 +502,12 @@ TEST_CASE("a file with a valid checksum and a negative exp_avg_sq is refused, na
   save_checkpoint(source, path);
   load_checkpoint(target, path);
   CHECK(std::memcmp(target.exp_avg_sq().data(), source.exp_avg_sq().data(), source.arena_size() * 4) == 0);
-  fs::remove_all(dir);
 }
 
 TEST_CASE("a negative bf16 exp_avg_sq code is refused too, and a value cut by the loader's read blocks is read whole",
           "[checkpoint][errors]") {
-  const fs::path dir = scratch_dir();
+  const hostopt_test::temp_dir scratch("ckpt_test");
+  const fs::path& dir = scratch.path;
   const std::string path = (dir / "v16.safetensors").string();
   // An 8-bit tensor of 33 elements first (202 bytes: the entries after it are 2 mod 4), then
   // a bf16 group and an f32 group large enough that the loader reads the data in blocks.
@@ -570,13 +566,13 @@ TEST_CASE("a negative bf16 exp_avg_sq code is refused too, and a value cut by th
     write_value(path, "f.exp_avg_sq", at, bits_of(-2.0f), 4);
     refused("tensor 'f' exp_avg_sq[" + std::to_string(at) + "] = -2");
   }
-  fs::remove_all(dir);
 }
 
 TEST_CASE("hostopt never writes a file it would refuse: a negative exp_avg_sq from a view is refused by save "
           "(naming tensor and index, nothing written), and by write_moments for f32 as for bf16",
           "[checkpoint][errors]") {
-  const fs::path dir = scratch_dir();
+  const hostopt_test::temp_dir scratch("ckpt_test");
+  const fs::path& dir = scratch.path;
   const fs::path path = dir / "own.safetensors";
   adam_config c;
   std::vector<param_group> groups{{c, {{"w", {4, 3}}}}, {c, {{"b", {40}}}, moment_format::bf16, 2}};
@@ -626,12 +622,12 @@ TEST_CASE("hostopt never writes a file it would refuse: a negative exp_avg_sq fr
     CHECK(m1 == m0);
     CHECK(v1 == v0);
   }
-  fs::remove_all(dir);
 }
 
 TEST_CASE("a key twice in a header object (last wins in a JSON reader) is refused, checksum valid or not",
           "[checkpoint][errors]") {
-  const fs::path dir = scratch_dir();
+  const hostopt_test::temp_dir scratch("ckpt_test");
+  const fs::path& dir = scratch.path;
   const fs::path good = dir / "good.safetensors", bad = dir / "dup.safetensors";
   std::mt19937 rng(13);
   optimizer source(model());
@@ -674,5 +670,4 @@ TEST_CASE("a key twice in a header object (last wins in a JSON reader) is refuse
     }
     CHECK(snapshot(target) == before);
   }
-  fs::remove_all(dir);
 }

@@ -11,6 +11,7 @@
 
 #include "../cpu_adam/fair_mutex.hpp" // the lock itself, tested for its order
 #include "reference.hpp"
+#include "temp_dir.hpp"
 
 using namespace hostopt;
 namespace fs = std::filesystem;
@@ -29,12 +30,6 @@ std::vector<float> state_of(const optimizer& o) {
   s.insert(s.end(), o.exp_avg().begin(), o.exp_avg().end());
   s.insert(s.end(), o.exp_avg_sq().begin(), o.exp_avg_sq().end());
   return s;
-}
-
-fs::path scratch_dir() {
-  const fs::path d = fs::temp_directory_path() / ("hostopt_concurrency_test_" + std::to_string(::getpid()));
-  fs::create_directories(d);
-  return d;
 }
 
 } // namespace
@@ -137,7 +132,8 @@ TEST_CASE("a caller that waited for a chunked step goes before the next one open
 }
 
 TEST_CASE("save while another thread steps writes a whole, loadable state", "[concurrency][checkpoint]") {
-  const fs::path dir = scratch_dir();
+  const hostopt_test::temp_dir scratch("concurrency_test");
+  const fs::path& dir = scratch.path;
   const std::size_t n = 300000;
   std::mt19937 rng(6);
   optimizer opt(model(n), {1, ""});
@@ -163,7 +159,6 @@ TEST_CASE("save while another thread steps writes a whole, loadable state", "[co
     INFO(f << " at step " << loaded.step_count());
     CHECK(state_of(loaded) == state_of(replay));
   }
-  fs::remove_all(dir);
 }
 
 TEST_CASE("a chunked step belongs to its thread, others wait for it", "[concurrency]") {
@@ -196,7 +191,8 @@ TEST_CASE("a chunked step belongs to its thread, others wait for it", "[concurre
 }
 
 TEST_CASE("a half-updated state is refused everywhere until a checkpoint restores it", "[concurrency][faults]") {
-  const fs::path dir = scratch_dir();
+  const hostopt_test::temp_dir scratch("concurrency_test");
+  const fs::path& dir = scratch.path;
   const std::string good = (dir / "good.safetensors").string(), other = (dir / "other.safetensors").string();
   optimizer opt(model(100));
   std::vector<float> g(opt.arena_size(), 0.5f);
@@ -242,5 +238,4 @@ TEST_CASE("a half-updated state is refused everywhere until a checkpoint restore
   CHECK_FALSE(opt.usable());
   opt.reset_failure();
   CHECK(opt.usable());
-  fs::remove_all(dir);
 }

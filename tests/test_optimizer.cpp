@@ -10,6 +10,7 @@
 #include <numeric>
 
 #include "reference.hpp"
+#include "temp_dir.hpp"
 
 using namespace hostopt;
 
@@ -336,8 +337,8 @@ TEST_CASE("per-tensor step counts load as torch gives them and survive a checkpo
   CHECK(same_bits(opt.params("w"), w.p));
   CHECK(same_bits(opt.params("b"), b.p));
 
-  const std::string path = (std::filesystem::temp_directory_path() /
-                            ("hostopt_tensor_steps_" + std::to_string(::getpid()) + ".safetensors")).string();
+  const hostopt_test::temp_dir scratch("tensor_steps");
+  const std::string path = (scratch.path / "ckpt.safetensors").string();
   save_checkpoint(opt, path);
   optimizer loaded(groups);
   load_checkpoint(loaded, path);
@@ -351,7 +352,6 @@ TEST_CASE("per-tensor step counts load as torch gives them and survive a checkpo
   CHECK_THROWS_WITH(shard.set_tensor_steps(torch_steps), Catch::Contains("share one step count"));
   CHECK_THROWS_WITH(opt.set_tensor_steps(std::vector<std::int64_t>{1}), Catch::Contains("expected one per tensor"));
   CHECK_THROWS_WITH(opt.set_tensor_steps(std::vector<std::int64_t>{1, -1}), Catch::Contains("'b' step count = -1"));
-  std::remove(path.c_str());
 }
 
 TEST_CASE("maximize ascends: the bits of a step on the negated gradient, weight decay unchanged", "[optimizer]") {

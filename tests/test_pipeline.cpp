@@ -14,6 +14,7 @@
 #include "hostopt/offload_pipeline.hpp"
 #include "hostopt/optimizer.hpp"
 #include "reference.hpp"
+#include "temp_dir.hpp"
 
 using namespace hostopt;
 
@@ -355,8 +356,8 @@ TEST_CASE("restoring a checkpoint makes a poisoned optimizer and its pipeline us
   device_buffer g(*engine, n * 4), p(*engine, n * 4);
   offload_pipeline pipe(opt, *engine, po);
   std::fill_n(static_cast<float*>(g.data), n, 0.25f);
-  const std::string path = (std::filesystem::temp_directory_path() /
-                            ("hostopt_pipeline_restore_" + std::to_string(::getpid()) + ".safetensors")).string();
+  const hostopt_test::temp_dir scratch("pipeline_restore");
+  const std::string path = (scratch.path / "ckpt.safetensors").string();
   save_checkpoint(opt, path);
   CHECK_THROWS_WITH(pipe.step({g.data, n, dtype::f32}, {p.data, n, dtype::f32}, ready), Catch::Contains("not usable"));
   CHECK_FALSE(pipe.usable());
@@ -368,7 +369,6 @@ TEST_CASE("restoring a checkpoint makes a poisoned optimizer and its pipeline us
   pipe.step({g.data, n, dtype::f32}, {p.data, n, dtype::f32}, ready);
   ref_opt.step({g.data, n, dtype::f32});
   CHECK(same_state(opt, ref_opt));
-  std::remove(path.c_str());
 }
 
 TEST_CASE("a save while a pipeline step is in flight waits for it and writes a whole state", "[pipeline][checkpoint]") {
@@ -387,8 +387,8 @@ TEST_CASE("a save while a pipeline step is in flight waits for it and writes a w
   device_buffer g(*engine, n * 4), p(*engine, n * 4);
   offload_pipeline pipe(opt, *engine, po);
   std::fill_n(static_cast<float*>(g.data), n, 0.25f);
-  const std::string path = (std::filesystem::temp_directory_path() /
-                            ("hostopt_pipeline_save_" + std::to_string(::getpid()) + ".safetensors")).string();
+  const hostopt_test::temp_dir scratch("pipeline_save");
+  const std::string path = (scratch.path / "ckpt.safetensors").string();
   auto h = pipe.step_async({g.data, n, dtype::f32}, {p.data, n, dtype::f32}, ready);
   while (!updating) std::this_thread::yield();
   save_checkpoint(opt, path); // waits for the chunked step to finish
@@ -396,7 +396,6 @@ TEST_CASE("a save while a pipeline step is in flight waits for it and writes a w
   load_checkpoint(loaded, path);
   ref_opt.step({g.data, n, dtype::f32});
   CHECK(same_state(loaded, ref_opt));
-  std::remove(path.c_str());
 }
 
 TEST_CASE("a failed parameter copy is a sticky device error named by the pipeline", "[pipeline][faults]") {

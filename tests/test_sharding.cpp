@@ -12,6 +12,7 @@
 #include <tuple>
 
 #include "reference.hpp"
+#include "temp_dir.hpp"
 
 using namespace hostopt;
 namespace fs = std::filesystem;
@@ -195,8 +196,8 @@ TEST_CASE("sharded steps are bit-identical to the single-process optimizer for 1
 }
 
 TEST_CASE("save with 2 ranks, load with 3 and with 1: training continues bit-identically", "[sharding][checkpoint]") {
-  const fs::path dir = fs::temp_directory_path() / ("hostopt_shard_test_" + std::to_string(::getpid()));
-  fs::create_directories(dir);
+  const hostopt_test::temp_dir scratch("shard_test");
+  const fs::path& dir = scratch.path;
   std::mt19937 rng(8);
   auto two = make_world(2);
   const std::size_t n = two.front().arena_size();
@@ -231,14 +232,12 @@ TEST_CASE("save with 2 ranks, load with 3 and with 1: training continues bit-ide
   two.front().commit_save(dir.string(), "step-4");
   CHECK_THROWS_WITH(two.back().save(dir.string(), "step-4"), Catch::Contains("is the committed save"));
   CHECK_THROWS_WITH(world.back().commit_save(dir.string(), "step-4"), Catch::Contains("rank 0"));
-  fs::remove_all(dir);
 }
 
 TEST_CASE("an index.json with a key twice (a JSON reader keeps one) is refused by load and save",
           "[sharding][checkpoint]") {
-  const fs::path dir = fs::temp_directory_path() / ("hostopt_shard_dup_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
+  const hostopt_test::temp_dir scratch("shard_dup");
+  const fs::path& dir = scratch.path;
   std::mt19937 rng(10);
   auto two = make_world(2);
   const std::size_t n = two.front().arena_size();
@@ -278,12 +277,11 @@ TEST_CASE("an index.json with a key twice (a JSON reader keeps one) is refused b
   auto world = make_world(2);
   for (auto& r : world) r.load(dir.string());
   CHECK(world.front().local().step_count() == 1);
-  fs::remove_all(dir);
 }
 
 TEST_CASE("shard files of different saves are never loaded together", "[sharding][checkpoint]") {
-  const fs::path base = fs::temp_directory_path() / ("hostopt_shard_mix_" + std::to_string(::getpid()));
-  const fs::path dir = base / "ckpt";
+  const hostopt_test::temp_dir scratch("shard_mix");
+  const fs::path dir = scratch.path / "ckpt";
   fs::create_directories(dir);
   std::mt19937 rng(9);
   auto late = make_world(2), early = make_world(2);
@@ -322,7 +320,6 @@ TEST_CASE("shard files of different saves are never loaded together", "[sharding
   auto world = make_world(3);
   for (auto& r : world) r.load(dir.string());
   CHECK(world.front().local().step_count() == 3);
-  fs::remove_all(base);
 }
 
 TEST_CASE("global decisions are global: a NaN on one rank makes every rank skip, clipping uses the global norm",
