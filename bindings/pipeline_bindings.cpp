@@ -17,6 +17,7 @@
 
 #include "hostopt/offload_pipeline.hpp"
 #include "hostopt/optimizer.hpp"
+#include "hostopt/stored_optimizer.hpp"
 
 namespace hostopt::bindings {
 
@@ -95,7 +96,7 @@ void bind_pipeline(py::module_& m) {
                              [](const pipeline_handle& h) { return handle_of(h.params_ready().handle); });
 
   py::class_<pipeline_holder>(
-      m, "OffloadPipeline", "offload_pipeline over an Optimizer: device gradients in, device parameters out.")
+      m, "OffloadPipeline", "offload_pipeline over an Optimizer or a StoredOptimizer: device gradients in, device parameters out.")
       .def(py::init([](py::object opt, std::shared_ptr<copy_engine> engine, std::size_t chunk_elems,
                        int depth, const std::string& grad_type, const std::string& param_type) {
              if (!engine) throw py::value_error("OffloadPipeline: engine is None");
@@ -107,7 +108,11 @@ void bind_pipeline(py::module_& m) {
              auto h = std::make_unique<pipeline_holder>();
              h->engine = engine;
              h->optimizer = opt;
-             h->pipe = std::make_unique<offload_pipeline>(opt.cast<optimizer&>(), *engine, po);
+             // An Optimizer, or a StoredOptimizer (its state on a drive, streamed around the chunks).
+             chunk_updater& updater = py::isinstance<stored_optimizer>(opt)
+                                          ? static_cast<chunk_updater&>(opt.cast<stored_optimizer&>())
+                                          : opt.cast<optimizer&>();
+             h->pipe = std::make_unique<offload_pipeline>(updater, *engine, po);
              return h;
            }),
            py::arg("optimizer"), py::arg("engine"), py::arg("chunk_elems") = std::size_t(1) << 22,

@@ -403,6 +403,15 @@ void chunk_store::start_read(std::uint64_t chunk, staging& s) {
   requests_[tag] = {chunk, false, &s};
 }
 
+void chunk_store::read_committed(std::uint64_t chunk, staging& s) const {
+  if (chunk >= shape_.chunks) throw std::out_of_range("chunk_store: chunk " + std::to_string(chunk) + " of " +
+                                                      std::to_string(shape_.chunks));
+  if (committed_ == no_step) throw std::logic_error("chunk_store: nothing committed yet to read");
+  const request r{chunk, false, &s};
+  check_stamp(r, transfer_now({chunks_.fd(), false, s.memory_.get(), slot_bytes_of(shape_),
+                               slot_offset(chunk, committed_), 0}));
+}
+
 void chunk_store::check_still_there() const {
   // The directory removed or replaced under a live store: commits would go to unlinked files.
   struct stat by_path{}, by_fd{};

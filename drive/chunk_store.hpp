@@ -99,6 +99,11 @@ public:
 
   /// Starts reading chunk `chunk` of the committed step into `s` (checked by finish()).
   void start_read(std::uint64_t chunk, staging& s);
+  /// Reads chunk `chunk` of the committed step into `s` now, on the calling thread, beside
+  /// the requests in flight (which it neither waits for nor finishes: a step's writes go to
+  /// the other slots, so it reads the committed bytes whatever the step has written).
+  /// Verified as finish() verifies a read; the same errors.
+  void read_committed(std::uint64_t chunk, staging& s) const;
   /// Starts writing `s`'s payload as chunk `chunk` of next_step() (stamped now).
   void start_write(std::uint64_t chunk, staging& s);
   /// Waits for at least min(at_least, in flight) started requests; returns their chunks.

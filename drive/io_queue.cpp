@@ -1,11 +1,30 @@
 #include "io_queue.hpp"
 
+#include <unistd.h>
+
+#include <cerrno>
 #include <stdexcept>
 
 #include "thread_queue.hpp"
 #include "uring_queue.hpp"
 
 namespace hostopt::drive {
+
+std::int64_t transfer_now(const io_request& r) {
+  std::size_t done = 0;
+  while (done < r.bytes) {
+    auto* at = static_cast<char*>(r.buffer) + done;
+    const auto where = static_cast<off_t>(r.offset + done);
+    const ssize_t n = r.write ? ::pwrite(r.fd, at, r.bytes - done, where) : ::pread(r.fd, at, r.bytes - done, where);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return -errno;
+    }
+    if (n == 0) break; // end of file
+    done += static_cast<std::size_t>(n);
+  }
+  return static_cast<std::int64_t>(done);
+}
 
 std::string to_string(io_backend b) {
   switch (b) {

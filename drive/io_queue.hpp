@@ -28,6 +28,11 @@ struct io_request {
   std::uint64_t tag = 0;    // the caller's, handed back with the completion
 };
 
+/// Runs `r` at once on the calling thread (pread/pwrite, EINTR retried): the bytes moved (short
+/// only at the end of a file), or -errno. What the thread pool's workers run; also a caller's
+/// one-off read beside a queue busy with others.
+std::int64_t transfer_now(const io_request& r);
+
 struct io_completion {
   std::uint64_t tag = 0;
   std::int64_t result = 0; // bytes moved (short only at the end of a file), or -errno

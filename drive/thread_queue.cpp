@@ -1,31 +1,6 @@
 #include "thread_queue.hpp"
 
-#include <unistd.h>
-
-#include <cerrno>
-
 namespace hostopt::drive {
-
-namespace {
-
-// All of it, or -errno; short only at the end of a file.
-std::int64_t transfer(const io_request& r) {
-  std::size_t done = 0;
-  while (done < r.bytes) {
-    auto* at = static_cast<char*>(r.buffer) + done;
-    const auto where = static_cast<off_t>(r.offset + done);
-    const ssize_t n = r.write ? ::pwrite(r.fd, at, r.bytes - done, where) : ::pread(r.fd, at, r.bytes - done, where);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return -errno;
-    }
-    if (n == 0) break; // end of file
-    done += static_cast<std::size_t>(n);
-  }
-  return static_cast<std::int64_t>(done);
-}
-
-} // namespace
 
 thread_queue::thread_queue(unsigned depth) : io_queue(depth) {
   workers_.reserve(depth);
@@ -64,7 +39,7 @@ void thread_queue::work() {
     const io_request r = requests_.front();
     requests_.pop_front();
     lock.unlock();
-    const io_completion c{r.tag, transfer(r)};
+    const io_completion c{r.tag, transfer_now(r)};
     lock.lock();
     completions_.push_back(c);
     completed_.notify_all();

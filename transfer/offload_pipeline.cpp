@@ -577,6 +577,7 @@ struct offload_pipeline::impl {
                         (k < chunks ? "at chunk " + std::to_string(k) + " of " + std::to_string(chunks)
                                     : "after updating all " + std::to_string(chunks) + " chunks") +
                         " (stage " + stage_name(stage) + "): " + e.what();
+      const bool partly = begun_step && updated > 0 && updated < chunks;
       if (!begun_step) {
         msg += "; the optimizer state is unchanged";
       } else if (updated == 0) {
@@ -588,36 +589,65 @@ struct offload_pipeline::impl {
         msg += "; every chunk was updated: the optimizer state holds step " + std::to_string(before + 1) +
                ", whole, but the device failed: the pipeline refuses from now on and the optimizer is marked "
                "not usable until reset_failure() (then save it with a checkpoint)";
-      } else {
-        msg +=
-            "; chunks [0, " + std::to_string(updated) + ") hold step " + std::to_string(before + 1) +
-            " and the rest step " + std::to_string(before) +
-            ": the pipeline and the optimizer are not usable until the state is restored (load a checkpoint, "
-            "then push_params())";
       }
       if (begun_step && updated == chunks) {
         // The host state is whole at the new step, device error or not: finish it, so that
         // after a GPU failure reset_failure() gives a consistent optimizer to save (the
         // device error marks it not usable, and the pipeline refuses from now on).
         micro_batches = 0;
-        const step_result r = opt.finish_step();
+        step_result r;
+        try {
+          r = opt.finish_step();
+        } catch (const std::exception& f) {
+          return failed(msg + "; then finishing the step failed too: " + f.what() + not_finished(before));
+        }
         if (device.empty()) return {r, std::make_exception_ptr(std::runtime_error(msg))};
         return failed(msg);
       }
       // The chunks not updated get their unchanged parameters, read while this thread's
       // step is still open (after abort_step a poisoned optimizer would refuse the read).
-      if (!release_rest(op, std::min(k, chunks)))
-        msg +=
-            "; the device parameter buffer was not written with valid parameters: call push_params() (after "
-            "restoring the state if the optimizer is not usable)";
-      if (begun_step) opt.abort_step(msg); // poisons the optimizer when chunks were updated
+      const bool rest_valid = release_rest(op, std::min(k, chunks));
+      // Chunks updated, the rest not: the in-RAM optimizer's state is half-updated (abort_step
+      // poisons it, with this reason); an updater that applies a step whole or not at all (a
+      // store) keeps the step before, and only the device's updated chunks are ahead.
+      const std::string half =
+          "; chunks [0, " + std::to_string(updated) + ") hold step " + std::to_string(before + 1) +
+          " and the rest step " + std::to_string(before) +
+          ": the pipeline and the optimizer are not usable until the state is restored (load a checkpoint, "
+          "then push_params())";
+      const std::string invalid_rest =
+          "; the device parameter buffer was not written with valid parameters: call push_params() (after "
+          "restoring the state if the optimizer is not usable)";
+      if (begun_step) opt.abort_step(msg + (partly ? half : "") + (rest_valid ? "" : invalid_rest));
+      if (partly && opt.usable() && opt.step_count() == before)
+        msg += "; the optimizer state is unchanged (the updater applies a step whole or not at all), but the "
+               "device parameters of chunks [0, " + std::to_string(updated) +
+               ") hold the step that was not applied: call push_params()";
+      else
+        msg += (partly ? half : "") + (rest_valid ? "" : invalid_rest);
       micro_batches = 0;
       return failed(msg);
     }
-    const step_result r = opt.finish_step();
     micro_batches = 0;
-    return {r, nullptr};
+    try {
+      return {opt.finish_step(), nullptr};
+    } catch (const std::exception& e) { // (an updater that commits at the end: a store's write or commit)
+      return failed(std::string("offload step failed finishing (after updating all ") + std::to_string(chunks) +
+                    " chunks): " + e.what() + not_finished(before));
+    }
   }
+
+  // A step whose finish failed: the updater kept the step before (or, where its count moved,
+  // is not usable), and the device parameters hold the step that was not applied.
+  std::string not_finished(std::int64_t before) const {
+    const bool kept = opt.usable() && opt.step_count() == before;
+    return std::string("; ") +
+           (kept ? "the optimizer state is unchanged (it holds step " + std::to_string(before) + ")"
+                 : "the optimizer is not usable: " + opt.failure_reason()) +
+           ", and the device parameters hold the step that was not applied: call push_params()" +
+           (kept ? "" : " once it is usable again");
+  }
+
 
   outcome execute_accumulate(const operation& op) {
     std::size_t k = 0;

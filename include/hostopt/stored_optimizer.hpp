@@ -7,8 +7,10 @@
 //
 // Link hostopt::store (the installed package's target; it brings hostopt::hostopt).
 //
-// Not yet here (see docs/design.md): the per-tensor and chunked (pipeline) steps, the torch
-// and JAX fronts.
+// It is a chunk_updater: an offload_pipeline drives it as it drives the in-RAM optimizer,
+// gradients in and parameters out a chunk at a time around the streamed step.
+//
+// Not yet here (see docs/design.md): per-tensor steps (every tensor steps each time).
 
 #include <cstddef>
 #include <cstdint>
@@ -51,7 +53,7 @@ struct state_store_options {
   std::optional<arena_range> range;
 };
 
-class stored_optimizer {
+class stored_optimizer final : public chunk_updater {
 public:
   /// A new store in options.dirs (refused where one exists) holding the groups' state at step
   /// 0: zero moments, and `initial_params` (f32, the flat layout of the range held:
@@ -91,6 +93,8 @@ public:
                                         execution_options exec = {});
 
   stored_optimizer(stored_optimizer&&) noexcept;
+  stored_optimizer(const stored_optimizer&) = delete;
+  stored_optimizer& operator=(const stored_optimizer&) = delete;
   stored_optimizer& operator=(stored_optimizer&&) noexcept;
   ~stored_optimizer();
 
@@ -111,10 +115,10 @@ public:
   step_result step(const_view flat_grad, mut_view flat_out, const step_options& options, const_view flat_params,
                    std::span<const arena_range> adopt);
 
-  std::int64_t step_count() const;
+  std::int64_t step_count() const override;
   std::int64_t skipped_steps() const;
   /// Elements of a flat gradient or copy-out: the range held (padding included).
-  std::size_t arena_size() const;
+  std::size_t arena_size() const override;
   /// The part of the layout held: [0, arena_end) unless options.range named a shard.
   arena_range range() const;
   /// The whole layout's tensors (layout offsets), as optimizer::segments.
@@ -167,6 +171,52 @@ public:
   /// the same paths are refused. A store of a shard is refused (std::invalid_argument): a
   /// sharded checkpoint goes through copy_state_to into a sharded_optimizer.
   void save_checkpoint(const std::string& path) const;
+
+  // --- chunked steps (chunk_updater: what the offload pipeline drives) -----------------
+  // The ranges a step's gradients arrive in need not be the store's chunks: a range may start
+  // or end inside one, or cover several. The store's chunks stream as a whole step streams
+  // them: read ahead from begin_step on, updated as ranges cover them, written back once
+  // covered; finish_step waits for the writes and commits. The steps' bits are the in-RAM
+  // optimizer's, whatever the ranges. Every other public operation waits while another
+  // thread's chunked step is open, and is refused (std::logic_error) on the thread that has
+  // one open, but read_params.
+
+  /// Chunks of a step end on multiples of this (16, or 32 with 8-bit moments) or at the end.
+  std::size_t chunk_unit() const override;
+  /// What begin_step would refuse, checked without starting anything.
+  void check_options(const chunk_step_options& options) const override;
+  /// Decides the step as step() does (a check that needs the gradients' norm needs
+  /// options.checks.known_grad_norm); a skipped one is counted, committed with the next
+  /// applied step. tensors_without_grad is refused (std::invalid_argument): the store keeps
+  /// one step count for all its tensors. Starts reading the first chunks.
+  step_result begin_step(const chunk_step_options& options) override;
+  /// Updates elements [begin, end) (the next range): `grad`, `out` and `accumulator` point at
+  /// element begin's. Blocks while the drive reads the chunks it needs. An I/O error or a bad
+  /// chunk throws; the step can then only be aborted.
+  void update_range(std::size_t begin, std::size_t end, const void* grad, void* out = nullptr,
+                    const float* accumulator = nullptr) override;
+  /// Waits for the writes and commits the step, as step() commits one: an error here leaves
+  /// the store at the step before (a failed commit record: not usable, reopen it). The
+  /// chunked step is closed either way.
+  step_result finish_step() override;
+  /// Closes the open step without applying it. Unlike the in-RAM optimizer, a store whose
+  /// step was aborted after some ranges stays usable: the drive holds the step before, and
+  /// the next step writes every chunk again.
+  void abort_step(const std::string& reason) noexcept override;
+  /// A micro-batch into the caller's f32 accumulator; touches no state.
+  void accumulate_range(std::size_t begin, std::size_t end, float* acc, const void* grad, dtype grad_type,
+                        bool first) override;
+  /// The committed step's parameters of [begin, end), rounded to `type` (padding as zeros),
+  /// read from the drive whatever an open step has updated: what a device copy holds before
+  /// the step commits. A chunk is read once into a buffer of its own (one more chunk of
+  /// staging RAM, allocated on first use) and kept until the next commit.
+  void read_params(std::size_t begin, std::size_t end, void* out, dtype type) const override;
+  /// Refuses every later step and export with `reason` (a device the pipeline drives
+  /// failed), closing this thread's open step; reopening the store ends it.
+  void mark_unusable(const std::string& reason) noexcept override;
+  /// False once closed, after a failed commit record, or after mark_unusable.
+  bool usable() const override;
+  std::string failure_reason() const override;
 
 private:
   struct impl;

@@ -347,3 +347,34 @@ def test_a_shard_needs_no_gradient_for_an_empty_tensor_inside_its_range(tmp_path
     g = {"a": np.ones(64, np.float32), "b": np.ones(64, np.float32)}
     stored.step(g, skip_nonfinite=False)
     assert stored.step_count == 1
+
+
+def test_an_offload_pipeline_drives_a_stored_optimizer_to_the_in_ram_pipelines_bits(tmp_path):
+  # The pipeline (here over the host copy engine: "device" buffers are host memory) streams
+  # gradients in and parameters out a chunk at a time; a StoredOptimizer streams its state
+  # from the drive around those chunks (224-element chunks cut its 256-element ones).
+  ram = hostopt.Optimizer(GROUPS)
+  stored = hostopt.StoredOptimizer.create(GROUPS, tmp_path, chunk_elements=256, buffers=3, sync=False)
+  n = stored.arena_size
+  pipes, bufs = [], []
+  for opt in (stored._core, ram._core):
+    engine = hostopt._core.CopyEngine.host()
+    pipes.append((hostopt._core.OffloadPipeline(opt, engine, 200, 2, "f32", "bf16"), engine))
+    bufs.append((np.zeros(n, np.float32), np.zeros(n, np.uint16)))
+  for t in range(3):
+    g = np.random.default_rng(t).standard_normal(n).astype(np.float32)
+    results = []
+    for (pipe, engine), (grads, params) in zip(pipes, bufs):
+      grads[:] = g
+      stream = engine.create_stream()
+      results.append(pipe.step_async(grads.ctypes.data, "f32", params.ctypes.data, "bf16", n,
+                                     grads_stream=stream).wait())
+      engine.destroy_stream(stream)
+    assert results[0].step == results[1].step == t + 1
+    np.testing.assert_array_equal(bufs[0][1], bufs[1][1])
+  same_state(exported(stored), ram)
+  stored.close()
+  with pytest.raises(RuntimeError, match="closed"):  # a closed store: the pipeline refuses
+    grads, params = bufs[0]
+    stream = pipes[0][1].create_stream()
+    pipes[0][0].step_async(grads.ctypes.data, "f32", params.ctypes.data, "bf16", n, grads_stream=stream).wait()

@@ -297,10 +297,10 @@ class PipelineHandle:
 
 
 class OffloadPipeline:
-  """offload_pipeline over an Optimizer: device gradients in, device parameters out. Device buffers, streams and
-  events are addresses/handles (ints); dtypes are "f32", "bf16" or "f16"."""
+  """offload_pipeline over an Optimizer or a StoredOptimizer: device gradients in, device parameters out. Device
+  buffers, streams and events are addresses/handles (ints); dtypes are "f32", "bf16" or "f16"."""
 
-  def __init__(self, optimizer: Optimizer, engine: CopyEngine, chunk_elems: _Int = 4194304, depth: _Int = 2,
+  def __init__(self, optimizer: Optimizer | StoredOptimizer, engine: CopyEngine, chunk_elems: _Int = 4194304, depth: _Int = 2,
                grad_type: str = "f32", param_type: str = "f32") -> None: ...
   def step_async(self, grads: _Int, grad_type: str, params: _Int, param_type: str, size: _Int,
                  grads_stream: _Int = 0, grads_event: _Int = 0, params_stream: _Int = 0, params_event: _Int = 0,
