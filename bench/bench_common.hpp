@@ -2,9 +2,12 @@
 // Shared pieces of the benchmark subcommands: sizes with suffixes, the memory check,
 // buffers first-touched by the threads that use them, timing statistics, progress.
 
+#include <unistd.h>
+
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -24,6 +27,22 @@ std::size_t available_memory_bytes();
 /// Throws std::runtime_error when `bytes` exceed 90% of available memory, saying how
 /// much was asked, how much there is, and what to lower.
 void check_memory(std::size_t bytes, const std::string& what);
+
+/// A directory of the run's own inside a directory the user named (`what`.<pid>: a store's, a
+/// scratch file's), removed however the run ends.
+struct scratch_dir {
+  std::filesystem::path path;
+  scratch_dir(const std::string& dir, const std::string& what)
+      : path(std::filesystem::path(dir) / (what + "." + std::to_string(::getpid()))) {
+    std::filesystem::create_directories(path);
+  }
+  ~scratch_dir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path, ignored);
+  }
+  scratch_dir(const scratch_dir&) = delete;
+  scratch_dir& operator=(const scratch_dir&) = delete;
+};
 
 /// Floats at a 64-byte aligned address, first-touched (zeroed) by `threads` workers
 /// with the library's partition, so pages land where the step will use them.

@@ -1,8 +1,6 @@
 // `hostopt-bench kernel --store DIR`: the optimizer state on a drive (stored_optimizer), its
 // streamed step timed against the drive's mixed O_DIRECT bandwidth over the same bytes,
 // interleaved step by step; with the RAM the store adds (peak RSS) and the page cache it left.
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
@@ -35,15 +33,6 @@ void reset_peak_rss() {
   f << "5";
 }
 
-// The store's directory inside DIR, removed however the run ends.
-struct scratch_dir {
-  std::filesystem::path path;
-  explicit scratch_dir(const std::string& dir)
-      : path(std::filesystem::path(dir) / ("hostopt-bench-store." + std::to_string(::getpid()))) {
-    std::filesystem::create_directories(path);
-  }
-  ~scratch_dir() { std::filesystem::remove_all(path); }
-};
 
 } // namespace
 
@@ -72,7 +61,7 @@ report run_store_bench(const kernel_options& o, const common_options& c) {
     fill_random(grad.data, n, 1e-2f, false, t);
     for (hostopt::moment_format f : states) {
       prog.update(done++, "store " + format_size(n) + " " + std::string(hostopt::moment_format_name(f)));
-      scratch_dir dir(o.store);
+      scratch_dir dir(o.store, "hostopt-bench-store");
       std::vector<hostopt::param_group> groups(1);
       groups[0].config.weight_decay = 0.01;
       groups[0].moments = f;

@@ -91,6 +91,8 @@ struct pipeline_options_cli {
   std::string engine = "auto";
   int iterations = 5;
   std::string trace;
+  std::string store;            // a directory on a local drive: the pipeline over a store there too
+  std::string staging = "256M"; // with store: its staging budget
 };
 void add_pipeline_command(CLI::App& app, pipeline_options_cli& o);
 report run_pipeline_bench(const pipeline_options_cli& o, const common_options& c);
