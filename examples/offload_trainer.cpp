@@ -23,16 +23,25 @@
 // time, over the steps after the first two. A size and a forward/backward time make it a
 // model of a real run (bench/simulated_trainer.sh runs it on the CUDA double's link model).
 //
+// HOSTOPT_EXAMPLE_STORE=DIR keeps the optimizer state on a drive instead (a stored_optimizer
+// in a new directory inside DIR, removed at the end): the same pipeline calls, the same bits.
+//
 //   offload_trainer [sync|dpu] [steps] [micro_batches] [parameters] [forward_backward_us]
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include <hostopt/hostopt.hpp>
 #include <hostopt/offload_pipeline.hpp>
+#include <hostopt/stored_optimizer.hpp>
 
 #include "toy_model.hpp"
 
@@ -52,7 +61,30 @@ int main(int argc, char** argv) {
   try {
     hostopt::adam_config config;
     config.lr = 0.05;
-    hostopt::optimizer opt({{config, {{"w", {std::int64_t(size)}}}}});
+    const std::vector<hostopt::param_group> groups{{config, {{"w", {std::int64_t(size)}}}}};
+    // The state in RAM, or on a drive: the pipeline drives either (a chunk_updater).
+    std::optional<hostopt::optimizer> ram;
+    std::optional<hostopt::stored_optimizer> stored;
+    std::filesystem::path store_dir;
+    struct remove_at_end {
+      std::filesystem::path& dir;
+      ~remove_at_end() {
+        std::error_code ignored;
+        if (!dir.empty()) std::filesystem::remove_all(dir, ignored);
+      }
+    } cleanup{store_dir};
+    if (const char* where = std::getenv("HOSTOPT_EXAMPLE_STORE")) {
+      store_dir = std::filesystem::path(where) / ("offload_trainer-store." + std::to_string(::getpid()));
+      std::filesystem::create_directories(store_dir);
+      hostopt::state_store_options so;
+      so.dirs = {store_dir.string()};
+      so.staging_bytes = 16 << 20;
+      so.sync_every_step = false; // (a killed run keeps every step; a power loss may take the last ones)
+      stored.emplace(hostopt::stored_optimizer::create(groups, so));
+    } else {
+      ram.emplace(groups);
+    }
+    hostopt::chunk_updater& opt = stored ? static_cast<hostopt::chunk_updater&>(*stored) : *ram;
     const std::size_t n = opt.arena_size();
 #if defined(HOSTOPT_EXAMPLE_HAVE_CUDA)
     // CUDA when a device exists; HOSTOPT_EXAMPLE_ENGINE=host picks the host engine anyway
@@ -119,13 +151,17 @@ int main(int argc, char** argv) {
     const hostopt::step_result last = previous.wait();
     engine->synchronize_event(previous.params_ready()); // compute is done: the last read_loss waited
     const hostopt::pipeline_timeline timeline = pipe.last_timeline();
-    std::printf("%s: %d steps of %d micro-batches on the %s engine (flags: %s): loss %.5f -> %.5f (step "
-                "count %lld)\n",
+    std::printf("%s: %d steps of %d micro-batches on the %s engine (flags: %s), state %s: loss %.5f -> %.5f "
+                "(step count %lld)\n",
                 mode.c_str(), steps, micro, std::string(engine->name()).c_str(),
-                engine->flag_mechanism().c_str(), first_loss, loss, (long long)last.step);
+                engine->flag_mechanism().c_str(), stored ? "on a drive" : "in RAM", first_loss, loss,
+                (long long)last.step);
     // FNV-1a of the master weights: equal digests are equal runs, bit for bit.
+    std::vector<float> masters(n, 0.0f);
+    if (stored) stored->copy_params_to({masters.data(), n, dtype::f32}); // (streamed from the drive)
+    else std::copy(ram->params().begin(), ram->params().end(), masters.begin());
     std::uint64_t digest = 0xcbf29ce484222325ull;
-    for (const unsigned char b : std::string_view(reinterpret_cast<const char*>(opt.params().data()), n * 4))
+    for (const unsigned char b : std::string_view(reinterpret_cast<const char*>(masters.data()), n * 4))
       digest = (digest ^ b) * 0x100000001b3ull;
     std::printf("master weights digest %016llx\n", (unsigned long long)digest);
     // Steady state: from the first forward of step `warm` to the first forward of the last

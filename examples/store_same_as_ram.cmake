@@ -1,0 +1,26 @@
+# Runs offload_trainer (TRAINER) with ARGS with its state in RAM and on a drive (a store in
+# STORE) and fails unless both succeed with the same master-weights digest.
+# cmake -DTRAINER=... -DARGS="dpu;40;3" -DSTORE=dir -P store_same_as_ram.cmake
+foreach(state ram drive)
+  set(env)
+  if(state STREQUAL "drive")
+    set(env HOSTOPT_EXAMPLE_STORE=${STORE})
+  endif()
+  execute_process(COMMAND ${CMAKE_COMMAND} -E env ${env} ${TRAINER} ${ARGS}
+                  OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc)
+  message("${out}${err}")
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "offload_trainer with its state ${state} failed (${rc})")
+  endif()
+  if(state STREQUAL "drive" AND NOT out MATCHES "state on a drive")
+    message(FATAL_ERROR "offload_trainer did not keep its state on a drive")
+  endif()
+  if(NOT out MATCHES "master weights digest ([0-9a-f]+)")
+    message(FATAL_ERROR "offload_trainer printed no digest")
+  endif()
+  set(digest_${state} ${CMAKE_MATCH_1})
+endforeach()
+if(NOT digest_ram STREQUAL digest_drive)
+  message(FATAL_ERROR "the run with its state on a drive differs from the in-RAM run: ${digest_drive} vs ${digest_ram}")
+endif()
+message("bit-identical with the state in RAM and on a drive: ${digest_ram}")
