@@ -346,13 +346,7 @@ step_result stored_optimizer::step(const_view flat_grad, mut_view flat_out, cons
     seen.poisoned += b.poisoned;
     seen.saturated += b.saturated;
   });
-  ++s.count;
-  try {
-    s.commit();
-  } catch (...) {
-    --s.count;
-    throw;
-  }
+  s.commit_step();
   return make_step_result(pl.decision(), s.count, s.skipped, seen);
 }
 

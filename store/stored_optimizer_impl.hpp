@@ -276,6 +276,16 @@ struct stored_optimizer::impl {
       throw;
     }
   }
+  // An applied step's commit: the count it commits, back where it was if the commit throws.
+  void commit_step() {
+    ++count;
+    try {
+      commit();
+    } catch (...) {
+      --count;
+      throw;
+    }
+  }
   void check_usable(const char* what) const {
     if (closed) throw std::runtime_error(std::string(what) + ": this stored optimizer is closed");
     if (!broken.empty()) throw std::runtime_error(std::string(what) + ": " + broken);

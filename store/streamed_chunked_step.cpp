@@ -147,13 +147,7 @@ step_result stored_optimizer::finish_step() {
     s.drain();
     throw;
   }
-  ++s.count;
-  try {
-    s.commit();
-  } catch (...) {
-    --s.count;
-    throw;
-  }
+  s.commit_step();
   return make_step_result(s.chunked.decision, s.count, s.skipped, s.chunked.seen);
 }
 

@@ -15,21 +15,12 @@
 #include "hostopt/optimizer.hpp"
 #include "reference.hpp"
 #include "temp_dir.hpp"
+#include "device_buffer.hpp"
 
 using namespace hostopt;
+using hostopt_test::device_buffer;
 
 namespace {
-
-// Device buffers of the host engine, freed with it.
-struct device_buffer {
-  copy_engine& engine;
-  void* data;
-  std::size_t bytes;
-  device_buffer(copy_engine& e, std::size_t n) : engine(e), data(e.allocate_device(n)), bytes(n) {
-    if (data) std::memset(data, 0, n);
-  }
-  ~device_buffer() { engine.free_device(data); }
-};
 
 std::vector<param_group> random_model(std::mt19937& rng, int tensors, int max_len) {
   std::uniform_int_distribution<int> len(0, max_len);

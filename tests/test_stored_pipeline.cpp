@@ -19,24 +19,15 @@
 #include "reference.hpp"
 #include "store_test_support.hpp"
 #include "temp_dir.hpp"
+#include "device_buffer.hpp"
 
 namespace fs = std::filesystem;
 using namespace hostopt;
 using namespace hostopt_test::store;
 using hostopt_test::temp_dir;
+using hostopt_test::device_buffer;
 
 namespace {
-
-// Device buffers of the host engine, freed with it.
-struct device_buffer {
-  copy_engine& engine;
-  void* data;
-  std::size_t bytes;
-  device_buffer(copy_engine& e, std::size_t n) : engine(e), data(e.allocate_device(n)), bytes(n) {
-    if (data) std::memset(data, 0, n);
-  }
-  ~device_buffer() { engine.free_device(data); }
-};
 
 std::vector<std::uint16_t> to_bf16(const std::vector<float>& x) {
   std::vector<std::uint16_t> h(x.size());
@@ -70,6 +61,22 @@ bool tensors_equal(const void* flat, optimizer& o) {
   return true;
 }
 
+// An in-RAM optimizer and a new store of `groups` in `dir` (small_store), both at the same
+// initial parameters.
+struct both_at_start {
+  optimizer reference;
+  stored_optimizer stored;
+  std::size_t n;
+};
+both_at_start start_both(const std::vector<param_group>& groups, const temp_dir& dir) {
+  optimizer reference(groups);
+  const std::size_t n = reference.arena_size();
+  const std::vector<float> p0 = initial_params(reference.segments(), n);
+  std::copy(p0.begin(), p0.end(), reference.params().begin());
+  auto stored = stored_optimizer::create(groups, small_store(dir.str()), {}, {p0.data(), n, dtype::f32});
+  return {std::move(reference), std::move(stored), n};
+}
+
 // Flips a bit of the byte at `at` of `file` in place.
 void flip_bit(const fs::path& file, std::uint64_t at) {
   std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
@@ -85,11 +92,7 @@ void flip_bit(const fs::path& file, std::uint64_t at) {
 TEST_CASE("stored_optimizer: chunked steps over ranges that cut its chunks give the in-RAM optimizer's bits") {
   const auto groups = mixed_groups();
   const temp_dir dir("stored_chunked");
-  optimizer reference(groups);
-  const std::size_t n = reference.arena_size();
-  std::vector<float> p0 = initial_params(reference.segments(), n);
-  std::copy(p0.begin(), p0.end(), reference.params().begin());
-  auto stored = stored_optimizer::create(groups, small_store(dir.str()), {}, {p0.data(), n, dtype::f32});
+  auto [reference, stored, n] = start_both(groups, dir);
   REQUIRE(stored.chunks() > 4);
   REQUIRE(stored.chunk_unit() == 32); // (an 8-bit group: ranges end on whole blocks)
   // Ranges smaller than the store's 512-element chunks, cutting them; larger, covering several;
@@ -270,11 +273,7 @@ TEST_CASE("stored_optimizer: another thread's call waits for the open chunked st
 TEST_CASE("offload_pipeline over a stored optimizer: steps and micro-batches give the in-RAM pipeline's bits") {
   const auto groups = mixed_groups();
   const temp_dir dir("stored_pipeline");
-  optimizer reference(groups);
-  const std::size_t n = reference.arena_size();
-  const std::vector<float> p0 = initial_params(reference.segments(), n);
-  std::copy(p0.begin(), p0.end(), reference.params().begin());
-  auto stored = stored_optimizer::create(groups, small_store(dir.str()), {}, {p0.data(), n, dtype::f32});
+  auto [reference, stored, n] = start_both(groups, dir);
   auto engine = make_host_copy_engine(), engine_ram = make_host_copy_engine();
   pipeline_options po;
   po.chunk_elems = 200; // rounded up to 224 (8-bit blocks): ranges that cut the store's 512-element chunks
