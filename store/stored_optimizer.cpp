@@ -467,7 +467,9 @@ std::size_t stored_optimizer::chunks() const { return impl_->chunks.size(); }
 std::size_t stored_optimizer::chunk_elements() const { return impl_->chunk_elements; }
 std::size_t stored_optimizer::chunk_bytes() const { return impl_->chunk_bytes; }
 std::size_t stored_optimizer::staging_bytes() const {
-  return impl_->staging.size() * (impl_->chunk_bytes + drive::direct_alignment);
+  const auto lock = impl_->turns.lock_only(); // (close() frees them)
+  const std::size_t buffers = impl_->staging.size() + (impl_->read_buffer ? 1 : 0);
+  return buffers * (impl_->chunk_bytes + drive::direct_alignment);
 }
 std::string stored_optimizer::io_backend() const {
   const auto lock = impl_->turns.acquire("io_backend", false);
@@ -477,6 +479,7 @@ void stored_optimizer::close() {
   const auto lock = impl_->turns.acquire("close", false);
   impl_->stores.clear(); // (each waits for its I/O, then releases its lock)
   impl_->staging.clear();
+  impl_->read_buffer.reset();
   impl_->closed = true;
 }
 std::uint64_t stored_optimizer::step_io_bytes() const {

@@ -168,7 +168,7 @@ void stored_optimizer::mark_unusable(const std::string& reason) noexcept {
   }
   if (!s.broken.empty()) return; // the first reason stays
   try {
-    s.broken = reason + " (reopen the store to go on)";
+    s.broken = reason;
   } catch (...) {
     s.broken.assign(1, '!');
   }

@@ -344,7 +344,8 @@ TEST_CASE("offload_pipeline over a stored optimizer: a step failing midway or at
   std::memcpy(g.data, grad.data(), n * 2);
   CHECK_THROWS_WITH(pipe.step({g.data, n, dtype::bf16}, {p.data, n, dtype::f32}, device_order::after(s)),
                     Catch::Contains("injected update error") &&
-                        Catch::Contains("the optimizer state is unchanged (the updater applies a step whole") &&
+                        Catch::Contains("the optimizer state is unchanged (it holds step 1: the updater commits a "
+                                        "step whole or not at all)") &&
                         Catch::Contains("chunks [0, 2) hold the step that was not applied: call push_params()"));
   fail_at = -1;
   CHECK(pipe.usable());
@@ -371,4 +372,94 @@ TEST_CASE("offload_pipeline over a stored optimizer: a step failing midway or at
                         Catch::Contains("call push_params()"));
   CHECK(stored.step_count() == 2);
   require_same_as(stored, reference, groups);
+}
+
+TEST_CASE("offload_pipeline over a stored optimizer: a failed step says it dropped its accumulated micro-batches") {
+  const auto groups = f32_groups();
+  const temp_dir dir("stored_pipeline_micro");
+  auto [reference, stored, n] = start_both(groups, dir);
+  auto engine = make_host_copy_engine();
+  pipeline_options po;
+  po.chunk_elems = 1024;
+  std::atomic<bool> fail{false};
+  po.before_update = [&](std::size_t k) { // (called for accumulations too)
+    if (fail && k == 1) throw std::runtime_error("injected update error");
+  };
+  offload_pipeline pipe(stored, *engine, po);
+  device_buffer g(*engine, n * 4), p(*engine, n * 2);
+  const device_order ready = device_order::after(engine->create_stream());
+  const std::vector<float> micro = grad_of(n, 1), last = grad_of(n, 2);
+  std::memcpy(g.data, micro.data(), n * 4);
+  pipe.accumulate_async({g.data, n, dtype::f32}, ready).wait();
+  CHECK(pipe.accumulated_micro_batches() == 1);
+  std::memcpy(g.data, last.data(), n * 4);
+  fail = true;
+  CHECK_THROWS_WITH(pipe.step({g.data, n, dtype::f32}, {p.data, n, dtype::bf16}, ready),
+                    Catch::Contains("the optimizer state is unchanged (it holds step 0") &&
+                        Catch::Contains("the 1 micro-batch(es) accumulated for it were dropped with it"));
+  CHECK(pipe.accumulated_micro_batches() == 0);
+  // The retry applies its own gradients alone, as the message says.
+  fail = false;
+  pipe.step({g.data, n, dtype::f32}, {p.data, n, dtype::bf16}, ready);
+  reference.step(const_view{last.data(), n, dtype::f32}, {}, 1.0f);
+  require_same_as(stored, reference, groups);
+}
+
+TEST_CASE("offload_pipeline over a stored optimizer: marked unusable midway by another thread, its step is still "
+          "reported whole") {
+  // Whether a failed step left the state whole is the updater's property, not read from its
+  // usable state: a store marked unusable meanwhile still holds the step before, whole.
+  const auto groups = f32_groups();
+  const temp_dir dir("stored_pipeline_marked");
+  auto [reference, stored, n] = start_both(groups, dir);
+  auto engine = make_host_copy_engine();
+  pipeline_options po;
+  po.chunk_elems = 1024;
+  po.param_type = dtype::f32;
+  po.before_update = [&](std::size_t k) {
+    if (k != 2) return;
+    std::thread([&] { stored.mark_unusable("an operator stopped it"); }).join();
+    throw std::runtime_error("injected update error");
+  };
+  offload_pipeline pipe(stored, *engine, po);
+  device_buffer g(*engine, n * 4), p(*engine, n * 4);
+  const device_order ready = device_order::after(engine->create_stream());
+  CHECK_THROWS_WITH(pipe.step({g.data, n, dtype::f32}, {p.data, n, dtype::f32}, ready),
+                    Catch::Contains("the optimizer state is unchanged (it holds step 0") &&
+                        !Catch::Contains("load a checkpoint"));
+  CHECK_FALSE(stored.usable());
+  CHECK(stored.failure_reason() == "an operator stopped it");
+  CHECK_THROWS_WITH(stored.step(const_view{g.data, n, dtype::f32}), Catch::Contains("an operator stopped it"));
+  stored.close();
+  auto reopened = stored_optimizer::open(groups, small_store(dir.str()));
+  require_same_as(reopened, reference, groups);
+}
+
+TEST_CASE("offload_pipeline over a stored optimizer: a device fault midway keeps the step before and says to reopen") {
+  const auto groups = f32_groups();
+  const temp_dir dir("stored_pipeline_device");
+  auto [reference, stored, n] = start_both(groups, dir);
+  host_engine_options eo;
+  eo.before_copy = [](copy_direction d, std::uint64_t k) { // the third gradient copy fails, stickily
+    if (d == copy_direction::to_host && k == 3) throw std::runtime_error("injected DMA error");
+  };
+  auto engine = make_host_copy_engine(eo);
+  pipeline_options po;
+  po.chunk_elems = 1024;
+  po.param_type = dtype::f32;
+  offload_pipeline pipe(stored, *engine, po);
+  device_buffer g(*engine, n * 4), p(*engine, n * 4);
+  const device_order ready = device_order::after(engine->create_stream());
+  CHECK_THROWS_WITH(pipe.step({g.data, n, dtype::f32}, {p.data, n, dtype::f32}, ready),
+                    Catch::Contains("injected DMA error") &&
+                        Catch::Contains("the optimizer state is unchanged (it holds step 0") &&
+                        Catch::Contains("the pipeline refuses from now on (reopen the optimizer") &&
+                        !Catch::Contains("reset_failure"));
+  CHECK_FALSE(pipe.usable());
+  CHECK_FALSE(stored.usable());
+  CHECK_THAT(stored.failure_reason(), Catch::Contains("injected DMA error") && Catch::Contains("reopen it") &&
+                                          !Catch::Contains("reset_failure"));
+  stored.close();
+  auto reopened = stored_optimizer::open(groups, small_store(dir.str()));
+  require_same_as(reopened, reference, groups);
 }

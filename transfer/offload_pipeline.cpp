@@ -284,7 +284,9 @@ struct offload_pipeline::impl {
       if (e.empty()) return;
       device_failure = "device error: " + e;
       opt.mark_unusable("offload pipeline: " + device_failure +
-                        " (restore a checkpoint, or reset_failure() if the state is known whole)");
+                        (opt.commits_whole_steps()
+                             ? " (the updater holds its last completed step: reopen it, and make a new pipeline)"
+                             : " (restore a checkpoint, or reset_failure() if the state is known whole)"));
     } catch (...) {
     }
   }
@@ -578,6 +580,9 @@ struct offload_pipeline::impl {
                                     : "after updating all " + std::to_string(chunks) + " chunks") +
                         " (stage " + stage_name(stage) + "): " + e.what();
       const bool partly = begun_step && updated > 0 && updated < chunks;
+      // An updater that commits whole steps (a store) keeps the step before whole when a step
+      // fails midway; the in-RAM optimizer is left half-updated (abort_step poisons it).
+      const bool whole = opt.commits_whole_steps();
       if (!begun_step) {
         msg += "; the optimizer state is unchanged";
       } else if (updated == 0) {
@@ -585,11 +590,16 @@ struct offload_pipeline::impl {
       } else if (updated == chunks && device.empty()) {
         msg += "; every chunk was updated: the optimizer state holds step " + std::to_string(before + 1) +
                " but the device parameters may be stale: call push_params()";
+      } else if (updated == chunks && whole) {
+        msg += "; every chunk was updated and the step commits (step " + std::to_string(before + 1) +
+               "), but the device failed: the pipeline refuses from now on and the optimizer is marked not "
+               "usable: reopen it (and make a new pipeline) to go on";
       } else if (updated == chunks) {
         msg += "; every chunk was updated: the optimizer state holds step " + std::to_string(before + 1) +
                ", whole, but the device failed: the pipeline refuses from now on and the optimizer is marked "
                "not usable until reset_failure() (then save it with a checkpoint)";
       }
+      const std::string dropped = dropped_micro_batches(use_acc);
       if (begun_step && updated == chunks) {
         // The host state is whole at the new step, device error or not: finish it, so that
         // after a GPU failure reset_failure() gives a consistent optimizer to save (the
@@ -599,7 +609,7 @@ struct offload_pipeline::impl {
         try {
           r = opt.finish_step();
         } catch (const std::exception& f) {
-          return failed(msg + "; then finishing the step failed too: " + f.what() + not_finished(before));
+          return failed(msg + "; then finishing the step failed too: " + f.what() + not_finished(before) + dropped);
         }
         if (device.empty()) return {r, std::make_exception_ptr(std::runtime_error(msg))};
         return failed(msg);
@@ -607,45 +617,53 @@ struct offload_pipeline::impl {
       // The chunks not updated get their unchanged parameters, read while this thread's
       // step is still open (after abort_step a poisoned optimizer would refuse the read).
       const bool rest_valid = release_rest(op, std::min(k, chunks));
-      // Chunks updated, the rest not: the in-RAM optimizer's state is half-updated (abort_step
-      // poisons it, with this reason); an updater that applies a step whole or not at all (a
-      // store) keeps the step before, and only the device's updated chunks are ahead.
-      const std::string half =
-          "; chunks [0, " + std::to_string(updated) + ") hold step " + std::to_string(before + 1) +
-          " and the rest step " + std::to_string(before) +
-          ": the pipeline and the optimizer are not usable until the state is restored (load a checkpoint, "
-          "then push_params())";
-      const std::string invalid_rest =
-          "; the device parameter buffer was not written with valid parameters: call push_params() (after "
-          "restoring the state if the optimizer is not usable)";
-      if (begun_step) opt.abort_step(msg + (partly ? half : "") + (rest_valid ? "" : invalid_rest));
-      if (partly && opt.usable() && opt.step_count() == before)
-        msg += "; the optimizer state is unchanged (the updater applies a step whole or not at all), but the "
-               "device parameters of chunks [0, " + std::to_string(updated) +
-               ") hold the step that was not applied: call push_params()";
-      else
-        msg += (partly ? half : "") + (rest_valid ? "" : invalid_rest);
+      std::string state;
+      if (partly && whole)
+        state = "; the optimizer state is unchanged (it holds step " + std::to_string(before) +
+                ": the updater commits a step whole or not at all), but the device parameters of chunks [0, " +
+                std::to_string(updated) + ") hold the step that was not applied" +
+                (device.empty() ? ": call push_params()"
+                                : ", and the device failed: the pipeline refuses from now on (reopen the optimizer, "
+                                  "and make a new pipeline)");
+      else if (partly)
+        state = "; chunks [0, " + std::to_string(updated) + ") hold step " + std::to_string(before + 1) +
+                " and the rest step " + std::to_string(before) +
+                ": the pipeline and the optimizer are not usable until the state is restored (load a checkpoint, "
+                "then push_params())";
+      if (!rest_valid)
+        state += "; the device parameter buffer was not written with valid parameters" +
+                 std::string(partly && whole ? " for the other chunks either" : "") +
+                 ": call push_params() (after restoring the state if the optimizer is not usable)";
+      msg += state + dropped;
+      if (begun_step) opt.abort_step(msg); // poisons the in-RAM optimizer when chunks were updated
       micro_batches = 0;
       return failed(msg);
     }
+    const std::string dropped = dropped_micro_batches(use_acc);
     micro_batches = 0;
     try {
       return {opt.finish_step(), nullptr};
     } catch (const std::exception& e) { // (an updater that commits at the end: a store's write or commit)
       return failed(std::string("offload step failed finishing (after updating all ") + std::to_string(chunks) +
-                    " chunks): " + e.what() + not_finished(before));
+                    " chunks): " + e.what() + not_finished(before) + dropped);
     }
   }
 
-  // A step whose finish failed: the updater kept the step before (or, where its count moved,
-  // is not usable), and the device parameters hold the step that was not applied.
+  // A step whose finish failed (an updater that commits at the end: a store's write or commit).
   std::string not_finished(std::int64_t before) const {
-    const bool kept = opt.usable() && opt.step_count() == before;
-    return std::string("; ") +
-           (kept ? "the optimizer state is unchanged (it holds step " + std::to_string(before) + ")"
-                 : "the optimizer is not usable: " + opt.failure_reason()) +
-           ", and the device parameters hold the step that was not applied: call push_params()" +
-           (kept ? "" : " once it is usable again");
+    if (opt.usable() && opt.step_count() == before)
+      return "; the optimizer state is unchanged (it holds step " + std::to_string(before) +
+             "), but the device parameters hold the step that was not applied: call push_params()";
+    return "; the optimizer is not usable: " + opt.failure_reason() +
+           "; the device parameters hold the new step, which it may not hold: call push_params() once it is "
+           "usable again";
+  }
+
+  // What a failed step says of the micro-batches accumulated for it: dropped with it, as a
+  // skipped step's are (a retry applies its own gradients alone).
+  std::string dropped_micro_batches(bool used) const {
+    if (!used) return "";
+    return "; the " + std::to_string(micro_batches) + " micro-batch(es) accumulated for it were dropped with it";
   }
 
 

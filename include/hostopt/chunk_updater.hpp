@@ -77,6 +77,11 @@ public:
   /// failed), closing this thread's open chunked step if any. Restoring a checkpoint
   /// makes it usable again.
   virtual void mark_unusable(const std::string& reason) noexcept = 0;
+  /// true where a chunked step that fails or is aborted after some ranges leaves the state at
+  /// the step before, whole, and usable (a stored optimizer: its steps commit at finish_step;
+  /// what ends its unusability is reopening it); false where those ranges stay updated and
+  /// the updater is then not usable until restored (the in-RAM optimizer: reset_failure()).
+  virtual bool commits_whole_steps() const { return false; }
 
   /// False while the state is half-updated (see abort_step).
   virtual bool usable() const = 0;

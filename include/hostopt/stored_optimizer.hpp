@@ -130,7 +130,8 @@ public:
   void set_lr(std::size_t group, double lr);
 
   /// The streaming: chunks of the arena, each one's bytes on the drive (a multiple of 4 KiB),
-  /// the staging RAM (buffers x (chunk bytes + 4 KiB stamp)), and the I/O backend in use.
+  /// the staging RAM (buffers x (chunk bytes + 4 KiB stamp), and read_params' buffer once it
+  /// has one; 0 once closed), and the I/O backend in use.
   std::size_t chunks() const;
   std::size_t chunk_elements() const;
   std::size_t chunk_bytes() const;
@@ -201,7 +202,9 @@ public:
   step_result finish_step() override;
   /// Closes the open step without applying it. Unlike the in-RAM optimizer, a store whose
   /// step was aborted after some ranges stays usable: the drive holds the step before, and
-  /// the next step writes every chunk again.
+  /// the next step writes every chunk again. (As after a whole step that failed midway, the
+  /// chunks it wrote went over the slots of the step before the last: open_previous is then
+  /// refused, and open has no earlier step to fall back to.)
   void abort_step(const std::string& reason) noexcept override;
   /// A micro-batch into the caller's f32 accumulator; touches no state.
   void accumulate_range(std::size_t begin, std::size_t end, float* acc, const void* grad, dtype grad_type,
@@ -214,6 +217,8 @@ public:
   /// Refuses every later step and export with `reason` (a device the pipeline drives
   /// failed), closing this thread's open step; reopening the store ends it.
   void mark_unusable(const std::string& reason) noexcept override;
+  /// true: a chunked step commits whole at finish_step or not at all.
+  bool commits_whole_steps() const override { return true; }
   /// False once closed, after a failed commit record, or after mark_unusable.
   bool usable() const override;
   std::string failure_reason() const override;
