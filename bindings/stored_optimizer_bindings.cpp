@@ -163,6 +163,20 @@ void bind_stored_optimizer(py::module_& m) {
             o.save_checkpoint(path);
           },
           py::arg("path"))
+      .def(
+          "save_shard",
+          [](const stored_optimizer& o, const std::string& dir, const std::string& save_id, int world_size, int rank) {
+            py::gil_scoped_release release;
+            o.save_shard(dir, save_id, world_size, rank);
+          },
+          py::arg("dir"), py::arg("save_id"), py::arg("world_size"), py::arg("rank"))
+      .def(
+          "commit_shard_save",
+          [](const stored_optimizer& o, const std::string& dir, const std::string& save_id, int world_size) {
+            py::gil_scoped_release release;
+            o.commit_shard_save(dir, save_id, world_size);
+          },
+          py::arg("dir"), py::arg("save_id"), py::arg("world_size"))
       .def("close", [](stored_optimizer& o) {
         py::gil_scoped_release release;
         o.close();

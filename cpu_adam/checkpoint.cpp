@@ -913,11 +913,12 @@ void save_checkpoint(const optimizer& opt, const std::string& path, const checkp
 }
 
 void save_checkpoint_streamed(const checkpoint_description& d, const std::string& path,
-                              const std::function<void(const checkpoint_put&)>& fill) {
+                              const std::function<void(const checkpoint_put&)>& fill,
+                              const checkpoint_metadata& extra) {
   check_path(path, "checkpoint");
   const saved_data data = lay_out_data(d, nullptr);
   json header = data.entries;
-  header["__metadata__"] = saved_metadata(d, data.pieces, {});
+  header["__metadata__"] = saved_metadata(d, data.pieces, extra);
   const std::string text = header_text(header);
   const std::size_t digits_at = checksum_digits_at(text, checksum_placeholder);
   if (digits_at == std::string::npos)

@@ -37,9 +37,10 @@ using checkpoint_put = std::function<void(std::size_t tensor, int kind, std::siz
 /// the same bytes — from pieces `fill` hands over through its argument in any order, every
 /// byte of every entry once (a state store streams its chunks). Written where the pieces
 /// go, then read back once for the checksum; atomic as save_checkpoint (any failure,
-/// a missing or stray piece included, leaves `path` as it was).
+/// a missing or stray piece included, leaves `path` as it was). `extra` as save_checkpoint's.
 void save_checkpoint_streamed(const checkpoint_description& d, const std::string& path,
-                              const std::function<void(const checkpoint_put&)>& fill);
+                              const std::function<void(const checkpoint_put&)>& fill,
+                              const checkpoint_metadata& extra = {});
 
 /// save_checkpoint, with `extra` entries added to __metadata__ (covered by the checksum;
 /// keys must not collide with hostopt's own).
@@ -64,5 +65,19 @@ void load_checkpoint(optimizer& opt, std::span<const std::string> paths, std::sp
 /// streaming the data) and returns the __metadata__ values of the keys in `values`.
 void read_checkpoint_metadata(const std::string& path, std::span<const segment> layout, checkpoint_metadata& values,
                               bool verify = false);
+
+// A sharded checkpoint's files (sharded_optimizer's save and commit_save, which a state store
+// holding a rank's shard writes too).
+
+/// Where rank `rank` of `world` writes its shard of save `save_id` in `dir`
+/// (DIR/shard-RANK-of-WORLD.SAVE_ID.safetensors), after checking the directory and the id
+/// (std::invalid_argument: a bad id, or the id of the save DIR's index.json commits).
+std::string shard_save_path(const std::string& dir, const std::string& save_id, int rank, int world);
+/// The __metadata__ entries a shard file carries besides hostopt's own.
+checkpoint_metadata shard_save_metadata(const std::string& save_id, int rank, int world);
+/// Rank 0's commit of save `save_id` (after every rank saved): verifies every shard file,
+/// writes index.json atomically, then removes other saves' shard files.
+void commit_shard_save(const std::string& dir, const std::string& save_id, std::span<const segment> segs,
+                       std::size_t arena, int world, std::size_t unit);
 
 } // namespace hostopt::detail

@@ -185,49 +185,70 @@ step_result sharded_optimizer::step(const_view shard_grad, mut_view shard_params
   return local_.step(shard_grad, shard_params, o);
 }
 
-void sharded_optimizer::save(const std::string& dir, const std::string& save_id) const {
-  detail::check_path(dir, "sharded checkpoint directory");
+namespace detail {
+
+std::string shard_save_path(const std::string& dir, const std::string& save_id, int rank, int world) {
+  check_path(dir, "sharded checkpoint directory");
   check_save_id(save_id);
   // Overwriting the committed save's files would break the one save a crash falls back to.
   std::string text;
   try {
-    text = detail::read_small_file(detail::checkpoint_owner, dir + "/index.json", "sharded checkpoint index");
+    text = read_small_file(checkpoint_owner, dir + "/index.json", "sharded checkpoint index");
     if (!nlohmann::json::accept(text)) text.clear();
   } catch (const std::exception&) { // no index yet (or unreadable): nothing committed to protect
     text.clear();
   }
   if (!text.empty()) {
     // An index naming save_id twice (one of them perhaps this save) is refused, as load does.
-    const auto index = detail::parse_json_unique(dir + "/index.json", "index.json", text);
+    const auto index = parse_json_unique(dir + "/index.json", "index.json", text);
     if (index.is_object() && index.contains("save_id") && index["save_id"] == save_id)
       throw std::invalid_argument("save_id '" + save_id + "' is the committed save in '" + dir +
                                   "': give every save a new id (a counter), so a crash mid-save keeps it");
   }
-  detail::save_checkpoint(local_, shard_file(dir, rank_, world_, save_id),
-                          {{"save_id", save_id},
-                           {"shard_world", std::to_string(world_)},
-                           {"shard_rank", std::to_string(rank_)}});
+  return shard_file(dir, rank, world, save_id);
+}
+
+checkpoint_metadata shard_save_metadata(const std::string& save_id, int rank, int world) {
+  return {{"save_id", save_id}, {"shard_world", std::to_string(world)}, {"shard_rank", std::to_string(rank)}};
+}
+
+} // namespace detail
+
+void sharded_optimizer::save(const std::string& dir, const std::string& save_id) const {
+  detail::save_checkpoint(local_, detail::shard_save_path(dir, save_id, rank_, world_),
+                          detail::shard_save_metadata(save_id, rank_, world_));
 }
 
 void sharded_optimizer::commit_save(const std::string& dir, const std::string& save_id) const {
-  detail::check_path(dir, "sharded checkpoint directory");
+  if (rank_ != 0) {
+    detail::check_path(dir, "sharded checkpoint directory");
+    check_save_id(save_id);
+    throw std::logic_error("commit_save: call it on rank 0 (after every rank saved)");
+  }
+  detail::commit_shard_save(dir, save_id, local_.segments(), arena_, world_, local_.chunk_unit());
+}
+
+namespace detail {
+
+void commit_shard_save(const std::string& dir, const std::string& save_id, std::span<const segment> segs,
+                       std::size_t arena, int world, std::size_t unit) {
+  check_path(dir, "sharded checkpoint directory");
   check_save_id(save_id);
-  if (rank_ != 0) throw std::logic_error("commit_save: call it on rank 0 (after every rank saved)");
   std::string step;
-  for (int r = 0; r < world_; ++r) { // every shard of the save is there and names it
-    const std::string file = shard_file(dir, r, world_, save_id);
-    detail::checkpoint_metadata meta{{"save_id", ""}, {"step", ""}, {"range", ""}};
-    detail::read_checkpoint_metadata(file, local_.segments(), meta, /*verify=*/true); // whole before old saves go
-    const shard_range s = shard_of(arena_, world_, r, local_.chunk_unit());
+  for (int r = 0; r < world; ++r) { // every shard of the save is there and names it
+    const std::string file = shard_file(dir, r, world, save_id);
+    checkpoint_metadata meta{{"save_id", ""}, {"step", ""}, {"range", ""}};
+    read_checkpoint_metadata(file, segs, meta, /*verify=*/true); // whole before old saves go
+    const shard_range s = shard_of(arena, world, r, unit);
     if (meta["save_id"] != save_id || meta["range"] != std::to_string(s.begin) + ":" + std::to_string(s.end) ||
         (r > 0 && meta["step"] != step))
       throw std::runtime_error("sharded checkpoint '" + dir + "': " + file + " is not rank " + std::to_string(r) +
                                "'s shard of save '" + save_id + "' at the same step");
     step = meta["step"];
   }
-  nlohmann::json index = {{"format", "hostopt-sharded"}, {"version", "2"}, {"world_size", world_},
-                          {"arena_size", arena_},        {"save_id", save_id}, {"step", step}};
-  detail::write_file_atomically(detail::checkpoint_owner, dir + "/index.json", index.dump(2) + "\n",
+  nlohmann::json index = {{"format", "hostopt-sharded"}, {"version", "2"}, {"world_size", world},
+                          {"arena_size", arena},     {"save_id", save_id}, {"step", step}};
+  write_file_atomically(checkpoint_owner, dir + "/index.json", index.dump(2) + "\n",
                                 "sharded checkpoint index");
   // The index now names this save: the shard files of other saves can go.
   if (DIR* d = ::opendir(dir.c_str())) {
@@ -242,6 +263,8 @@ void sharded_optimizer::commit_save(const std::string& dir, const std::string& s
     ::closedir(d);
   }
 }
+
+} // namespace detail
 
 void sharded_optimizer::load(const std::string& dir) {
   detail::check_path(dir, "sharded checkpoint directory");

@@ -392,37 +392,26 @@ void stored_optimizer::save_checkpoint(const std::string& path) const {
   if (!s.whole.whole())
     throw std::invalid_argument("stored_optimizer::save_checkpoint: this store holds a shard [" +
                                 std::to_string(s.whole.range().begin) + ", " + std::to_string(s.whole.range().end) +
-                                ") of the layout: copy_state_to a sharded_optimizer of the same rank, and save that");
-  for (const std::string& dir : s.dirs) // (a checkpoint written over the chunks or the commit record would end the store)
-    for (const char* own : {"chunks", "commit", "lock", "hyperparameters"}) {
-      std::error_code e1, e2;
-      const std::filesystem::path mine = std::filesystem::weakly_canonical(std::filesystem::path(dir) / own, e1);
-      const std::filesystem::path target = std::filesystem::weakly_canonical(path, e2);
-      if (!e1 && !e2 && mine == target)
-        throw std::invalid_argument("stored_optimizer::save_checkpoint: '" + path + "' is this store's own " + own +
-                                    " file: save the checkpoint elsewhere");
-    }
-  const std::span<const segment> segs = s.whole.segments();
-  const detail::checkpoint_description d{segs, s.whole.range(), formats_of(s.groups), s.configs, s.seeds, s.count,
-                                         s.skipped, {}};
-  std::size_t i = 0; // the first tensor that does not end before the chunk: chunks come in layout order
-  detail::save_checkpoint_streamed(d, path, [&](const detail::checkpoint_put& put) {
-    i = 0;
-    s.stream(true, false, [&](std::size_t, impl::chunk& c) {
-      while (i < segs.size() && segs[i].offset + segs[i].size <= c.range.begin) ++i;
-      for (std::size_t j = i; j < segs.size() && segs[j].offset < c.range.end; ++j) {
-        const segment& seg = segs[j];
-        const std::size_t lo = std::max(seg.offset, c.range.begin), hi = std::min(seg.offset + seg.size, c.range.end);
-        if (lo >= hi) continue; // (an empty tensor)
-        const std::size_t local = lo - c.range.begin, n = hi - lo, first = lo - seg.offset, g = seg.group;
-        const moment_format f = s.groups[g].moments;
-        put(j, 0, first, c.storage.params() + local, n * 4);
-        for (int k = 1; k <= 2; ++k) put(j, k, first, c.storage.moment_at(k, g, local), n * moment_code_bytes(f));
-        if (f == moment_format::q8)
-          put(j, 3, first, c.storage.moment_at(3, g, local), 2 * ((n + q8_block - 1) / q8_block));
-      }
-    });
-  });
+                                ") of the layout: save_shard writes its part of a sharded checkpoint");
+  s.save_streamed(path, {}, "stored_optimizer::save_checkpoint");
+}
+
+void stored_optimizer::save_shard(const std::string& dir, const std::string& save_id, int world_size,
+                                  int rank) const {
+  impl& s = *impl_;
+  const auto lock = s.turns.acquire("save_shard", false);
+  s.check_usable("save_shard");
+  s.check_holds_shard(world_size, rank, "stored_optimizer::save_shard");
+  s.save_streamed(detail::shard_save_path(dir, save_id, rank, world_size),
+                  detail::shard_save_metadata(save_id, rank, world_size), "stored_optimizer::save_shard");
+}
+
+void stored_optimizer::commit_shard_save(const std::string& dir, const std::string& save_id, int world_size) const {
+  impl& s = *impl_;
+  const auto lock = s.turns.acquire("commit_shard_save", false);
+  s.check_holds_shard(world_size, 0, "stored_optimizer::commit_shard_save (rank 0's, after every rank saved)");
+  detail::commit_shard_save(dir, save_id, s.whole.segments(), arena_end(s.whole.segments()), world_size,
+                            s.whole.unit());
 }
 
 std::int64_t stored_optimizer::step_count() const {

@@ -5,6 +5,7 @@
 // optimizer holding that range (a shard) would lay them out in RAM, so each chunk is updated in
 // its staging buffer by the in-RAM optimizer's own plan and kernels (same bits), and
 // drive::chunk_store makes each step a commit.
+#include "hostopt/sharding.hpp"
 #include "hostopt/stored_optimizer.hpp"
 
 #include <algorithm>
@@ -15,6 +16,7 @@
 #include <stdexcept>
 
 #include "buffer_checks.hpp"
+#include "checkpoint_io.hpp"
 #include "checksum.hpp"
 #include "chunk_store.hpp"
 #include "chunked_step.hpp"
@@ -276,6 +278,56 @@ struct stored_optimizer::impl {
       throw;
     }
   }
+  // The last completed step as a checkpoint file (the in-RAM save's bytes, `extra` added to
+  // its metadata), streamed: every chunk read once and verified, its pieces written where
+  // the file holds them. Refuses a path that is one of the store's own files.
+  void save_streamed(const std::string& path, const detail::checkpoint_metadata& extra, const char* what) {
+    impl& s = *this;
+  for (const std::string& dir : s.dirs) // (a checkpoint written over the chunks or the commit record would end the store)
+    for (const char* own : {"chunks", "commit", "lock", "hyperparameters"}) {
+      std::error_code e1, e2;
+      const std::filesystem::path mine = std::filesystem::weakly_canonical(std::filesystem::path(dir) / own, e1);
+      const std::filesystem::path target = std::filesystem::weakly_canonical(path, e2);
+      if (!e1 && !e2 && mine == target)
+        throw std::invalid_argument(std::string(what) + ": '" + path + "' is this store's own " + own +
+                                    " file: save the checkpoint elsewhere");
+    }
+  const std::span<const segment> segs = s.whole.segments();
+  const detail::checkpoint_description d{segs, s.whole.range(), formats_of(s.groups), s.configs, s.seeds, s.count,
+                                         s.skipped, {}};
+  std::size_t i = 0; // the first tensor that does not end before the chunk: chunks come in layout order
+  detail::save_checkpoint_streamed(d, path, [&](const detail::checkpoint_put& put) {
+    i = 0;
+    s.stream(true, false, [&](std::size_t, chunk& c) {
+      while (i < segs.size() && segs[i].offset + segs[i].size <= c.range.begin) ++i;
+      for (std::size_t j = i; j < segs.size() && segs[j].offset < c.range.end; ++j) {
+        const segment& seg = segs[j];
+        const std::size_t lo = std::max(seg.offset, c.range.begin), hi = std::min(seg.offset + seg.size, c.range.end);
+        if (lo >= hi) continue; // (an empty tensor)
+        const std::size_t local = lo - c.range.begin, n = hi - lo, first = lo - seg.offset, g = seg.group;
+        const moment_format f = s.groups[g].moments;
+        put(j, 0, first, c.storage.params() + local, n * 4);
+        for (int k = 1; k <= 2; ++k) put(j, k, first, c.storage.moment_at(k, g, local), n * moment_code_bytes(f));
+        if (f == moment_format::q8)
+          put(j, 3, first, c.storage.moment_at(3, g, local), 2 * ((n + q8_block - 1) / q8_block));
+      }
+    });
+  }, extra);
+  }
+
+  // Refuses (std::invalid_argument, naming both ranges) unless this store holds rank `rank`'s
+  // shard of `world`: a sharded checkpoint's file must be that rank's.
+  void check_holds_shard(int world, int rank, const char* what) const {
+    const shard_range want = shard_of(groups, world, rank); // (refuses a bad world or rank)
+    if (want.begin != whole.range().begin || want.end != whole.range().end)
+      throw std::invalid_argument(std::string(what) + ": this store holds [" + std::to_string(whole.range().begin) +
+                                  ", " + std::to_string(whole.range().end) + ") of the layout, where rank " +
+                                  std::to_string(rank) + " of " + std::to_string(world) + " holds [" +
+                                  std::to_string(want.begin) + ", " + std::to_string(want.end) +
+                                  ") (state_store_options::range = shard_of(groups, world_size, rank); shard=(world_size, rank) in "
+                                  "Python)");
+  }
+
   // An applied step's commit: the count it commits, back where it was if the commit throws.
   void commit_step() {
     ++count;

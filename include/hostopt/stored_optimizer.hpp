@@ -169,9 +169,22 @@ public:
   /// bytes as saving an optimizer that copy_state_to filled), streamed: every chunk read
   /// once (verified), its pieces written where the file holds them, the file then read back
   /// once for its checksum; no RAM beyond the staging buffers. Atomic as save_checkpoint;
-  /// the same paths are refused. A store of a shard is refused (std::invalid_argument): a
-  /// sharded checkpoint goes through copy_state_to into a sharded_optimizer.
+  /// the same paths are refused. A store of a shard is refused (std::invalid_argument):
+  /// save_shard writes its part of a sharded checkpoint.
   void save_checkpoint(const std::string& path) const;
+  /// A rank's part of a sharded checkpoint (sharding.hpp's format: the file
+  /// sharded_optimizer::save writes, the same bytes as saving a sharded_optimizer that
+  /// copy_state_to filled), streamed as save_checkpoint streams. This store must hold rank
+  /// `rank`'s shard of `world_size` (options.range = shard_of(groups, world_size, rank)),
+  /// else std::invalid_argument naming both ranges; `save_id` and `dir` as
+  /// sharded_optimizer::save takes them. After every rank's save returned, rank 0 commits
+  /// it (commit_shard_save, or a sharded_optimizer's commit_save); the checkpoint then loads
+  /// into a sharded_optimizer of any world size.
+  void save_shard(const std::string& dir, const std::string& save_id, int world_size, int rank) const;
+  /// Rank 0's commit of a sharded save, as sharded_optimizer::commit_save: every shard file
+  /// verified, index.json written atomically, other saves' shard files removed. This store
+  /// must hold rank 0's shard of `world_size`.
+  void commit_shard_save(const std::string& dir, const std::string& save_id, int world_size) const;
 
   // --- chunked steps (chunk_updater: what the offload pipeline drives) -----------------
   // The ranges a step's gradients arrive in need not be the store's chunks: a range may start

@@ -339,6 +339,60 @@ def test_a_shards_store_exports_to_and_imports_from_a_sharded_optimizer(tmp_path
   np.testing.assert_array_equal(out, outs[2])
 
 
+def test_each_ranks_store_saves_its_part_of_a_sharded_checkpoint_streamed(tmp_path):
+  """save_shard writes the file ShardedOptimizer.save writes of the same state (the very
+  bytes), commit_shard_save commits the save as commit_save does, and a ShardedOptimizer of
+  another world size loads it and steps on to the single process's bits."""
+  from hostopt import _core
+  spec = hostopt._group_spec(GROUPS)
+  ram = hostopt.Optimizer(GROUPS)
+  n = ram.arena_size
+  flats = []
+  for t in range(3):
+    flat = np.zeros(n, np.float32)
+    for name, g in grads_of(ram, t).items():
+      _, _, off, size, _ = ram.segment(name)
+      flat[off:off + size] = g.reshape(-1)
+    flats.append(flat)
+    if t < 2:
+      ram.step(flat, max_grad_norm=2.0, known_grad_norm=3.0)
+  world = 2
+  ckpt, via_ram = tmp_path / "ckpt", tmp_path / "via_ram"
+  ckpt.mkdir()
+  via_ram.mkdir()
+  stores = []
+  for rank in range(world):
+    (tmp_path / f"rank{rank}").mkdir()
+    stored = hostopt.StoredOptimizer.create(GROUPS, tmp_path / f"rank{rank}", chunk_elements=256, buffers=3,
+                                            sync=False, shard=(world, rank))
+    b, e = stored.range
+    for t in range(2):
+      stored.step(flats[t][b:e], max_grad_norm=2.0, known_grad_norm=3.0)
+    with pytest.raises(ValueError, match=f"where rank {1 - rank} of 2 holds"):
+      stored.save_shard(ckpt, "s2", world, 1 - rank)
+    with pytest.raises(ValueError, match="save_shard"):
+      stored.save(tmp_path / "whole.safetensors")
+    stored.save_shard(ckpt, "s2", world, rank)
+    shard = _core.ShardedOptimizer(spec, world, rank, threads=1)
+    stored.copy_to(shard)
+    shard.save(str(via_ram), "s2")
+    stores.append(stored)
+  with pytest.raises(ValueError, match="rank 0 of 2 holds"):
+    stores[1].commit_shard_save(ckpt, "s2", world)
+  stores[0].commit_shard_save(ckpt, "s2", world)
+  for name in ("shard-0-of-2.s2.safetensors", "shard-1-of-2.s2.safetensors"):
+    assert (ckpt / name).read_bytes() == (via_ram / name).read_bytes(), name
+  for s in stores:
+    s.close()
+  one = _core.ShardedOptimizer(spec, 1, 0, threads=1)
+  one.load(str(ckpt))
+  assert one.step_count == 2
+  out, expected = np.zeros(n, np.float32), np.zeros(n, np.float32)
+  one.step(flats[2], "f32", out, "f32", max_grad_norm=2.0, known_grad_norm=3.0)
+  ram.step(flats[2], expected, max_grad_norm=2.0, known_grad_norm=3.0)
+  np.testing.assert_array_equal(out, expected)
+
+
 def test_a_shard_needs_no_gradient_for_an_empty_tensor_inside_its_range(tmp_path):
   groups = [{"params": {"a": (64,), "z": (0,), "b": (64,), "c": (64,)}, "lr": 1e-2}]
   with hostopt.StoredOptimizer.create(groups, tmp_path, sync=False, shard=(2, 0)) as stored:

@@ -560,7 +560,8 @@ class StoredOptimizer:
   twice the state's bytes there (two slots per chunk). `dir` may be a list of directories,
   one per drive: chunk k goes to dir[k % n] (open names them in the same order).
   hostopt.jax's and hostopt.torch's ``store=`` keep their state in one. Not yet: per-tensor
-  steps (every step takes every tensor's gradient), the offload pipeline.
+  steps (every step takes every tensor's gradient); the offload pipeline drives a store in
+  C++ (and through ``hostopt._core.OffloadPipeline``), not yet through the fronts.
 
   ``shard=(world_size, rank)`` (a keyword of create and open only) keeps one rank's shard of
   the layout, each rank its own store: the range ``hostopt._core.shard_of`` gives
@@ -570,7 +571,9 @@ class StoredOptimizer:
   checked or clipping step needs ``known_grad_norm`` (the global norm, all-reduced) so no
   rank decides alone: skip_nonfinite is on by default with 8-bit groups. A shard's store
   imports from and exports into a ``hostopt._core.ShardedOptimizer`` of the same shard
-  (:meth:`from_optimizer`, :meth:`copy_to`), whose sharded checkpoints load at any world size.
+  (:meth:`from_optimizer`, :meth:`copy_to`), and writes its part of a sharded checkpoint
+  streamed (:meth:`save_shard`, rank 0's :meth:`commit_shard_save`), which loads at any
+  world size.
 
   Example:
     >>> import numpy as np, hostopt, tempfile
@@ -718,12 +721,31 @@ class StoredOptimizer:
     and the fronts read it), streamed: each chunk read once and verified, its pieces written
     where the file holds them, the file read back once for its checksum, no RAM beyond the
     staging buffers. Atomic (temp file, fsync, rename). A shard's store is refused
-    (ValueError): export it with :meth:`copy_to` into a ``hostopt._core.ShardedOptimizer``."""
+    (ValueError): :meth:`save_shard` writes its part of a sharded checkpoint."""
     core = self._live()
     if self._sharded:
-      raise ValueError(f"save: this store holds a shard {self._range}: export it into a "
-                       "hostopt._core.ShardedOptimizer of the same groups, world size and rank (copy_to), and save that")
+      raise ValueError(f"save: this store holds a shard {self._range}: save_shard(dir, save_id, world_size, rank) "
+                       "writes its part of a sharded checkpoint")
     core.save(os.fspath(path))
+
+  def save_shard(self, dir: Union[str, os.PathLike], save_id: str, world_size: int, rank: int) -> None:
+    """A shard's store: writes rank `rank`'s part of sharded checkpoint `save_id` in `dir`
+    (``hostopt._core.ShardedOptimizer.save``'s file, the very bytes), streamed as :meth:`save`
+    streams, without the state in RAM. The store must hold that rank's shard of
+    `world_size` (``shard=(world_size, rank)`` at its creation), else ValueError naming both
+    ranges. After every rank's save returned (a barrier), rank 0 calls
+    :meth:`commit_shard_save`; a ``ShardedOptimizer`` of any world size then loads it."""
+    core = self._live()
+    core.save_shard(os.fspath(dir), str(save_id), _integer(world_size, "world_size", (1, 2**31), "an int >= 1"),
+                    _integer(rank, "rank", (0, 2**31), "an int >= 0"))
+
+  def commit_shard_save(self, dir: Union[str, os.PathLike], save_id: str, world_size: int) -> None:
+    """Rank 0's commit of sharded checkpoint `save_id` (``ShardedOptimizer.commit_save``'s):
+    every rank's shard file verified, ``index.json`` written atomically, other saves' shard
+    files removed. The store must hold rank 0's shard of `world_size`."""
+    core = self._live()
+    core.commit_shard_save(os.fspath(dir), str(save_id),
+                           _integer(world_size, "world_size", (1, 2**31), "an int >= 1"))
 
   def read_params(self, out=None) -> np.ndarray:
     """The master parameters of the last completed step, streamed from the drive (every chunk
