@@ -409,7 +409,12 @@ void stored_optimizer::save_shard(const std::string& dir, const std::string& sav
 void stored_optimizer::commit_shard_save(const std::string& dir, const std::string& save_id, int world_size) const {
   impl& s = *impl_;
   const auto lock = s.turns.acquire("commit_shard_save", false);
-  s.check_holds_shard(world_size, 0, "stored_optimizer::commit_shard_save (rank 0's, after every rank saved)");
+  s.check_usable("commit_shard_save");
+  try {
+    s.check_holds_shard(world_size, 0, "stored_optimizer::commit_shard_save");
+  } catch (const std::invalid_argument& e) { // (a logic error, as sharded_optimizer::commit_save's on rank != 0)
+    throw std::logic_error(std::string(e.what()) + ": call it on rank 0's store, after every rank saved");
+  }
   detail::commit_shard_save(dir, save_id, s.whole.segments(), arena_end(s.whole.segments()), world_size,
                             s.whole.unit());
 }

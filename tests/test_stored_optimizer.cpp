@@ -232,6 +232,7 @@ TEST_CASE("stored_optimizer: a store per rank saves a sharded checkpoint streame
   CHECK_THROWS_WITH(stores[1].save_shard(ckpt.string(), "s1", 2, 1), Catch::Contains("rank 1 of 2"));
   CHECK_THROWS_AS(stores[1].save_shard(ckpt.string(), "s1", world, 3), std::invalid_argument);
   CHECK_THROWS_WITH(stores[1].commit_shard_save(ckpt.string(), "s1", world), Catch::Contains("rank 0"));
+  CHECK_THROWS_AS(stores[1].commit_shard_save(ckpt.string(), "s1", world), std::logic_error);
   CHECK_THROWS_WITH(stores[0].save_shard(ckpt.string(), "../x", world, 0), Catch::Contains("save_id '../x'"));
   CHECK(fs::is_empty(ckpt));
   for (int rank = 0; rank < world; ++rank) {
@@ -245,6 +246,8 @@ TEST_CASE("stored_optimizer: a store per rank saves a sharded checkpoint streame
     INFO(name);
     CHECK(file_bytes(ckpt / name) == file_bytes(ram_ckpt / name));
   }
+  stores[0].close();
+  CHECK_THROWS_WITH(stores[0].commit_shard_save(ckpt.string(), "s1", world), Catch::Contains("closed"));
   // Loaded into 2 ranks and into 1, the next step is the in-RAM run's third.
   optimizer ram(groups);
   for (std::int64_t t = 0; t < 3; ++t) ram.step(const_view{grad_of(n, t).data(), n, dtype::f32}, mut_view{}, opts);

@@ -377,8 +377,10 @@ def test_each_ranks_store_saves_its_part_of_a_sharded_checkpoint_streamed(tmp_pa
     stored.copy_to(shard)
     shard.save(str(via_ram), "s2")
     stores.append(stored)
-  with pytest.raises(ValueError, match="rank 0 of 2 holds"):
+  with pytest.raises(RuntimeError, match="rank 0 of 2 holds"):
     stores[1].commit_shard_save(ckpt, "s2", world)
+  with pytest.raises(TypeError, match="save_id: expected a str.*NoneType"):
+    stores[0].save_shard(ckpt, None, world, 0)
   stores[0].commit_shard_save(ckpt, "s2", world)
   for name in ("shard-0-of-2.s2.safetensors", "shard-1-of-2.s2.safetensors"):
     assert (ckpt / name).read_bytes() == (via_ram / name).read_bytes(), name

@@ -532,6 +532,14 @@ def _optimizer_core(opt: Any, what: str) -> "_core.Optimizer":
   return opt._core
 
 
+def _save_id(save_id: Any) -> str:
+  """A sharded save's id: a str, never another object turned into one (None, a number)."""
+  if not isinstance(save_id, str):
+    raise TypeError(f"save_id: expected a str (1 to 64 letters, digits, '.', '_' or '-'), got "
+                    f"{type(save_id).__name__} {save_id!r}")
+  return save_id
+
+
 class StoredOptimizer:
   """Adam/AdamW state kept on a local drive, not in RAM: every step streams it through a few
   staging buffers (read chunk k+d ahead, update chunk k with Optimizer's own fused kernels,
@@ -736,7 +744,7 @@ class StoredOptimizer:
     ranges. After every rank's save returned (a barrier), rank 0 calls
     :meth:`commit_shard_save`; a ``ShardedOptimizer`` of any world size then loads it."""
     core = self._live()
-    core.save_shard(os.fspath(dir), str(save_id), _integer(world_size, "world_size", (1, 2**31), "an int >= 1"),
+    core.save_shard(os.fspath(dir), _save_id(save_id), _integer(world_size, "world_size", (1, 2**31), "an int >= 1"),
                     _integer(rank, "rank", (0, 2**31), "an int >= 0"))
 
   def commit_shard_save(self, dir: Union[str, os.PathLike], save_id: str, world_size: int) -> None:
@@ -744,7 +752,7 @@ class StoredOptimizer:
     every rank's shard file verified, ``index.json`` written atomically, other saves' shard
     files removed. The store must hold rank 0's shard of `world_size`."""
     core = self._live()
-    core.commit_shard_save(os.fspath(dir), str(save_id),
+    core.commit_shard_save(os.fspath(dir), _save_id(save_id),
                            _integer(world_size, "world_size", (1, 2**31), "an int >= 1"))
 
   def read_params(self, out=None) -> np.ndarray:
