@@ -34,8 +34,6 @@ void check_count(const char* what, std::int64_t count) {
                                 std::to_string(max_step_count) + "] (hostopt::max_step_count)");
 }
 
-std::optional<dtype> out_of(bool has_out, dtype t) { return has_out ? std::optional<dtype>(t) : std::nullopt; }
-
 } // namespace
 
 struct optimizer::impl {

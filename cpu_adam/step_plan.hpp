@@ -29,6 +29,9 @@ struct step_io {
   bool delta = false;        // the optax form: the update new_p - p in the gradient's dtype
 };
 
+/// A step_io's copy-out: `t` when the step writes one, none otherwise.
+inline std::optional<dtype> out_of(bool has_out, dtype t) { return has_out ? std::optional<dtype>(t) : std::nullopt; }
+
 /// The tensors of a step over an optimizer's arena, for a plan that points each piece at its
 /// kernel entry. A tensor whose own step count lags the shared one (it had no gradient in
 /// some per-tensor steps) runs its own entry, groups[configs.size() + tensor], with the bias

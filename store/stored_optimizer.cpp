@@ -319,11 +319,7 @@ step_result stored_optimizer::step(const_view flat_grad, mut_view flat_out, cons
     s.stat_views.push_back({static_cast<const char*>(flat_grad.data) + piece.offset * dtype_size(flat_grad.type),
                             piece.size, flat_grad.type});
   const step_io io{flat_grad.type, has_out ? std::optional<dtype>(flat_out.type) : std::nullopt, false, false};
-  for (std::size_t g = 0; g < s.configs.size(); ++g) { // the plan picks kernels and rounding keys from these
-    s.group_kernels[g].storage = moment_storage{};
-    s.group_kernels[g].storage.format = s.groups[g].moments;
-    s.group_kernels[g].storage.seed = s.seeds[g];
-  }
+  s.reset_group_kernels();
   const step_plan pl = step_plan::make(*s.kernels, s.configs, s.count, io, opts,
                                        [&] { return gradient_stats(s.stat_views, s.exec).norm; }, s.group_kernels);
   if (!pl.decision().apply) {

@@ -328,6 +328,16 @@ struct stored_optimizer::impl {
                                   "Python)");
   }
 
+  // Before a step's plan: each group's format and seed, from which the plan picks its kernels
+  // and rounding keys (the chunks' storage is bound per chunk, in update_part).
+  void reset_group_kernels() {
+    for (std::size_t g = 0; g < configs.size(); ++g) {
+      group_kernels[g].storage = moment_storage{};
+      group_kernels[g].storage.format = groups[g].moments;
+      group_kernels[g].storage.seed = seeds[g];
+    }
+  }
+
   // An applied step's commit: the count it commits, back where it was if the commit throws.
   void commit_step() {
     ++count;

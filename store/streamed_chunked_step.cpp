@@ -10,8 +10,6 @@ namespace hostopt {
 
 namespace {
 
-std::optional<dtype> out_of(bool has_out, dtype t) { return has_out ? std::optional<dtype>(t) : std::nullopt; }
-
 void refuse_without_grad(const chunk_step_options& o) {
   if (!o.tensors_without_grad.empty())
     throw std::invalid_argument("begin_step: tensors_without_grad names " + std::to_string(o.tensors_without_grad.size()) +
@@ -46,11 +44,7 @@ step_result stored_optimizer::begin_step(const chunk_step_options& o) {
   s.turns.let_waiters_go_first(lock);
   s.check_usable("begin_step");
   check_chunk_options(o);
-  for (std::size_t g = 0; g < s.configs.size(); ++g) { // the plan picks kernels and rounding keys from these
-    s.group_kernels[g].storage = moment_storage{};
-    s.group_kernels[g].storage.format = s.groups[g].moments;
-    s.group_kernels[g].storage.seed = s.seeds[g];
-  }
+  s.reset_group_kernels();
   // The gradients arrive later: a norm the checks need must be known already.
   const step_io io{o.grad_type, out_of(o.copy_out, o.out_type), o.accumulator, false};
   const step_plan pl = step_plan::make(*s.kernels, s.configs, s.count, io, o.checks,
