@@ -1,7 +1,8 @@
 """hostopt.jax with store=: the state on a drive steps to the in-RAM front's bits (schedules,
-masks, every moment format, clipping, skipped steps, micro-batches, 16-bit params), resumes
-where it was from jax.eval_shape's structs, exports through state_dict and save, and refuses
-what it cannot do by name, with nothing changed."""
+masks, every moment format, clipping, skipped steps, micro-batches, 16-bit params), on the
+host and through the offload pipeline (offload="host": the pipeline streams the store's
+chunks), resumes where it was from jax.eval_shape's structs, exports through state_dict and
+save, and refuses what it cannot do by name, with nothing changed."""
 import numpy as np
 import pytest
 
@@ -30,13 +31,13 @@ def grads_of(params, t):
   return jax.tree_util.tree_map(lambda p: jnp.asarray(rng.standard_normal(p.shape), p.dtype), params)
 
 
-def make(params, store=None, resume=False, options=None):
+def make(params, store=None, resume=False, options=None, **kw):
   mask = jax.tree_util.tree_map(lambda p: p.ndim > 1, params)
   groups = {"emb": "compressed", "dense": {"w": "half", "b": "plain"}, "norm": "plain"}
   return hj.adamw(params, SCHEDULE, weight_decay=0.1, mask=mask, max_grad_norm=5.0, groups=groups,
                   group_options={"compressed": {"moments": "8bit"}, "half": {"moments": "bf16"}}, rounding_seed=3,
                   store=store, store_options=options or (None if store is None else RESUMED if resume else STORE),
-                  resume=resume)
+                  resume=resume, **kw)
 
 
 def same(a, b):
@@ -122,8 +123,6 @@ def test_refusals_name_the_problem_and_change_nothing(tmp_path):
     hj.adamw(params, 1e-3, resume=True)
   with pytest.raises(ValueError, match="chunking it was created with"):
     make(params, tmp_path, resume=True, options=STORE)
-  with pytest.raises(ValueError, match="store= with parameters on an accelerator"):
-    hj.adamw(params, 1e-3, store=empty, offload="host")
   with pytest.raises(TypeError, match="resume: expected a bool"):
     hj.adamw(params, 1e-3, store=empty, resume="yes")
   assert not any(empty.iterdir())  # nothing made by the refusals
@@ -150,3 +149,50 @@ def test_a_refused_call_leaves_no_store_and_a_failed_step_keeps_the_micro_batche
     f.write_bytes(data)
   same(ram.step(grads_of(params, 1)), stored.step(grads_of(params, 1)))  # the retry averages two micro-batches
   same_state_dict(ram.state_dict(), stored.state_dict())
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_offload_pipeline_streams_the_store_to_the_in_ram_pipelines_bits(tmp_path, dtype):
+  # offload="host": CPU arrays stand in for device arrays, the pipeline's copies and its
+  # chunks (cut across the store's: 200 elements against 128) are the GPU path's.
+  params = model(dtype=dtype)
+  ram = make(params, offload="host", offload_chunk=200)
+  stored = make(params, tmp_path, offload="host", offload_chunk=200)
+  assert stored.memory()["pinned_bytes"] > 0 and stored.memory()["copy_out_bytes"] == 0
+  for t in range(4):
+    g = grads_of(params, t)
+    if t == 2:
+      g["norm"] = g["norm"].at[1].set(jnp.nan)  # skipped by both, counted, committed with the next
+    p, q = ram.step(g), stored.step(g)
+    assert str(ram.last_step) == str(stored.last_step)
+    same(p, q)
+  assert stored.store.step_count == 3 and stored.store.skipped_steps == 1
+  for o in (ram, stored):  # micro-batches, summed in the pipeline's accumulator (the norm: the caller's)
+    o.accumulate(grads_of(params, 7))
+  same(ram.step(grads_of(params, 8), grad_norm=2.5), stored.step(grads_of(params, 8), grad_norm=2.5))
+  same(ram.params(), stored.params())
+  same_state_dict(ram.state_dict(), stored.state_dict())
+
+  g = grads_of(params, 9)
+  g["norm"] = None
+  with pytest.raises(ValueError, match=r"grads\['norm'\] is None: with store= every step"):
+    stored.step(g)
+  chunks = [f for f in tmp_path.iterdir() if f.stat().st_size > 8192]
+  saved = {f: f.read_bytes() for f in chunks}
+  for f in chunks:
+    f.write_bytes(b"")  # truncated under the pipeline: its step fails midway, the store keeps step 4
+  with pytest.raises(RuntimeError):
+    stored.step(grads_of(params, 9))
+  for f, data in saved.items():
+    f.write_bytes(data)
+  assert stored.step_count == 4
+  same(ram.step(grads_of(params, 9)), stored.step(grads_of(params, 9)))  # the pipeline goes on
+  stored.close()
+  with pytest.raises(ValueError, match="closed"):
+    stored.step(grads_of(params, 10))
+
+  resumed = make(jax.eval_shape(lambda: params), tmp_path, resume=True, offload="host", offload_chunk=200)
+  assert resumed.step_count == 5
+  same(ram.current_params(), resumed.current_params())
+  same(ram.step(grads_of(params, 10)), resumed.step(grads_of(params, 10)))
+  same_state_dict(ram.state_dict(), resumed.state_dict())

@@ -212,7 +212,7 @@ class HostAdam:
       for name, x in zip(self._names, leaves):
         self._core.params(name)[...] = np.asarray(jax.device_get(x), dtype=np.float32)
     else:
-      self._store = self._make_store(core_groups, store, store_options, resume, leaves, offload)
+      self._store = self._make_store(core_groups, store, store_options, resume, leaves)
       for g, hyper in enumerate(self._hypers):  # this optimizer's hyper-parameters, as load() keeps them
         self._store.set_group_config(g, **dataclasses.asdict(hyper))
     # None: checked when a group has 8-bit moments (a NaN would poison its whole block).
@@ -227,17 +227,13 @@ class HostAdam:
     self._lock = threading.RLock()
     self._executor: Optional["concurrent.futures.ThreadPoolExecutor"] = None
     self.last_step = None  # the StepStats of the last step (applied, grad_norm, skipped_steps, ...)
-    self._device_step = None if self._store is not None else self._device_path(leaves, offload, offload_chunk)
+    self._device_step = self._device_path(leaves, offload, offload_chunk)
 
-  def _make_store(self, core_groups, store, store_options, resume, leaves, offload) -> "_StoredOptimizer":
+  def _make_store(self, core_groups, store, store_options, resume, leaves) -> "_StoredOptimizer":
     """The StoredOptimizer of store=: a new one holding `leaves` as its parameters, or with
     resume=True the one in the directory at its last completed step."""
     if not isinstance(resume, bool):
       raise TypeError(f"resume: expected a bool, got {type(resume).__name__}")
-    devices = {d for x in leaves if isinstance(x, jax.Array) for d in x.devices()}
-    if offload is not None or any(d.platform != "cpu" for d in devices):
-      raise ValueError("store= with parameters on an accelerator (or offload=): not yet; the state on drives steps "
-                       "CPU parameters (the offload pipeline does not stream from a store)")
     options = dict(store_options or {})
     allowed = {"staging_bytes", "buffers", "chunk_elements", "sync", "io", "kernel"}
     unknown = set(options) - allowed
@@ -295,7 +291,10 @@ class HostAdam:
     # 16-bit dtype if that is all there is, else float32 (to which every one widens exactly).
     kinds = {np.dtype(x.dtype) for x in leaves} | set(self._out_dtypes)
     grad_dtype = kinds.pop() if len(kinds) == 1 else np.dtype(np.float32)
-    return DeviceStep(self._core._core, offload, device, self._names, self._shapes, grad_dtype, self._copy_out, chunk)
+    # With store= the pipeline streams the store's chunks: each range it hands the CPU is
+    # read from the drives, updated and written back, and the step commits at its end.
+    core = self._store._live() if self._store is not None else self._core._core
+    return DeviceStep(core, offload, device, self._names, self._shapes, grad_dtype, self._copy_out, chunk)
 
   # --- the step -----------------------------------------------------------------------
 
@@ -459,6 +458,13 @@ class HostAdam:
     if grads is None and ds.micro_batches == 0:
       raise ValueError("step(None): nothing accumulated (call accumulate(grads) first, or pass grads)")
     leaves = None if grads is None else self._device_grads(grads)
+    if self._store is not None:
+      self._store._live()  # a closed store: ValueError, as the host path's step
+      if leaves is not None and not ds.micro_batches:  # (accumulated micro-batches cover every leaf)
+        missing = [n for n, g in zip(self._names, leaves) if g is None]
+        if missing:
+          raise ValueError(f"grads{missing[0]} is None: with store= every step takes every leaf's gradient (the "
+                           f"state streams through whole; {len(missing)} leaves without one)")
     skip = self._skip_nonfinite
     if skip and self._skip_auto and grad_norm is None and ds.micro_batches and self._max_grad_norm == 0:
       skip = False  # the default check cannot take the norm of host-accumulated micro-batches: unchecked, as asked
@@ -477,7 +483,7 @@ class HostAdam:
     result, out = ds.step(flat, without=without, max_grad_norm=self._max_grad_norm,
                           skip_nonfinite=skip, known_grad_norm=grad_norm)
     self.last_step = _stats(result)
-    _report_blocks(self._core, result, "hostopt.jax")
+    _report_blocks(self._stepper(), result, "hostopt.jax")
     out = [a if np.dtype(a.dtype) == d else a.astype(d) for a, d in zip(out, self._out_dtypes)]
     return self._treedef.unflatten(out)
 
@@ -591,7 +597,7 @@ class HostAdam:
     with self._lock:
       n = sum(int(np.prod(s)) for s in self._shapes)
       copy_out = sum(b.nbytes for bufs in self._pool for b in bufs)
-      if self._store is not None:  # each step's flat copy-out (new each step: JAX keeps the arrays over it)
+      if self._store is not None and self._device_step is None:  # each step's flat copy-out (new each step: JAX keeps the arrays over it)
         copy_out = self._store.arena_size * np.dtype(self._copy_out).itemsize
       acc = sum(a.nbytes for a in self._acc) if self._acc is not None else 0
       offloaded = {"pinned_bytes": 0, "device_buffer_bytes": 0, "device_step_bytes": 0}
@@ -819,8 +825,9 @@ def _doc(decoupled: bool) -> str:
       (:class:`hostopt.StoredOptimizer`): each step streams it through staging buffers and
       commits, so what is on the drives is always a verified checkpoint of the last
       completed step.
-      The same bits as in RAM. Every step takes every leaf's gradient; CPU parameters only
-      (no offload pipeline yet); ``load``/``load_state_dict`` are refused, ``save`` streams
+      The same bits as in RAM. Every step takes every leaf's gradient; parameters on a GPU
+      (or ``offload="host"``) go through the offload pipeline, which streams the store's
+      chunks; ``load``/``load_state_dict`` are refused, ``save`` streams
       a checkpoint from the drives, ``state_dict`` and ``optax_state`` export through RAM.
     store_options (dict or None, default None): hostopt.StoredOptimizer's keywords
       (staging_bytes, buffers, chunk_elements, sync, io, kernel).
