@@ -1,8 +1,12 @@
 """hostopt.torch with store=: the state on a drive steps to the in-RAM optimizer's bits (param
 groups of every moment format, lr schedulers, skipped steps, channels_last, 16-bit
-parameters), its state_dict loads into the in-RAM optimizer, a restarted run resumes with
-the store's parameters, and what it cannot do is refused by name, with nothing changed."""
+parameters), on the host and offloaded (offload="host": the offload pipeline streams the
+store's chunks between flat device buffers), its state_dict loads into the in-RAM optimizer,
+a restarted run resumes with the store's parameters, and what it cannot do is refused by
+name, with nothing changed."""
 import copy
+import resource
+import signal
 
 import pytest
 import torch
@@ -13,20 +17,21 @@ STORE = {"sync": False, "chunk_elements": 256, "buffers": 3}  # many chunks, cut
 RESUMED = {"sync": False, "buffers": 4}  # (a store keeps its chunking)
 
 
-def model(dtype=torch.float32, seed=0):
+def model(dtype=torch.float32, seed=0, channels_last=True):
   torch.manual_seed(seed)
   m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 4 * 4, 37),
                           torch.nn.Linear(37, 5))
-  m[0].to(memory_format=torch.channels_last)  # a parameter whose memory order is not its index order
+  if channels_last:
+    m[0].to(memory_format=torch.channels_last)  # a parameter whose memory order is not its index order
   return m.to(dtype)
 
 
-def optimizer(m, store=None, resume=False, options=None):
+def optimizer(m, store=None, resume=False, options=None, **kw):
   groups = [{"params": [m[0].weight, m[2].weight], "moments": "8bit", "rounding_seed": 5},
             {"params": [m[3].weight], "moments": "bf16", "lr": 2e-3},
             {"params": [m[0].bias, m[2].bias, m[3].bias], "weight_decay": 0.0}]
   opt = ht.AdamW(groups, lr=1e-2, weight_decay=0.1, store=store, resume=resume,
-                 store_options=options or (None if store is None else RESUMED if resume else STORE))
+                 store_options=options or (None if store is None else RESUMED if resume else STORE), **kw)
   sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
   return opt, sched
 
@@ -162,8 +167,13 @@ def test_refusals_name_the_problem_and_change_nothing(tmp_path):
     ht.AdamW(params, store_options={"sync": False})
   with pytest.raises(ValueError, match="resume=True without store="):
     ht.Adam(params, resume=True)
-  with pytest.raises(ValueError, match="store= with offload="):
-    ht.AdamW(params, store=empty, offload="host")
+  with pytest.raises(ValueError, match="store= with overlap= or overlap_backward=: not yet"):
+    ht.AdamW(params, store=empty, overlap=True)
+  with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] is not contiguous: the offloaded"):
+    ht.AdamW(params, store=empty, offload="host")  # (a channels_last conv)
+  with pytest.raises(ValueError, match=r"offloaded with parameters of \['torch.bfloat16', 'torch.float32'\]"):
+    ht.AdamW([torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))],
+             store=empty, offload="host")
   with pytest.raises(TypeError, match="resume: expected a bool"):
     ht.AdamW(params, store=empty, resume=1)
   assert not any(empty.iterdir())  # nothing made by the refusals
@@ -301,6 +311,88 @@ def test_a_dtype_change_is_refused_and_a_1x1_convs_strides_may_change(tmp_path):
   opt.step()
   assert opt.store.step_count == 2
   m[0].bias.data = m[0].bias.data.to(torch.bfloat16)
-  with pytest.raises(ValueError, match=r"\['params'\]\[1\] is now \(4,\) torch.bfloat16.*dtype and memory order are "
+  with pytest.raises(ValueError, match=r"\['params'\]\[1\] is now \(4,\) torch.bfloat16.*dtype, device and memory order are "
                      "fixed"):
     opt.step()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_offloaded_the_pipeline_streams_the_store_to_the_in_ram_pipelines_bits(tmp_path, dtype):
+  # offload="host": CPU tensors stand in for device buffers, the pipeline's chunks (300
+  # elements) cut across the store's (256) as on a GPU.
+  off = {"offload": "host", "offload_chunk": 300, "skip_nonfinite": True}
+  a, b = model(dtype, channels_last=False), model(dtype, channels_last=False)
+  ram, ram_sched = optimizer(a, **off)
+  stored, stored_sched = optimizer(b, tmp_path, options=dict(STORE, io="threads"), **off)
+  pretrained = model(dtype, seed=5, channels_last=False).state_dict()
+  for m in (a, b):
+    m.load_state_dict(pretrained)  # after the optimizer was made: adopted by both at the first step
+  for t in range(5):
+    for m in (a, b):
+      backward(m, t)
+      if t == 2:
+        m[2].weight.grad[1, 1] = float("nan")  # skipped by both, counted, committed with the next
+    ram.step()
+    stored.step()
+    ram_sched.step()
+    stored_sched.step()
+    assert str(ram.last_step) == str(stored.last_step)
+    same_params(a, b)
+    with torch.no_grad():
+      for m in (a, b):
+        if t == 0:
+          m[2].weight.clamp_(-0.05, 0.05)  # an in-place edit through the parameter
+        if t == 1:
+          m[3].bias.data = torch.full_like(m[3].bias, 0.25)  # a replaced .data: back onto the device buffer
+        if t == 3:
+          m[3].weight.data.mul_(0.5)  # not seen (torch's version counter): adopt_params() says so
+          opt = ram if m is a else stored
+          opt.adopt_params()
+  assert stored.store.step_count == 4 and stored.store.skipped_steps == 1
+  assert b[3].bias.data_ptr() != 0 and b[2].weight.data_ptr() - b[3].weight.data_ptr() > 0  # views of one buffer
+  same_state_dict(ram.state_dict(), stored.state_dict())
+
+  before = [p.detach().clone() for p in b.parameters()]
+  backward(b, 5)
+  # Writes past 40 KiB fail (EFBIG), reads do not: the step fails midway, after the pipeline
+  # copied its first chunks' new parameters out, and the store's step goes back in.
+  handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+  limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+  resource.setrlimit(resource.RLIMIT_FSIZE, (40 << 10, limits[1]))
+  try:
+    with pytest.raises(RuntimeError, match="put back to the store's last completed step .step 4.: nothing of this"):
+      stored.step()
+  finally:
+    resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    signal.signal(signal.SIGXFSZ, handler)
+  for p, q in zip(before, b.parameters()):  # the parameters are the store's step again
+    assert torch.equal(p, q.detach())
+  chunks = [f for f in tmp_path.iterdir() if f.stat().st_size > 8192]
+  saved = {f: f.read_bytes() for f in chunks}
+  for f in chunks:
+    f.write_bytes(b"")  # truncated: the step fails, and so does putting the parameters back
+  with pytest.raises(RuntimeError, match="could not be put back .*: they hold no completed step.*resume=True"):
+    stored.step()
+  for f, data in saved.items():
+    f.write_bytes(data)
+  with pytest.raises(ValueError, match="the parameters hold no completed step"):
+    stored.step()
+  stored.close()
+  with pytest.raises(ValueError, match="closed"):
+    stored.step()
+
+  # The same model, resumed: the store's last completed step goes back into its parameters.
+  resumed, resumed_sched = optimizer(b, tmp_path, resume=True, **off)
+  resumed_sched.load_state_dict(stored_sched.state_dict())
+  for group, lr in zip(resumed.param_groups, resumed_sched.get_last_lr()):
+    group["lr"] = lr
+  for p, q in zip(before, b.parameters()):
+    assert torch.equal(p, q.detach())
+  for t in (5, 6):
+    for m in (a, b):
+      backward(m, t)
+    for o, sched in ((ram, ram_sched), (resumed, resumed_sched)):
+      o.step()
+      sched.step()
+    same_params(a, b)
+  same_state_dict(ram.state_dict(), resumed.state_dict())

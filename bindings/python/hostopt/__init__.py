@@ -567,9 +567,10 @@ class StoredOptimizer:
   filesystem with O_DIRECT (not tmpfs); the store takes about
   twice the state's bytes there (two slots per chunk). `dir` may be a list of directories,
   one per drive: chunk k goes to dir[k % n] (open names them in the same order).
-  hostopt.jax's and hostopt.torch's ``store=`` keep their state in one. Not yet: per-tensor
-  steps (every step takes every tensor's gradient); the offload pipeline drives a store in
-  C++ (and through ``hostopt._core.OffloadPipeline``), not yet through the fronts.
+  hostopt.jax's and hostopt.torch's ``store=`` keep their state in one (their parameters on a
+  GPU through the offload pipeline, which drives a store as it drives an Optimizer; also
+  ``hostopt._core.OffloadPipeline``). Not yet: per-tensor steps (every step takes every
+  tensor's gradient).
 
   ``shard=(world_size, rank)`` (a keyword of create and open only) keeps one rank's shard of
   the layout, each rank its own store: the range ``hostopt._core.shard_of`` gives

@@ -14,9 +14,19 @@ its values adopted as masters by the step, as the in-RAM optimizer adopts them. 
 parameter whose shape or memory order changed is refused: the layout on the drives is fixed.
 Parameters frozen when the store is made (``requires_grad=False``) are left out of it. The
 store has one step count: every step takes every held parameter's gradient.
+
+Offloaded (CUDA parameters, or ``offload="host"``): the held parameters become views of one
+flat device buffer in the store's layout, their gradients are gathered into another, and the
+offload pipeline streams the store's chunks between them (each range it hands the CPU is read
+from the drives, updated, written back; the step commits at its end), as the in-RAM offloaded
+path streams its arena. Writes the user makes through a parameter (its version counter) or a
+replaced ``.data`` are adopted as in RAM (the master kept where it rounds to the values):
+that step streams through the host instead (its gradients copied down whole, the store's own
+step adopting them). A step that fails midway puts the last completed step back into the
+device buffer, so parameters and store agree.
 """
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 import numpy as np
 import torch
@@ -26,14 +36,13 @@ from . import _core
 from ._arena import Segment
 from ._arrays import as_buffer
 from ._dtypes import kernel_tag, tag_of
-from ._torch_state import MASTER, SCALES, arena_view, dense_order, flat, moment_keys
+from ._torch_state import MASTER, SCALES, arena_view, dense_order, flat, moment_keys, rounds_to
 
 OPTION_KEYS = ("staging_bytes", "buffers", "chunk_elements", "sync", "io", "kernel")
 _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
-def check_options(store, store_options: Optional[dict], resume: bool, offload, overlap: bool,
-                  overlap_backward: bool) -> dict:
+def check_options(store, store_options: Optional[dict], resume: bool, overlap: bool, overlap_backward: bool) -> dict:
   """store=, store_options= and resume= checked before torch's __init__ (nothing made yet)."""
   if not isinstance(resume, bool):
     raise TypeError(f"resume: expected a bool, got {type(resume).__name__}")
@@ -42,9 +51,9 @@ def check_options(store, store_options: Optional[dict], resume: bool, offload, o
       raise ValueError(f"{'store_options' if store_options is not None else 'resume=True'} without store=: name "
                        "the store's directory (or directories, one per drive)")
     return {}
-  if offload is not None or overlap or overlap_backward:
-    raise ValueError("store= with offload=, overlap= or overlap_backward=: not yet; the state on drives steps CPU "
-                     "parameters (the offload pipeline does not stream from a store)")
+  if overlap or overlap_backward:
+    raise ValueError("store= with overlap= or overlap_backward=: not yet; a step over the store waits for its "
+                     "commit (the offload pipeline streams the store, step() returns once it committed)")
   options = dict(store_options or {})
   unknown = set(options) - set(OPTION_KEYS)
   if unknown:
@@ -81,9 +90,6 @@ class TorchStore:
         seen.add(id(p))
         if tag_of(p.dtype) is None:
           raise TypeError(f"{where} has dtype {p.dtype}: expected float32, bfloat16 or float16")
-        if p.device.type != "cpu":
-          raise ValueError(f"{where} is on {p.device}: store= steps CPU parameters (the offload pipeline does not "
-                           "stream from a store yet)")
         if not dense_order(p):
           raise ValueError(f"{where} is a strided view with gaps or overlaps (strides {tuple(p.stride())}): "
                            "hostopt keeps each parameter in one dense slice")
@@ -120,7 +126,8 @@ class TorchStore:
     self._segs = [by_name[name] for name in names]
     self._size = size
     kinds = {p.dtype for p in self._params}
-    self._dtype = kinds.pop() if len(kinds) == 1 else torch.float32  # gradients and copy-out: one dtype per step
+    self._dtype = next(iter(kinds)) if len(kinds) == 1 else torch.float32  # gradients and copy-out: one dtype per step
+    self._device = self._offload_device(opt, entries, kinds)  # None: CPU parameters, stepped in place
     self._applied: Dict[int, dict] = {}  # core group -> the config last given to the store
     # The last state_dict's tensors: (step count, {(parameter index, key): (weakref, version)}).
     self._export: Optional[Tuple[int, Dict[Tuple[int, str], Tuple[Any, int]]]] = None
@@ -131,25 +138,30 @@ class TorchStore:
                                      options.get("io", "auto"))
     if resume:
       self._core = _core.StoredOptimizer.open(self._spec, dirs, *args, opt._threads, kernel, None, False)
-      self._put_params()  # the store's parameters: the last completed step
+      if self._device is None:
+        self._put_params()  # the store's parameters: the last completed step (offloaded: pushed below)
       # The hyper-parameters stay param_groups' (each step gives them to the store): an lr
       # scheduler's state, loaded, sets the next lr (the docstring says how), and a scheduler
       # made now takes the constructor's lr as its initial_lr, as in a fresh run.
     else:
       initial = np.zeros(size, np.float32)
       for s, p in zip(self._segs, self._params):
-        initial[s.offset:s.offset + s.size] = flat(p.detach()).float().numpy()
+        initial[s.offset:s.offset + s.size] = flat(p.detach()).float().cpu().numpy()
       try:
         self._core = _core.StoredOptimizer.create(self._spec, dirs, *args, opt._threads, kernel, initial, None)
       except RuntimeError as e:
         if "a store exists" not in str(e):
           raise
         raise RuntimeError(f"{e} (resume=True continues it)") from None
-    # What each parameter held after the store last wrote it (the step's copy-out): a
-    # parameter that differs from it was written by the user.
-    self._last = torch.zeros(size, dtype=self._dtype)
-    for s, p in zip(self._segs, self._params):
-      self._last[s.offset:s.offset + s.size].copy_(flat(p.detach()))
+    self._pipe: Any = None
+    if self._device is not None:
+      self._offload(opt, resume)
+    else:
+      # What each parameter held after the store last wrote it (the step's copy-out): a
+      # parameter that differs from it was written by the user.
+      self._last = torch.zeros(size, dtype=self._dtype)
+      for s, p in zip(self._segs, self._params):
+        self._last[s.offset:s.offset + s.size].copy_(flat(p.detach()))
     self._steps = np.zeros(len(self._params), np.float32)  # torch's per-parameter "step", one view each
     self._shown = False
     self._closed = False
@@ -159,8 +171,76 @@ class TorchStore:
   def core(self) -> Any:
     return self._core
 
+  def _offload_device(self, opt: Any, entries: list, kinds: set) -> Optional[torch.device]:
+    """The device of the offloaded parameters (CUDA ones, or offload='host': the CPU), checked
+    before the store is made; None where they are stepped in place."""
+    devices = {p.device for _, _, p in entries}
+    if all(d.type == "cpu" for d in devices) and opt._offload != "host":
+      return None
+    if len(devices) != 1 or (opt._offload == "host" and next(iter(devices)).type != "cpu"):
+      raise ValueError(f"parameters on {sorted(str(d) for d in devices)}: hostopt.torch offloads the parameters of "
+                       "one CUDA device per optimizer (offload='host': CPU ones)")
+    if len(kinds) != 1:
+      raise ValueError(f"store= offloaded with parameters of {sorted(str(k) for k in kinds)}: the device buffer "
+                       "holds one dtype (make one optimizer per dtype)")
+    for _, k, p in entries:
+      if not p.is_contiguous():
+        raise ValueError(f"{self._where[k]} is not contiguous: the offloaded path keeps parameters in the flat "
+                         "device buffer's layout")
+    return next(iter(devices))
+
+  def _offload(self, opt: Any, resume: bool) -> None:
+    """The device side: flat parameter and gradient buffers in the store's layout (each held
+    parameter a view of the first), and the pipeline between them and the store."""
+    device = cast(torch.device, self._device)
+    self._engine = (_core.CopyEngine.cuda(device.index or 0) if device.type == "cuda" else _core.CopyEngine.host())
+    self._engine_stream = self._engine.create_stream() if device.type == "cpu" else 0  # (host: stands in for torch's)
+    self._tag = kernel_tag(self._dtype)
+    self._dev_params = torch.zeros(self._size, dtype=self._dtype, device=device)
+    self._dev_grads = torch.zeros(self._size, dtype=self._dtype, device=device)
+    self._pipe = _core.OffloadPipeline(self._core, self._engine, opt._offload_chunk, 2, self._tag, self._tag)
+    self._views = [self._dev_params[s.offset:s.offset + s.size] for s in self._segs]
+    self._grad_views = [self._dev_grads[s.offset:s.offset + s.size] for s in self._segs]
+    for view, p in zip(self._views, self._params):
+      view.copy_(p.detach().reshape(-1))
+      p.data = view.view(p.shape)
+    self._adopt_all = False
+    self._stale = False  # the device buffer holds no completed step (a failed step, then a failed push)
+    if resume:  # the store's parameters, rounded by the pipeline's own copy-out
+      self._push()
+    self._remember()
+
+  def _push(self) -> None:
+    """The store's last completed step into the device buffer (every held parameter)."""
+    self._stale = True
+    self._pipe.push_params(self._dev_params.data_ptr(), self._tag, self._size)
+    for i in range(len(self._params)):
+      self._point(i)
+    self._stale = False
+    self._remember()
+
+  def _remember(self) -> None:
+    """What each offloaded parameter is now (its storage and version): a later change is the user's."""
+    self._seen = [(p.data_ptr(), p._version) for p in self._params]
+
+  def _stream(self) -> int:
+    """Where the gradients are produced and the parameters read: torch's current CUDA stream, or
+    the host engine's stand-in."""
+    device = cast(torch.device, self._device)
+    if device.type == "cpu":
+      return self._engine_stream
+    return torch.cuda.current_stream(device).cuda_stream or 1  # (the legacy default stream: cudaStreamLegacy)
+
+  def adopt_params(self) -> None:
+    """Every held parameter's values become its master at the next applied step, as in RAM
+    (writes the version counter does not see: through ``.data``, numpy, a collective)."""
+    if self._device is None:
+      return  # (stepped in place: every write is seen, bit for bit)
+    self._adopt_all = True
+
   def close(self) -> None:
     self._core.close()
+    self._pipe = None  # (its threads stop; the parameters keep the device buffer)
     self._closed = True
 
   def _check_open(self, what: str) -> None:
@@ -197,17 +277,22 @@ class TorchStore:
       if self._opt._group_format(g) != self._formats[gi]:
         raise ValueError(f"{what}: param_groups[{gi}] stores {self._opt._group_format(g)!r}, its parameters hold "
                          f"{self._formats[gi]!r} moments: a parameter's moment format is fixed; nothing was changed")
+    device = self._device or torch.device("cpu")
     for k, p, (shape, order, dtype) in zip(self._index, self._params, self._shapes):
-      if tuple(p.shape) != shape or p.dtype != dtype or p.device.type != "cpu" or not dense_order(p) or \
-          _memory_order(p) != order:
+      if tuple(p.shape) != shape or p.dtype != dtype or p.device != device or not dense_order(p) or \
+          _memory_order(p) != order or (self._device is not None and not p.is_contiguous()):
         raise ValueError(f"{what}: {self._where[k]} is now {tuple(p.shape)} {p.dtype} with strides "
                          f"{tuple(p.stride())} on {p.device}; the store holds it as {shape} {dtype} in the memory "
-                         f"order {order}: with store= a parameter's shape, dtype and memory order are fixed "
-                         "(model.to(memory_format=...), .to(dtype) and a .data of another layout are refused); "
-                         "nothing was changed")
+                         f"order {order} on {device}: with store= a parameter's shape, dtype, device and memory "
+                         "order are fixed (model.to(memory_format=...), .to(dtype) and a .data of another layout "
+                         "are refused); nothing was changed")
 
   def _written(self) -> List[int]:
-    """The held parameters the user wrote since the store last wrote them (bit for bit)."""
+    """The held parameters the user wrote since the store last wrote them (bit for bit;
+    offloaded: a replaced storage, a write through the parameter, or adopt_params())."""
+    if self._device is not None:
+      return [i for i, (p, seen) in enumerate(zip(self._params, self._seen))
+              if self._adopt_all or (p.data_ptr(), p._version) != seen]
     out = []
     for i, (s, p) in enumerate(zip(self._segs, self._params)):
       last = self._last[s.offset:s.offset + s.size]
@@ -220,6 +305,9 @@ class TorchStore:
   def step(self, skip: Optional[bool], grad_norm) -> Optional[Any]:
     """One step over every held parameter; None where none has a gradient (as torch)."""
     self._check_open("step")
+    if self._device is not None and self._stale:  # (their gradients came from no step's parameters)
+      raise ValueError("step: the parameters hold no completed step (a step failed, and so did putting the store's "
+                       "last one back into them); close() and make the optimizer again with resume=True")
     self._check_unchanged("step")
     held = set(map(id, self._params))
     late = [k for k, p in enumerate(self._all) if id(p) not in held and p.grad is not None]
@@ -243,13 +331,17 @@ class TorchStore:
                          f"parameter's, {tuple(p.shape)} on {p.device}; nothing was stepped")
     configs = {self._core_group[gi]: self._opt._config(g, f"param_groups[{gi}]")
                for gi, g in enumerate(self._opt.param_groups)}  # lr schedulers take effect here
-    if skip is None:
-      skip = "8bit" in self._formats
+    if skip is None:  # (as in RAM: checked by default where 8-bit parameters are stepped in place)
+      skip = "8bit" in self._formats and self._device is None
     norm = self._opt._grad_norm() if skip else -1.0
     for j, cfg in configs.items():
       if self._applied.get(j) != cfg:
         self._core.set_group_config(j, cfg)
         self._applied[j] = cfg
+    if self._device is not None:
+      result = self._offloaded_step(grads, bool(skip), float(norm))
+      self._show()
+      return result
     flat_g = torch.empty(self._size, dtype=self._dtype)  # (the padding between tensors is never read)
     for s, p, g in zip(self._segs, self._params, grads):
       if g.stride() != p.stride() or not dense_order(g):
@@ -276,6 +368,76 @@ class TorchStore:
       self._last = out
     self._show()
     return result
+
+  def _offloaded_step(self, grads: list, skip: bool, norm: float) -> Any:
+    """One pipeline step from the flat device gradients into the flat device parameters; a
+    step after the user wrote parameters streams through the host, adopting them."""
+    for view, g in zip(self._grad_views, grads):
+      if g.data_ptr() != view.data_ptr():
+        view.copy_(g.reshape(-1))  # on the current stream (a non-contiguous one: gathered in order)
+    written = self._written()
+    if written:
+      return self._adopting_step(written, skip, norm)
+    stream = self._stream()
+    h = self._pipe.step_async(self._dev_grads.data_ptr(), self._tag, self._dev_params.data_ptr(), self._tag,
+                              self._size, grads_stream=stream, skip_nonfinite=skip, known_grad_norm=norm)
+    self._engine.stream_wait_event(stream, h.grads_consumed)
+    self._engine.stream_wait_event(stream, h.params_ready)
+    try:
+      return h.wait()
+    except Exception as e:
+      raise self._restored(e) from e
+
+  def _restored(self, e: Exception) -> Exception:
+    """After a step that failed midway (the store at the step before, some device chunks
+    ahead): the store's parameters pushed back into the device buffer, so both agree."""
+    try:
+      self._push()
+      told = (f"the parameters were put back to the store's last completed step (step {self._core.step_count}): "
+              "nothing of this step was applied")
+    except Exception as again:
+      told = (f"and the parameters could not be put back to the store's last completed step ({again}): they hold "
+              "no completed step, so later steps are refused; close() and make the optimizer again with "
+              "resume=True (it puts the store's last completed step into them)")
+    kind = type(e) if isinstance(e, (RuntimeError, ValueError, OSError)) else RuntimeError
+    return kind(f"{e}; {told}")
+
+  def _adopting_step(self, written: List[int], skip: bool, norm: float) -> Any:
+    """The step through the host (gradients copied down whole): the store's own step, whose
+    masters for the `written` parameters become their values where the store's master does
+    not round to them (as in RAM); then the new parameters go up into the device buffer."""
+    masters = torch.zeros(self._size, dtype=torch.float32)
+    self._core.copy_params_to(as_buffer(masters, "masters", writable=True)[0], "f32")
+    values = np.zeros(self._size, np.float32)
+    adopt = []
+    for i in written:
+      s, p = self._segs[i], self._params[i]
+      host = p.detach().reshape(-1).cpu()
+      if self._adopt_all or not rounds_to(masters[s.offset:s.offset + s.size], host):  # (adopt_params: every one)
+        values[s.offset:s.offset + s.size] = host.float().numpy()
+        adopt.append((s.offset, s.offset + s.size))
+    g = self._dev_grads.cpu()
+    out = torch.empty(self._size, dtype=self._dtype)
+    g_view, o_view = as_buffer(g, "grads")[0], as_buffer(out, "out", writable=True)[0]
+    if adopt:
+      result = self._core.step_flat_adopting(g_view, self._tag, o_view, self._tag, 1.0, 0.0, skip, norm, values,
+                                             sorted(adopt))
+    else:
+      result = self._core.step_flat(g_view, self._tag, o_view, self._tag, 1.0, 0.0, skip, norm)
+    if not result.applied:  # skipped: nothing written; the user's values wait for the next applied step
+      return result
+    self._dev_params.copy_(out)
+    for i in range(len(self._params)):
+      self._point(i)
+    self._adopt_all = False
+    self._remember()
+    return result
+
+  def _point(self, i: int) -> None:
+    """Parameter i back onto its view of the device buffer (a replaced .data)."""
+    p, view = self._params[i], self._views[i]
+    if p.data_ptr() != view.data_ptr():
+      p.data = view.view(p.shape)
 
   def export_state(self) -> Dict[torch.Tensor, dict]:
     """Each held parameter's state in the in-RAM path's entries (moments by format, 16-bit

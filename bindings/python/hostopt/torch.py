@@ -225,7 +225,7 @@ class _HostAdam(torch.optim.Optimizer):
     if overlap_backward and not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
       raise ValueError(f"overlap_backward=True needs post-accumulate-grad hooks (torch >= 2.1); this is torch "
                        f"{torch.__version__}")
-    store_opts = check_store_options(store, store_options, resume, offload, overlap, overlap_backward)
+    store_opts = check_store_options(store, store_options, resume, overlap, overlap_backward)
     self._store: Optional[TorchStore] = None  # the state on drives (store=), made below
     self._offload, self._offload_chunk, self._overlap = offload, int(offload_chunk), bool(overlap)
     self._overlap_backward = bool(overlap_backward)
@@ -664,6 +664,8 @@ class _HostAdam(torch.optim.Optimizer):
     optimizer cannot see, e.g. through ``p.data`` of a 16-bit parameter)."""
     if self._shards is not None:  # (each stand-in takes its shard's values at every step anyway)
       return self._shards.inner.adopt_params()
+    if self._store is not None:
+      return self._store.adopt_params()
     if self._layout is None:
       return
     self._drain()
@@ -1384,11 +1386,13 @@ def _doc(mode: str) -> str:
       The in-RAM
       optimizer's bits where the parameters share one dtype (its layout), and its
       ``state_dict`` format (an export through RAM, which the in-RAM optimizer loads).
-      CPU parameters, every step every trained parameter's gradient (one step count;
+      Every step takes every trained parameter's gradient (one step count;
       parameters frozen when it is made are left out), a fixed ``param_groups`` and fixed
-      shapes and memory orders: ``offload``, ``overlap``, DTensors, ``add_param_group`` and
-      the ``load_state_dict`` of another state are refused (ValueError). Values the user
-      writes into a parameter are adopted as its master at the next step, as in RAM.
+      shapes and memory orders: ``overlap``, ``overlap_backward``, DTensors,
+      ``add_param_group`` and the ``load_state_dict`` of another state are refused
+      (ValueError). CUDA parameters (or ``offload="host"``; one dtype) go through the
+      offload pipeline, which streams the store. Values the user writes into a parameter
+      are adopted as its master at the next step, as in RAM.
       ``opt.state[p]`` holds only ``step``. ``close()`` releases the store; ``opt.store``
       tells its chunks and ``recovery``.
     store_options (dict or None, default None): hostopt.StoredOptimizer's keywords
