@@ -32,36 +32,21 @@ import numpy as np
 import torch
 
 from . import StoredOptimizer as _StoredOptimizer
-from . import _core
+from . import _core, _store_options
 from ._arena import Segment
 from ._arrays import as_buffer
 from ._dtypes import kernel_tag, tag_of
 from ._torch_state import MASTER, SCALES, arena_view, dense_order, flat, moment_keys, rounds_to
 
-OPTION_KEYS = ("staging_bytes", "buffers", "chunk_elements", "sync", "io", "kernel")
 _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
 def check_options(store, store_options: Optional[dict], resume: bool, overlap: bool, overlap_backward: bool) -> dict:
   """store=, store_options= and resume= checked before torch's __init__ (nothing made yet)."""
-  if not isinstance(resume, bool):
-    raise TypeError(f"resume: expected a bool, got {type(resume).__name__}")
-  if store is None:
-    if store_options is not None or resume:
-      raise ValueError(f"{'store_options' if store_options is not None else 'resume=True'} without store=: name "
-                       "the store's directory (or directories, one per drive)")
-    return {}
-  if overlap or overlap_backward:
+  options = _store_options.check(store, store_options, resume)
+  if store is not None and (overlap or overlap_backward):
     raise ValueError("store= with overlap= or overlap_backward=: not yet; a step over the store waits for its "
                      "commit (the offload pipeline streams the store, step() returns once it committed)")
-  options = dict(store_options or {})
-  unknown = set(options) - set(OPTION_KEYS)
-  if unknown:
-    raise ValueError(f"store_options: unknown {sorted(unknown)}; expected some of {sorted(OPTION_KEYS)} "
-                     "(hostopt.StoredOptimizer's keywords)")
-  if resume and "chunk_elements" in options:
-    raise ValueError("store_options['chunk_elements'] with resume=True: a store keeps the chunking it was created "
-                     "with")
   return options
 
 
@@ -150,9 +135,7 @@ class TorchStore:
       try:
         self._core = _core.StoredOptimizer.create(self._spec, dirs, *args, opt._threads, kernel, initial, None)
       except RuntimeError as e:
-        if "a store exists" not in str(e):
-          raise
-        raise RuntimeError(f"{e} (resume=True continues it)") from None
+        raise _store_options.exists_hint(e) from None
     self._pipe: Any = None
     if self._device is not None:
       self._offload(opt, resume)

@@ -75,7 +75,7 @@ import numpy as np
 
 from . import Optimizer as _Optimizer
 from . import StoredOptimizer as _StoredOptimizer
-from . import _threads
+from . import _store_options, _threads
 # The extension's functions by their own names: in this module `_core` is only HostAdam's
 # core optimizer (self._core, a hostopt.Optimizer; its extension object is self._core._core;
 # with store= there is none: self._store, a hostopt.StoredOptimizer, holds the state).
@@ -204,9 +204,7 @@ class HostAdam:
     # (Everything is checked before a store is made: a refused call leaves no store behind.)
     self._store: Optional[_StoredOptimizer] = None  # the state on drives (store=), else None
     if store is None:
-      if store_options is not None or resume:
-        raise ValueError(f"{'store_options' if store_options is not None else 'resume=True'} without store=: name "
-                         "the store's directory (or directories, one per drive)")
+      _store_options.check(store, store_options, resume)
       self._core = _Optimizer(core_groups, threads=self._threads)
       self._core._hostopt_front = "hostopt.jax"  # names this front in its CompressedMomentsWarning
       for name, x in zip(self._names, leaves):
@@ -232,27 +230,15 @@ class HostAdam:
   def _make_store(self, core_groups, store, store_options, resume, leaves) -> "_StoredOptimizer":
     """The StoredOptimizer of store=: a new one holding `leaves` as its parameters, or with
     resume=True the one in the directory at its last completed step."""
-    if not isinstance(resume, bool):
-      raise TypeError(f"resume: expected a bool, got {type(resume).__name__}")
-    options = dict(store_options or {})
-    allowed = {"staging_bytes", "buffers", "chunk_elements", "sync", "io", "kernel"}
-    unknown = set(options) - allowed
-    if unknown:
-      raise ValueError(f"store_options: unknown {sorted(unknown)}; expected some of {sorted(allowed)} "
-                       "(hostopt.StoredOptimizer's keywords)")
+    options = _store_options.check(store, store_options, resume)
     if resume:
-      if "chunk_elements" in options:
-        raise ValueError("store_options['chunk_elements'] with resume=True: a store keeps the chunking it was "
-                         "created with")
       opened = _StoredOptimizer.open(core_groups, store, threads=self._threads, **options)
     else:
       initial = {n: np.asarray(jax.device_get(x), dtype=np.float32) for n, x in zip(self._names, leaves)}
       try:
         opened = _StoredOptimizer.create(core_groups, store, initial_params=initial, threads=self._threads, **options)
       except RuntimeError as e:
-        if "a store exists" not in str(e):
-          raise
-        raise RuntimeError(f"{e} (resume=True continues it)") from None
+        raise _store_options.exists_hint(e) from None
     opened._hostopt_front = "hostopt.jax"  # names this front in its CompressedMomentsWarning
     return opened
 
