@@ -168,6 +168,13 @@ void bind_pipeline(py::module_& m) {
       .def_property_readonly("num_chunks", [](const pipeline_holder& h) { return h.pipe->num_chunks(); })
       .def_property_readonly("chunk_elems", [](const pipeline_holder& h) { return h.pipe->chunk_elems(); })
       .def_property_readonly("pinned_bytes", [](const pipeline_holder& h) { return h.pipe->pinned_bytes(); })
+      .def_property_readonly(
+          "accumulated_micro_batches",
+          [](const pipeline_holder& h) {
+            py::gil_scoped_release release; // (waits for operations in flight)
+            return h.pipe->accumulated_micro_batches();
+          },
+          "Micro-batches in the accumulator, for the next step (a failed step over a store keeps them).")
       .def("last_timeline", [](const pipeline_holder& h) {
         const pipeline_timeline tl = h.pipe->last_timeline();
         py::dict d;

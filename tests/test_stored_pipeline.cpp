@@ -374,35 +374,56 @@ TEST_CASE("offload_pipeline over a stored optimizer: a step failing midway or at
   require_same_as(stored, reference, groups);
 }
 
-TEST_CASE("offload_pipeline over a stored optimizer: a failed step says it dropped its accumulated micro-batches") {
+TEST_CASE("offload_pipeline over a stored optimizer: a failed step keeps its accumulated micro-batches for the "
+          "retry, a store marked unusable drops them") {
+  // The store still holds the step before, whole, and never read the accumulator into it:
+  // the retry averages the micro-batches with its gradients, as the in-RAM pipeline's step.
   const auto groups = f32_groups();
   const temp_dir dir("stored_pipeline_micro");
   auto [reference, stored, n] = start_both(groups, dir);
-  auto engine = make_host_copy_engine();
+  auto engine = make_host_copy_engine(), engine_ram = make_host_copy_engine();
   pipeline_options po;
   po.chunk_elems = 1024;
-  std::atomic<bool> fail{false};
+  std::atomic<bool> fail{false}, mark{false};
   po.before_update = [&](std::size_t k) { // (called for accumulations too)
-    if (fail && k == 1) throw std::runtime_error("injected update error");
+    if (!fail || k != 1) return;
+    if (mark) std::thread([&] { stored.mark_unusable("injected: the drive vanished"); }).join();
+    throw std::runtime_error("injected update error");
   };
   offload_pipeline pipe(stored, *engine, po);
-  device_buffer g(*engine, n * 4), p(*engine, n * 2);
+  pipeline_options po_ram = po;
+  po_ram.before_update = nullptr;
+  offload_pipeline pipe_ram(reference, *engine_ram, po_ram);
+  device_buffer g(*engine, n * 4), p(*engine, n * 2), g_ram(*engine_ram, n * 4), p_ram(*engine_ram, n * 2);
   const device_order ready = device_order::after(engine->create_stream());
+  const device_order ready_ram = device_order::after(engine_ram->create_stream());
   const std::vector<float> micro = grad_of(n, 1), last = grad_of(n, 2);
   std::memcpy(g.data, micro.data(), n * 4);
+  std::memcpy(g_ram.data, micro.data(), n * 4);
   pipe.accumulate_async({g.data, n, dtype::f32}, ready).wait();
+  pipe_ram.accumulate_async({g_ram.data, n, dtype::f32}, ready_ram).wait();
   CHECK(pipe.accumulated_micro_batches() == 1);
   std::memcpy(g.data, last.data(), n * 4);
+  std::memcpy(g_ram.data, last.data(), n * 4);
   fail = true;
   CHECK_THROWS_WITH(pipe.step({g.data, n, dtype::f32}, {p.data, n, dtype::bf16}, ready),
                     Catch::Contains("the optimizer state is unchanged (it holds step 0") &&
-                        Catch::Contains("the 1 micro-batch(es) accumulated for it were dropped with it"));
-  CHECK(pipe.accumulated_micro_batches() == 0);
-  // The retry applies its own gradients alone, as the message says.
+                        Catch::Contains("the 1 micro-batch(es) accumulated for it are kept"));
+  CHECK(pipe.accumulated_micro_batches() == 1);
   fail = false;
   pipe.step({g.data, n, dtype::f32}, {p.data, n, dtype::bf16}, ready);
-  reference.step(const_view{last.data(), n, dtype::f32}, {}, 1.0f);
+  pipe_ram.step({g_ram.data, n, dtype::f32}, {p_ram.data, n, dtype::bf16}, ready_ram);
+  CHECK(std::memcmp(p.data, p_ram.data, n * 2) == 0);
   require_same_as(stored, reference, groups);
+
+  // A store marked unusable midway (a failed write, another thread's fault) cannot promise
+  // the step before: the micro-batches go with the failed step.
+  std::memcpy(g.data, micro.data(), n * 4);
+  pipe.accumulate_async({g.data, n, dtype::f32}, ready).wait();
+  fail = mark = true;
+  CHECK_THROWS_WITH(pipe.step({g.data, n, dtype::f32}, {p.data, n, dtype::bf16}, ready),
+                    Catch::Contains("the 1 micro-batch(es) accumulated for it were dropped with it"));
+  CHECK(pipe.accumulated_micro_batches() == 0);
 }
 
 TEST_CASE("offload_pipeline over a stored optimizer: marked unusable midway by another thread, its step is still "

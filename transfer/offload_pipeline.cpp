@@ -599,8 +599,8 @@ struct offload_pipeline::impl {
                ", whole, but the device failed: the pipeline refuses from now on and the optimizer is marked "
                "not usable until reset_failure() (then save it with a checkpoint)";
       }
-      const std::string dropped = dropped_micro_batches(use_acc);
       if (begun_step && updated == chunks) {
+        const std::string dropped = dropped_micro_batches(use_acc);
         // The host state is whole at the new step, device error or not: finish it, so that
         // after a GPU failure reset_failure() gives a consistent optimizer to save (the
         // device error marks it not usable, and the pipeline refuses from now on).
@@ -614,6 +614,10 @@ struct offload_pipeline::impl {
         if (device.empty()) return {r, std::make_exception_ptr(std::runtime_error(msg))};
         return failed(msg);
       }
+      // An updater that still holds the step before, whole (a store: its abort keeps it), never
+      // read the accumulator into its state: the micro-batches stay for the retry.
+      const bool keep = use_acc && whole && opt.usable();
+      const std::string dropped = keep ? kept_micro_batches() : dropped_micro_batches(use_acc);
       // The chunks not updated get their unchanged parameters, read while this thread's
       // step is still open (after abort_step a poisoned optimizer would refuse the read).
       const bool rest_valid = release_rest(op, std::min(k, chunks));
@@ -636,16 +640,19 @@ struct offload_pipeline::impl {
                  ": call push_params() (after restoring the state if the optimizer is not usable)";
       msg += state + dropped;
       if (begun_step) opt.abort_step(msg); // poisons the in-RAM optimizer when chunks were updated
-      micro_batches = 0;
+      if (!keep) micro_batches = 0;
       return failed(msg);
     }
-    const std::string dropped = dropped_micro_batches(use_acc);
-    micro_batches = 0;
     try {
-      return {opt.finish_step(), nullptr};
+      const step_result r = opt.finish_step();
+      micro_batches = 0;
+      return {r, nullptr};
     } catch (const std::exception& e) { // (an updater that commits at the end: a store's write or commit)
+      const bool keep = use_acc && opt.commits_whole_steps() && opt.usable() && opt.step_count() == before;
+      const std::string told = keep ? kept_micro_batches() : dropped_micro_batches(use_acc);
+      if (!keep) micro_batches = 0;
       return failed(std::string("offload step failed finishing (after updating all ") + std::to_string(chunks) +
-                    " chunks): " + e.what() + not_finished(before) + dropped);
+                    " chunks): " + e.what() + not_finished(before) + told);
     }
   }
 
@@ -664,6 +671,11 @@ struct offload_pipeline::impl {
   std::string dropped_micro_batches(bool used) const {
     if (!used) return "";
     return "; the " + std::to_string(micro_batches) + " micro-batch(es) accumulated for it were dropped with it";
+  }
+
+  std::string kept_micro_batches() const {
+    return "; the " + std::to_string(micro_batches) +
+           " micro-batch(es) accumulated for it are kept: a retry of the step averages them with its gradients";
   }
 
 

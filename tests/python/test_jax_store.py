@@ -177,16 +177,19 @@ def test_the_offload_pipeline_streams_the_store_to_the_in_ram_pipelines_bits(tmp
   g["norm"] = None
   with pytest.raises(ValueError, match=r"grads\['norm'\] is None: with store= every step"):
     stored.step(g)
+  for o in (ram, stored):
+    o.accumulate(grads_of(params, 11))
   chunks = [f for f in tmp_path.iterdir() if f.stat().st_size > 8192]
   saved = {f: f.read_bytes() for f in chunks}
   for f in chunks:
-    f.write_bytes(b"")  # truncated under the pipeline: its step fails midway, the store keeps step 4
-  with pytest.raises(RuntimeError):
-    stored.step(grads_of(params, 9))
+    f.write_bytes(b"")  # truncated under the pipeline: its step fails, the store keeps step 4
+  with pytest.raises(RuntimeError, match=r"the 1 micro-batch\(es\) accumulated for it are kept"):
+    stored.step(grads_of(params, 9), grad_norm=1.5)
   for f, data in saved.items():
     f.write_bytes(data)
   assert stored.step_count == 4
-  same(ram.step(grads_of(params, 9)), stored.step(grads_of(params, 9)))  # the pipeline goes on
+  # The pipeline goes on, and the retry averages the kept micro-batch with its gradients.
+  same(ram.step(grads_of(params, 9), grad_norm=1.5), stored.step(grads_of(params, 9), grad_norm=1.5))
   stored.close()
   with pytest.raises(ValueError, match="closed"):
     stored.step(grads_of(params, 10))

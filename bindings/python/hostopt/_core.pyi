@@ -324,6 +324,9 @@ class OffloadPipeline:
   def chunk_elems(self) -> int: ...
   @property
   def pinned_bytes(self) -> int: ...
+  @property
+  def accumulated_micro_batches(self) -> int:
+    """Micro-batches in the accumulator, for the next step (a failed step over a store keeps them)."""
   def last_timeline(self) -> dict[str, typing.Any]:
     """wall_seconds and each stage's busy seconds (copy_in, update, copy_out, accumulate) as floats, and
     chrome_trace (a JSON string)."""

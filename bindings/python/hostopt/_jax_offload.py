@@ -177,7 +177,9 @@ class DeviceStep:
     try:
       result = h.wait()
     finally:
-      self.micro_batches = 0  # applied, skipped or failed: the micro-batches belong to this step
+      # Applied, skipped or failed: the micro-batches went with this step, except where a
+      # failed step over a store kept them (the store holds the step before: a retry takes them).
+      self.micro_batches = self.pipe.accumulated_micro_batches
     leaves = self._split(params)
     jax.block_until_ready(leaves)  # the next step rewrites the flat buffer they are read from
     return result, leaves
