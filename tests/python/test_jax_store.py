@@ -125,6 +125,12 @@ def test_refusals_name_the_problem_and_change_nothing(tmp_path):
     make(params, tmp_path, resume=True, options=STORE)
   with pytest.raises(TypeError, match="resume: expected a bool"):
     hj.adamw(params, 1e-3, store=empty, resume="yes")
+  with pytest.raises(ValueError, match="offload='cuda' but the params are on the CPU"):
+    hj.adamw(params, 1e-3, store=empty, offload="cuda")
+  with pytest.raises(ValueError, match="offload_chunk=0: expected a positive"):
+    hj.adamw(params, 1e-3, store=empty, offload="host", offload_chunk=0)
+  with pytest.raises(ValueError, match="offload='cuda' but JAX sees no GPU .the params are shapes only"):
+    hj.adamw(jax.eval_shape(lambda: params), 1e-3, store=empty, offload="cuda")
   assert not any(empty.iterdir())  # nothing made by the refusals
   other = dict(params, extra=jnp.zeros(3))
   with pytest.raises(RuntimeError):
@@ -183,8 +189,9 @@ def test_the_offload_pipeline_streams_the_store_to_the_in_ram_pipelines_bits(tmp
   saved = {f: f.read_bytes() for f in chunks}
   for f in chunks:
     f.write_bytes(b"")  # truncated under the pipeline: its step fails, the store keeps step 4
-  with pytest.raises(RuntimeError, match=r"the 1 micro-batch\(es\) accumulated for it are kept"):
+  with pytest.raises(RuntimeError, match=r"the 1 micro-batch\(es\) accumulated for it are kept") as failed:
     stored.step(grads_of(params, 9), grad_norm=1.5)
+  assert "push_params" not in str(failed.value)  # (the pipeline's advice to its C++ callers)
   for f, data in saved.items():
     f.write_bytes(data)
   assert stored.step_count == 4
@@ -193,6 +200,8 @@ def test_the_offload_pipeline_streams_the_store_to_the_in_ram_pipelines_bits(tmp
   stored.close()
   with pytest.raises(ValueError, match="closed"):
     stored.step(grads_of(params, 10))
+  with pytest.raises(ValueError, match="closed"):
+    stored.accumulate(grads_of(params, 10))
 
   resumed = make(jax.eval_shape(lambda: params), tmp_path, resume=True, offload="host", offload_chunk=200)
   assert resumed.step_count == 5

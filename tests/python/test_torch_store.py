@@ -176,6 +176,8 @@ def test_refusals_name_the_problem_and_change_nothing(tmp_path):
              store=empty, offload="host")
   with pytest.raises(TypeError, match="resume: expected a bool"):
     ht.AdamW(params, store=empty, resume=1)
+  with pytest.raises(ValueError, match=r"parameters on \['meta'\]: hostopt.torch offloads the parameters of one CUDA"):
+    ht.AdamW(torch.nn.Linear(8, 6, device="meta").parameters(), store=empty)
   assert not any(empty.iterdir())  # nothing made by the refusals
   with pytest.raises(RuntimeError):
     ht.AdamW(params[:2], store=tmp_path, store_options={"sync": False}, resume=True)  # another model's store
@@ -360,8 +362,10 @@ def test_offloaded_the_pipeline_streams_the_store_to_the_in_ram_pipelines_bits(t
   limits = resource.getrlimit(resource.RLIMIT_FSIZE)
   resource.setrlimit(resource.RLIMIT_FSIZE, (40 << 10, limits[1]))
   try:
-    with pytest.raises(RuntimeError, match="put back to the store's last completed step .step 4.: nothing of this"):
+    with pytest.raises(RuntimeError, match="put back to the store's last completed step .step 4.: nothing of this") \
+        as failed:
       stored.step()
+    assert "call push_params()" not in str(failed.value)
   finally:
     resource.setrlimit(resource.RLIMIT_FSIZE, limits)
     signal.signal(signal.SIGXFSZ, handler)

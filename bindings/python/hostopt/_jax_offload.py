@@ -34,13 +34,9 @@ def _pow2(k):
 class DeviceStep:
   """The pipeline between one device's flat buffers and a hostopt optimizer."""
 
-  def __init__(self, core, kind: str, device, names: Sequence[str], shapes: Sequence[tuple], grad_dtype,
+  def __init__(self, core, kind: str, device, grad_dtype, names: Sequence[str], shapes: Sequence[tuple],
                out_dtype, chunk_elems: int):
-    if kind == "cuda" and not _core.CopyEngine.cuda_available():
-      raise RuntimeError("hostopt.jax: the parameters are on a GPU but this hostopt was built without CUDA (or no "
-                         "CUDA device is visible): rebuild with CUDA, or keep the parameters on the CPU")
-    if int(chunk_elems) <= 0:
-      raise ValueError(f"offload_chunk={chunk_elems}: expected a positive number of elements per chunk")
+    """`kind`, `device` and `grad_dtype` as hostopt.jax's _offload_target checked them."""
     self.device = device
     self.accumulated_ever = False  # the pipeline's f32 accumulator exists from the first accumulation
     # The CUDA ordinal in this process (device.id is JAX's global id across processes).
@@ -176,6 +172,10 @@ class DeviceStep:
                              tensors_without_grad=[] if self.micro_batches else [self.segment_of[i] for i in without])
     try:
       result = h.wait()
+    except RuntimeError as e:  # (the pipeline's advice is for its C++ callers: here each step rewrites the buffer)
+      told = str(e).replace("call push_params()", "hostopt.jax's next step rewrites them (the arrays it handed "
+                            "out hold the last completed step)").replace("then push_params()", "then step again")
+      raise RuntimeError(told) from e
     finally:
       # Applied, skipped or failed: the micro-batches went with this step, except where a
       # failed step over a store kept them (the store holds the step before: a retry takes them).

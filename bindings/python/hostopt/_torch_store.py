@@ -160,9 +160,13 @@ class TorchStore:
     devices = {p.device for _, _, p in entries}
     if all(d.type == "cpu" for d in devices) and opt._offload != "host":
       return None
-    if len(devices) != 1 or (opt._offload == "host" and next(iter(devices)).type != "cpu"):
+    device = next(iter(devices))
+    if len(devices) != 1 or device.type != ("cpu" if opt._offload == "host" else "cuda"):
       raise ValueError(f"parameters on {sorted(str(d) for d in devices)}: hostopt.torch offloads the parameters of "
                        "one CUDA device per optimizer (offload='host': CPU ones)")
+    if device.type == "cuda" and not _core.CopyEngine.cuda_available():
+      raise RuntimeError("CUDA parameters need a hostopt built with CUDA (the CUDA toolkit at build time) and a "
+                         "visible CUDA device; this one has none")
     if len(kinds) != 1:
       raise ValueError(f"store= offloaded with parameters of {sorted(str(k) for k in kinds)}: the device buffer "
                        "holds one dtype (make one optimizer per dtype)")
@@ -196,6 +200,9 @@ class TorchStore:
   def _push(self) -> None:
     """The store's last completed step into the device buffer (every held parameter)."""
     self._stale = True
+    device = cast(torch.device, self._device)
+    if device.type == "cuda":  # torch's writes to the buffer (its zeros, the model's values) land first
+      torch.cuda.synchronize(device)
     self._pipe.push_params(self._dev_params.data_ptr(), self._tag, self._size)
     for i in range(len(self._params)):
       self._point(i)
@@ -383,7 +390,8 @@ class TorchStore:
               "no completed step, so later steps are refused; close() and make the optimizer again with "
               "resume=True (it puts the store's last completed step into them)")
     kind = type(e) if isinstance(e, (RuntimeError, ValueError, OSError)) else RuntimeError
-    return kind(f"{e}; {told}")
+    said = str(e).replace("call push_params()", "hostopt.torch puts them back (push_params)")
+    return kind(f"{said}; {told}")
 
   def _adopting_step(self, written: List[int], skip: bool, norm: float) -> Any:
     """The step through the host (gradients copied down whole): the store's own step, whose

@@ -79,7 +79,8 @@ from . import _store_options, _threads
 # The extension's functions by their own names: in this module `_core` is only HostAdam's
 # core optimizer (self._core, a hostopt.Optimizer; its extension object is self._core._core;
 # with store= there is none: self._store, a hostopt.StoredOptimizer, holds the state).
-from ._core import accumulate as _accumulate_into, convert as _convert, moment_format as _moment_format
+from ._core import CopyEngine as _CopyEngine, accumulate as _accumulate_into, convert as _convert, \
+    moment_format as _moment_format
 from ._arrays import as_buffer, check_optional_bool, check_seed
 from ._block_checks import report as _report_blocks
 from ._dtypes import EXPECTED as KERNEL_EXPECTED, kernel_tag, tag_of
@@ -201,6 +202,10 @@ class HostAdam:
     self._max_grad_norm = float(max_grad_norm or 0.0)
     if not (math.isfinite(self._max_grad_norm) and self._max_grad_norm >= 0):  # refused now, not at a step
       raise ValueError(f"max_grad_norm = {max_grad_norm!r}: expected None, 0 (no clipping) or a finite value > 0")
+    # One copy-out dtype per step (the core's rule): float32 when the leaves' dtypes differ.
+    kinds = {d for d in self._out_dtypes}
+    self._copy_out = kinds.pop() if len(kinds) == 1 else np.dtype(np.float32)
+    target = self._offload_target(leaves, offload, offload_chunk)
     # (Everything is checked before a store is made: a refused call leaves no store behind.)
     self._store: Optional[_StoredOptimizer] = None  # the state on drives (store=), else None
     if store is None:
@@ -216,16 +221,19 @@ class HostAdam:
     # None: checked when a group has 8-bit moments (a NaN would poison its whole block).
     self._skip_auto = skip_nonfinite is None
     self._skip_nonfinite = "8bit" in self._formats if skip_nonfinite is None else skip_nonfinite
-    # One copy-out dtype per step (the core's rule): float32 when the leaves' dtypes differ.
-    kinds = {d for d in self._out_dtypes}
-    self._copy_out = kinds.pop() if len(kinds) == 1 else np.dtype(np.float32)
     self._pool: List[List[np.ndarray]] = []  # sets of copy-out buffers, reused once unreferenced
     self._acc: Optional[List[np.ndarray]] = None
     self._micro_batches = 0
     self._lock = threading.RLock()
     self._executor: Optional["concurrent.futures.ThreadPoolExecutor"] = None
     self.last_step = None  # the StepStats of the last step (applied, grad_norm, skipped_steps, ...)
-    self._device_step = self._device_path(leaves, offload, offload_chunk)
+    self._device_step = None
+    if target is not None:
+      from ._jax_offload import DeviceStep
+      # With store= the pipeline streams the store's chunks: each range it hands the CPU is
+      # read from the drives, updated and written back, and the step commits at its end.
+      core = self._store._live() if self._store is not None else self._core._core
+      self._device_step = DeviceStep(core, *target, self._names, self._shapes, self._copy_out, int(offload_chunk))
 
   def _make_store(self, core_groups, store, store_options, resume, leaves) -> "_StoredOptimizer":
     """The StoredOptimizer of store=: a new one holding `leaves` as its parameters, or with
@@ -255,10 +263,17 @@ class HostAdam:
       raise ValueError("groups: every leaf needs a string label")
     return labels
 
-  def _device_path(self, leaves, offload, chunk):
-    """The offload pipeline for parameters on an accelerator (or offload='host'); None for
-    CPU parameters stepped in place."""
-    devices = {d for x in leaves if isinstance(x, jax.Array) for d in x.devices()}
+  def _offload_target(self, leaves, offload, chunk):
+    """Where the offload pipeline runs for parameters on an accelerator (or offload='host'):
+    (kind, device, gradient dtype); None for CPU parameters stepped in place. Checked before
+    any core or store is made."""
+    devices = set()
+    for x in leaves:
+      if isinstance(x, jax.Array):
+        devices |= set(x.devices())
+      elif isinstance(x, jax.ShapeDtypeStruct) and getattr(x, "sharding", None) is not None:
+        devices |= set(x.sharding.device_set)  # (a resume from jax.eval_shape's structs)
+    shapes_only = all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
     if any(d.platform != "cpu" for d in devices):
       if len(devices) != 1:
         raise ValueError(f"params on {sorted(str(d) for d in devices)}: hostopt.jax offloads the parameters of one "
@@ -267,20 +282,26 @@ class HostAdam:
         raise ValueError("offload='host' stands CPU arrays in for device arrays; these params are on "
                          f"{next(iter(devices))}")
       offload = "cuda"
+    elif offload == "cuda" and shapes_only and not devices:
+      gpus = [d for d in jax.local_devices() if d.platform == "gpu"]  # structs say no device: the first GPU
+      if not gpus:
+        raise ValueError("offload='cuda' but JAX sees no GPU (the params are shapes only, jax.eval_shape's structs)")
+      devices = {gpus[0]}
     elif offload == "cuda":
       raise ValueError("offload='cuda' but the params are on the CPU")
     if offload is None:
       return None
-    from ._jax_offload import DeviceStep
+    if int(chunk) <= 0:
+      raise ValueError(f"offload_chunk={chunk}: expected a positive number of elements per chunk")
+    if offload == "cuda" and not _CopyEngine.cuda_available():
+      raise RuntimeError("hostopt.jax: the parameters are on a GPU but this hostopt was built without CUDA (or no "
+                         "CUDA device is visible): rebuild with CUDA, or keep the parameters on the CPU")
     device = next(iter(devices)) if devices else jax.devices("cpu")[0]
     # Gradients come as the params were (the first step) and as param_dtype (after): one
     # 16-bit dtype if that is all there is, else float32 (to which every one widens exactly).
     kinds = {np.dtype(x.dtype) for x in leaves} | set(self._out_dtypes)
     grad_dtype = kinds.pop() if len(kinds) == 1 else np.dtype(np.float32)
-    # With store= the pipeline streams the store's chunks: each range it hands the CPU is
-    # read from the drives, updated and written back, and the step commits at its end.
-    core = self._store._live() if self._store is not None else self._core._core
-    return DeviceStep(core, offload, device, self._names, self._shapes, grad_dtype, self._copy_out, chunk)
+    return offload, device, grad_dtype
 
   # --- the step -----------------------------------------------------------------------
 
@@ -512,6 +533,8 @@ class HostAdam:
 
   def _accumulate(self, grads) -> None:
     with self._lock:
+      if self._store is not None:
+        self._store._live()  # a closed store: ValueError, as step's
       if self._device_step is not None:  # summed in the pipeline's host accumulator
         flat, _ = self._device_step.gather(self._device_grads(grads), False)
         self._device_step.accumulate(flat)
@@ -820,7 +843,8 @@ def _doc(decoupled: bool) -> str:
     resume (bool, default False): open the store at its last completed step instead of
       making a new one (refused where there is none, as making one is where one exists).
       ``params`` then give only the tree, shapes and dtypes (``jax.eval_shape``'s structs
-      will do): take the parameters from :meth:`HostAdam.current_params`. The
+      will do; with no device, pass ``offload="cuda"`` to offload them to the first GPU):
+      take the parameters from :meth:`HostAdam.current_params`. The
       hyper-parameters are this call's, as ``load`` keeps them.
 
   Returns:
