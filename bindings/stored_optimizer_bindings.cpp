@@ -135,6 +135,33 @@ void bind_stored_optimizer(py::module_& m) {
           py::arg("max_grad_norm"), py::arg("skip_nonfinite"), py::arg("known_grad_norm"), py::arg("params"),
           py::arg("adopt"))
       .def(
+          "adopt_at_next_step",
+          // The masters of the ranges `adopt` set to `values` (their elements in order) by the
+          // next applied step, as it reads each chunk: stored_optimizer::adopt_at_next_step.
+          [](stored_optimizer& o, const std::vector<std::pair<std::size_t, std::size_t>>& adopt, py::handle values) {
+            const buffer v = check_array(values, "values", "f32", false);
+            std::vector<arena_range> ranges;
+            for (const auto& [begin, end] : adopt) ranges.push_back({begin, end});
+            py::gil_scoped_release release;
+            o.adopt_at_next_step(ranges, {static_cast<const float*>(v.data), v.size});
+          },
+          py::arg("adopt"), py::arg("values"))
+      .def_property_readonly("pending_adoption", &stored_optimizer::pending_adoption)
+      .def(
+          "read_params_range",
+          // The committed step's parameters of [begin, end) into `out` (end - begin elements).
+          [](const stored_optimizer& o, std::size_t begin, std::size_t end, py::handle out,
+             const std::string& out_dtype) {
+            const buffer b = check_array(out, "out", out_dtype, true);
+            if (begin > end || b.size != end - begin)
+              throw std::invalid_argument("read_params_range: out holds " + std::to_string(b.size) +
+                                          " elements for [" + std::to_string(begin) + ", " + std::to_string(end) +
+                                          ")");
+            py::gil_scoped_release release;
+            o.read_params(begin, end, b.data, b.type);
+          },
+          py::arg("begin"), py::arg("end"), py::arg("out"), py::arg("out_dtype"))
+      .def(
           "copy_state_to",
           [](const stored_optimizer& o, optimizer& ram) {
             py::gil_scoped_release release;

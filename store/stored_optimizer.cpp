@@ -331,6 +331,7 @@ step_result stored_optimizer::step(const_view flat_grad, mut_view flat_out, cons
   const std::size_t gb = dtype_size(flat_grad.type), ob = has_out ? dtype_size(flat_out.type) : 0;
   std::size_t next_adopt = 0; // the first range that does not end before the chunk (chunks come in order)
   s.stream(true, true, [&](std::size_t, impl::chunk& c) {
+    s.adopt_pending(c); // (then the step's own adopt ranges, which come later)
     const std::size_t c_begin = s.flat_at(c), c_end = c_begin + c.range.size();
     while (next_adopt < adopt.size() && adopt[next_adopt].end <= c_begin) ++next_adopt;
     for (std::size_t i = next_adopt; i < adopt.size() && adopt[i].begin < c_end; ++i) {
@@ -344,6 +345,36 @@ step_result stored_optimizer::step(const_view flat_grad, mut_view flat_out, cons
   });
   s.commit_step();
   return make_step_result(pl.decision(), s.count, s.skipped, seen);
+}
+
+void stored_optimizer::adopt_at_next_step(std::span<const arena_range> adopt, std::span<const float> values) {
+  impl& s = *impl_;
+  const auto lock = s.turns.acquire("adopt_at_next_step", false);
+  s.check_usable("adopt_at_next_step");
+  std::size_t total = 0;
+  for (std::size_t i = 0; i < adopt.size(); ++i) {
+    if (adopt[i].begin >= adopt[i].end || adopt[i].end > s.end() || (i && adopt[i].begin < adopt[i - 1].end))
+      throw std::invalid_argument("adopt_at_next_step: adopt[" + std::to_string(i) + "] = [" +
+                                  std::to_string(adopt[i].begin) + ", " + std::to_string(adopt[i].end) +
+                                  "): expected sorted, disjoint, non-empty ranges within [0, " +
+                                  std::to_string(s.end()) + ")");
+    total += adopt[i].size();
+  }
+  if (values.size() != total)
+    throw std::invalid_argument("adopt_at_next_step: " + std::to_string(values.size()) + " values for ranges of " +
+                                std::to_string(total) + " elements");
+  std::vector<arena_range> ranges(adopt.begin(), adopt.end());
+  std::vector<float> copied(values.begin(), values.end());
+  std::vector<std::size_t> at(ranges.size());
+  for (std::size_t i = 0, pos = 0; i < ranges.size(); pos += ranges[i].size(), ++i) at[i] = pos;
+  s.pending_adopt = std::move(ranges); // (nothing below throws)
+  s.pending_values = std::move(copied);
+  s.pending_at = std::move(at);
+}
+
+std::size_t stored_optimizer::pending_adoption() const {
+  const auto lock = impl_->turns.acquire("pending_adoption", false);
+  return impl_->pending_values.size();
 }
 
 void stored_optimizer::copy_state_to(optimizer& ram) const {

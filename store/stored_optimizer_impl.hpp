@@ -338,7 +338,8 @@ struct stored_optimizer::impl {
     }
   }
 
-  // An applied step's commit: the count it commits, back where it was if the commit throws.
+  // An applied step's commit: the count it commits, back where it was if the commit throws;
+  // committed, it holds what adopt_at_next_step left pending.
   void commit_step() {
     ++count;
     try {
@@ -346,6 +347,28 @@ struct stored_optimizer::impl {
     } catch (...) {
       --count;
       throw;
+    }
+    pending_adopt.clear();
+    pending_values.clear();
+    pending_at.clear();
+  }
+
+  // Masters a front set for the next applied step (adopt_at_next_step): sorted, disjoint
+  // ranges, their values one after the other (pending_at: where each range's start).
+  std::vector<arena_range> pending_adopt;
+  std::vector<float> pending_values;
+  std::vector<std::size_t> pending_at;
+  // The pending values that fall in chunk c, into its staging masters (before its update).
+  void adopt_pending(chunk& c) {
+    if (pending_adopt.empty()) return;
+    const std::size_t c_begin = flat_at(c), c_end = c_begin + c.range.size();
+    auto it = std::lower_bound(pending_adopt.begin(), pending_adopt.end(), c_begin,
+                               [](const arena_range& r, std::size_t at) { return r.end <= at; });
+    for (; it != pending_adopt.end() && it->begin < c_end; ++it) {
+      const std::size_t i = static_cast<std::size_t>(it - pending_adopt.begin());
+      const std::size_t lo = std::max(it->begin, c_begin), hi = std::min(it->end, c_end);
+      std::memcpy(c.storage.params() + (lo - c_begin), pending_values.data() + pending_at[i] + (lo - it->begin),
+                  (hi - lo) * sizeof(float));
     }
   }
   void check_usable(const char* what) const {

@@ -92,6 +92,7 @@ void stored_optimizer::update_range(std::size_t begin, std::size_t end, const vo
       if (!s.chunked_entered) {
         s.stream_enter(s.chunked_stream, k);
         s.chunked_entered = true;
+        s.adopt_pending(s.chunks[k]);
       }
       const impl::chunk& c = s.chunks[k];
       const std::size_t c_begin = s.flat_at(c), c_end = c_begin + c.range.size(), hi = std::min(end, c_end);
@@ -132,7 +133,10 @@ step_result stored_optimizer::finish_step() {
   } close_anyway{s};
   try {
     for (; s.chunked_at < s.chunks.size(); ++s.chunked_at) { // empty chunks (an empty arena) the ranges never entered
-      if (!s.chunked_entered) s.stream_enter(s.chunked_stream, s.chunked_at);
+      if (!s.chunked_entered) {
+        s.stream_enter(s.chunked_stream, s.chunked_at);
+        s.adopt_pending(s.chunks[s.chunked_at]);
+      }
       s.chunked_entered = false;
       s.stream_leave(s.chunked_stream, s.chunked_at);
     }

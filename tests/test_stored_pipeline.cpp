@@ -484,3 +484,72 @@ TEST_CASE("offload_pipeline over a stored optimizer: a device fault midway keeps
   auto reopened = stored_optimizer::open(groups, small_store(dir.str()));
   require_same_as(reopened, reference, groups);
 }
+
+TEST_CASE("stored_optimizer: adopt_at_next_step sets masters at the next applied step, whole or chunked, kept "
+          "across skipped and failed steps") {
+  // The in-RAM optimizer's parameters are its masters: a front writes them, then steps. The
+  // store takes such values as the next applied step reads their chunks.
+  const auto groups = mixed_groups();
+  const temp_dir dir("stored_adopt_next");
+  auto [reference, stored, n] = start_both(groups, dir);
+  const std::vector<segment> segs(reference.segments().begin(), reference.segments().end());
+  REQUIRE(segs.size() >= 3);
+  // Two tensors' values (one spanning several of the store's 512-element chunks, cut by the ranges).
+  std::vector<arena_range> adopt;
+  std::vector<float> values;
+  for (std::size_t t : {std::size_t(0), segs.size() - 1}) {
+    adopt.push_back({segs[t].offset, segs[t].offset + segs[t].size});
+    for (std::size_t i = 0; i < segs[t].size; ++i) values.push_back(0.25f + 0.001f * float(i % 97));
+  }
+  std::sort(adopt.begin(), adopt.end(), [](auto& a, auto& b) { return a.begin < b.begin; });
+  auto set_reference = [&] {
+    std::size_t at = 0;
+    for (const arena_range& r : adopt)
+      for (std::size_t i = r.begin; i < r.end; ++i) reference.params()[i] = values[at++];
+  };
+  // Refused, nothing pending: unsorted or overlapping ranges, the wrong number of values.
+  const std::vector<arena_range> backwards{adopt[1], adopt[0]};
+  CHECK_THROWS_WITH(stored.adopt_at_next_step(backwards, values), Catch::Contains("sorted, disjoint"));
+  CHECK_THROWS_WITH(stored.adopt_at_next_step(adopt, std::span<const float>(values).first(3)),
+                    Catch::Contains("3 values for ranges of"));
+  CHECK(stored.pending_adoption() == 0);
+
+  stored.adopt_at_next_step(adopt, values);
+  CHECK(stored.pending_adoption() == values.size());
+  // A skipped step keeps it (in RAM, the values were adopted before the skipped step).
+  step_options checked{1.0f, 0.0, true, std::numeric_limits<double>::infinity()};
+  const auto grad1 = to_bf16(grad_of(n, 1)), grad2 = to_bf16(grad_of(n, 2)), grad3 = to_bf16(grad_of(n, 3));
+  std::vector<std::uint16_t> out(n), out_ram(n);
+  CHECK_FALSE(chunked_step(stored, 224, grad1, out, nullptr, checked).applied);
+  CHECK(stored.pending_adoption() == values.size());
+  // A chunked step that fails midway keeps it: the store holds the step before.
+  REQUIRE(stored.begin_step({dtype::bf16, true, dtype::bf16, false, {1.0f, 0.0, false, -1.0}, {}}).applied);
+  stored.update_range(0, 640, grad1.data(), out.data());
+  stored.abort_step("injected");
+  CHECK(stored.pending_adoption() == values.size());
+  // The chunked step applies it (ranges of 224 cut the adopted tensors and the chunks).
+  set_reference();
+  reference.step(const_view{grad1.data(), n, dtype::bf16}, mut_view{out_ram.data(), n, dtype::bf16},
+                 step_options{1.0f, 0.0, true, std::numeric_limits<double>::infinity()});
+  chunked_step(reference, 224, grad1, out_ram, nullptr);
+  CHECK(chunked_step(stored, 224, grad1, out, nullptr).applied);
+  CHECK(out == out_ram);
+  CHECK(stored.pending_adoption() == 0);
+  require_same_as(stored, reference, groups);
+  // And the whole step (another set of values), committed with it: a reopened store has them.
+  for (float& v : values) v = -v;
+  stored.adopt_at_next_step(adopt, values);
+  set_reference();
+  stored.step(const_view{grad2.data(), n, dtype::bf16}, {}, 1.0f);
+  reference.step(const_view{grad2.data(), n, dtype::bf16}, {}, 1.0f);
+  stored.close();
+  auto reopened = stored_optimizer::open(groups, small_store(dir.str()));
+  CHECK(reopened.pending_adoption() == 0);
+  require_same_as(reopened, reference, groups);
+  // An empty call clears what is pending.
+  reopened.adopt_at_next_step(adopt, values);
+  reopened.adopt_at_next_step({}, {});
+  chunked_step(reopened, 448, grad3, out, nullptr);
+  chunked_step(reference, 448, grad3, out_ram, nullptr);
+  require_same_as(reopened, reference, groups);
+}

@@ -114,6 +114,17 @@ public:
   /// Committed with the step; a skipped step adopts nothing (adopt again at the next).
   step_result step(const_view flat_grad, mut_view flat_out, const step_options& options, const_view flat_params,
                    std::span<const arena_range> adopt);
+  /// Sets the master parameters of the flat ranges `adopt` (sorted, disjoint) to `values`
+  /// (the ranges' elements one after the other) at the next applied step, whole or chunked
+  /// (an offload pipeline's), as it reads each chunk and before it updates it: a front
+  /// adopting what its user wrote into parameters that live on a device, with RAM for those
+  /// values only. Committed with that step; kept across skipped, failed and aborted steps
+  /// (their store holds the step before); replaces what an earlier call left pending (an
+  /// empty `adopt` clears it); lost when the store is closed. Checked first, nothing changed
+  /// on error.
+  void adopt_at_next_step(std::span<const arena_range> adopt, std::span<const float> values);
+  /// Elements adopt_at_next_step left for the next applied step.
+  std::size_t pending_adoption() const;
 
   std::int64_t step_count() const override;
   std::int64_t skipped_steps() const;

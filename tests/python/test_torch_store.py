@@ -400,3 +400,32 @@ def test_offloaded_the_pipeline_streams_the_store_to_the_in_ram_pipelines_bits(t
       sched.step()
     same_params(a, b)
   same_state_dict(ram.state_dict(), resumed.state_dict())
+
+
+def test_offloaded_writes_wait_for_the_next_applied_step_in_host_ram_of_their_own(tmp_path):
+  # A value written into an offloaded parameter is adopted by the store as the next applied
+  # step reads its chunks; until then only that parameter's values wait in host RAM, and a
+  # skipped step leaves them in the parameter, as the in-RAM optimizer adopts them at once.
+  off = {"offload": "host", "skip_nonfinite": True}
+  a, b = model(torch.bfloat16, channels_last=False), model(torch.bfloat16, channels_last=False)
+  ram, _ = optimizer(a, **off)
+  stored, _ = optimizer(b, tmp_path, **off)
+  for t in range(3):
+    for m in (a, b):
+      backward(m, t)
+      with torch.no_grad():
+        if t == 1:
+          m[2].weight.fill_(7.0)  # written, then a skipped step
+          m[0].bias.grad[0] = float("nan")
+        if t == 2:
+          m[2].weight.copy_(saved)  # written back: its values differ from the adopted 7.0
+    ram.step()
+    stored.step()
+    same_params(a, b)
+    if t == 0:
+      saved = b[2].weight.detach().clone()
+    if t == 1:
+      assert not stored.last_step.applied and torch.all(b[2].weight == 7.0)
+      assert stored.store.pending_adoption == b[2].weight.numel() < stored.store.arena_size  # its own values
+  assert stored.store.pending_adoption == 0 and stored.store.step_count == 2
+  same_state_dict(ram.state_dict(), stored.state_dict())

@@ -20,10 +20,11 @@ flat device buffer in the store's layout, their gradients are gathered into anot
 offload pipeline streams the store's chunks between them (each range it hands the CPU is read
 from the drives, updated, written back; the step commits at its end), as the in-RAM offloaded
 path streams its arena. Writes the user makes through a parameter (its version counter) or a
-replaced ``.data`` are adopted as in RAM (the master kept where it rounds to the values):
-that step streams through the host instead (its gradients copied down whole, the store's own
-step adopting them). A step that fails midway puts the last completed step back into the
-device buffer, so parameters and store agree.
+replaced ``.data`` are adopted as in RAM (the master kept where it rounds to the values): the
+store takes their values as masters at the next applied step, as it reads their chunks
+(adopt_at_next_step), so host RAM holds the written parameters' values only. A step that
+fails midway puts the last completed step back into the device buffer, so parameters and
+store agree.
 """
 import weakref
 from typing import Any, Dict, List, Optional, Tuple, cast
@@ -192,6 +193,7 @@ class TorchStore:
       view.copy_(p.detach().reshape(-1))
       p.data = view.view(p.shape)
     self._adopt_all = False
+    self._pending: Dict[int, torch.Tensor] = {}  # parameter -> its values (f32) the next applied step adopts
     self._stale = False  # the device buffer holds no completed step (a failed step, then a failed push)
     if resume:  # the store's parameters, rounded by the pipeline's own copy-out
       self._push()
@@ -360,29 +362,67 @@ class TorchStore:
     return result
 
   def _offloaded_step(self, grads: list, skip: bool, norm: float) -> Any:
-    """One pipeline step from the flat device gradients into the flat device parameters; a
-    step after the user wrote parameters streams through the host, adopting them."""
+    """One pipeline step from the flat device gradients into the flat device parameters; the
+    values the user wrote since are adopted as masters by the store as the step reads them."""
     for view, g in zip(self._grad_views, grads):
       if g.data_ptr() != view.data_ptr():
         view.copy_(g.reshape(-1))  # on the current stream (a non-contiguous one: gathered in order)
     written = self._written()
     if written:
-      return self._adopting_step(written, skip, norm)
+      self._take_written(written)
     stream = self._stream()
     h = self._pipe.step_async(self._dev_grads.data_ptr(), self._tag, self._dev_params.data_ptr(), self._tag,
                               self._size, grads_stream=stream, skip_nonfinite=skip, known_grad_norm=norm)
     self._engine.stream_wait_event(stream, h.grads_consumed)
     self._engine.stream_wait_event(stream, h.params_ready)
     try:
-      return h.wait()
+      result = h.wait()
     except Exception as e:
       raise self._restored(e) from e
+    if result.applied:
+      self._pending.clear()  # (committed with the step)
+    self._settle()
+    return result
+
+  def _take_written(self, written: List[int]) -> None:
+    """The parameters the user wrote: each one's values become its pending master (adopted
+    by the store at the next applied step) unless its master, pending or committed, rounds to
+    them (as in RAM: a resume that loads the same model keeps the exact masters; adopt_params
+    takes every one). Host RAM for the written parameters only: each one's committed masters
+    are read alone, its values kept in float32 until the step that adopts them commits."""
+    for i in written:
+      s, p = self._segs[i], self._params[i]
+      host = p.detach().reshape(-1).cpu()
+      master = self._pending.get(i)
+      if master is None and not self._adopt_all:
+        master = torch.empty(s.size, dtype=torch.float32)
+        self._core.read_params_range(s.offset, s.offset + s.size, as_buffer(master, "masters", writable=True)[0],
+                                     "f32")
+      if self._adopt_all or master is None or not rounds_to(master, host):
+        self._pending[i] = host.float()
+    order = sorted(self._pending, key=lambda i: self._segs[i].offset)
+    ranges = [(self._segs[i].offset, self._segs[i].offset + self._segs[i].size) for i in order]
+    values = np.concatenate([self._pending[i].numpy() for i in order]) if order else np.zeros(0, np.float32)
+    self._core.adopt_at_next_step(ranges, values)
+    self._adopt_all = False
+
+  def _settle(self) -> None:
+    """After a step (applied, skipped or failed): every parameter on its view again, those
+    whose adoption is still pending holding the values the user gave them (a skipped or failed
+    step's copy-out wrote the store's), and that state remembered."""
+    for i, values in self._pending.items():
+      self._views[i].copy_(values)
+    for i in range(len(self._params)):
+      self._point(i)
+    self._remember()
 
   def _restored(self, e: Exception) -> Exception:
     """After a step that failed midway (the store at the step before, some device chunks
-    ahead): the store's parameters pushed back into the device buffer, so both agree."""
+    ahead): the store's parameters pushed back into the device buffer, so both agree (the
+    values waiting for adoption go back in with them)."""
     try:
       self._push()
+      self._settle()
       told = (f"the parameters were put back to the store's last completed step (step {self._core.step_count}): "
               "nothing of this step was applied")
     except Exception as again:
@@ -392,37 +432,6 @@ class TorchStore:
     kind = type(e) if isinstance(e, (RuntimeError, ValueError, OSError)) else RuntimeError
     said = str(e).replace("call push_params()", "hostopt.torch puts them back (push_params)")
     return kind(f"{said}; {told}")
-
-  def _adopting_step(self, written: List[int], skip: bool, norm: float) -> Any:
-    """The step through the host (gradients copied down whole): the store's own step, whose
-    masters for the `written` parameters become their values where the store's master does
-    not round to them (as in RAM); then the new parameters go up into the device buffer."""
-    masters = torch.zeros(self._size, dtype=torch.float32)
-    self._core.copy_params_to(as_buffer(masters, "masters", writable=True)[0], "f32")
-    values = np.zeros(self._size, np.float32)
-    adopt = []
-    for i in written:
-      s, p = self._segs[i], self._params[i]
-      host = p.detach().reshape(-1).cpu()
-      if self._adopt_all or not rounds_to(masters[s.offset:s.offset + s.size], host):  # (adopt_params: every one)
-        values[s.offset:s.offset + s.size] = host.float().numpy()
-        adopt.append((s.offset, s.offset + s.size))
-    g = self._dev_grads.cpu()
-    out = torch.empty(self._size, dtype=self._dtype)
-    g_view, o_view = as_buffer(g, "grads")[0], as_buffer(out, "out", writable=True)[0]
-    if adopt:
-      result = self._core.step_flat_adopting(g_view, self._tag, o_view, self._tag, 1.0, 0.0, skip, norm, values,
-                                             sorted(adopt))
-    else:
-      result = self._core.step_flat(g_view, self._tag, o_view, self._tag, 1.0, 0.0, skip, norm)
-    if not result.applied:  # skipped: nothing written; the user's values wait for the next applied step
-      return result
-    self._dev_params.copy_(out)
-    for i in range(len(self._params)):
-      self._point(i)
-    self._adopt_all = False
-    self._remember()
-    return result
 
   def _point(self, i: int) -> None:
     """Parameter i back onto its view of the device buffer (a replaced .data)."""
