@@ -233,7 +233,9 @@ class HostAdam:
       # With store= the pipeline streams the store's chunks: each range it hands the CPU is
       # read from the drives, updated and written back, and the step commits at its end.
       core = self._store._live() if self._store is not None else self._core._core
-      self._device_step = DeviceStep(core, *target, self._names, self._shapes, self._copy_out, int(offload_chunk))
+      kind, device, grad_dtype = target
+      self._device_step = DeviceStep(core, kind, device, grad_dtype, self._names, self._shapes, self._copy_out,
+                                     int(offload_chunk))
 
   def _make_store(self, core_groups, store, store_options, resume, leaves) -> "_StoredOptimizer":
     """The StoredOptimizer of store=: a new one holding `leaves` as its parameters, or with
