@@ -427,5 +427,6 @@ def test_offloaded_writes_wait_for_the_next_applied_step_in_host_ram_of_their_ow
     if t == 1:
       assert not stored.last_step.applied and torch.all(b[2].weight == 7.0)
       assert stored.store.pending_adoption == b[2].weight.numel() < stored.store.arena_size  # its own values
+      same_state_dict(ram.state_dict(), stored.state_dict())  # (the master the in-RAM optimizer adopted)
   assert stored.store.pending_adoption == 0 and stored.store.step_count == 2
   same_state_dict(ram.state_dict(), stored.state_dict())

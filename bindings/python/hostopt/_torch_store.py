@@ -461,7 +461,9 @@ class TorchStore:
       if scales is not None:
         st[SCALES] = scales.clone()
       if p.dtype != torch.float32:
-        st[MASTER] = arena_view(flat_p[s.offset:s.offset + s.size], p).clone()
+        pending = self._pending.get(i) if self._device is not None else None  # (adopted at a skipped step, in RAM)
+        st[MASTER] = (arena_view(flat_p[s.offset:s.offset + s.size], p) if pending is None else
+                      pending.view(p.shape)).clone()
       state[p] = st
     index = {id(p): k for k, p in enumerate(self._all)}
     self._export = (self._core.step_count, {(index[id(p)], key): (weakref.ref(t), t._version)
