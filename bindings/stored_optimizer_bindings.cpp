@@ -146,7 +146,11 @@ void bind_stored_optimizer(py::module_& m) {
             o.adopt_at_next_step(ranges, {static_cast<const float*>(v.data), v.size});
           },
           py::arg("adopt"), py::arg("values"))
-      .def_property_readonly("pending_adoption", &stored_optimizer::pending_adoption)
+      .def_property_readonly("pending_adoption",
+                             [](const stored_optimizer& o) {
+                               py::gil_scoped_release release; // (waits for another thread's step)
+                               return o.pending_adoption();
+                             })
       .def(
           "read_params_range",
           // The committed step's parameters of [begin, end) into `out` (end - begin elements).

@@ -501,6 +501,9 @@ void stored_optimizer::close() {
   impl_->stores.clear(); // (each waits for its I/O, then releases its lock)
   impl_->staging.clear();
   impl_->read_buffer.reset();
+  impl_->pending_adopt = {}; // (an adoption no step committed goes with the store)
+  impl_->pending_values = {};
+  impl_->pending_at = {};
   impl_->closed = true;
 }
 std::uint64_t stored_optimizer::step_io_bytes() const {

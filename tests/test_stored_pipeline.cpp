@@ -542,7 +542,9 @@ TEST_CASE("stored_optimizer: adopt_at_next_step sets masters at the next applied
   set_reference();
   stored.step(const_view{grad2.data(), n, dtype::bf16}, {}, 1.0f);
   reference.step(const_view{grad2.data(), n, dtype::bf16}, {}, 1.0f);
+  stored.adopt_at_next_step(adopt, values); // (no step commits it: lost with the store)
   stored.close();
+  CHECK(stored.pending_adoption() == 0);
   auto reopened = stored_optimizer::open(groups, small_store(dir.str()));
   CHECK(reopened.pending_adoption() == 0);
   require_same_as(reopened, reference, groups);

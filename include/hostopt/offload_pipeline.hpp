@@ -169,8 +169,10 @@ public:
   /// parameter copies (for traces and for callers that order work after them).
   device_stream copy_in_stream() const;
   device_stream copy_out_stream() const;
-  /// Micro-batches accumulated since the last step (waits for the operations in flight).
-  /// The f32 accumulator (4 bytes per arena element) is allocated on the first one.
+  /// Micro-batches accumulated for the next step (waits for the operations in flight): those
+  /// since the last step, and over an updater that commits whole steps (a store) those a
+  /// failed step left to its retry. The f32 accumulator (4 bytes per arena element) is
+  /// allocated on the first one.
   int accumulated_micro_batches() const;
   /// False after a failure that left the optimizer state partly updated, or a device error
   /// (sticky, as CUDA's); then every operation throws std::logic_error with

@@ -402,12 +402,13 @@ def test_offloaded_the_pipeline_streams_the_store_to_the_in_ram_pipelines_bits(t
   same_state_dict(ram.state_dict(), resumed.state_dict())
 
 
-def test_offloaded_writes_wait_for_the_next_applied_step_in_host_ram_of_their_own(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_offloaded_writes_wait_for_the_next_applied_step_in_host_ram_of_their_own(tmp_path, dtype):
   # A value written into an offloaded parameter is adopted by the store as the next applied
   # step reads its chunks; until then only that parameter's values wait in host RAM, and a
   # skipped step leaves them in the parameter, as the in-RAM optimizer adopts them at once.
   off = {"offload": "host", "skip_nonfinite": True}
-  a, b = model(torch.bfloat16, channels_last=False), model(torch.bfloat16, channels_last=False)
+  a, b = model(dtype, channels_last=False), model(dtype, channels_last=False)
   ram, _ = optimizer(a, **off)
   stored, _ = optimizer(b, tmp_path, **off)
   for t in range(3):
@@ -430,3 +431,26 @@ def test_offloaded_writes_wait_for_the_next_applied_step_in_host_ram_of_their_ow
       same_state_dict(ram.state_dict(), stored.state_dict())  # (the master the in-RAM optimizer adopted)
   assert stored.store.pending_adoption == 0 and stored.store.step_count == 2
   same_state_dict(ram.state_dict(), stored.state_dict())
+  # A replaced .data taken by adopt_params() goes back onto the device buffer and trains on.
+  for m, o in ((a, ram), (b, stored)):
+    m[3].bias.data = torch.full_like(m[3].bias, -1.5)
+    o.adopt_params()
+  for t in (3, 4):
+    for m in (a, b):
+      backward(m, t)
+    ram.step()
+    stored.step()
+    same_params(a, b)
+  assert not torch.all(a[3].bias == -1.5)
+
+
+def test_offloaded_adopt_params_with_an_empty_parameter(tmp_path):
+  lin = torch.nn.Linear(4, 2)
+  empty = torch.nn.Parameter(torch.zeros(0))
+  opt = ht.AdamW([lin.weight, lin.bias, empty], lr=1e-2, store=tmp_path, store_options=STORE, offload="host")
+  for _ in range(2):
+    opt.adopt_params()
+    lin(torch.ones(3, 4)).sum().backward()
+    empty.grad = torch.zeros(0)
+    opt.step()
+  assert opt.store.step_count == 2 and opt.store.pending_adoption == 0

@@ -233,6 +233,8 @@ class TorchStore:
   def close(self) -> None:
     self._core.close()
     self._pipe = None  # (its threads stop; the parameters keep the device buffer)
+    if self._device is not None:
+      self._pending.clear()  # (lost with the store's, as its docs say)
     self._closed = True
 
   def _check_open(self, what: str) -> None:
@@ -375,10 +377,13 @@ class TorchStore:
                               self._size, grads_stream=stream, skip_nonfinite=skip, known_grad_norm=norm)
     self._engine.stream_wait_event(stream, h.grads_consumed)
     self._engine.stream_wait_event(stream, h.params_ready)
+    before = self._core.step_count
     try:
       result = h.wait()
     except Exception as e:
-      raise self._restored(e) from e
+      if not self._core.pending_adoption:  # (the step committed before its error: its adoptions with it)
+        self._pending.clear()
+      raise self._restored(e, before) from e
     if result.applied:
       self._pending.clear()  # (committed with the step)
     self._settle()
@@ -398,8 +403,8 @@ class TorchStore:
         master = torch.empty(s.size, dtype=torch.float32)
         self._core.read_params_range(s.offset, s.offset + s.size, as_buffer(master, "masters", writable=True)[0],
                                      "f32")
-      if self._adopt_all or master is None or not rounds_to(master, host):
-        self._pending[i] = host.float()
+      if s.size and (self._adopt_all or master is None or not rounds_to(master, host)):
+        self._pending[i] = host.to(torch.float32, copy=True)  # (a CPU f32 parameter: not a view of the buffer)
     order = sorted(self._pending, key=lambda i: self._segs[i].offset)
     ranges = [(self._segs[i].offset, self._segs[i].offset + self._segs[i].size) for i in order]
     values = np.concatenate([self._pending[i].numpy() for i in order]) if order else np.zeros(0, np.float32)
@@ -416,15 +421,16 @@ class TorchStore:
       self._point(i)
     self._remember()
 
-  def _restored(self, e: Exception) -> Exception:
+  def _restored(self, e: Exception, before: int) -> Exception:
     """After a step that failed midway (the store at the step before, some device chunks
     ahead): the store's parameters pushed back into the device buffer, so both agree (the
     values waiting for adoption go back in with them)."""
     try:
       self._push()
       self._settle()
-      told = (f"the parameters were put back to the store's last completed step (step {self._core.step_count}): "
-              "nothing of this step was applied")
+      now = self._core.step_count
+      told = (f"the parameters were put back to the store's last completed step (step {now}): " +
+              ("nothing of this step was applied" if now == before else "this step was applied and committed"))
     except Exception as again:
       told = (f"and the parameters could not be put back to the store's last completed step ({again}): they hold "
               "no completed step, so later steps are refused; close() and make the optimizer again with "
@@ -442,7 +448,9 @@ class TorchStore:
   def export_state(self) -> Dict[torch.Tensor, dict]:
     """Each held parameter's state in the in-RAM path's entries (moments by format, 16-bit
     parameters' masters: the store's, as the in-RAM path's until a step adopts what the user
-    wrote), exported through an in-RAM optimizer; empty before the first step (as torch)."""
+    wrote; offloaded, the values a skipped or failed step left pending, as the in-RAM path
+    adopted them at that step), exported through an in-RAM optimizer; empty before the first
+    step (as torch)."""
     self._check_open("state_dict")
     self._check_unchanged("state_dict")
     if not self._core.step_count:

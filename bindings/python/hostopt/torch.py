@@ -671,7 +671,21 @@ class _HostAdam(torch.optim.Optimizer):
     self._drain()
     for layout in self._layout.values():
       for t in layout.tracked:
-        t.master.copy_(t.param.detach())
+        p = t.param
+        if p.dtype != t.dtype or tuple(p.shape) != t.shape or (
+            t.device_view is not None and (p.device != t.device_view.device or not p.is_contiguous())):
+          continue  # another layout: the next step takes it (rebuilt, or refused by name)
+        if p.data_ptr() != t.ptr and t.device_view is not None:  # a replaced .data: back onto the device buffer
+          t.device_view.copy_(p.detach().reshape(-1))
+          p.data = t.device_view.view(p.shape)
+        elif p.data_ptr() != t.ptr and p.dtype == torch.float32:  # (in place, the parameter is the master)
+          if tuple(p.stride()) != t.stride:
+            continue  # another memory order: the next step rebuilds around it
+          fresh = arena_view(t.flat, p)
+          fresh.copy_(p.detach())
+          p.data = fresh
+          t.master = fresh
+        t.master.copy_(p.detach())
         t.remember()
 
   def _adopt_user_changes(self, present: Optional[set], every: Optional[list] = None):
@@ -1392,7 +1406,8 @@ def _doc(mode: str) -> str:
       ``add_param_group`` and the ``load_state_dict`` of another state are refused
       (ValueError). CUDA parameters (or ``offload="host"``; one dtype) go through the
       offload pipeline, which streams the store. Values the user writes into a parameter
-      are adopted as its master at the next step, as in RAM.
+      become its master at the next applied step, as in RAM (offloaded: kept through a
+      skipped or failed step, in the parameter and in ``state_dict``).
       ``opt.state[p]`` holds only ``step``. ``close()`` releases the store; ``opt.store``
       tells its chunks and ``recovery``.
     store_options (dict or None, default None): hostopt.StoredOptimizer's keywords
