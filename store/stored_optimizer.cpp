@@ -289,12 +289,7 @@ step_result stored_optimizer::step(const_view flat_grad, mut_view flat_out, cons
     check_view("flat_params", flat_params.data, flat_params.size, flat_params.type, s.end());
     if (flat_params.type != dtype::f32)
       throw std::invalid_argument("stored_optimizer::step: flat_params holds master parameters: float32 expected");
-    for (std::size_t i = 0; i < adopt.size(); ++i)
-      if (adopt[i].begin >= adopt[i].end || adopt[i].end > s.end() || (i && adopt[i].begin < adopt[i - 1].end))
-        throw std::invalid_argument("stored_optimizer::step: adopt[" + std::to_string(i) + "] = [" +
-                                    std::to_string(adopt[i].begin) + ", " + std::to_string(adopt[i].end) +
-                                    "): expected sorted, disjoint, non-empty ranges within [0, " +
-                                    std::to_string(s.end()) + ")");
+    s.check_adopt_ranges(adopt, "stored_optimizer::step");
   }
   check_grad_scale(opts.grad_scale);
   if (!s.whole.whole() && opts.known_grad_norm < 0 && (opts.skip_nonfinite || opts.max_grad_norm != 0))
@@ -351,30 +346,25 @@ void stored_optimizer::adopt_at_next_step(std::span<const arena_range> adopt, st
   impl& s = *impl_;
   const auto lock = s.turns.acquire("adopt_at_next_step", false);
   s.check_usable("adopt_at_next_step");
+  s.check_adopt_ranges(adopt, "adopt_at_next_step");
   std::size_t total = 0;
-  for (std::size_t i = 0; i < adopt.size(); ++i) {
-    if (adopt[i].begin >= adopt[i].end || adopt[i].end > s.end() || (i && adopt[i].begin < adopt[i - 1].end))
-      throw std::invalid_argument("adopt_at_next_step: adopt[" + std::to_string(i) + "] = [" +
-                                  std::to_string(adopt[i].begin) + ", " + std::to_string(adopt[i].end) +
-                                  "): expected sorted, disjoint, non-empty ranges within [0, " +
-                                  std::to_string(s.end()) + ")");
-    total += adopt[i].size();
-  }
+  for (const arena_range& r : adopt) total += r.size();
   if (values.size() != total)
     throw std::invalid_argument("adopt_at_next_step: " + std::to_string(values.size()) + " values for ranges of " +
                                 std::to_string(total) + " elements");
-  std::vector<arena_range> ranges(adopt.begin(), adopt.end());
-  std::vector<float> copied(values.begin(), values.end());
-  std::vector<std::size_t> at(ranges.size());
-  for (std::size_t i = 0, pos = 0; i < ranges.size(); pos += ranges[i].size(), ++i) at[i] = pos;
-  s.pending_adopt = std::move(ranges); // (nothing below throws)
-  s.pending_values = std::move(copied);
-  s.pending_at = std::move(at);
+  std::vector<impl::pending_range> pending;
+  for (std::size_t at = 0; const arena_range& r : adopt) {
+    pending.push_back({r, std::vector<float>(values.begin() + at, values.begin() + at + r.size())});
+    at += r.size();
+  }
+  s.pending = std::move(pending);
 }
 
 std::size_t stored_optimizer::pending_adoption() const {
   const auto lock = impl_->turns.acquire("pending_adoption", false);
-  return impl_->pending_values.size();
+  std::size_t n = 0;
+  for (const auto& p : impl_->pending) n += p.range.size();
+  return n;
 }
 
 void stored_optimizer::copy_state_to(optimizer& ram) const {
@@ -501,9 +491,7 @@ void stored_optimizer::close() {
   impl_->stores.clear(); // (each waits for its I/O, then releases its lock)
   impl_->staging.clear();
   impl_->read_buffer.reset();
-  impl_->pending_adopt = {}; // (an adoption no step committed goes with the store)
-  impl_->pending_values = {};
-  impl_->pending_at = {};
+  impl_->pending = {}; // (an adoption no step committed goes with the store)
   impl_->closed = true;
 }
 std::uint64_t stored_optimizer::step_io_bytes() const {

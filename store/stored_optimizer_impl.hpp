@@ -348,28 +348,35 @@ struct stored_optimizer::impl {
       --count;
       throw;
     }
-    pending_adopt.clear();
-    pending_values.clear();
-    pending_at.clear();
+    pending.clear();
   }
 
   // Masters a front set for the next applied step (adopt_at_next_step): sorted, disjoint
-  // ranges, their values one after the other (pending_at: where each range's start).
-  std::vector<arena_range> pending_adopt;
-  std::vector<float> pending_values;
-  std::vector<std::size_t> pending_at;
+  // ranges, each with its values.
+  struct pending_range {
+    arena_range range;
+    std::vector<float> values;
+  };
+  std::vector<pending_range> pending;
   // The pending values that fall in chunk c, into its staging masters (before its update).
   void adopt_pending(chunk& c) {
-    if (pending_adopt.empty()) return;
     const std::size_t c_begin = flat_at(c), c_end = c_begin + c.range.size();
-    auto it = std::lower_bound(pending_adopt.begin(), pending_adopt.end(), c_begin,
-                               [](const arena_range& r, std::size_t at) { return r.end <= at; });
-    for (; it != pending_adopt.end() && it->begin < c_end; ++it) {
-      const std::size_t i = static_cast<std::size_t>(it - pending_adopt.begin());
-      const std::size_t lo = std::max(it->begin, c_begin), hi = std::min(it->end, c_end);
-      std::memcpy(c.storage.params() + (lo - c_begin), pending_values.data() + pending_at[i] + (lo - it->begin),
+    auto it = std::lower_bound(pending.begin(), pending.end(), c_begin,
+                               [](const pending_range& p, std::size_t at) { return p.range.end <= at; });
+    for (; it != pending.end() && it->range.begin < c_end; ++it) {
+      const std::size_t lo = std::max(it->range.begin, c_begin), hi = std::min(it->range.end, c_end);
+      std::memcpy(c.storage.params() + (lo - c_begin), it->values.data() + (lo - it->range.begin),
                   (hi - lo) * sizeof(float));
     }
+  }
+  // Adopt ranges (step's and adopt_at_next_step's): sorted, disjoint, non-empty, held.
+  void check_adopt_ranges(std::span<const arena_range> adopt, const char* what) const {
+    for (std::size_t i = 0; i < adopt.size(); ++i)
+      if (adopt[i].begin >= adopt[i].end || adopt[i].end > end() || (i && adopt[i].begin < adopt[i - 1].end))
+        throw std::invalid_argument(std::string(what) + ": adopt[" + std::to_string(i) + "] = [" +
+                                    std::to_string(adopt[i].begin) + ", " + std::to_string(adopt[i].end) +
+                                    "): expected sorted, disjoint, non-empty ranges within [0, " +
+                                    std::to_string(end()) + ")");
   }
   void check_usable(const char* what) const {
     if (closed) throw std::runtime_error(std::string(what) + ": this stored optimizer is closed");
