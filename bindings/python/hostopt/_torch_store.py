@@ -175,7 +175,7 @@ class TorchStore:
       if not p.is_contiguous():
         raise ValueError(f"{self._where[k]} is not contiguous: the offloaded path keeps parameters in the flat "
                          "device buffer's layout")
-    return next(iter(devices))
+    return device
 
   def _offload(self, opt: Any, resume: bool) -> None:
     """The device side: flat parameter and gradient buffers in the store's layout (each held

@@ -675,18 +675,29 @@ class _HostAdam(torch.optim.Optimizer):
         if p.dtype != t.dtype or tuple(p.shape) != t.shape or (
             t.device_view is not None and (p.device != t.device_view.device or not p.is_contiguous())):
           continue  # another layout: the next step takes it (rebuilt, or refused by name)
-        if p.data_ptr() != t.ptr and t.device_view is not None:  # a replaced .data: back onto the device buffer
-          t.device_view.copy_(p.detach().reshape(-1))
-          p.data = t.device_view.view(p.shape)
-        elif p.data_ptr() != t.ptr and p.dtype == torch.float32:  # (in place, the parameter is the master)
-          if tuple(p.stride()) != t.stride:
-            continue  # another memory order: the next step rebuilds around it
-          fresh = arena_view(t.flat, p)
-          fresh.copy_(p.detach())
-          p.data = fresh
-          t.master = fresh
+        if p.data_ptr() != t.ptr and t.device_view is None and p.dtype == torch.float32 and \
+            tuple(p.stride()) != t.stride:
+          continue  # another memory order: the next step rebuilds around it
+        if p.data_ptr() != t.ptr:
+          self._reattach(t)
         t.master.copy_(p.detach())
         t.remember()
+
+  @staticmethod
+  def _reattach(t: Tracked) -> None:
+    """A parameter whose .data the user replaced, back onto hostopt's storage with the values
+    it was given: its view of the flat device buffer (offloaded), or its arena slice (a CPU
+    float32 parameter is its master). A CPU 16-bit parameter keeps its own storage."""
+    p = t.param
+    if t.device_view is not None:
+      if p.data_ptr() != t.device_view.data_ptr():
+        t.device_view.copy_(p.detach().reshape(-1))
+        p.data = t.device_view.view(p.shape)
+    elif p.dtype == torch.float32:
+      fresh = arena_view(t.flat, p)
+      fresh.copy_(p.detach())
+      p.data = fresh
+      t.master = fresh
 
   def _adopt_user_changes(self, present: Optional[set], every: Optional[list] = None):
     """Parameters and state the user replaced or wrote since the last step take effect (for
@@ -735,9 +746,7 @@ class _HostAdam(torch.optim.Optimizer):
           # parameter (replaced or in place, any dtype) is adopted unless the master fits it.
           if not rounds_to(t.master.to(p.device), p):
             t.master.copy_(p.detach())
-          if p.data_ptr() != t.device_view.data_ptr():
-            t.device_view.copy_(p.detach().reshape(-1))
-            p.data = t.device_view.view(p.shape)
+          self._reattach(t)
           t.remember()
         elif t.device_view is None and tuple(p.stride()) != t.stride:
           # Another memory layout (model.to(memory_format=...)): the arena follows the
@@ -755,10 +764,7 @@ class _HostAdam(torch.optim.Optimizer):
             if p.is_shared():
               warnings.warn("hostopt.torch: a parameter was moved to shared memory; its values are adopted back "
                             "into hostopt's arena, so it is no longer shared", stacklevel=4)
-            fresh = arena_view(t.flat, p)  # back into the arena, with the values the user gave it
-            fresh.copy_(p.detach())
-            p.data = fresh
-            t.master = fresh
+            self._reattach(t)
           elif not rounds_to(t.master, p):
             t.master.copy_(p.detach())
           t.remember()
