@@ -392,10 +392,7 @@ class HostAdam:
         raise ValueError("step(None): nothing accumulated (call accumulate(grads) first, or pass grads)")
       glist: Optional[Sequence[Optional[np.ndarray]]] = self._grads(grads) if grads is not None else None
       if self._store is not None and glist is not None and self._acc is None:
-        missing = [n for n, g in zip(self._names, glist) if g is None]
-        if missing:
-          raise ValueError(f"grads{missing[0]} is None: with store= every step takes every leaf's gradient (the "
-                           f"state streams through whole; {len(missing)} leaves without one)")
+        self._refuse_missing(glist)
       self._set_schedules()  # everything that can fail before the accumulator changes
       if self._store is not None and glist is not None and self._acc is not None:
         # The last micro-batch summed into copies: a step that fails (an I/O error) leaves the
@@ -425,6 +422,13 @@ class HostAdam:
       arrays = [_to_jax(b) for b in out]
       arrays = [a if np.dtype(a.dtype) == d else a.astype(d) for a, d in zip(arrays, self._out_dtypes)]
       return self._treedef.unflatten(arrays)
+
+  def _refuse_missing(self, grads: Sequence[Any]) -> None:
+    """With store=, a step without accumulated micro-batches takes every leaf's gradient."""
+    missing = [n for n, g in zip(self._names, grads) if g is None]
+    if missing:
+      raise ValueError(f"grads{missing[0]} is None: with store= every step takes every leaf's gradient (the "
+                       f"state streams through whole; {len(missing)} leaves without one)")
 
   def _stored_step(self, glist, scale: float, grad_norm: Optional[float]):
     """One step streamed through the store (every leaf has a gradient, or an accumulated
@@ -470,10 +474,7 @@ class HostAdam:
     if self._store is not None:
       self._store._live()  # a closed store: ValueError, as the host path's step
       if leaves is not None and not ds.micro_batches:  # (accumulated micro-batches cover every leaf)
-        missing = [n for n, g in zip(self._names, leaves) if g is None]
-        if missing:
-          raise ValueError(f"grads{missing[0]} is None: with store= every step takes every leaf's gradient (the "
-                           f"state streams through whole; {len(missing)} leaves without one)")
+        self._refuse_missing(leaves)
     skip = self._skip_nonfinite
     if skip and self._skip_auto and grad_norm is None and ds.micro_batches and self._max_grad_norm == 0:
       skip = False  # the default check cannot take the norm of host-accumulated micro-batches: unchecked, as asked
