@@ -119,21 +119,27 @@ void bind_stored_optimizer(py::module_& m) {
           py::arg("max_grad_norm"), py::arg("skip_nonfinite"), py::arg("known_grad_norm"))
       .def(
           "step_flat_adopting",
-          // step_flat, first setting the masters of the ranges `adopt` to `params`' values there.
+          // step_flat, first setting the masters of the ranges `adopt` to `params`' values there
+          // (params None: nothing adopted); tensors_without_grad: per-tensor steps.
           [](stored_optimizer& o, py::handle grad, const std::string& grad_dtype, py::handle out,
              const std::string& out_dtype, float grad_scale, double max_grad_norm, bool skip_nonfinite,
-             double known_grad_norm, py::handle params, const std::vector<std::pair<std::size_t, std::size_t>>& adopt) {
+             double known_grad_norm, py::handle params, const std::vector<std::pair<std::size_t, std::size_t>>& adopt,
+             const std::vector<std::size_t>& tensors_without_grad) {
             const flat_step_args a = flat_step_args_of(grad, grad_dtype, out, out_dtype, grad_scale, max_grad_norm,
                                                        skip_nonfinite, known_grad_norm);
-            const buffer p = check_array(params, "params", "f32", false);
+            const_view pv{};
+            if (!params.is_none()) {
+              const buffer p = check_array(params, "params", "f32", false);
+              pv = {p.data, p.size, p.type};
+            }
             std::vector<arena_range> ranges;
             for (const auto& [begin, end] : adopt) ranges.push_back({begin, end});
             py::gil_scoped_release release;
-            return o.step(a.grad_view(), a.out_view(), a.options, {p.data, p.size, p.type}, ranges);
+            return o.step(a.grad_view(), a.out_view(), a.options, pv, ranges, tensors_without_grad);
           },
           py::arg("grad"), py::arg("grad_dtype"), py::arg("out"), py::arg("out_dtype"), py::arg("grad_scale"),
           py::arg("max_grad_norm"), py::arg("skip_nonfinite"), py::arg("known_grad_norm"), py::arg("params"),
-          py::arg("adopt"))
+          py::arg("adopt"), py::arg("tensors_without_grad") = std::vector<std::size_t>())
       .def(
           "adopt_at_next_step",
           // The masters of the ranges `adopt` set to `values` (their elements in order) by the
@@ -216,6 +222,7 @@ void bind_stored_optimizer(py::module_& m) {
       // its whole streaming, and other Python threads must not wait on it with the GIL.)
       .def_property_readonly("step_count", released(&stored_optimizer::step_count))
       .def_property_readonly("skipped_steps", released(&stored_optimizer::skipped_steps))
+      .def_property_readonly("tensor_steps", released(&stored_optimizer::tensor_steps))
       .def_property_readonly("arena_size", &stored_optimizer::arena_size)
       .def_property_readonly("range",
                              [](const stored_optimizer& o) { return py::make_tuple(o.range().begin, o.range().end); })

@@ -50,4 +50,16 @@ void chunked_step::close() {
   covered = 0;
 }
 
+void check_tensors_without_grad(const std::vector<std::size_t>& without, std::size_t tensors, bool whole,
+                                const char* what) {
+  if (without.empty()) return;
+  if (!whole)
+    throw std::invalid_argument(std::string(what) + ": tensors_without_grad on an optimizer that holds a range of "
+                                "the arena (a shard), whose tensors share one step count");
+  for (const std::size_t t : without)
+    if (t >= tensors)
+      throw std::invalid_argument(std::string(what) + ": tensors_without_grad names tensor " + std::to_string(t) +
+                                  ": expected an index below " + std::to_string(tensors));
+}
+
 } // namespace hostopt::detail

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "hostopt/chunk_updater.hpp"
 #include "hostopt/step_options.hpp"
@@ -31,5 +32,11 @@ struct chunked_step {
   /// Ends the step; `decision` and `seen` keep what it decided and counted (finish_step reads them after).
   void close();
 };
+
+/// A step's tensors without a gradient (per-tensor steps): valid indices below `tensors`,
+/// and only where each tensor has its own step count (`whole`: the whole layout is held, not
+/// a shard's range, whose tensors share one count). std::invalid_argument prefixed by `what`.
+void check_tensors_without_grad(const std::vector<std::size_t>& without, std::size_t tensors, bool whole,
+                                const char* what);
 
 } // namespace hostopt::detail

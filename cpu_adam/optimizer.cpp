@@ -90,18 +90,9 @@ struct optimizer::impl {
                                   std::to_string(configs.size()));
   }
 
-  // A chunked step's tensors without a gradient: valid indices, and only where each
-  // tensor has its own step count (an optimizer holding the whole layout).
+  // A chunked step's tensors without a gradient (chunked_step.hpp).
   void check_without_grad(const std::vector<std::size_t>& tensors, const char* what) const {
-    if (tensors.empty()) return;
-    if (!layout.whole())
-      throw std::invalid_argument(std::string(what) + ": tensors_without_grad on an optimizer that holds a range of "
-                                  "the arena (a shard), whose tensors share one step count");
-    for (const std::size_t t : tensors)
-      if (t >= layout.segments().size())
-        throw std::invalid_argument(std::string(what) + ": tensors_without_grad names tensor " +
-                                    std::to_string(t) + ": expected an index below " +
-                                    std::to_string(layout.segments().size()));
+    check_tensors_without_grad(tensors, layout.segments().size(), layout.whole(), what);
   }
 
   // Writes the unchanged parameters of the pieces without a gradient inside [begin, end)

@@ -1,10 +1,7 @@
 #pragma once
 // The hyper-parameters of each committed step of a state store, so that opening the store
-// restores them as load_checkpoint does. They live in a small file, "hyperparameters", in the
-// first directory: two places, one per step parity like the chunks' slots, so writing step
-// t+1's never touches step t's. Each place names its step and its commit (the id every
-// stripe's commit record carries) and ends in a checksum. It is written, and made durable
-// when the store syncs, before any commit record of that step.
+// restores them as load_checkpoint does: a step record (step_record_file.hpp) in the file
+// "hyperparameters" of the first directory.
 
 #include <cstddef>
 #include <cstdint>

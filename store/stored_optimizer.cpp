@@ -78,6 +78,7 @@ stored_optimizer stored_optimizer::create(const optimizer& ram, std::vector<para
   s->seeds = es.seeds();
   s->count = es.step_count();
   s->skipped = es.skipped_steps();
+  if (const auto lags = es.tensor_lags(); !lags.empty()) s->lag = lags; // (held whole: check_same_state)
   s->choose_chunks(options);
   s->create_stores(options);
   s->stream(false, true, [&](std::size_t, impl::chunk& c) {
@@ -118,7 +119,8 @@ stored_optimizer stored_optimizer::open_store(std::vector<param_group> groups, c
     const std::string& dir = options.dirs[i];
     heads.push_back(drive::chunk_store::peek(dir));
     const auto& w = heads.back().words;
-    if ((w.size() != num_words && w.size() != w_hyperparameters && w.size() != w_range_begin) ||
+    if ((w.size() != num_words && w.size() != w_tensor_steps && w.size() != w_hyperparameters &&
+         w.size() != w_range_begin) ||
         w[w_kind] != store_kind)
       throw std::runtime_error("the store in " + dir + " is not a hostopt optimizer's state store");
     s->check_same_range(w, dir);
@@ -264,6 +266,18 @@ stored_optimizer stored_optimizer::open_store(std::vector<param_group> groups, c
       problem = "the file " + (std::filesystem::path(s->first_dir) / "hyperparameters").string() +
                 " that this store keeps them in is missing";
   }
+  // The tensors' own counts: a commit that kept them must give them back (its steps' bias
+  // corrections depend on them), else open is refused.
+  if (committed.size() > w_tensor_steps && committed[w_tensor_steps] == 1) {
+    std::string lag_problem;
+    auto lags = read_tensor_lags(s->first_dir, s->stores[0]->committed_step(), committed[w_commit_id],
+                                 s->lag.size(), s->count, lag_problem);
+    if (!lags)
+      throw std::runtime_error("the store in " + s->first_dir + " opened at step " + std::to_string(s->count) +
+                               ", whose tensors' own step counts cannot be read (" + lag_problem +
+                               "): open_previous opens the step before, if its counts can be read");
+    s->lag = std::move(*lags);
+  }
   if (saved) s->configs = std::move(*saved);
   else if (!problem.empty())
     s->recovery += "the hyper-parameters of the step it opened at could not be read (" + problem +
@@ -281,10 +295,13 @@ step_result stored_optimizer::step(const_view flat_grad, mut_view flat_out, cons
 }
 
 step_result stored_optimizer::step(const_view flat_grad, mut_view flat_out, const step_options& opts,
-                                   const_view flat_params, std::span<const arena_range> adopt) {
+                                   const_view flat_params, std::span<const arena_range> adopt,
+                                   std::span<const std::size_t> tensors_without_grad) {
   impl& s = *impl_;
   const auto lock = s.turns.acquire("step", false);
   s.check_usable("step");
+  const std::vector<std::size_t> without(tensors_without_grad.begin(), tensors_without_grad.end());
+  check_tensors_without_grad(without, s.lag.size(), s.whole.whole(), "stored_optimizer::step");
   if (!adopt.empty()) {
     check_view("flat_params", flat_params.data, flat_params.size, flat_params.type, s.end());
     if (flat_params.type != dtype::f32)
@@ -309,21 +326,29 @@ step_result stored_optimizer::step(const_view flat_grad, mut_view flat_out, cons
     const char* const kinds[] = {"flat_grad", "flat_out"};
     check_no_overlap(ranges, kinds);
   }
+  std::vector<char> no_grad(s.lag.size(), 0);
+  for (const std::size_t t : without) no_grad[t] = 1;
   s.stat_views.clear();
-  for (const update_piece& piece : s.whole_pieces) // per tensor: padding is never read
-    s.stat_views.push_back({static_cast<const char*>(flat_grad.data) + piece.offset * dtype_size(flat_grad.type),
-                            piece.size, flat_grad.type});
+  for (std::size_t k = 0; k < s.whole_pieces.size(); ++k) { // per tensor: padding is never read, nor a missing gradient
+    const update_piece& piece = s.whole_pieces[k];
+    if (!no_grad[s.whole.piece_tensor()[k]])
+      s.stat_views.push_back({static_cast<const char*>(flat_grad.data) + piece.offset * dtype_size(flat_grad.type),
+                              piece.size, flat_grad.type});
+  }
   const step_io io{flat_grad.type, has_out ? std::optional<dtype>(flat_out.type) : std::nullopt, false, false};
-  s.reset_group_kernels();
-  const step_plan pl = step_plan::make(*s.kernels, s.configs, s.count, io, opts,
-                                       [&] { return gradient_stats(s.stat_views, s.exec).norm; }, s.group_kernels);
+  struct reset { // (the pieces are shared with every later step and export)
+    impl& s;
+    ~reset() { s.reset_pieces(); }
+  } reset_anyway{s};
+  const step_plan pl = s.plan(io, opts, [&] { return gradient_stats(s.stat_views, s.exec).norm; });
   if (!pl.decision().apply) {
     step_plan::check_count(s.skipped); // (the skipped count shares the step count's limit)
     ++s.skipped;
     return make_step_result(pl.decision(), s.count, s.skipped);
   }
   block_counts seen;
-  const std::size_t gb = dtype_size(flat_grad.type), ob = has_out ? dtype_size(flat_out.type) : 0;
+  const std::size_t gb = dtype_size(flat_grad.type);
+  s.mark_without_grad(without);
   std::size_t next_adopt = 0; // the first range that does not end before the chunk (chunks come in order)
   s.stream(true, true, [&](std::size_t, impl::chunk& c) {
     s.adopt_pending(c); // (then the step's own adopt ranges, which come later)
@@ -334,11 +359,11 @@ step_result stored_optimizer::step(const_view flat_grad, mut_view flat_out, cons
       std::memcpy(c.storage.params() + (lo - c_begin), static_cast<const float*>(flat_params.data) + lo,
                   (hi - lo) * sizeof(float));
     }
-    const block_counts b = s.update(c, flat_grad.data, gb, has_out ? flat_out.data : nullptr, ob);
+    const block_counts b = s.update(c, flat_grad.data, gb, has_out ? flat_out.data : nullptr, flat_out.type);
     seen.poisoned += b.poisoned;
     seen.saturated += b.saturated;
   });
-  s.commit_step();
+  s.commit_step(without);
   return make_step_result(pl.decision(), s.count, s.skipped, seen);
 }
 
@@ -378,6 +403,7 @@ void stored_optimizer::copy_state_to(optimizer& ram) const {
       for (const update_piece& piece : c.pieces) s.copy_piece(c, piece, es, true);
     });
     es.set_counters(s.configs, s.count, s.skipped);
+    if (s.any_lag()) es.set_tensor_lags(s.lag);
     es.set_seeds(s.seeds);
   } catch (const std::exception& e) {
     es.mark_failed(std::string("stored_optimizer::copy_state_to failed midway: ") + e.what());
@@ -439,6 +465,13 @@ void stored_optimizer::commit_shard_save(const std::string& dir, const std::stri
 std::int64_t stored_optimizer::step_count() const {
   const auto lock = impl_->turns.acquire("step_count", false);
   return impl_->count;
+}
+
+std::vector<std::int64_t> stored_optimizer::tensor_steps() const {
+  const auto lock = impl_->turns.acquire("tensor_steps", false);
+  std::vector<std::int64_t> steps(impl_->lag.size());
+  for (std::size_t i = 0; i < steps.size(); ++i) steps[i] = impl_->count - impl_->lag[i];
+  return steps;
 }
 std::int64_t stored_optimizer::skipped_steps() const {
   const auto lock = impl_->turns.acquire("skipped_steps", false);

@@ -23,6 +23,7 @@
 #include "exclusive_state.hpp"
 #include "held_layout.hpp"
 #include "hyperparameter_record.hpp"
+#include "tensor_step_record.hpp"
 #include "kernel_registry.hpp"
 #include "operation_turns.hpp"
 #include "parallel.hpp"
@@ -39,11 +40,13 @@ constexpr std::uint64_t store_kind = 0x686f73746f707431; // "hostopt1"
 // The range words came with stores of a range (a shard): records written before them have
 // w_range_begin words (the range is then in the fingerprint alone). w_hyperparameters (1:
 // each commit keeps its hyper-parameters, hyperparameter_record.hpp) came after: records
-// before it have w_hyperparameters words. An older hostopt refuses a record of more words
-// than it knows.
+// before it have w_hyperparameters words. w_tensor_steps (1: some tensor is behind the count,
+// and the commit's tensor_step_record.hpp holds each one's lag; 0: none is) came last: records
+// before it have w_tensor_steps words. An older hostopt refuses a record of more words than
+// it knows.
 enum word : std::size_t {
   w_kind, w_chunk_elements, w_count, w_skipped, w_stripes, w_stripe, w_commit_id,
-  w_range_begin, w_range_end, w_layout_end, w_hyperparameters, num_words
+  w_range_begin, w_range_end, w_layout_end, w_hyperparameters, w_tensor_steps, num_words
 };
 
 inline drive::durability durability_of(const state_store_options& o) {
@@ -96,6 +99,9 @@ struct stored_optimizer::impl {
   std::string broken;          // why every later step is refused ("" while none is)
   bool closed = false;
   std::int64_t count = 0, skipped = 0;
+  // Per layout tensor: the applied steps it had no gradient in (per-tensor steps), its own
+  // count being count - lag; all zero unless a step named tensors without a gradient.
+  std::vector<std::int64_t> lag;
   std::string recovery; // what open did where the last step could not be opened
   // Scratch of a step.
   std::vector<group_kernel> group_kernels, chunk_kernels;
@@ -111,8 +117,12 @@ struct stored_optimizer::impl {
       configs.push_back(g.config);
       seeds.push_back(g.rounding_seed);
     }
-    group_kernels.resize(configs.size());
-    chunk_kernels.resize(configs.size());
+    lag.assign(whole.segments().size(), 0);
+    group_kernels.resize(configs.size() + lag.size()); // groups, then tensors behind the count
+    chunk_kernels.resize(configs.size() + lag.size());
+  }
+  bool any_lag() const {
+    return std::any_of(lag.begin(), lag.end(), [](std::int64_t l) { return l != 0; });
   }
 
   // Elements held, and the first one's layout index: flat buffers index from `base()`.
@@ -244,6 +254,7 @@ struct stored_optimizer::impl {
     w[w_range_end] = whole.range().end;
     w[w_layout_end] = arena_end(whole.segments());
     w[w_hyperparameters] = 1;
+    w[w_tensor_steps] = any_lag();
     return w;
   }
 
@@ -266,6 +277,7 @@ struct stored_optimizer::impl {
     try { // (before any record: nothing to undo)
       for (const auto& st : stores) st->check_still_there();
       write_hyperparameters(first_dir, stores[0]->next_step(), commit_id, configs, sync);
+      if (any_lag()) write_tensor_lags(first_dir, stores[0]->next_step(), commit_id, lag, sync);
     } catch (...) {
       drain();
       throw;
@@ -284,7 +296,7 @@ struct stored_optimizer::impl {
   void save_streamed(const std::string& path, const detail::checkpoint_metadata& extra, const char* what) {
     impl& s = *this;
   for (const std::string& dir : s.dirs) // (a checkpoint written over the chunks or the commit record would end the store)
-    for (const char* own : {"chunks", "commit", "lock", "hyperparameters"}) {
+    for (const char* own : {"chunks", "commit", "lock", "hyperparameters", "tensor_steps"}) {
       std::error_code e1, e2;
       const std::filesystem::path mine = std::filesystem::weakly_canonical(std::filesystem::path(dir) / own, e1);
       const std::filesystem::path target = std::filesystem::weakly_canonical(path, e2);
@@ -294,7 +306,7 @@ struct stored_optimizer::impl {
     }
   const std::span<const segment> segs = s.whole.segments();
   const detail::checkpoint_description d{segs, s.whole.range(), formats_of(s.groups), s.configs, s.seeds, s.count,
-                                         s.skipped, {}};
+                                         s.skipped, s.any_lag() ? s.lag : std::vector<std::int64_t>()};
   std::size_t i = 0; // the first tensor that does not end before the chunk: chunks come in layout order
   detail::save_checkpoint_streamed(d, path, [&](const detail::checkpoint_put& put) {
     i = 0;
@@ -338,17 +350,59 @@ struct stored_optimizer::impl {
     }
   }
 
-  // An applied step's commit: the count it commits, back where it was if the commit throws;
-  // committed, it holds what adopt_at_next_step left pending.
-  void commit_step() {
+  // An applied step's commit: the counts it commits (the tensors in `without` had no
+  // gradient: their own counts stay), back where they were if the commit throws; committed,
+  // it holds what adopt_at_next_step left pending.
+  void commit_step(std::span<const std::size_t> without) {
+    const std::vector<std::int64_t> before = lag;
     ++count;
+    std::vector<char> none(lag.size(), 0);
+    for (const std::size_t t : without) none[t] = 1; // (named twice: one step without it)
+    for (std::size_t t = 0; t < lag.size(); ++t) lag[t] += none[t];
     try {
       commit();
     } catch (...) {
       --count;
+      lag = before;
       throw;
     }
     pending.clear();
+  }
+
+  // A step's plan: each group's kernel for t = count + 1, and each tensor behind the count
+  // its own entry (groups[configs.size() + tensor], step_plan's step_tensors) that every
+  // chunk's pieces of it point at.
+  template <class NormFn>
+  step_plan plan(const step_io& io, const step_options& opts, NormFn&& norm) {
+    reset_group_kernels();
+    step_plan pl = step_plan::make(*kernels, configs, count, io, opts, std::forward<NormFn>(norm), group_kernels,
+                                   {whole.segments(), lag, whole.piece_tensor(), whole_pieces});
+    if (pl.decision().apply)
+      for (chunk& c : chunks)
+        for (std::size_t k = 0; k < c.pieces.size(); ++k) {
+          const std::size_t t = c.layout.piece_tensor()[k];
+          c.pieces[k].group = lag[t] ? configs.size() + t : whole.segments()[t].group;
+        }
+    return pl;
+  }
+  // The pieces of a step's tensors without a gradient (`without`): skipped by the kernels,
+  // their parameters copied out unchanged.
+  void mark_without_grad(std::span<const std::size_t> without) {
+    std::vector<char> none(lag.size(), 0);
+    for (const std::size_t t : without) none[t] = 1;
+    for (chunk& c : chunks)
+      for (std::size_t k = 0; k < c.pieces.size(); ++k) c.pieces[k].no_grad = none[c.layout.piece_tensor()[k]];
+  }
+  // After a step: every piece back at its group (what the exports read) with a gradient.
+  void reset_pieces() {
+    auto reset = [&](std::vector<update_piece>& pieces, std::span<const std::size_t> tensor) {
+      for (std::size_t k = 0; k < pieces.size(); ++k) {
+        pieces[k].group = whole.segments()[tensor[k]].group;
+        pieces[k].no_grad = false;
+      }
+    };
+    reset(whole_pieces, whole.piece_tensor());
+    for (chunk& c : chunks) reset(c.pieces, c.layout.piece_tensor());
   }
 
   // Masters a front set for the next applied step (adopt_at_next_step): sorted, disjoint
@@ -452,19 +506,26 @@ struct stored_optimizer::impl {
   }
 
   // One chunk's update by the step's kernels, in its staging buffer.
-  block_counts update(const chunk& c, const void* grad, std::size_t grad_bytes, void* out, std::size_t out_bytes) {
+  block_counts update(const chunk& c, const void* grad, std::size_t grad_bytes, void* out, dtype out_type) {
     return update_part(c, 0, c.range.size(), static_cast<const char*>(grad) + flat_at(c) * grad_bytes, grad_bytes,
-                       out ? static_cast<char*>(out) + flat_at(c) * out_bytes : nullptr, out_bytes);
+                       out ? static_cast<char*>(out) + flat_at(c) * dtype_size(out_type) : nullptr, out_type);
   }
   // Elements [lo, hi) of a chunk (its own indices): `grad`, `out` and `accumulator` point at
   // element lo's (a chunked step's range may start or end inside a chunk).
   block_counts update_part(const chunk& c, std::size_t lo, std::size_t hi, const void* grad, std::size_t grad_bytes,
-                           void* out, std::size_t out_bytes, const float* accumulator = nullptr,
+                           void* out, dtype out_type, const float* accumulator = nullptr,
                            add_grad_fn add_grad = nullptr) {
+    const std::size_t out_bytes = out ? dtype_size(out_type) : 0;
     for (std::size_t g = 0; g < configs.size(); ++g) {
       chunk_kernels[g] = group_kernels[g];
       chunk_kernels[g].storage = c.storage.kernel_storage(g, seeds[g]);
     }
+    for (const update_piece& piece : c.pieces)
+      if (piece.group >= configs.size()) { // a tensor behind the count: its own entry, its group's storage
+        const std::size_t g = whole.segments()[piece.group - configs.size()].group;
+        chunk_kernels[piece.group] = group_kernels[piece.group];
+        chunk_kernels[piece.group].storage = c.storage.kernel_storage(g, seeds[g]);
+      }
     update_job j;
     j.params = c.storage.params();
     j.exp_avg = c.storage.flat_array(1).data();
@@ -482,7 +543,14 @@ struct stored_optimizer::impl {
     j.flat_origin = lo;
     j.flat_accumulator = accumulator;
     j.add_grad = add_grad;
-    return run_update(j, exec.threads);
+    const block_counts seen = run_update(j, exec.threads);
+    if (out)
+      for (const update_piece& piece : c.pieces) { // a tensor without a gradient: its parameters as they are
+        const std::size_t a = std::max(lo, piece.offset), b = std::min(hi, piece.offset + piece.size);
+        if (!piece.no_grad || a >= b) continue;
+        convert_params(c.storage.params() + a, {static_cast<char*>(out) + (a - lo) * out_bytes, b - a, out_type}, exec);
+      }
+    return seen;
   }
 
   // A piece's params and moments between a chunk's storage and an in-RAM optimizer's state
@@ -535,9 +603,6 @@ struct stored_optimizer::impl {
                                     std::to_string(ram.seeds()[g]) + " in the in-RAM optimizer and " +
                                     std::to_string(groups[g].rounding_seed) + " in the groups (a store opens only "
                                     "with the groups it was made from: give them the same seed)");
-    if (!ram.tensor_lags().empty())
-      throw std::invalid_argument(std::string(what) + ": the in-RAM optimizer's tensors have their own step counts "
-                                  "(per-tensor steps): a store keeps one count for all");
   }
 
   // A store of another range (a shard where the whole is asked for, another rank's, or the
@@ -585,8 +650,14 @@ struct stored_optimizer::impl {
   mutable std::optional<drive::chunk_store::staging> read_buffer;
   mutable std::size_t read_chunk = ~std::size_t(0);
   mutable std::uint64_t read_commit = 0;
+  void check_chunk_options(const chunk_step_options& o) const {
+    check_dtype("grad_type", o.grad_type);
+    if (o.copy_out) check_dtype("out_type", o.out_type);
+    check_tensors_without_grad(o.tensors_without_grad, lag.size(), whole.whole(), "begin_step");
+  }
   // Ends the chunked step (finished, failed or aborted): the turn goes to the next caller.
   void close_chunked() {
+    reset_pieces();
     chunked.close();
     chunked_entered = false;
     turns.close_chunked();

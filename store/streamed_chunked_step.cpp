@@ -8,27 +8,11 @@
 
 namespace hostopt {
 
-namespace {
-
-void refuse_without_grad(const chunk_step_options& o) {
-  if (!o.tensors_without_grad.empty())
-    throw std::invalid_argument("begin_step: tensors_without_grad names " + std::to_string(o.tensors_without_grad.size()) +
-                                " tensor(s): a stored optimizer keeps one step count for all its tensors, so every "
-                                "tensor steps (per-tensor counts are the in-RAM optimizer's)");
-}
-
-void check_chunk_options(const chunk_step_options& o) {
-  check_dtype("grad_type", o.grad_type);
-  if (o.copy_out) check_dtype("out_type", o.out_type);
-  refuse_without_grad(o);
-}
-
-} // namespace
 
 std::size_t stored_optimizer::chunk_unit() const { return impl_->whole.unit(); }
 
 void stored_optimizer::check_options(const chunk_step_options& o) const {
-  check_chunk_options(o);
+  impl_->check_chunk_options(o);
   decide_step(o.checks, 0.0); // names a bad option
   if (needs_unknown_norm(o.checks)) refuse_unknown_norm("begin_step");
   const auto lock = impl_->turns.acquire("begin_step", false);
@@ -43,12 +27,10 @@ step_result stored_optimizer::begin_step(const chunk_step_options& o) {
   auto lock = s.turns.acquire("begin_step", false);
   s.turns.let_waiters_go_first(lock);
   s.check_usable("begin_step");
-  check_chunk_options(o);
-  s.reset_group_kernels();
+  s.check_chunk_options(o);
   // The gradients arrive later: a norm the checks need must be known already.
   const step_io io{o.grad_type, out_of(o.copy_out, o.out_type), o.accumulator, false};
-  const step_plan pl = step_plan::make(*s.kernels, s.configs, s.count, io, o.checks,
-                                       []() -> double { refuse_unknown_norm("begin_step"); }, s.group_kernels);
+  const step_plan pl = s.plan(io, o.checks, []() -> double { refuse_unknown_norm("begin_step"); });
   if (!pl.decision().apply) { // counted now, committed with the next applied step (as step's skips)
     step_plan::check_count(s.skipped);
     ++s.skipped;
@@ -59,10 +41,12 @@ step_result stored_optimizer::begin_step(const chunk_step_options& o) {
   s.chunked_entered = false;
   s.chunked_failed.clear();
   s.chunked_add_grad = o.accumulator ? s.kernels->add_grad(o.grad_type) : nullptr;
+  s.mark_without_grad(o.tensors_without_grad);
   try {
     s.chunked_stream = s.stream_open(true, true);
   } catch (...) {
     s.drain();
+    s.reset_pieces();
     throw;
   }
   s.turns.open_chunked();
@@ -99,7 +83,7 @@ void stored_optimizer::update_range(std::size_t begin, std::size_t end, const vo
       const std::size_t d = at - begin; // (the caller's buffers start at element `begin`)
       const block_counts b = s.update_part(
           c, at - c_begin, hi - c_begin, static_cast<const char*>(grad) + d * gb, gb,
-          out ? static_cast<char*>(out) + d * ob : nullptr, ob, accumulator ? accumulator + d : nullptr,
+          out ? static_cast<char*>(out) + d * ob : nullptr, o.out_type, accumulator ? accumulator + d : nullptr,
           s.chunked_add_grad);
       s.chunked.seen.poisoned += b.poisoned;
       s.chunked.seen.saturated += b.saturated;
@@ -145,7 +129,7 @@ step_result stored_optimizer::finish_step() {
     s.drain();
     throw;
   }
-  s.commit_step();
+  s.commit_step(s.chunked.options.tensors_without_grad);
   return make_step_result(s.chunked.decision, s.count, s.skipped, s.chunked.seen);
 }
 

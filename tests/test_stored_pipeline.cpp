@@ -39,9 +39,10 @@ std::vector<std::uint16_t> to_bf16(const std::vector<float>& x) {
 // and copy-out, plus an f32 accumulator where one is given.
 step_result chunked_step(chunk_updater& u, std::size_t range, const std::vector<std::uint16_t>& grad,
                          std::vector<std::uint16_t>& out, const std::vector<float>* acc,
-                         const step_options& checks = {1.0f, 0.0, false, -1.0}) {
+                         const step_options& checks = {1.0f, 0.0, false, -1.0},
+                         const std::vector<std::size_t>& without = {}) {
   const std::size_t n = u.arena_size();
-  const step_result begun = u.begin_step({dtype::bf16, true, dtype::bf16, acc != nullptr, checks, {}});
+  const step_result begun = u.begin_step({dtype::bf16, true, dtype::bf16, acc != nullptr, checks, without});
   if (!begun.applied) return begun;
   for (std::size_t b = 0; b < n; b += range) {
     const std::size_t e = std::min(n, b + range);
@@ -207,17 +208,17 @@ TEST_CASE("stored_optimizer: an aborted or failed chunked step leaves the store 
   require_same_as(reopened, reference, groups);
 }
 
-TEST_CASE("stored_optimizer: chunked steps refuse per-tensor steps and an unknown norm, and count skipped ones") {
+TEST_CASE("stored_optimizer: chunked steps refuse a tensor it has not and an unknown norm, and count skipped ones") {
   const auto groups = mixed_groups();
   const temp_dir dir("stored_chunked_refusals");
   optimizer reference(groups);
   const std::size_t n = reference.arena_size();
   auto stored = stored_optimizer::create(groups, small_store(dir.str()));
   const step_options unchecked_step{1.0f, 0.0, false, -1.0};
-  CHECK_THROWS_WITH(stored.begin_step({dtype::bf16, true, dtype::bf16, false, unchecked_step, {1}}),
-                    Catch::Contains("one step count for all its tensors"));
-  CHECK_THROWS_WITH(stored.check_options({dtype::bf16, true, dtype::bf16, false, unchecked_step, {1}}),
-                    Catch::Contains("one step count for all its tensors"));
+  CHECK_THROWS_WITH(stored.begin_step({dtype::bf16, true, dtype::bf16, false, unchecked_step, {1, 8}}),
+                    Catch::Contains("tensors_without_grad names tensor 8: expected an index below 8"));
+  CHECK_THROWS_WITH(stored.check_options({dtype::bf16, true, dtype::bf16, false, unchecked_step, {8}}),
+                    Catch::Contains("tensors_without_grad names tensor 8"));
   step_options checked; // skip_nonfinite, the norm not known: the gradients have not arrived
   CHECK_THROWS_WITH(stored.begin_step({dtype::bf16, true, dtype::bf16, false, checked, {}}),
                     Catch::Contains("known_grad_norm"));
@@ -554,4 +555,112 @@ TEST_CASE("stored_optimizer: adopt_at_next_step sets masters at the next applied
   chunked_step(reopened, 448, grad3, out, nullptr);
   chunked_step(reference, 448, grad3, out_ram, nullptr);
   require_same_as(reopened, reference, groups);
+}
+
+TEST_CASE("stored_optimizer: per-tensor steps, whole and chunked, give the in-RAM optimizer's bits and counts, "
+          "kept by every commit") {
+  const auto groups = mixed_groups(); // tensors: emb norm empty | attn bias | mlp head proj
+  const temp_dir dir("stored_per_tensor");
+  auto [reference, stored, n] = start_both(groups, dir);
+  struct planned {
+    bool whole;
+    std::vector<std::size_t> without;
+    bool accumulate;
+  };
+  // Tensors of every format without a gradient, one named twice, the empty one; whole steps
+  // (the flat step) and chunked ones over ranges cutting the chunks and the tensors.
+  const planned plan[] = {{false, {}, false},     {false, {1, 5}, true}, {true, {0, 6, 6}, false},
+                          {false, {3, 2}, false}, {true, {}, false},     {true, {5, 7, 4}, false}};
+  std::int64_t t = 0;
+  std::vector<std::int64_t> counts_before_last;
+  for (const planned& p : plan) {
+    INFO("step " << t + 1);
+    counts_before_last = stored.tensor_steps();
+    const auto grad = to_bf16(grad_of(n, ++t));
+    std::vector<float> acc = grad_of(n, 100 + t);
+    std::vector<std::uint16_t> out_stored(n, 0xFFFF), out_ram(n, 0xFFFF);
+    if (p.whole) {
+      const step_result a = stored.step(const_view{grad.data(), n, dtype::bf16}, mut_view{out_stored.data(), n, dtype::bf16},
+                                        step_options{1.0f, 0.0, true, -1.0}, {}, {}, p.without);
+      CHECK(a.applied);
+    } else {
+      CHECK(chunked_step(stored, 160, grad, out_stored, p.accumulate ? &acc : nullptr, {1.0f, 0.0, false, -1.0},
+                         p.without)
+                .applied);
+    }
+    CHECK(chunked_step(reference, n, grad, out_ram, p.accumulate ? &acc : nullptr, {1.0f, 0.0, false, -1.0},
+                       p.without)
+              .applied);
+    for (const segment& seg : reference.segments()) // (the padding is no tensor's)
+      REQUIRE(std::memcmp(out_stored.data() + seg.offset, out_ram.data() + seg.offset, seg.size * 2) == 0);
+    REQUIRE(stored.tensor_steps() == reference.tensor_steps());
+    require_same_as(stored, reference, groups);
+  }
+  const std::vector<std::int64_t> counts = reference.tensor_steps();
+  REQUIRE(counts == std::vector<std::int64_t>{5, 5, 5, 5, 5, 4, 5, 5}); // (6 steps: each tensor missed some)
+  CHECK(counts_before_last != counts);
+  // The streamed export is the in-RAM save's file, per-tensor counts included.
+  const fs::path streamed = dir.path / "streamed.safetensors", in_ram = dir.path / "in_ram.safetensors";
+  stored.save_checkpoint(streamed.string());
+  save_checkpoint(reference, in_ram.string());
+  {
+    std::ifstream a(streamed, std::ios::binary), b(in_ram, std::ios::binary);
+    const std::string sa((std::istreambuf_iterator<char>(a)), {}), sb((std::istreambuf_iterator<char>(b)), {});
+    REQUIRE(sa == sb);
+  }
+  // Reopened: the counts, and the next step's bits.
+  stored.close();
+  {
+    auto reopened = stored_optimizer::open(groups, small_store(dir.str()));
+    CHECK(reopened.recovery().empty());
+    REQUIRE(reopened.tensor_steps() == counts);
+    const auto grad = to_bf16(grad_of(n, 50));
+    std::vector<std::uint16_t> out_stored(n), out_ram(n);
+    optimizer next(groups);
+    reopened.copy_state_to(next);
+    REQUIRE(next.tensor_steps() == counts);
+    chunked_step(reopened, 96, grad, out_stored, nullptr, {1.0f, 0.0, false, -1.0}, {0});
+    chunked_step(next, n, grad, out_ram, nullptr, {1.0f, 0.0, false, -1.0}, {0});
+    REQUIRE(reopened.tensor_steps() == next.tensor_steps());
+    require_same_as(reopened, next, groups);
+  }
+  {
+    auto previous = stored_optimizer::open_previous(groups, small_store(dir.str()));
+    REQUIRE(previous.tensor_steps() == counts); // (the step before the last: the 7th step undone)
+  }
+  // An import keeps the in-RAM optimizer's counts.
+  const temp_dir imported_dir("stored_per_tensor_import");
+  {
+    auto imported = stored_optimizer::create(reference, groups, small_store(imported_dir.str()));
+    REQUIRE(imported.tensor_steps() == counts);
+    imported.close();
+    REQUIRE(stored_optimizer::open(groups, small_store(imported_dir.str())).tensor_steps() == counts);
+  }
+  // The counts' record unreadable (both places corrupt): open refuses, naming it, rather than
+  // step with other bias corrections.
+  const fs::path record = imported_dir.path / "tensor_steps";
+  REQUIRE(fs::exists(record));
+  flip_bit(record, 40);
+  flip_bit(record, fs::file_size(record) / 2 + 40);
+  CHECK_THROWS_WITH(stored_optimizer::open(groups, small_store(imported_dir.str())),
+                    Catch::Contains("own step counts cannot be read") && Catch::Contains("tensor_steps") &&
+                        Catch::Contains("corrupt"));
+}
+
+TEST_CASE("stored_optimizer: a store of a shard refuses per-tensor steps, whole and chunked, changing nothing") {
+  const auto groups = mixed_groups();
+  const temp_dir dir("stored_per_tensor_shard");
+  state_store_options o = small_store(dir.str());
+  o.range = shard_of(groups, 2, 0);
+  auto stored = stored_optimizer::create(groups, o);
+  const std::size_t n = stored.arena_size();
+  const std::vector<float> grad = grad_of(n, 1);
+  const std::vector<std::size_t> without{1};
+  CHECK_THROWS_WITH(stored.step(const_view{grad.data(), n, dtype::f32}, {}, step_options{1.0f, 0.0, false, -1.0}, {},
+                                {}, without),
+                    Catch::Contains("holds a range of the arena (a shard)"));
+  CHECK_THROWS_WITH(stored.begin_step({dtype::f32, false, dtype::f32, false, {1.0f, 0.0, false, -1.0}, without}),
+                    Catch::Contains("holds a range of the arena (a shard)"));
+  CHECK(stored.step_count() == 0);
+  CHECK(stored.step(const_view{grad.data(), n, dtype::f32}).applied);
 }

@@ -10,7 +10,9 @@
 // It is a chunk_updater: an offload_pipeline drives it as it drives the in-RAM optimizer,
 // gradients in and parameters out a chunk at a time around the streamed step.
 //
-// Not yet here (see docs/design.md): per-tensor steps (every tensor steps each time).
+// Per-tensor steps, as the in-RAM optimizer's: a tensor named without a gradient in a step
+// keeps its parameters, moments and own step count (torch's per-parameter "step"), and each
+// commit keeps the tensors' counts.
 
 #include <cstddef>
 #include <cstdint>
@@ -112,8 +114,12 @@ public:
   /// (float32, arena_size() elements; read nowhere else): a front adopting parameters its
   /// user wrote since the last step, as the in-RAM optimizer's parameters are its masters.
   /// Committed with the step; a skipped step adopts nothing (adopt again at the next).
+  /// `tensors_without_grad` (indices into segments(); a store of the whole layout) had no
+  /// gradient in this step, as torch skips a parameter whose .grad is None: their elements
+  /// of flat_grad are never read, their parameters, moments and own step count stay, and
+  /// flat_out gets their parameters unchanged.
   step_result step(const_view flat_grad, mut_view flat_out, const step_options& options, const_view flat_params,
-                   std::span<const arena_range> adopt);
+                   std::span<const arena_range> adopt, std::span<const std::size_t> tensors_without_grad = {});
   /// Sets the master parameters of the flat ranges `adopt` (sorted, disjoint) to `values`
   /// (the ranges' elements one after the other) at the next applied step, whole or chunked
   /// (an offload pipeline's), as it reads each chunk and before it updates it: a front
@@ -128,6 +134,9 @@ public:
 
   std::int64_t step_count() const override;
   std::int64_t skipped_steps() const;
+  /// Each tensor's own step count, in segments() order (optimizer::tensor_steps): the applied
+  /// steps that gave it a gradient. The bias correction of its next step uses its own count.
+  std::vector<std::int64_t> tensor_steps() const;
   /// Elements of a flat gradient or copy-out: the range held (padding included).
   std::size_t arena_size() const override;
   /// The part of the layout held: [0, arena_end) unless options.range named a shard.
@@ -212,8 +221,8 @@ public:
   void check_options(const chunk_step_options& options) const override;
   /// Decides the step as step() does (a check that needs the gradients' norm needs
   /// options.checks.known_grad_norm); a skipped one is counted, committed with the next
-  /// applied step. tensors_without_grad is refused (std::invalid_argument): the store keeps
-  /// one step count for all its tensors. Starts reading the first chunks.
+  /// applied step. tensors_without_grad as step() takes them (refused on a store of a
+  /// shard). Starts reading the first chunks.
   step_result begin_step(const chunk_step_options& options) override;
   /// Updates elements [begin, end) (the next range): `grad`, `out` and `accumulator` point at
   /// element begin's. Blocks while the drive reads the chunks it needs. An I/O error or a bad

@@ -122,8 +122,8 @@ def test_refusals_name_the_problem_and_change_nothing(tmp_path):
   with pytest.raises(RuntimeError, match="open elsewhere"):
     hostopt.StoredOptimizer.open(GROUPS, d)
   g = grads_of(stored, 0)
-  with pytest.raises(KeyError, match="emb"):
-    stored.step({k: v for k, v in g.items() if k != "emb"})
+  with pytest.raises(KeyError, match="unknown tensor name.*'embx'"):
+    stored.step({**g, "embx": g["emb"]})
   with pytest.raises(ValueError, match="shape"):
     stored.step({**g, "norm": np.zeros(16, np.float32)})
   with pytest.raises(ValueError, match="flat_grad|grad"):
@@ -205,6 +205,28 @@ def test_previous_goes_back_one_applied_step_for_good(tmp_path):
     stored.step(grads_of(ram, 5))
     ram.step(grads_of(ram, 5))
     same_state(exported(stored), ram)
+
+
+def test_a_tensor_without_a_gradient_keeps_its_state_and_own_count_as_in_ram_and_reopened(tmp_path):
+  ram = hostopt.Optimizer(GROUPS)
+  with hostopt.StoredOptimizer.create(GROUPS, tmp_path, chunk_elements=256, buffers=3, sync=False) as stored:
+    for t, absent in enumerate([(), ("norm", "mlp"), ("emb",), ("head", "attn"), ()]):
+      g = {k: (None if k == "bias" and t == 2 else v) for k, v in grads_of(ram, t).items() if k not in absent}
+      out = np.full(stored.arena_size, np.nan, np.float32)
+      a, b = ram.step(g), stored.step(g, out)
+      assert a.applied and b.applied and a.step == b.step
+      for name in ram.names:  # a tensor without a gradient is copied out as it is
+        _, _, offset, size, _ = stored.segment(name)
+        np.testing.assert_array_equal(out[offset:offset + size], ram.params(name).reshape(-1), err_msg=name)
+    assert stored.tensor_steps == ram.tensor_steps == [4, 4, 4, 4, 4, 4]  # (each missed one step)
+    same_state(exported(stored), ram)
+  with hostopt.StoredOptimizer.open(GROUPS, tmp_path, sync=False) as stored:
+    assert stored.tensor_steps == ram.tensor_steps
+    g = {k: v for k, v in grads_of(ram, 9).items() if k != "head"}
+    ram.step(g)
+    stored.step(g)
+    same_state(exported(stored), ram)
+    assert exported(stored).tensor_steps == ram.tensor_steps == [5, 5, 5, 5, 5, 4]
 
 
 def test_each_step_keeps_its_hyper_parameters_and_open_restores_them(tmp_path):

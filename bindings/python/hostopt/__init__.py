@@ -408,6 +408,13 @@ class Optimizer:
   def step_count(self, value: int) -> None:
     self._core.step_count = _integer(value, "step_count")
 
+  @property
+  def tensor_steps(self) -> List[int]:
+    """Each tensor's own step count, in arena order: the applied steps that gave it a
+    gradient (a step whose mapping lacks a tensor leaves its count, as torch's per-parameter
+    ``step``). Setting :attr:`step_count` sets every one."""
+    return self._core.tensor_steps
+
   def group_config(self, group: int) -> Dict[str, Any]:
     """A group's hyper-parameters as a dict (lr, beta1, beta2, eps, eps_root, weight_decay,
     mode, bias_correction, nesterov, maximize)."""
@@ -569,8 +576,9 @@ class StoredOptimizer:
   one per drive: chunk k goes to dir[k % n] (open names them in the same order).
   hostopt.jax's and hostopt.torch's ``store=`` keep their state in one (their parameters on a
   GPU through the offload pipeline, which drives a store as it drives an Optimizer; also
-  ``hostopt._core.OffloadPipeline``). Not yet: per-tensor steps (every step takes every
-  tensor's gradient).
+  ``hostopt._core.OffloadPipeline``). Per-tensor steps as :class:`Optimizer`'s: a tensor
+  without a gradient in a step keeps its state and its own step count (:attr:`tensor_steps`),
+  which every commit keeps.
 
   ``shard=(world_size, rank)`` (a keyword of create and open only) keeps one rank's shard of
   the layout, each rank its own store: the range ``hostopt._core.shard_of`` gives
@@ -774,16 +782,17 @@ class StoredOptimizer:
     return out
 
   @staticmethod
-  def _flat_of(layout, arrays: Mapping, what: str, held: Optional[Tuple[int, int]] = None) -> Tuple[np.ndarray, str]:
+  def _flat_of(layout, arrays: Mapping, what: str, held: Optional[Tuple[int, int]] = None,
+               missing_ok: bool = False) -> Tuple[np.ndarray, str]:
     """A mapping name -> array of every tensor as one flat array in the arena layout (a copy),
     and its dtype tag. With `held` = [begin, end) (a shard), the flat array of that range:
     only the tensors it overlaps are needed (others may be absent), and only their part in it
-    is copied."""
+    is copied. With `missing_ok`, a tensor may be absent (or None): its elements are zeros."""
     segs = _segments(layout)
     b, e = held if held is not None else (0, layout.arena_size)
     needed = [s for s in segs if held is None or max(s.offset, b) < min(s.offset + s.size, e)]
     missing = [s.name for s in needed if arrays.get(s.name) is None]
-    if missing:
+    if missing and not missing_ok:
       whose = "a stored optimizer steps every tensor" if held is None else f"the tensors of this shard {held}"
       raise KeyError(f"{what}: no array for tensor(s) {missing}: {whose}")
     unknown = set(arrays) - {s.name for s in segs}
@@ -827,11 +836,13 @@ class StoredOptimizer:
   def step(self, grads, out=None, grad_scale: float = 1.0, *, max_grad_norm: float = 0.0,
            skip_nonfinite: Optional[bool] = None, known_grad_norm: Optional[float] = None) -> StepResult:
     """One step, streamed from and back to the drive and committed before it returns, as
-    :meth:`Optimizer.step` (the same arguments and result), except that every tensor needs
-    a gradient: a mapping name -> gradient of every tensor (of a shard: of every tensor it
-    overlaps; copied into one flat array first: pass a flat array to save that copy), or one
-    flat array of arena_size elements.
-    ``out`` (flat) receives the new parameters. A step that raises while streaming (an I/O
+    :meth:`Optimizer.step` (the same arguments and result): a mapping name -> gradient
+    (copied into one flat array first: pass a flat array to save that copy; a missing name
+    or None: that tensor has no gradient, keeps its state and its own step count), or one
+    flat array of arena_size elements. A store of a shard needs the gradient of every tensor
+    it overlaps (its tensors share one step count).
+    ``out`` (flat) receives the new parameters (a tensor without a gradient: its parameters
+    as they are). A step that raises while streaming (an I/O
     error, a bad chunk) leaves the store at the previous step, ``out`` partly written; one
     that raises while committing refuses every later step until the store is reopened. A
     skipped step touches no drive."""
@@ -843,15 +854,22 @@ class StoredOptimizer:
       raise ValueError(f"this store holds a shard {self._range}, and {why}: the decision needs the global gradient "
                        "norm, or each rank would decide alone. Pass known_grad_norm (the ranks' sums of squares, "
                        "all-reduced, square-rooted), or skip_nonfinite=False and no max_grad_norm")
+    without: List[int] = []
     if isinstance(grads, Mapping):
-      g, gt = self._flat_of(self._whole, grads, "grads", self._range if self._sharded else None)
+      g, gt = self._flat_of(self._whole, grads, "grads", self._range if self._sharded else None,
+                            missing_ok=not self._sharded)
+      if not self._sharded:
+        without = [i for i, s in enumerate(self._segments) if grads.get(s.name) is None]
     else:
       g, gt = as_buffer(grads, "grads")
     o, ot = (None, "f32") if out is None else as_buffer(out, "out", writable=True)
     for what, a in (("grads", g), ("out", o)):
       if a is not None and a.ndim != 1:
         raise ValueError(f"{what} has shape {a.shape}: a flat {what} is 1-D, arena_size = {self.arena_size} elements")
-    result = core.step_flat(g, gt, o, ot, *opts)
+    if without:
+      result = core.step_flat_adopting(g, gt, o, ot, *opts, None, [], without)
+    else:
+      result = core.step_flat(g, gt, o, ot, *opts)
     _report_blocks(self, result, "hostopt.StoredOptimizer")
     return result
 
@@ -864,6 +882,12 @@ class StoredOptimizer:
   def skipped_steps(self) -> int:
     """Steps skipped for non-finite gradients (committed with the next applied step)."""
     return self._live().skipped_steps
+
+  @property
+  def tensor_steps(self) -> List[int]:
+    """Each tensor's own step count, in arena order (:attr:`Optimizer.tensor_steps`): the applied
+    steps that gave it a gradient."""
+    return self._live().tensor_steps
 
   @property
   def arena_size(self) -> int:
