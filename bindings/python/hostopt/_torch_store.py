@@ -12,8 +12,9 @@ compares every parameter with what the last step wrote into it (that copy-out is
 one the user wrote since (a loaded checkpoint, an in-place edit, a replaced ``.data``) has
 its values adopted as masters by the step, as the in-RAM optimizer adopts them. A
 parameter whose shape or memory order changed is refused: the layout on the drives is fixed.
-Parameters frozen when the store is made (``requires_grad=False``) are left out of it. The
-store has one step count: every step takes every held parameter's gradient.
+Parameters frozen when the store is made (``requires_grad=False``) are left out of it. A held
+parameter without a gradient keeps its state and its own step count (the store commits each
+one's), as torch skips it.
 
 Offloaded (CUDA parameters, or ``offload="host"``): the held parameters become views of one
 flat device buffer in the store's layout, their gradients are gathered into another, and the
@@ -110,6 +111,8 @@ class TorchStore:
     segs, size = _core.arena_layout(self._spec)
     by_name = {x.name: x for x in (Segment(*s) for s in segs)}
     self._segs = [by_name[name] for name in names]
+    position = {Segment(*x).name: j for j, x in enumerate(segs)}
+    self._seg_index = [position[name] for name in names]  # each held parameter's tensor in the store
     self._size = size
     kinds = {p.dtype for p in self._params}
     self._dtype = next(iter(kinds)) if len(kinds) == 1 else torch.float32  # gradients and copy-out: one dtype per step
@@ -147,7 +150,7 @@ class TorchStore:
       for s, p in zip(self._segs, self._params):
         self._last[s.offset:s.offset + s.size].copy_(flat(p.detach()))
     self._steps = np.zeros(len(self._params), np.float32)  # torch's per-parameter "step", one view each
-    self._shown = False
+    self._shown: set = set()  # the held parameters whose opt.state shows their step
     self._closed = False
     self._show()
 
@@ -243,13 +246,14 @@ class TorchStore:
                        "with resume=True to go on")
 
   def _show(self) -> None:
-    """opt.state[p]["step"] of every held parameter once stepped (views of one count: the store has one)."""
-    count = self._core.step_count
-    self._steps[:] = count
-    if count and not self._shown:
-      for k, p in enumerate(self._params):
+    """opt.state[p]["step"] of every held parameter once it stepped (torch makes a parameter's
+    state at its first gradient): its own count in the store, in a view of one array."""
+    counts = self._core.tensor_steps
+    for k, p in enumerate(self._params):
+      self._steps[k] = counts[self._seg_index[k]]
+      if self._steps[k] and k not in self._shown:
         self._opt.state[p]["step"] = torch.from_numpy(self._steps[k:k + 1]).reshape(())
-      self._shown = True
+        self._shown.add(k)
 
   def _put_params(self) -> None:
     """The store's parameters into each p (rounded to its dtype, as a step's copy-out)."""
@@ -312,11 +316,11 @@ class TorchStore:
     grads = [p.grad for p in self._params]
     if all(g is None for g in grads):
       return None
-    missing = [self._where[k] for k, g in zip(self._index, grads) if g is None]
-    if missing:
-      raise ValueError(f"{missing[0]} has no gradient: with store= every step takes every parameter's gradient "
-                       f"(the state streams through whole; {len(missing)} without one); nothing was stepped")
+    # As torch: a parameter without a gradient keeps its state and its own step count.
+    without = [self._seg_index[i] for i, g in enumerate(grads) if g is None]
     for k, p, g in zip(self._index, self._params, grads):
+      if g is None:
+        continue
       if g.layout != torch.strided:
         raise RuntimeError(f"{self._where[k]} has a sparse gradient ({g.layout}): hostopt.torch does not support "
                            "sparse gradients; nothing was stepped")
@@ -333,11 +337,13 @@ class TorchStore:
         self._core.set_group_config(j, cfg)
         self._applied[j] = cfg
     if self._device is not None:
-      result = self._offloaded_step(grads, bool(skip), float(norm))
+      result = self._offloaded_step(grads, bool(skip), float(norm), without)
       self._show()
       return result
-    flat_g = torch.empty(self._size, dtype=self._dtype)  # (the padding between tensors is never read)
+    flat_g = torch.empty(self._size, dtype=self._dtype)  # (the padding, and a missing gradient's place, are never read)
     for s, p, g in zip(self._segs, self._params, grads):
+      if g is None:
+        continue
       if g.stride() != p.stride() or not dense_order(g):
         g = torch.empty_like(p).copy_(g)  # the parameter's memory order
       flat_g[s.offset:s.offset + s.size].copy_(flat(g))
@@ -345,15 +351,15 @@ class TorchStore:
     tag = kernel_tag(self._dtype)
     g_view, o_view = as_buffer(flat_g, "grads")[0], as_buffer(out, "out", writable=True)[0]
     written = self._written()
-    if written:  # adopted as masters by the step (the in-RAM optimizer's parameters are its masters)
-      values = np.zeros(self._size, np.float32)
+    if written or without:  # adopted as masters by the step (the in-RAM optimizer's parameters are its masters)
+      values = np.zeros(self._size if written else 0, np.float32)
       adopt = []
       for i in written:
         s, p = self._segs[i], self._params[i]
         values[s.offset:s.offset + s.size] = flat(p.detach()).float().numpy()
         adopt.append((s.offset, s.offset + s.size))
-      result = self._core.step_flat_adopting(g_view, tag, o_view, tag, 1.0, 0.0, bool(skip), float(norm), values,
-                                             sorted(adopt))
+      result = self._core.step_flat_adopting(g_view, tag, o_view, tag, 1.0, 0.0, bool(skip), float(norm),
+                                             values if written else None, sorted(adopt), without)
     else:
       result = self._core.step_flat(g_view, tag, o_view, tag, 1.0, 0.0, bool(skip), float(norm))
     if result.applied:  # (a skipped one wrote nothing: a parameter written meanwhile is adopted at the next)
@@ -363,18 +369,20 @@ class TorchStore:
     self._show()
     return result
 
-  def _offloaded_step(self, grads: list, skip: bool, norm: float) -> Any:
+  def _offloaded_step(self, grads: list, skip: bool, norm: float, without: List[int]) -> Any:
     """One pipeline step from the flat device gradients into the flat device parameters; the
-    values the user wrote since are adopted as masters by the store as the step reads them."""
+    values the user wrote since are adopted as masters by the store as the step reads them.
+    The tensors in `without` (the store's indices) have no gradient: never read."""
     for view, g in zip(self._grad_views, grads):
-      if g.data_ptr() != view.data_ptr():
+      if g is not None and g.data_ptr() != view.data_ptr():
         view.copy_(g.reshape(-1))  # on the current stream (a non-contiguous one: gathered in order)
     written = self._written()
     if written:
       self._take_written(written)
     stream = self._stream()
     h = self._pipe.step_async(self._dev_grads.data_ptr(), self._tag, self._dev_params.data_ptr(), self._tag,
-                              self._size, grads_stream=stream, skip_nonfinite=skip, known_grad_norm=norm)
+                              self._size, grads_stream=stream, skip_nonfinite=skip, known_grad_norm=norm,
+                              tensors_without_grad=without)
     self._engine.stream_wait_event(stream, h.grads_consumed)
     self._engine.stream_wait_event(stream, h.params_ready)
     before = self._core.step_count
@@ -461,10 +469,13 @@ class TorchStore:
     flat_m, flat_v = (None, None) if compressed else (ram.exp_avg(), ram.exp_avg_sq())
     flat_p = ram.params()
     state: Dict[torch.Tensor, dict] = {}
+    counts = self._core.tensor_steps
     for i, (s, p) in enumerate(zip(self._segs, self._params)):
+      if not counts[self._seg_index[i]]:
+        continue  # (never given a gradient: torch has no state for it)
       fmt = self._formats[self._group_of[i]]
       m, v, scales = self._opt._moment_views(ram, s.name, fmt, p, flat_m, flat_v, s.offset, s.size)
-      st: Dict[str, Any] = {"step": torch.tensor(float(self._core.step_count))}
+      st: Dict[str, Any] = {"step": torch.tensor(float(counts[self._seg_index[i]]))}
       st.update(zip(moment_keys(fmt), (m.clone(), v.clone())))
       if scales is not None:
         st[SCALES] = scales.clone()

@@ -391,8 +391,6 @@ class HostAdam:
       if grads is None and self._acc is None:
         raise ValueError("step(None): nothing accumulated (call accumulate(grads) first, or pass grads)")
       glist: Optional[Sequence[Optional[np.ndarray]]] = self._grads(grads) if grads is not None else None
-      if self._store is not None and glist is not None and self._acc is None:
-        self._refuse_missing(glist)
       self._set_schedules()  # everything that can fail before the accumulator changes
       if self._store is not None and glist is not None and self._acc is not None:
         # The last micro-batch summed into copies: a step that fails (an I/O error) leaves the
@@ -423,16 +421,9 @@ class HostAdam:
       arrays = [a if np.dtype(a.dtype) == d else a.astype(d) for a, d in zip(arrays, self._out_dtypes)]
       return self._treedef.unflatten(arrays)
 
-  def _refuse_missing(self, grads: Sequence[Any]) -> None:
-    """With store=, a step without accumulated micro-batches takes every leaf's gradient."""
-    missing = [n for n, g in zip(self._names, grads) if g is None]
-    if missing:
-      raise ValueError(f"grads{missing[0]} is None: with store= every step takes every leaf's gradient (the "
-                       f"state streams through whole; {len(missing)} leaves without one)")
-
   def _stored_step(self, glist, scale: float, grad_norm: Optional[float]):
-    """One step streamed through the store (every leaf has a gradient, or an accumulated
-    sum); the new params come out into a fresh flat buffer whose slices JAX takes (a
+    """One step streamed through the store (a leaf without a gradient keeps its state and its
+    own step count, as in RAM); the new params come out into a fresh flat buffer whose slices JAX takes (a
     skipped step reads them from the store)."""
     store = cast(_StoredOptimizer, self._store)
     flat = _aligned(store.arena_size, self._copy_out)
@@ -473,8 +464,6 @@ class HostAdam:
     leaves = None if grads is None else self._device_grads(grads)
     if self._store is not None:
       self._store._live()  # a closed store: ValueError, as the host path's step
-      if leaves is not None and not ds.micro_batches:  # (accumulated micro-batches cover every leaf)
-        self._refuse_missing(leaves)
     skip = self._skip_nonfinite
     if skip and self._skip_auto and grad_norm is None and ds.micro_batches and self._max_grad_norm == 0:
       skip = False  # the default check cannot take the norm of host-accumulated micro-batches: unchecked, as asked
@@ -837,7 +826,7 @@ def _doc(decoupled: bool) -> str:
       (:class:`hostopt.StoredOptimizer`): each step streams it through staging buffers and
       commits, so what is on the drives is always a verified checkpoint of the last
       completed step.
-      The same bits as in RAM. Every step takes every leaf's gradient; parameters on a GPU
+      The same bits as in RAM (a leaf without a gradient too); parameters on a GPU
       (or ``offload="host"``) go through the offload pipeline, which streams the store's
       chunks; ``load``/``load_state_dict`` are refused, ``save`` streams
       a checkpoint from the drives, ``state_dict`` and ``optax_state`` export through RAM.
