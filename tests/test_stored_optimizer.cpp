@@ -1083,6 +1083,26 @@ std::vector<float> kill_round_grad(std::size_t n, std::int64_t attempt) {
   return g;
 }
 std::vector<param_group> kill_round_groups(int round) { return round % 2 ? mixed_groups() : f32_groups(); }
+// The tensors without a gradient at attempt i: in rounds with per-tensor steps (half of them),
+// one tensor in two attempts of three, so that most commits keep lags, and lags change.
+std::vector<std::size_t> kill_round_without(int round, std::size_t tensors, std::int64_t attempt) {
+  if (round % 4 < 2 || attempt % 3 == 2) return {};
+  return {std::size_t(attempt * 7 % std::int64_t(tensors))};
+}
+// The in-RAM reference of attempt i: the same per-tensor step as the child's flat one.
+void kill_round_reference_step(optimizer& ram, int round, std::int64_t attempt) {
+  const std::size_t n = ram.arena_size();
+  const std::vector<float> g = kill_round_grad(n, attempt);
+  const std::vector<std::size_t> without = kill_round_without(round, ram.segments().size(), attempt);
+  if (without.empty()) {
+    ram.step(const_view{g.data(), n, dtype::f32}, {}, step_options{});
+    return;
+  }
+  std::vector<const_view> grads;
+  for (const segment& seg : ram.segments()) grads.push_back({g.data() + seg.offset, seg.size, dtype::f32});
+  grads[without[0]] = const_view{};
+  ram.step(grads, {}, step_options{});
+}
 state_store_options kill_round_options(const std::string& dir, int round) {
   state_store_options o;
   o.dirs = {dir};
@@ -1113,7 +1133,8 @@ TEST_CASE("stored_optimizer: the stepping child of the kill -9 test", "[.]") {
       const std::int64_t t = opt.step_count();
       if (::write(fd, &t, sizeof t) != ssize_t(sizeof t)) ::_exit(4);
       const std::vector<float> g = kill_round_grad(n, attempt);
-      opt.step(const_view{g.data(), n, dtype::f32}, {}, step_options{});
+      opt.step(const_view{g.data(), n, dtype::f32}, {}, step_options{}, {}, {},
+               kill_round_without(round, opt.segments().size(), attempt));
     }
   } catch (...) {
     ::_exit(3);
@@ -1121,8 +1142,9 @@ TEST_CASE("stored_optimizer: the stepping child of the kill -9 test", "[.]") {
 }
 
 TEST_CASE("stored_optimizer: kill -9 at random moments of steps opens at step t or t-1, equal to the in-RAM run") {
-  // 100 kills, half with f32 state and half with every format. Where the kill lands is spread
-  // by random delays; the assertions hold wherever it lands.
+  // 100 kills, half with f32 state and half with every format, half with per-tensor steps
+  // (their lags committed with the steps). Where the kill lands is spread by random delays;
+  // the assertions hold wherever it lands.
 #if defined(HOSTOPT_TEST_EMULATED)
   WARN("not under the emulator: the test starts this program again (chunk_store's kill test runs here)");
   return;
@@ -1169,10 +1191,10 @@ TEST_CASE("stored_optimizer: kill -9 at random moments of steps opens at step t 
       CHECK(last >= -1);
       CHECK((s.step_count() == last || s.step_count() == last + 1)); // (-1: the creation's commit, untold)
       optimizer ram(groups);
-      const std::size_t n = ram.arena_size();
       for (std::int64_t attempt = 0; ram.step_count() < s.step_count(); ++attempt)
-        ram.step(const_view{kill_round_grad(n, attempt).data(), n, dtype::f32}, {}, step_options{});
+        kill_round_reference_step(ram, round, attempt);
       require_same_as(s, ram, groups);
+      REQUIRE(s.tensor_steps() == ram.tensor_steps());
       ++opened;
       steps += s.step_count();
     } catch (const std::runtime_error& e) { // killed before the store's creation committed
