@@ -1406,8 +1406,8 @@ def _doc(mode: str) -> str:
       The in-RAM
       optimizer's bits where the parameters share one dtype (its layout), and its
       ``state_dict`` format (an export through RAM, which the in-RAM optimizer loads).
-      Every step takes every trained parameter's gradient (one step count;
-      parameters frozen when it is made are left out), a fixed ``param_groups`` and fixed
+      A parameter without a gradient keeps its state and its own step count, as in RAM
+      (parameters frozen when it is made are left out). It needs a fixed ``param_groups`` and fixed
       shapes and memory orders: ``overlap``, ``overlap_backward``, DTensors,
       ``add_param_group`` and the ``load_state_dict`` of another state are refused
       (ValueError). CUDA parameters (or ``offload="host"``; one dtype) go through the
