@@ -114,7 +114,8 @@ stored_optimizer stored_optimizer::open_store(std::vector<param_group> groups, c
   if (!uncommitted.empty() && uncommitted.size() < n)
     throw std::runtime_error("the striped store's stripe in " + uncommitted[0] + " holds no committed step while "
                              "others do: its creation was interrupted (or the directory is not this store's). "
-                             "Remove the store files (chunks, commit, lock, hyperparameters) in every directory and create it again");
+                             "Remove the store files (chunks, commit, lock, hyperparameters, tensor_steps) in every directory and create it "
+                             "again");
   for (std::size_t i = 0; i < n; ++i) {
     const std::string& dir = options.dirs[i];
     heads.push_back(drive::chunk_store::peek(dir));
@@ -232,6 +233,25 @@ stored_optimizer stored_optimizer::open_store(std::vector<param_group> groups, c
                                "commits at commit " + std::to_string(target) + " (optimizer steps " +
                                std::to_string(at[0][w_count]) + " and " + std::to_string(at[i][w_count]) +
                                "): not one optimizer's stripes");
+  // The tensors' own counts of that commit: one that kept them must give them back (its
+  // steps' bias corrections depend on them), else open is refused, before any stripe lets go
+  // of a later commit (nothing is lost: the file put back, the store opens as it was).
+  if (at[0].size() > w_tensor_steps && at[0][w_tensor_steps] == 1) {
+    std::string problem;
+    auto lags = read_tensor_lags(options.dirs[0], target, at[0][w_commit_id], s->lag.size(),
+                                 std::int64_t(at[0][w_count]), problem);
+    if (!lags) {
+      const std::string why = "the tensors' own step counts of step " + std::to_string(at[0][w_count]) +
+                              " cannot be read (" + problem + ")";
+      if (previous)
+        throw std::runtime_error("stored_optimizer::open_previous: cannot go back from step_count " +
+                                 std::to_string(last_count) + ": " + why + "; nothing was rolled back");
+      throw std::runtime_error("the store in " + options.dirs[0] + " stands at step " +
+                               std::to_string(at[0][w_count]) + ", and " + why +
+                               ": open_previous opens the step before, if its counts can be read");
+    }
+    s->lag = std::move(*lags);
+  }
   // Then each stripe ahead lets go of its later commit. (Killed between the erasures, the
   // stripes hold t - 1 and t: open brings all to t - 1.)
   for (std::size_t i = 0; i < n; ++i) {
@@ -265,18 +285,6 @@ stored_optimizer stored_optimizer::open_store(std::vector<param_group> groups, c
     if (!saved && problem.empty())
       problem = "the file " + (std::filesystem::path(s->first_dir) / "hyperparameters").string() +
                 " that this store keeps them in is missing";
-  }
-  // The tensors' own counts: a commit that kept them must give them back (its steps' bias
-  // corrections depend on them), else open is refused.
-  if (committed.size() > w_tensor_steps && committed[w_tensor_steps] == 1) {
-    std::string lag_problem;
-    auto lags = read_tensor_lags(s->first_dir, s->stores[0]->committed_step(), committed[w_commit_id],
-                                 s->lag.size(), s->count, lag_problem);
-    if (!lags)
-      throw std::runtime_error("the store in " + s->first_dir + " opened at step " + std::to_string(s->count) +
-                               ", whose tensors' own step counts cannot be read (" + lag_problem +
-                               "): open_previous opens the step before, if its counts can be read");
-    s->lag = std::move(*lags);
   }
   if (saved) s->configs = std::move(*saved);
   else if (!problem.empty())

@@ -610,6 +610,7 @@ TEST_CASE("stored_optimizer: per-tensor steps, whole and chunked, give the in-RA
   }
   // Reopened: the counts, and the next step's bits.
   stored.close();
+  std::vector<std::int64_t> last_counts;
   {
     auto reopened = stored_optimizer::open(groups, small_store(dir.str()));
     CHECK(reopened.recovery().empty());
@@ -623,7 +624,18 @@ TEST_CASE("stored_optimizer: per-tensor steps, whole and chunked, give the in-RA
     chunked_step(next, n, grad, out_ram, nullptr, {1.0f, 0.0, false, -1.0}, {0});
     REQUIRE(reopened.tensor_steps() == next.tensor_steps());
     require_same_as(reopened, next, groups);
+    last_counts = next.tensor_steps();
   }
+  // The step before's counts unreadable (its place of the record corrupt: commit 6, the even
+  // place): open_previous refuses before it rolls anything back, and the store still opens at
+  // its last step.
+  const fs::path counts_record = dir.path / "tensor_steps";
+  flip_bit(counts_record, 40);
+  CHECK_THROWS_WITH(stored_optimizer::open_previous(groups, small_store(dir.str())),
+                    Catch::Contains("cannot go back from step_count 7") && Catch::Contains("corrupt") &&
+                        Catch::Contains("nothing was rolled back"));
+  REQUIRE(stored_optimizer::open(groups, small_store(dir.str())).tensor_steps() == last_counts);
+  flip_bit(counts_record, 40); // (mended)
   {
     auto previous = stored_optimizer::open_previous(groups, small_store(dir.str()));
     REQUIRE(previous.tensor_steps() == counts); // (the step before the last: the 7th step undone)
@@ -643,7 +655,7 @@ TEST_CASE("stored_optimizer: per-tensor steps, whole and chunked, give the in-RA
   flip_bit(record, 40);
   flip_bit(record, fs::file_size(record) / 2 + 40);
   CHECK_THROWS_WITH(stored_optimizer::open(groups, small_store(imported_dir.str())),
-                    Catch::Contains("own step counts cannot be read") && Catch::Contains("tensor_steps") &&
+                    Catch::Contains("own step counts of step 6 cannot be read") && Catch::Contains("tensor_steps") &&
                         Catch::Contains("corrupt"));
 }
 

@@ -32,8 +32,9 @@ namespace hostopt {
 struct state_store_options {
   /// Existing directories on local drives with O_DIRECT (not tmpfs), one per drive: the
   /// store's files go there (chunks: 2 x the state in all; commit; lock; in the first,
-  /// hyperparameters). Several stripe the chunks (chunk k in dirs[k % n]); open names them
-  /// as create did, in the same order.
+  /// hyperparameters and, once a tensor's count lags, tensor_steps: copy them all). Several
+  /// stripe the chunks (chunk k in dirs[k % n]); open names them as create did, in the same
+  /// order.
   std::vector<std::string> dirs;
   /// RAM for the staging buffers: buffers x chunk bytes stays within it.
   std::size_t staging_bytes = std::size_t(256) << 20;
