@@ -3,6 +3,8 @@ masks, every moment format, clipping, skipped steps, micro-batches, 16-bit param
 host and through the offload pipeline (offload="host": the pipeline streams the store's
 chunks), resumes where it was from jax.eval_shape's structs, exports through state_dict and
 save, and refuses what it cannot do by name, with nothing changed."""
+import gc
+
 import numpy as np
 import pytest
 
@@ -209,3 +211,20 @@ def test_the_offload_pipeline_streams_the_store_to_the_in_ram_pipelines_bits(tmp
   same(ram.current_params(), resumed.current_params())
   same(ram.step(grads_of(params, 10)), resumed.step(grads_of(params, 10)))
   same_state_dict(ram.state_dict(), resumed.state_dict())
+
+
+@pytest.mark.parametrize("kw", [{}, {"offload": "host"}])
+def test_a_dropped_optimizer_releases_its_store_at_once(tmp_path, kw):
+  # No reference cycle keeps the store (and its lock) after the optimizer is dropped.
+  params = model()
+  gc.disable()
+  try:
+    opt = make(params, tmp_path, **kw)
+    opt.step(grads_of(params, 0))
+    del opt
+    again = make(jax.eval_shape(lambda: params), tmp_path, resume=True, **kw)
+    assert again.step_count == 1
+    again.close()
+  finally:
+    gc.enable()
+

@@ -5,6 +5,7 @@ store's chunks between flat device buffers), its state_dict loads into the in-RA
 a restarted run resumes with the store's parameters, and what it cannot do is refused by
 name, with nothing changed."""
 import copy
+import gc
 import resource
 import signal
 
@@ -489,3 +490,22 @@ def test_offloaded_adopt_params_with_an_empty_parameter(tmp_path):
     empty.grad = torch.zeros(0)
     opt.step()
   assert opt.store.step_count == 2 and opt.store.pending_adoption == 0
+
+
+@pytest.mark.parametrize("kw", [{}, {"offload": "host"}])
+def test_a_dropped_optimizer_releases_its_store_at_once(tmp_path, kw):
+  # No reference cycle keeps the store (and its lock) after the optimizer is dropped: a run
+  # that makes its optimizer again in the same process opens the store, collection or not.
+  m = model(channels_last=False)
+  gc.disable()
+  try:
+    opt = ht.AdamW(m.parameters(), store=tmp_path, store_options=STORE, **kw)
+    backward(m, 0)
+    opt.step()
+    del opt
+    again = ht.AdamW(m.parameters(), store=tmp_path, store_options=RESUMED, resume=True, **kw)
+    assert again.store.step_count == 1
+    again.close()
+  finally:
+    gc.enable()
+

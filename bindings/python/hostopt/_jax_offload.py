@@ -15,6 +15,7 @@ written again, so the step is synchronous with the device. With offload="host", 
 stand in for device arrays through the host engine: the same code, tested without a GPU.
 """
 
+import functools
 from typing import Any, Dict, List, Optional, Sequence
 
 import jax
@@ -55,27 +56,30 @@ class DeviceStep:
     self.shapes = list(shapes)
     self.micro_batches = 0
     self._gathers: Dict[Any, Any] = {}  # (leaves with a gradient, with norm) -> jitted gather, the latest few
-    self._split = jax.jit(self._split_fn)
+    # (Jitted functions that hold no reference to self: a cycle through them would keep the
+    # pipeline, and a store's lock, alive after the optimizer is dropped, until a collection.)
+    pieces = tuple((s.offset, s.size, tuple(shape)) for s, shape in zip(self.leaf_segments, self.shapes))
+    self._split = jax.jit(functools.partial(_split_flat, pieces))
     self._params_flat = None  # the device buffer the pipeline writes, allocated on first use
 
   # --- device-side gather and split ----------------------------------------------------
   def _gather_fn(self, present: tuple, with_norm: bool):
-    order = sorted(range(len(self.leaf_segments)), key=lambda i: self.leaf_segments[i].offset)
-    gdt = self.grad_dtype
+    leaf_segments, n, gdt = self.leaf_segments, self.n, self.grad_dtype  # (no self in the closure)
+    order = sorted(range(len(leaf_segments)), key=lambda i: leaf_segments[i].offset)
 
     def gather(leaves):
       by_leaf = dict(zip(present, leaves))
       parts, pos = [], 0
       for i in order:
-        off, size = self.leaf_segments[i].offset, self.leaf_segments[i].size
+        off, size = leaf_segments[i].offset, leaf_segments[i].size
         if off > pos:
           parts.append(jnp.zeros(off - pos, gdt))  # padding between tensors: never read
         g = by_leaf.get(i)
         parts.append(jnp.zeros(size, gdt) if g is None else g.reshape(-1).astype(gdt))
         pos = off + size
-      if self.n > pos:
-        parts.append(jnp.zeros(self.n - pos, gdt))
-      flat = jnp.concatenate(parts) if parts else jnp.zeros(self.n, gdt)
+      if n > pos:
+        parts.append(jnp.zeros(n - pos, gdt))
+      flat = jnp.concatenate(parts) if parts else jnp.zeros(n, gdt)
       if not with_norm or not leaves:
         return flat, jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32)
       # Per leaf: the binary exponent e of its largest magnitude and the sum of squares of
@@ -95,9 +99,6 @@ class DeviceStep:
       return flat, jnp.stack(peaks), jnp.stack(exps), jnp.stack(sums)
 
     return jax.jit(gather)
-
-  def _split_fn(self, flat):
-    return [flat[s.offset:s.offset + s.size].reshape(shape) for s, shape in zip(self.leaf_segments, self.shapes)]
 
   def gather(self, grads: List[Optional[jax.Array]], with_norm: bool):
     """The gradients (None: no gradient) as one flat device buffer, ready, and their
@@ -183,3 +184,8 @@ class DeviceStep:
     leaves = self._split(params)
     jax.block_until_ready(leaves)  # the next step rewrites the flat buffer they are read from
     return result, leaves
+
+
+def _split_flat(pieces: tuple, flat):
+  """The leaves of a flat buffer: (offset, size, shape) each."""
+  return [flat[offset:offset + size].reshape(shape) for offset, size, shape in pieces]

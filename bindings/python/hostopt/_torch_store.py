@@ -62,7 +62,9 @@ class TorchStore:
   """The store of one hostopt.torch optimizer and the layout of its parameters in it."""
 
   def __init__(self, opt: Any, store, options: dict, resume: bool) -> None:
-    self._opt = opt
+    # A weak reference: the optimizer holds this store, and a cycle would keep the store (and
+    # its lock) open after the optimizer is dropped, until a collection.
+    self._opt = weakref.proxy(opt)
     groups = opt.param_groups
     entries: List[Tuple[int, int, torch.Tensor]] = []  # (group, index over every parameter, p) of those held
     seen = set()
