@@ -334,8 +334,7 @@ step_result stored_optimizer::step(const_view flat_grad, mut_view flat_out, cons
     const char* const kinds[] = {"flat_grad", "flat_out"};
     check_no_overlap(ranges, kinds);
   }
-  std::vector<char> no_grad(s.lag.size(), 0);
-  for (const std::size_t t : without) no_grad[t] = 1;
+  const std::vector<char> no_grad = s.tensor_marks(without);
   s.stat_views.clear();
   for (std::size_t k = 0; k < s.whole_pieces.size(); ++k) { // per tensor: padding is never read, nor a missing gradient
     const update_piece& piece = s.whole_pieces[k];

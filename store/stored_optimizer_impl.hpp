@@ -124,6 +124,12 @@ struct stored_optimizer::impl {
   bool any_lag() const {
     return std::any_of(lag.begin(), lag.end(), [](std::int64_t l) { return l != 0; });
   }
+  // Per layout tensor: 1 where `without` names it (named twice: once).
+  std::vector<char> tensor_marks(std::span<const std::size_t> without) const {
+    std::vector<char> marks(lag.size(), 0);
+    for (const std::size_t t : without) marks[t] = 1;
+    return marks;
+  }
 
   // Elements held, and the first one's layout index: flat buffers index from `base()`.
   std::size_t end() const { return whole.size(); }
@@ -356,8 +362,7 @@ struct stored_optimizer::impl {
   void commit_step(std::span<const std::size_t> without) {
     const std::vector<std::int64_t> before = lag;
     ++count;
-    std::vector<char> none(lag.size(), 0);
-    for (const std::size_t t : without) none[t] = 1; // (named twice: one step without it)
+    const std::vector<char> none = tensor_marks(without);
     for (std::size_t t = 0; t < lag.size(); ++t) lag[t] += none[t];
     try {
       commit();
@@ -377,7 +382,7 @@ struct stored_optimizer::impl {
     reset_group_kernels();
     step_plan pl = step_plan::make(*kernels, configs, count, io, opts, std::forward<NormFn>(norm), group_kernels,
                                    {whole.segments(), lag, whole.piece_tensor(), whole_pieces});
-    if (pl.decision().apply)
+    if (pl.decision().apply && any_lag()) // (otherwise every piece is at its group: reset_pieces)
       for (chunk& c : chunks)
         for (std::size_t k = 0; k < c.pieces.size(); ++k) {
           const std::size_t t = c.layout.piece_tensor()[k];
@@ -388,8 +393,7 @@ struct stored_optimizer::impl {
   // The pieces of a step's tensors without a gradient (`without`): skipped by the kernels,
   // their parameters copied out unchanged.
   void mark_without_grad(std::span<const std::size_t> without) {
-    std::vector<char> none(lag.size(), 0);
-    for (const std::size_t t : without) none[t] = 1;
+    const std::vector<char> none = tensor_marks(without);
     for (chunk& c : chunks)
       for (std::size_t k = 0; k < c.pieces.size(); ++k) c.pieces[k].no_grad = none[c.layout.piece_tensor()[k]];
   }

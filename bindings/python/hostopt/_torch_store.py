@@ -111,10 +111,10 @@ class TorchStore:
     for name, (gi, _, p) in reversed(list(zip(names, entries))):
       self._spec[self._core_group[gi]]["tensors"].append((name, list(p.shape)))
     segs, size = _core.arena_layout(self._spec)
-    by_name = {x.name: x for x in (Segment(*s) for s in segs)}
-    self._segs = [by_name[name] for name in names]
-    position = {Segment(*x).name: j for j, x in enumerate(segs)}
+    arena = [Segment(*s) for s in segs]
+    position = {x.name: j for j, x in enumerate(arena)}
     self._seg_index = [position[name] for name in names]  # each held parameter's tensor in the store
+    self._segs = [arena[j] for j in self._seg_index]
     self._size = size
     kinds = {p.dtype for p in self._params}
     self._dtype = next(iter(kinds)) if len(kinds) == 1 else torch.float32  # gradients and copy-out: one dtype per step
