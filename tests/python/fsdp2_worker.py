@@ -16,6 +16,13 @@ usage: fsdp2_worker.py OUT RANK WORLD PORT MODE
       over the other dimension (its _StridedShard placements), 8-bit moments: 3 steps, a DCP
       save, a fresh model and optimizer loading it, then 2 more steps on both; prints
       "fsdp_tp: {...}": whether the loaded state and the final shards equal bitwise.
+  MODE "store": 8-bit moments in a store per rank (store=OUT/store): first refused where rank 1's
+      directory is a file (what rank 0 made taken back); then 6 steps against the in-RAM
+      optimizer's, DCP's get_state_dict / save / load / set_state_dict of its own state, then
+      rank 1's store put back to step 4 (two behind rank 0's), then to step 5 (one behind, as
+      a kill between the ranks' commits leaves them): resume=True in a fresh model; prints
+      "store: {...}": the refusal, the step resumed at, and whether the shards equal the
+      in-RAM run's at that step and after 4 more.
   MODE "reshard": loads OUT/ckpt-2-hostopt-8bit (saved by 2 ranks) into 3 ranks' fresh model
       and optimizer, and prints "refused: ERROR" where the load is refused; then loads
       OUT/ckpt-2-hostopt-f32 (f32 moments reshard) and trains steps 100-200, rank 0 printing
@@ -75,13 +82,13 @@ def local_loss(model, step: int, rank: int, world: int):
   return torch.nn.functional.mse_loss(model(x), y)
 
 
-def make_optimizer(model, kind: str, moments: str, lr: float = LR):
+def make_optimizer(model, kind: str, moments: str, lr: float = LR, **store):
   decay = [p for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n]
   rest = [p for n, p in model.named_parameters() if not (n.endswith("weight") and "norm" not in n)]
   groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
   if kind == "torch":
     return torch.optim.AdamW(groups, lr=lr)
-  return hostopt.torch.AdamW(groups, lr=lr, moments=moments, threads=1)
+  return hostopt.torch.AdamW(groups, lr=lr, moments=moments, threads=1, **store)
 
 
 def sharded(model):
@@ -159,6 +166,8 @@ def main():
     reshard(out, rank, world)
   elif mode == "fsdp_tp":
     fsdp_with_tensor_parallel(out, rank)
+  elif mode == "store":
+    stored(out, rank, world)
   else:
     experiments = {2: [("torch", "f32"), ("hostopt", "f32"), ("hostopt", "8bit")],
                    3: [("hostopt", "f32"), ("hostopt", "bf16")]}[world]
@@ -310,6 +319,68 @@ def fsdp_with_tensor_parallel(out, rank):
   placements = sorted({str(p.placements) for p in m.parameters()})
   print("fsdp_tp: " + json.dumps({"state": state_equal, "after": same(shards_and_state(m, o), shards_and_state(m2, o2)),
                                   "placements": placements}), flush=True)
+
+
+def stored(out, rank, world):
+  import shutil
+  ref_model = sharded(make_model(0))
+  ref = make_optimizer(ref_model, "hostopt", "8bit")
+  after = {}
+  for step in range(10):
+    train(ref_model, ref, rank, world, step, step + 1)
+    after[step + 1] = [p.to_local().clone() for p in ref_model.parameters()]
+  root = os.path.join(out, "store")
+  os.makedirs(root, exist_ok=True)
+  mine = os.path.join(root, f"rank{rank}-of-{world}")
+  told = {}
+  if rank == 1:  # a file where rank 1's store goes: refused there, so on every rank, rank 0's store taken back
+    open(mine, "w").close()
+  dist.barrier()
+  try:
+    make_optimizer(sharded(make_model(0)), "hostopt", "8bit", store=root)
+  except (OSError, RuntimeError) as e:
+    told["refused"] = f"{type(e).__name__}: {e}"
+  dist.barrier()  # (rank 0 has taken its store back by now)
+  told["left"] = sorted(os.listdir(root))
+  dist.barrier()
+  if rank == 1:
+    os.unlink(mine)
+  model = sharded(make_model(0))
+  opt = make_optimizer(model, "hostopt", "8bit", store=root)
+  same = lambda ps, at: all(torch.equal(bits(p.to_local()), bits(a)) for p, a in zip(ps, after[at]))
+  told["stepped"] = True
+  for step in range(6):
+    train(model, opt, rank, world, step, step + 1)
+    told["stepped"] &= same(model.parameters(), step + 1)
+    if rank == 1 and step + 1 in (4, 5):  # (each step committed: a copy of the store at it)
+      shutil.copytree(mine, os.path.join(out, f"rank1-at-{step + 1}"))
+  msd, osd = get_state_dict(model, opt)
+  told["dtensor_state"] = all(hasattr(v, "to_local") for st in osd["state"].values() for key, v in st.items()
+                              if key != "step")
+  where = os.path.join(out, "ckpt-store")
+  dcp.save({"model": msd, "optim": osd}, checkpoint_id=where)
+  msd, osd = get_state_dict(model, opt)
+  state = {"model": msd, "optim": osd}
+  dcp.load(state, checkpoint_id=where)
+  set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])  # its own: taken
+  opt.close()
+  for back, name in ((4, "apart"), (5, "resumed")):
+    dist.barrier()
+    if rank == 1:
+      shutil.rmtree(mine)
+      shutil.copytree(os.path.join(out, f"rank1-at-{back}"), mine)
+    dist.barrier()
+    model = sharded(make_model(1))  # (another init: only the store carries the state)
+    try:
+      opt = make_optimizer(model, "hostopt", "8bit", store=root, resume=True)
+    except ValueError as e:
+      told[name] = str(e)
+      continue
+    told[name] = opt.store.step_count
+    told["same_at_resume"] = same(model.parameters(), opt.store.step_count)
+    train(model, opt, rank, world, 5, 10)
+    told["same_after"] = same(model.parameters(), 10)
+  print("store: " + json.dumps(told), flush=True)
 
 
 def bits(t):  # (NaN-safe, and -0.0 is not 0.0)

@@ -189,6 +189,25 @@ def test_fsdp2_with_tensor_parallel_8bit_resume_is_exact(tmp_path):
     assert any("Strided" in p for p in told["placements"]), told  # (the case this test is for)
 
 
+def test_store_per_rank_resumes_where_every_rank_committed(tmp_path):
+  """FSDP2 on 2 ranks, 8-bit moments in a store per rank: the steps equal the in-RAM
+  optimizer's bit for bit, DCP saves the store's state as DTensors and loads it back, and a
+  job killed between the ranks' commits (rank 1 one step behind) resumes on both ranks at
+  the step both committed, the shards that step's bits, and steps on to the in-RAM run's bits;
+  ranks two steps apart are refused on both ranks. A store refused on one rank is made on
+  none (the others' taken back)."""
+  ranks = launch(tmp_path, 2, "store")
+  for r, (code, log) in enumerate(ranks):
+    assert code == 0, f"rank {r}:\n{log[-6000:]}"
+    told = json.loads(lines(log, "store: ")[0])
+    assert told["left"] == ["rank1-of-2"], (r, told)  # (rank 1's file: rank 0's store was taken back)
+    assert ("FileExistsError" if r == 1 else "RuntimeError: making the store was refused on rank 1 "
+            "(FileExistsError") in told["refused"], (r, told)
+    assert told["stepped"] and told["dtensor_state"], (r, told)
+    assert "steps [4, 6], more than one step apart" in told["apart"], (r, told)
+    assert told["resumed"] == 5 and told["same_at_resume"] and told["same_after"], (r, told)
+
+
 def one_rank_dtensor():
   """A function making a DTensor sharded over a one-rank mesh of this process (its process
   group made once)."""
@@ -348,3 +367,76 @@ def test_dtensor_edges_on_one_rank():
   after = q.state_dict()["state"][0]
   assert all(torch.equal(after[key].to_local() if hasattr(after[key], "to_local") else torch.as_tensor(after[key]),
                          torch.as_tensor(v)) for key, v in kept.items())
+
+
+def test_dtensor_store_on_one_rank(tmp_path):
+  """store= over a DTensor parameter beside a plain one (one-rank mesh), against the in-RAM
+  optimizer over two plain parameters, for every moment format: the same bits each step (one
+  where the plain parameter has no gradient: its own step count), state_dict's entries as
+  DTensors equal to the in-RAM ones, its own state loaded back and another refused, the
+  rank's store in rank0-of-1, and a resumed optimizer that puts the store's parameters into a
+  new model's shard and steps on to the same bits; add_param_group refused, nothing added."""
+  from torch.distributed.tensor import DTensor
+  dt = one_rank_dtensor()
+  torch.manual_seed(2)
+  w, b = torch.randn(7, 5), torch.randn(40)
+  grads = [(torch.randn(7, 5), torch.randn(40) if k != 2 else None) for k in range(6)]
+
+  def run(opt, our_w, our_b, steps):
+    for g, h in steps:
+      our_w.grad = dt(g) if isinstance(our_w, DTensor) else g.clone()
+      our_b.grad = None if h is None else h.clone()
+      opt.step()
+
+  for moments in ("f32", "bf16", "8bit"):
+    ref_b, ref_w = torch.nn.Parameter(b.clone()), torch.nn.Parameter(w.clone())
+    ref = hostopt.torch.AdamW([ref_b, ref_w], lr=1e-2, moments=moments)
+    our_b, our_w = torch.nn.Parameter(b.clone()), torch.nn.Parameter(dt(w))
+    where = tmp_path / moments
+    where.mkdir()
+    ours = hostopt.torch.AdamW([our_b, our_w], lr=1e-2, moments=moments, store=where)
+    assert (where / "rank0-of-1").is_dir() and ours.store is not None and ours.store.step_count == 0
+    for k in range(4):
+      run(ref, ref_w, ref_b, grads[k:k + 1])
+      run(ours, our_w, our_b, grads[k:k + 1])
+      assert torch.equal(our_w.to_local(), ref_w.detach()) and torch.equal(our_b, ref_b), (moments, k)
+    assert float(ours.state[our_b]["step"]) == 3 and float(ours.state[our_w]["step"]) == 4
+    sd_ref, sd_ours = ref.state_dict(), ours.state_dict()
+    assert sd_ours["state"].keys() == sd_ref["state"].keys()
+    for i, st in sd_ref["state"].items():
+      assert sd_ours["state"][i].keys() - {"moment_shards"} == st.keys(), (moments, i)
+      for key, v in st.items():
+        got = sd_ours["state"][i][key]
+        if i == 1 and key != "step":
+          assert isinstance(got, DTensor), (moments, key)
+          got = got.to_local().reshape(v.shape)
+        assert torch.equal(torch.as_tensor(got), torch.as_tensor(v)), (moments, i, key)
+    assert ours.state[our_w].keys() == {"step"}  # (opt.state itself holds no moments: the store does)
+    ours.load_state_dict(sd_ours)  # its own state (what DCP's set_state_dict hands back): taken
+    other = ours.state_dict()
+    other["state"][0]["exp_avg_sq" if moments == "f32" else "step"] = torch.zeros_like(
+        torch.as_tensor(other["state"][0]["exp_avg_sq" if moments == "f32" else "step"]))
+    with pytest.raises(ValueError, match="the store is the checkpoint"):
+      ours.load_state_dict(other)
+    with pytest.raises(ValueError, match="add_param_group with store="):
+      ours.add_param_group({"params": [torch.nn.Parameter(dt(torch.randn(3)))]})
+    assert len(ours.param_groups) == 1
+    ours.close()
+    # A new model (other values) resumed: the store's parameters, then the same next steps.
+    new_b, new_w = torch.nn.Parameter(torch.zeros(40)), torch.nn.Parameter(dt(torch.zeros(7, 5)))
+    again = hostopt.torch.AdamW([new_b, new_w], lr=1e-2, moments=moments, store=where, resume=True)
+    assert torch.equal(new_w.to_local(), ref_w.detach()) and torch.equal(new_b, ref_b), moments
+    assert float(again.state[new_w]["step"]) == 4
+    run(ref, ref_w, ref_b, grads[4:])
+    run(again, new_w, new_b, grads[4:])
+    assert torch.equal(new_w.to_local(), ref_w.detach()) and torch.equal(new_b, ref_b), moments
+    again.close()
+  # A store that exists is not made again (resume=True continues it), and nothing of it is lost.
+  with pytest.raises(RuntimeError, match="resume=True"):
+    hostopt.torch.AdamW([torch.nn.Parameter(dt(w))], lr=1e-2, store=tmp_path / "f32")
+  assert hostopt.torch.AdamW([torch.nn.Parameter(torch.zeros(40)), torch.nn.Parameter(dt(w))], lr=1e-2,
+                             store=tmp_path / "f32", resume=True).store.step_count == 6
+  # A missing directory is named, and nothing is made.
+  with pytest.raises(FileNotFoundError, match="nowhere"):
+    hostopt.torch.AdamW([torch.nn.Parameter(dt(w))], lr=1e-2, store=tmp_path / "nowhere" / "deeper")
+  assert not (tmp_path / "nowhere").exists()

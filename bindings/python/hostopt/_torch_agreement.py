@@ -71,5 +71,6 @@ class Agreement:
     kind = told_text.split(":", 1)[0]
     error = {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)
     others = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
-    raise error(f"{what} was refused on rank {self.members[refused[0]]}{others} ({told_text}); nothing was "
-                f"{'stepped' if what == 'the step' else 'loaded'} on any rank")
+    done = {"the step": "stepped", "the load": "loaded"}.get(what, "changed")
+    raise error(f"{what} was refused on rank {self.members[refused[0]]}{others} ({told_text}); nothing was {done} "
+                "on any rank")

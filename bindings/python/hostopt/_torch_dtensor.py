@@ -18,13 +18,16 @@ parameter lists, and entries written to opt.state.
 """
 
 import math
+import os
+import shutil
 from typing import Any, Dict, List, Optional
 
 import torch
 
-from . import _moments
+from . import StoredOptimizer, _moments
 from ._torch_agreement import Agreement
 from ._torch_state import SCALES
+from ._torch_store import TorchStore
 
 
 def dtensor_type() -> Optional[type]:
@@ -243,24 +246,32 @@ class LocalShards:
         raise ValueError(f"{where} has a gradient on {c} of the {agreement.size} ranks and none on the others (each "
                          "rank needs its shard's gradient, or none does): nothing was stepped on any rank")
     refusal, plan, sum_sq, stepped = None, None, 0.0, []
+    store = inner._store  # (store=: this rank's store steps; None where no held tensor has a gradient)
     try:  # alike on every rank
       stepped = self._take_params_and_grads(found)
       self._take_written_state()
-      plan = inner._prepare_step()
-      if plan.skip:
+      plan = inner._prepare_step() if store is None else store.prepare(inner._skip_nonfinite)
+      if plan is not None and plan.skip:
         sum_sq = self._local_sum_of_squares(agreement)
     except BaseException as e:
       refusal = e
     if agreement is None:
       if refusal is not None:
         raise refusal
-      assert plan is not None
-      inner._run_step(plan, math.sqrt(sum_sq) if plan.skip else None)
+      self._run(plan, math.sqrt(sum_sq) if plan is not None and plan.skip else None)
       return stepped
     skip, total = agreement.reduce(refusal, [float(plan is not None and plan.skip), sum_sq], "the step").tolist()
-    assert plan is not None  # (reduce raised where any rank refused)
-    inner._run_step(plan._replace(skip=skip > 0), math.sqrt(total) if skip > 0 else None)
+    self._run(None if plan is None else plan._replace(skip=skip > 0), math.sqrt(total) if skip > 0 else None)
     return stepped
+
+  def _run(self, plan, norm: Optional[float]) -> None:
+    """The agreed step on this rank: the in-RAM one, or its store's (nothing where no held
+    tensor has a gradient here)."""
+    inner = self.inner
+    if inner._store is None:
+      inner._run_step(plan, norm)
+    elif plan is not None:
+      inner._stored(inner._store.run(plan, norm))
 
   def _local_sum_of_squares(self, agreement: Optional[Agreement]) -> float:
     """This rank's share of the squared global gradient norm: each local gradient's squared
@@ -352,21 +363,30 @@ class LocalShards:
     old = s.shown.get(key)
     if old is not None and s.sources.get(key) is value:
       return old  # (from_local keeps a view of `value`, not `value`: the source is remembered)
-    s.sources[key] = value
+    shown, viewed = self._as_dtensor(key, value, s)
+    if viewed:
+      s.sources[key] = value
+    else:  # (a copy, made afresh each time: never a stale one)
+      s.sources.pop(key, None)
+    return shown
+
+  def _as_dtensor(self, key: str, value: torch.Tensor, s: _StandIn):
+    """(a stand-in's state tensor as a DTensor laid out as the parameter (8-bit blocks'
+    scales: sharded by rows, padded to the largest shard's count), whether it views `value`)."""
     p = s.param
     with torch.no_grad():
       if key == SCALES:
         shards, rows, placements, _ = _scale_layout(p)
         local = value.reshape(-1, 2)
-        if local.shape[0] < rows:  # padded: a copy, made afresh each time (never a stale one)
+        padded = local.shape[0] < rows
+        if padded:
           local = torch.cat([local, local.new_zeros(rows - local.shape[0], 2)])
-          del s.sources[key]
         return self._cls.from_local(local.reshape(1, rows, 2), p.device_mesh, placements, run_check=False,
-                                    shape=(shards, rows, 2), stride=(rows * 2, 2, 1))
+                                    shape=(shards, rows, 2), stride=(rows * 2, 2, 1)), not padded
       if tuple(value.shape) != tuple(s.local.shape):
-        return value
+        return value, True
       return self._cls.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                  stride=p.stride())
+                                  stride=p.stride()), True
 
   def _check_entry(self, key: str, value, s: _StandIn, where: str) -> None:
     """What can be checked of an outer state entry with no collective (so a refusal on one rank
@@ -515,6 +535,107 @@ class LocalShards:
           inner[key] = value
       s.shown = dict(outer_state.get(s.param) or {})
 
+  # --- store= ----------------------------------------------------------------------------
+  def attach_store(self, store, options: dict, resume: bool) -> None:
+    """store= over DTensor parameters: this rank's local shards (and any plain parameters) in
+    a store of its own, the inner optimizer's, in ``rank{r}-of-{world}`` under each of the
+    store's directories (made by each rank; the directories themselves must exist). The ranks
+    agree, as for a step: made or opened everywhere, or refused everywhere with what any rank
+    made taken back. resume=True opens every rank's store at the same step, the last one every
+    rank committed: a job killed between two ranks' commits has ranks one step apart, and the
+    rank ahead goes back to its previous commit, for good (more than one apart: refused).
+    Each local shard then takes its store's parameters."""
+    import torch.distributed as dist
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    dirs = [os.path.join(d, f"rank{rank}-of-{world}") for d in StoredOptimizer._dirs(store)]
+    agreement = self._agreement()
+    what = "opening the store (resume=True)" if resume else "making the store"
+    made: Optional[TorchStore] = None
+    fresh: List[tuple] = []  # (directory, whether this rank made it, its entries before) when making
+    refusal: Optional[BaseException] = None
+    try:
+      if not resume:
+        for d in dirs:
+          existed = os.path.isdir(d)
+          if not existed:
+            os.mkdir(d)  # (its parent is the user's: a missing one is named, not made)
+          fresh.append((d, not existed, set(os.listdir(d))))
+      made = TorchStore(self.inner, dirs, dict(options), resume)
+    except BaseException as e:
+      refusal = e
+    steps = [0.0] * (agreement.size if agreement is not None else 1)
+    steps[agreement.index if agreement is not None else 0] = float(made.core.step_count) if made is not None else 0.0
+    try:
+      if agreement is not None:
+        counts = [int(c) for c in agreement.reduce(refusal, steps, what).tolist()]
+      elif refusal is not None:
+        raise refusal
+      else:
+        counts = [int(c) for c in steps]
+      assert made is not None  # (reduce raised where any rank refused)
+      if resume and max(counts) > min(counts):  # alike on every rank: told every rank's count
+        if max(counts) - min(counts) > 1:
+          raise ValueError(f"resume=True: the ranks' stores are at steps {sorted(set(counts))}, more than one step "
+                           "apart (a job killed mid-step leaves them at most one apart): they hold no common "
+                           "step; nothing was opened")
+        refusal = None
+        if made.core.step_count > min(counts):
+          try:
+            made.close()
+            made = None
+            self.inner.state.clear()  # (the steps it showed: the previous commit's are shown afresh)
+            made = TorchStore(self.inner, dirs, dict(options), True, previous=True)
+          except BaseException as e:
+            refusal = e
+        if agreement is not None:
+          agreement.reduce(refusal, [], what)
+        elif refusal is not None:
+          raise refusal
+    except BaseException:
+      if made is not None:  # opened or made here, refused elsewhere: taken back
+        made.close()
+      for d, mine, before in fresh:  # (a store made, or half made, by this rank)
+        self._remove_new(d, mine, before)
+      raise
+    self.inner._store = made
+    if resume:
+      with torch.no_grad():
+        for st in self._stand_ins.values():  # each shard takes its store's parameters
+          st.param.to_local().copy_(st.local)
+    self._show_state()
+
+  @staticmethod
+  def _remove_new(d: str, mine: bool, before: set) -> None:
+    """What making a store added to directory `d` (all of it, where this rank made `d`)."""
+    if mine:
+      shutil.rmtree(d, ignore_errors=True)
+      return
+    for name in set(os.listdir(d)) - before:
+      path = os.path.join(d, name)
+      if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+      else:
+        os.unlink(path)
+
+  def exported(self) -> Optional[Dict[Any, dict]]:
+    """With store=: each parameter's state exported from this rank's store, a DTensor
+    parameter's entries as DTensors laid out as opt.state shows them; None without a store."""
+    store = self.inner._store
+    if store is None:
+      return None
+    out: Dict[Any, dict] = {}
+    for q, st in store.export_state().items():
+      s = self._stand_in_of.get(id(q))
+      if s is None:
+        out[q] = st
+        continue
+      shown = {key: self._as_dtensor(key, value, s)[0] if torch.is_tensor(value) and key != "step" else value
+               for key, value in st.items()}
+      if SCALES in shown:
+        shown[SHARDS] = self._box_of(s)
+      out[s.param] = shown
+    return out
+
   # --- state_dict ------------------------------------------------------------------------
   def refresh(self) -> None:
     with self.inner._lock:
@@ -561,8 +682,9 @@ class LocalShards:
         for index, s, st, where in entries:
           if s is not None and SHARDS in local_state[index]:
             self._check_box(local_state[index].pop(SHARDS), s, where)
-        if agreement is not None:
-          before = inner.state_dict()
+        if agreement is not None:  # (a store's load takes only hyper-parameters: those are what it puts back)
+          before = ([{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
+                    if inner._store is not None else inner.state_dict())
         inner.load_state_dict(dict(state_dict, state=local_state), convert_moments=convert_moments)
       except BaseException as e:
         refusal = e
@@ -573,7 +695,11 @@ class LocalShards:
           raise refusal
       except BaseException:
         if refusal is None and before is not None:  # loaded here, refused elsewhere: this rank's state as it was
-          inner.load_state_dict(before)
+          if isinstance(before, list):
+            for g, kept in zip(inner.param_groups, before):
+              g.update(kept)
+          else:
+            inner.load_state_dict(before)
           self._reshow()
         raise
       for og, ig in zip(self._outer.param_groups, inner.param_groups):

@@ -28,7 +28,7 @@ fails midway puts the last completed step back into the device buffer, so parame
 store agree.
 """
 import weakref
-from typing import Any, Dict, List, Optional, Tuple, cast
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, cast
 
 import numpy as np
 import torch
@@ -58,10 +58,22 @@ def _memory_order(p: torch.Tensor) -> Tuple[int, ...]:
   return tuple(d for d in sorted(range(p.dim()), key=lambda d: (-p.stride(d), d)) if p.shape[d] != 1)
 
 
+class StorePlan(NamedTuple):
+  """A step TorchStore.prepare checked: the held parameters' gradients (None: none, the
+  tensor keeps its state), the store's indices of those without, the groups' configs by
+  the store's group, and whether non-finite gradients skip the step."""
+  grads: List[Optional[torch.Tensor]]
+  without: List[int]
+  configs: Dict[int, Any]
+  skip: bool
+
+
 class TorchStore:
   """The store of one hostopt.torch optimizer and the layout of its parameters in it."""
 
-  def __init__(self, opt: Any, store, options: dict, resume: bool) -> None:
+  def __init__(self, opt: Any, store, options: dict, resume: bool, previous: bool = False) -> None:
+    """`previous` (with resume): open at the applied step before the last, for good (the
+    DTensor path's ranks resuming at the step all of them committed)."""
     # A weak reference: the optimizer holds this store, and a cycle would keep the store (and
     # its lock) open after the optimizer is dropped, until a collection.
     self._opt = weakref.proxy(opt)
@@ -128,7 +140,7 @@ class TorchStore:
                                      options.get("chunk_elements", 0), options.get("sync", True),
                                      options.get("io", "auto"))
     if resume:
-      self._core = _core.StoredOptimizer.open(self._spec, dirs, *args, opt._threads, kernel, None, False)
+      self._core = _core.StoredOptimizer.open(self._spec, dirs, *args, opt._threads, kernel, None, previous)
       if self._device is None:
         self._put_params()  # the store's parameters: the last completed step (offloaded: pushed below)
       # The hyper-parameters stay param_groups' (each step gives them to the store): an lr
@@ -302,8 +314,14 @@ class TorchStore:
         out.append(i)
     return out
 
-  def step(self, skip: Optional[bool], grad_norm) -> Optional[Any]:
+  def step(self, skip: Optional[bool]) -> Optional[Any]:
     """One step over every held parameter; None where none has a gradient (as torch)."""
+    plan = self.prepare(skip)
+    return None if plan is None else self.run(plan, None)
+
+  def prepare(self, skip: Optional[bool]) -> Optional[StorePlan]:
+    """Everything a step checks before the store changes: None where no held parameter has a
+    gradient (nothing to step). `skip`: the optimizer's skip_nonfinite (None: its default)."""
     self._check_open("step")
     if self._device is not None and self._stale:  # (their gradients came from no step's parameters)
       raise ValueError("step: the parameters hold no completed step (a step failed, and so did putting the store's "
@@ -333,7 +351,13 @@ class TorchStore:
                for gi, g in enumerate(self._opt.param_groups)}  # lr schedulers take effect here
     if skip is None:  # (as in RAM: checked by default where 8-bit parameters are stepped in place)
       skip = "8bit" in self._formats and self._device is None
-    norm = self._opt._grad_norm() if skip else -1.0
+    return StorePlan(grads, without, configs, bool(skip))
+
+  def run(self, plan: StorePlan, norm: Optional[float]) -> Any:
+    """The step `plan` checked; `norm`: the gradients' global norm where plan.skip (None: this
+    optimizer's, computed here; the DTensor path gives the ranks' agreed one)."""
+    grads, without, configs, skip = plan
+    norm = (self._opt._grad_norm() if norm is None else norm) if skip else -1.0
     for j, cfg in configs.items():
       if self._applied.get(j) != cfg:
         self._core.set_group_config(j, cfg)

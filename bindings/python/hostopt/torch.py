@@ -83,7 +83,8 @@ training, before v is averaged; the warning waits for saturation that lasts).
 DTensor parameters (FSDP2's ``fully_shard``, tensor parallelism): each rank steps its local
 shards (an f32 master in the arena beside each shard, the result copied into the shard each
 step), and ``opt.state`` shows DTensors, so torch.distributed.checkpoint saves and loads the
-state sharded (``_torch_dtensor``; docs/integrations.md, "FSDP2").
+state sharded (``_torch_dtensor``; docs/integrations.md, "FSDP2"). With ``store=``, each
+rank's shards are in a store of its own (docs/drive.md).
 
 ``foreach`` and ``fused`` are accepted for compatibility and change nothing: hostopt's step is
 always one fused pass. ``amsgrad``, ``capturable`` and ``differentiable`` are refused.
@@ -266,10 +267,10 @@ class _HostAdam(torch.optim.Optimizer):
           offload_chunk=offload_chunk, overlap=overlap, moments=moments, rounding_seed=rounding_seed,
           skip_nonfinite=skip_nonfinite))
     if store is not None:
-      if self._shards is not None:
-        raise ValueError("store= with DTensor parameters (FSDP2, tensor parallel): not yet; each rank's shard would "
-                         "need its own store (hostopt.StoredOptimizer's shard=)")
-      self._store = TorchStore(self, store, store_opts, resume)
+      if self._shards is not None:  # each rank's local shards in a store of its own (the inner optimizer's)
+        self._shards.attach_store(store, store_opts, resume)
+      else:
+        self._store = TorchStore(self, store, store_opts, resume)
     self._made = True  # (add_param_group: torch's __init__ adds the first groups before this)
 
   def _refuse_copy(self) -> None:
@@ -343,7 +344,8 @@ class _HostAdam(torch.optim.Optimizer):
       param_group["moments"] = _moment_format(param_group["moments"], "param group moments")
     if "rounding_seed" in param_group:
       param_group["rounding_seed"] = _check_seed(param_group["rounding_seed"], "param group rounding_seed")
-    if self.__dict__.get("_store") is not None:
+    shards = self.__dict__.get("_shards")  # (None while torch's __init__ adds the first groups)
+    if self.__dict__.get("_store") is not None or (shards is not None and shards.inner._store is not None):
       raise ValueError("add_param_group with store=: the layout on the drives is fixed when the store is made; "
                        "nothing was changed")
     if self.__dict__.get("_made") and self._shards is None:
@@ -351,8 +353,7 @@ class _HostAdam(torch.optim.Optimizer):
       self._refuse_dtensors([{"params": [params] if torch.is_tensor(params) else list(params)}])
     super().add_param_group(param_group)
     self._given_groups = list(self.param_groups)  # (see _whole_list)
-    shards = self.__dict__.get("_shards")
-    if shards is not None:  # (None while torch's __init__ adds the first groups)
+    if shards is not None:
       shards.add_group(self.param_groups[-1])
     # Rebuilt, with the state kept, at the next step (_params_changed), after the check that
     # every built parameter's group still stores its format (_check_formats).
@@ -919,6 +920,8 @@ class _HostAdam(torch.optim.Optimizer):
   def store(self) -> Any:
     """With ``store=``, the store (its ``chunks``, ``stripes``, ``io_backend``,
     ``recovery``, ``step_io_bytes``, ``cached_pages``, ``step_count``); else None."""
+    if self._shards is not None:  # (DTensor parameters: this rank's store, held by the inner optimizer)
+      return self._shards.inner.store
     return None if self._store is None else self._store.core
 
   @_serialized
@@ -926,6 +929,8 @@ class _HostAdam(torch.optim.Optimizer):
     """With ``store=``: releases the store (its lock and staging memory; every completed
     step is on the drives already), so another optimizer may open it; later steps raise.
     Without: nothing to release."""
+    if self._shards is not None:
+      self._shards.inner.close()
     if self._store is not None:
       self._store.close()
 
@@ -955,13 +960,16 @@ class _HostAdam(torch.optim.Optimizer):
     if self._shards is not None:
       return self._shards.step()
     if self._store is not None:
-      result = self._store.step(self._skip_nonfinite, None)
-      if result is not None:
-        self.last_step = _merged([result])
-        _report_blocks(self, self.last_step, "hostopt.torch")
+      self._stored(self._store.step(self._skip_nonfinite))
       return None
     plan = self._prepare_step()
     self._run_step(plan, self._grad_norm() if plan.skip else None)
+
+  def _stored(self, result: Any) -> None:
+    """A store's step result (None: nothing had a gradient) as last_step, its blocks reported."""
+    if result is not None:
+      self.last_step = _merged([result])
+      _report_blocks(self, self.last_step, "hostopt.torch")
 
   def _prepare_step(self) -> _StepPlan:
     """Everything a step takes and checks before any parameter or moment changes: the user's
@@ -1136,18 +1144,24 @@ class _HostAdam(torch.optim.Optimizer):
     parameters add their f32 masters as "master_param". The entries are opt.state's, as in
     torch: a parameter that never received a gradient has none."""
     self._drain()
+    exported = None
     if self._shards is not None:
       self._shards.refresh()  # opt.state as DTensors (torch.distributed.checkpoint saves them sharded)
-    if self._store is not None:  # exported (the whole state through RAM once), torch's hooks run on it
+      exported = self._shards.exported()  # (store=: this rank's store's state, as DTensors)
+    elif self._store is not None:
       exported = self._store.export_state()
-      shown = {p: self.state[p] for p in exported}
+    if exported is not None:  # exported (the whole state through RAM once), torch's hooks run on it
+      shown = {p: self.state.get(p) for p in exported}
       try:
         for p, st in exported.items():
           self.state[p] = st
         return super().state_dict()
       finally:
         for p, st in shown.items():
-          self.state[p] = st
+          if st is None:
+            self.state.pop(p, None)
+          else:
+            self.state[p] = st
     sd = super().state_dict()
     sd["state"] = {k: {key: (v.clone() if torch.is_tensor(v) else v) for key, v in st.items()}
                    for k, st in sd["state"].items()}
@@ -1408,9 +1422,11 @@ def _doc(mode: str) -> str:
       ``state_dict`` format (an export through RAM, which the in-RAM optimizer loads).
       A parameter without a gradient keeps its state and its own step count, as in RAM
       (parameters frozen when it is made are left out). It needs a fixed ``param_groups`` and fixed
-      shapes and memory orders: ``overlap``, ``overlap_backward``, DTensors,
+      shapes and memory orders: ``overlap``, ``overlap_backward``,
       ``add_param_group`` and the ``load_state_dict`` of another state are refused
-      (ValueError). CUDA parameters (or ``offload="host"``; one dtype) go through the
+      (ValueError). DTensor parameters (FSDP2): each rank's shards in a store of its own,
+      ``rank{{r}}-of-{{world}}`` under the directory; ``resume=True`` opens every rank's at the
+      last step all of them committed (``state_dict`` shows DTensors). CUDA parameters (or ``offload="host"``; one dtype) go through the
       offload pipeline, which streams the store. Values the user writes into a parameter
       become its master at the next applied step, as in RAM (offloaded: kept through a
       skipped or failed step, in the parameter and in ``state_dict``).
