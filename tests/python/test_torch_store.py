@@ -165,7 +165,7 @@ def test_refusals_name_the_problem_and_change_nothing(tmp_path):
     ht.AdamW(params, store_options={"sync": False})
   with pytest.raises(ValueError, match="resume=True without store="):
     ht.Adam(params, resume=True)
-  with pytest.raises(ValueError, match="store= with overlap= or overlap_backward=: not yet"):
+  with pytest.raises(ValueError, match="store= with overlap=True: not yet"):
     ht.AdamW(params, store=empty, overlap=True)
   with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] is not contiguous: the offloaded"):
     ht.AdamW(params, store=empty, offload="host")  # (a channels_last conv)
@@ -509,3 +509,68 @@ def test_a_dropped_optimizer_releases_its_store_at_once(tmp_path, kw):
   finally:
     gc.enable()
 
+
+
+@pytest.mark.skipif(not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"),
+                    reason="overlap_backward needs post-accumulate-grad hooks (torch >= 2.1)")
+def test_overlap_backward_starts_the_stores_chunks_as_the_backward_completes_them(tmp_path):
+  # overlap_backward=True over a store (offload="host"): each gradient lands in the flat
+  # gradient buffer as the backward completes it and each pipeline chunk gets an event its
+  # copy waits on, as in RAM. Gradients written after the backward (clipping), or chunks the
+  # backward reached in part (a layer frozen for one backward), fall back to the whole stream;
+  # the bits are the in-RAM offloaded optimizer's in every case.
+  off = {"offload": "host", "offload_chunk": 300, "overlap_backward": True}
+  a, b = model(channels_last=False), model(channels_last=False)
+  ram, _ = optimizer(a, **off)
+  stored, _ = optimizer(b, tmp_path, **off)
+  chunks = stored._store._pipe.num_chunks
+  assert chunks >= 4
+  g = torch.Generator().manual_seed(7)
+
+  def step(clip=False, micro=1, freeze=None, set_to_none=True):
+    for m, o in ((a, ram), (b, stored)):
+      o.zero_grad(set_to_none=set_to_none)
+      if freeze is not None:
+        m[freeze].weight.requires_grad_(False)
+    for _ in range(micro):
+      x = torch.randn(4, 3, 6, 6, generator=g)
+      for m in (a, b):
+        m(x).pow(2).mean().backward()
+    for m, o in ((a, ram), (b, stored)):
+      if freeze is not None:
+        m[freeze].weight.requires_grad_(True)
+      if clip:
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+      o.step()
+    same_params(a, b)
+    return stored._store._chunk_events
+
+  assert step() == chunks  # (hooked when the store is made: the first backward reports)
+  base, end = stored._store._dev_grads.data_ptr(), stored._store._dev_grads.data_ptr() + stored._store._size * 4
+  assert all(base <= p.grad.data_ptr() < end for p in b.parameters())  # gradients are views of the flat buffer
+  assert step(micro=2) == chunks  # accumulation: complete again in the last backward
+  assert step(micro=3, set_to_none=False) == chunks
+  assert step(clip=True) == 0  # written after the backward: the whole stream orders the copies
+  assert 0 < step(freeze=3) < chunks  # the last layer gets no gradient in this backward
+  assert step() == chunks
+  for m, o in ((a, ram), (b, stored)):  # create_graph=True: torch's differentiable gradient, gathered by the step
+    o.zero_grad(set_to_none=True)
+    m(torch.ones(2, 3, 6, 6)).pow(2).sum().backward(create_graph=True)
+    o.step()
+  same_params(a, b)
+  assert stored._store._chunk_events == 0
+  same_state_dict(ram.state_dict(), stored.state_dict())
+  # The hooks go with close(), and with a dropped optimizer (no collection needed).
+  hooks = lambda m: sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in m.parameters())
+  assert hooks(b) == 6
+  stored.close()
+  assert hooks(b) == 0
+  gc.disable()
+  try:
+    again = optimizer(b, tmp_path, resume=True, **off)[0]  # (its scheduler dropped)
+    assert hooks(b) == 6
+    del again
+    assert hooks(b) == 0
+  finally:
+    gc.enable()
+  b(torch.ones(1, 3, 6, 6)).sum().backward()  # (no hook left to run)

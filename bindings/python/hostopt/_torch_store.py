@@ -20,7 +20,8 @@ Offloaded (CUDA parameters, or ``offload="host"``): the held parameters become v
 flat device buffer in the store's layout, their gradients are gathered into another, and the
 offload pipeline streams the store's chunks between them (each range it hands the CPU is read
 from the drives, updated, written back; the step commits at its end), as the in-RAM offloaded
-path streams its arena. Writes the user makes through a parameter (its version counter) or a
+path streams its arena (with overlap_backward, each chunk once the backward completed its
+gradients, as in RAM: ChunkEvents). Writes the user makes through a parameter (its version counter) or a
 replaced ``.data`` are adopted as in RAM (the master kept where it rounds to the values): the
 store takes their values as masters at the next applied step, as it reads their chunks
 (adopt_at_next_step), so host RAM holds the written parameters' values only. A step that
@@ -38,6 +39,7 @@ from . import _core, _store_options
 from ._arena import Segment
 from ._arrays import as_buffer
 from ._dtypes import kernel_tag, tag_of
+from ._torch_offload import ChunkEvents, remove_handles
 from ._torch_state import MASTER, SCALES, arena_view, dense_order, flat, moment_keys, rounds_to
 
 _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -46,10 +48,23 @@ _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16:
 def check_options(store, store_options: Optional[dict], resume: bool, overlap: bool, overlap_backward: bool) -> dict:
   """store=, store_options= and resume= checked before torch's __init__ (nothing made yet)."""
   options = _store_options.check(store, store_options, resume)
-  if store is not None and (overlap or overlap_backward):
-    raise ValueError("store= with overlap= or overlap_backward=: not yet; a step over the store waits for its "
-                     "commit (the offload pipeline streams the store, step() returns once it committed)")
+  if store is not None and overlap:
+    raise ValueError("store= with overlap=True: not yet; a step over the store returns once it committed (the "
+                     "offload pipeline streams the store; overlap_backward=True starts its chunks as the backward "
+                     "completes them)")
   return options
+
+
+def _grad_hook(store_ref: Any, i: int):
+  """The post-accumulate-grad hook of held parameter i (overlap_backward): TorchStore._hooked."""
+
+  @torch.no_grad()
+  def hook(p: torch.Tensor) -> None:
+    store = store_ref()
+    if store is not None:
+      store._hooked(i, p)
+
+  return hook
 
 
 def _memory_order(p: torch.Tensor) -> Tuple[int, ...]:
@@ -155,6 +170,10 @@ class TorchStore:
       except RuntimeError as e:
         raise _store_options.exists_hint(e) from None
     self._pipe: Any = None
+    self._chunks: Optional[ChunkEvents] = None  # overlap_backward: the chunks as the backward completes them
+    self._hooks: List[Any] = []  # (their post-accumulate-grad hooks)
+    self._chunk_events = 0  # the last step's chunks that started on the backward's event, not the whole stream
+    weakref.finalize(self, remove_handles, self._hooks)  # (a dropped store's hooks go too)
     if self._device is not None:
       self._offload(opt, resume)
     else:
@@ -215,6 +234,24 @@ class TorchStore:
     if resume:  # the store's parameters, rounded by the pipeline's own copy-out
       self._push()
     self._remember()
+    if opt._overlap_backward:  # as in RAM (_torch_offload): each gradient into the flat buffer as it completes
+      self._chunks = ChunkEvents(self._engine, self._pipe.num_chunks, self._pipe.chunk_elems)
+      self._chunks.cover([(s.offset, s.size) for s in self._segs], list(range(len(self._params))))
+      me = weakref.ref(self)  # (the hooks must not keep the store, and its lock, alive)
+      for i, p in enumerate(self._params):
+        self._hooks.append(p.register_post_accumulate_grad_hook(_grad_hook(me, i)))
+
+  def _hooked(self, i: int, p: torch.Tensor) -> None:
+    """Held parameter i's gradient is complete in a backward: moved into the flat gradient
+    buffer (later backwards accumulate there) and reported, so its chunks may start early."""
+    g, view = p.grad, self._grad_views[i]
+    if self._closed or g is None or g.is_sparse or g.requires_grad or g.dtype != p.dtype or \
+        g.device != view.device or tuple(g.shape) != tuple(p.shape):
+      return  # (create_graph=True's differentiable gradient, or one refused at the step: gathered there)
+    if g.data_ptr() != view.data_ptr():
+      view.copy_(g.reshape(-1))  # on the backward's stream
+      p.grad = view.view(p.shape)
+    cast(ChunkEvents, self._chunks).hooked(i, self._stream(), self._dev_grads)
 
   def _push(self) -> None:
     """The store's last completed step into the device buffer (every held parameter)."""
@@ -249,6 +286,8 @@ class TorchStore:
 
   def close(self) -> None:
     self._core.close()
+    remove_handles(self._hooks)
+    self._chunks = None
     self._pipe = None  # (its threads stop; the parameters keep the device buffer)
     if self._device is not None:
       self._pending.clear()  # (lost with the store's, as its docs say)
@@ -335,6 +374,8 @@ class TorchStore:
                        "stepped")
     grads = [p.grad for p in self._params]
     if all(g is None for g in grads):
+      if self._chunks is not None:
+        self._chunks.forget()  # (as in RAM: nothing stepped, a new window)
       return None
     # As torch: a parameter without a gradient keeps its state and its own step count.
     without = [self._seg_index[i] for i, g in enumerate(grads) if g is None]
@@ -406,9 +447,13 @@ class TorchStore:
     if written:
       self._take_written(written)
     stream = self._stream()
+    # Chunks the backward completed (and nobody wrote since) are copied once the device is past
+    # them; the rest wait for the whole stream.
+    events = self._chunks.ready_events(self._dev_grads) if self._chunks is not None else []
+    self._chunk_events = sum(1 for e in events if e)
     h = self._pipe.step_async(self._dev_grads.data_ptr(), self._tag, self._dev_params.data_ptr(), self._tag,
-                              self._size, grads_stream=stream, skip_nonfinite=skip, known_grad_norm=norm,
-                              tensors_without_grad=without)
+                              self._size, grads_stream=stream, chunk_grads_events=events, skip_nonfinite=skip,
+                              known_grad_norm=norm, tensors_without_grad=without)
     self._engine.stream_wait_event(stream, h.grads_consumed)
     self._engine.stream_wait_event(stream, h.params_ready)
     before = self._core.step_count

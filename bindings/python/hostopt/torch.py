@@ -1422,11 +1422,12 @@ def _doc(mode: str) -> str:
       ``state_dict`` format (an export through RAM, which the in-RAM optimizer loads).
       A parameter without a gradient keeps its state and its own step count, as in RAM
       (parameters frozen when it is made are left out). It needs a fixed ``param_groups`` and fixed
-      shapes and memory orders: ``overlap``, ``overlap_backward``,
-      ``add_param_group`` and the ``load_state_dict`` of another state are refused
-      (ValueError). DTensor parameters (FSDP2): each rank's shards in a store of its own,
-      ``rank{{r}}-of-{{world}}`` under the directory; ``resume=True`` opens every rank's at the
-      last step all of them committed (``state_dict`` shows DTensors). CUDA parameters (or ``offload="host"``; one dtype) go through the
+      shapes and memory orders: ``overlap``, ``add_param_group`` and the
+      ``load_state_dict`` of another state are refused (ValueError); ``overlap_backward``
+      (offloaded) starts each chunk as in RAM. DTensor parameters (FSDP2): each rank's
+      shards in a store of its own, ``rank{{r}}-of-{{world}}`` under the directory;
+      ``resume=True`` opens every rank's at the last step all of them committed
+      (``state_dict`` shows DTensors). CUDA parameters (or ``offload="host"``; one dtype) go through the
       offload pipeline, which streams the store. Values the user writes into a parameter
       become its master at the next applied step, as in RAM (offloaded: kept through a
       skipped or failed step, in the parameter and in ``state_dict``).
