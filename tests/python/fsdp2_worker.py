@@ -380,7 +380,80 @@ def stored(out, rank, world):
     told["same_at_resume"] = same(model.parameters(), opt.store.step_count)
     train(model, opt, rank, world, 5, 10)
     told["same_after"] = same(model.parameters(), 10)
+    opt.close()
+  told.update(stored_faults(out, rank, world))
   print("store: " + json.dumps(told), flush=True)
+
+
+def stored_faults(out, rank, world):
+  """A DTensor beside a plain parameter, in a store per rank: a step where only rank 0 has a
+  gradient (its plain one) is refused on every rank; a step that fails on rank 1's drive after
+  the ranks agreed is told to rank 0 (which committed it) and later steps are refused on both;
+  the resume then opens both at the step both committed, and a refused resume leaves the plain
+  parameter as it was."""
+  import shutil
+  from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
+  mesh = init_device_mesh("cpu", (world,))
+  root = os.path.join(out, "faults")
+  os.makedirs(root, exist_ok=True)
+  mine = os.path.join(root, f"rank{rank}-of-{world}")
+  told = {}
+
+  def params():
+    return (torch.nn.Parameter(distribute_tensor(torch.ones(4, 6), mesh, [Shard(0)])),
+            torch.nn.Parameter(torch.full((3,), -7.0)))
+
+  def make(resume=False):
+    a, c = params()
+    return a, c, hostopt.torch.AdamW([a, c], lr=0.1, threads=1, store=root, resume=resume)
+
+  def grads(a, c, a_grad=True, c_grad=True):
+    a.grad = DTensor.from_local(torch.ones(2, 6), mesh, [Shard(0)], run_check=False) if a_grad else None
+    c.grad = torch.ones(3) if c_grad else None
+
+  def attempt(opt, name):
+    try:
+      opt.step()
+      told[name] = "stepped"
+    except (ValueError, RuntimeError) as e:
+      told[name] = f"{type(e).__name__}: {e}"
+
+  a, c, opt = make()
+  grads(a, c)
+  opt.step()
+  grads(a, c, a_grad=False, c_grad=rank == 0)
+  attempt(opt, "one_rank_gradient")
+  told["count_after_refusal"] = opt.store.step_count
+  grads(a, c)
+  opt.step()  # step 2 on both
+  dist.barrier()
+  if rank == 1:
+    shutil.move(mine, mine + ".away")  # rank 1's drive gone: its next step fails after the ranks agreed
+  grads(a, c)
+  attempt(opt, "drive_failed")
+  grads(a, c)
+  attempt(opt, "after_failure")
+  counts = torch.zeros(world)
+  counts[rank] = opt.store.step_count if rank == 0 else 2
+  dist.all_reduce(counts)
+  told["counts_after_failure"] = counts.tolist()
+  opt.close()
+  dist.barrier()
+  a, c = params()
+  try:  # rank 1's store is still away: refused on both, the plain parameter left as it was
+    hostopt.torch.AdamW([a, c], lr=0.1, threads=1, store=root, resume=True)
+  except (ValueError, RuntimeError) as e:
+    told["resume_refused"] = type(e).__name__
+  told["plain_after_refusal"] = c.tolist()
+  dist.barrier()
+  if rank == 1:
+    shutil.move(mine + ".away", mine)
+  dist.barrier()
+  a, c, opt = make(resume=True)
+  told["resumed_faults_at"] = opt.store.step_count
+  told["plain_resumed"] = c.tolist()
+  opt.close()
+  return told
 
 
 def bits(t):  # (NaN-safe, and -0.0 is not 0.0)

@@ -23,6 +23,7 @@ local shards on the CPU, each rank's stepped by hostopt on that rank.
 
 Each rank is given a 120 s gloo timeout: a safety net that turns a hang into a failure, never
 a bound on speed."""
+import gc
 import json
 import math
 import os
@@ -206,6 +207,17 @@ def test_store_per_rank_resumes_where_every_rank_committed(tmp_path):
     assert told["stepped"] and told["dtensor_state"], (r, told)
     assert "steps [4, 6], more than one step apart" in told["apart"], (r, told)
     assert told["resumed"] == 5 and told["same_at_resume"] and told["same_after"], (r, told)
+    # A gradient on rank 0 alone (a plain parameter's): refused on both ranks, nothing committed.
+    assert "hold no parameter with a gradient" in told["one_rank_gradient"], (r, told)
+    assert told["count_after_refusal"] == 1, (r, told)
+    # Rank 1's drive gone after the ranks agreed: both ranks told, later steps refused on both;
+    # rank 0 committed step 3, so the resume opens both at step 2, with the stores' parameters.
+    assert told["drive_failed"].startswith("RuntimeError") and "stepped" not in told["drive_failed"], (r, told)
+    assert "resume=True" in told["after_failure"] and "step a" in told["after_failure"], (r, told)
+    assert told["counts_after_failure"] == [3.0, 2.0], (r, told)
+    assert told["resume_refused"] and told["resumed_faults_at"] == 2, (r, told)
+    assert told["plain_after_refusal"] == [-7.0] * 3, (r, told)  # (a refused resume writes nothing)
+    assert told["plain_resumed"] != [-7.0] * 3, (r, told)  # (the store's values, not the new model's)
 
 
 def one_rank_dtensor():
@@ -436,7 +448,49 @@ def test_dtensor_store_on_one_rank(tmp_path):
     hostopt.torch.AdamW([torch.nn.Parameter(dt(w))], lr=1e-2, store=tmp_path / "f32")
   assert hostopt.torch.AdamW([torch.nn.Parameter(torch.zeros(40)), torch.nn.Parameter(dt(w))], lr=1e-2,
                              store=tmp_path / "f32", resume=True).store.step_count == 6
-  # A missing directory is named, and nothing is made.
+  # A missing directory is named, and nothing is made; so is one named twice.
   with pytest.raises(FileNotFoundError, match="nowhere"):
     hostopt.torch.AdamW([torch.nn.Parameter(dt(w))], lr=1e-2, store=tmp_path / "nowhere" / "deeper")
   assert not (tmp_path / "nowhere").exists()
+  twice = tmp_path / "twice"
+  twice.mkdir()
+  with pytest.raises(ValueError, match="same directory"):
+    hostopt.torch.AdamW([torch.nn.Parameter(dt(w))], lr=1e-2, store=[twice, str(twice) + "/"])
+  assert list(twice.iterdir()) == []
+  # Stores of a job of another world size: named.
+  (tmp_path / "other" / "rank0-of-2").mkdir(parents=True)
+  with pytest.raises(ValueError, match="a job of 2 ranks .*this one has 1"):
+    hostopt.torch.AdamW([torch.nn.Parameter(dt(w))], lr=1e-2, store=tmp_path / "other", resume=True)
+
+
+def test_dtensor_store_refuses_a_changed_layout_and_is_released_when_dropped(tmp_path):
+  """A parameter list changed under a store over DTensors: refused with nothing changed, and
+  the optimizer steps on once the list is put back. A dropped optimizer releases its store at
+  once (no reference cycle: resumed in the same process with the collector off)."""
+  dt = one_rank_dtensor()
+  torch.manual_seed(3)
+  w, v = torch.nn.Parameter(dt(torch.randn(6, 4))), torch.nn.Parameter(dt(torch.randn(8)))
+  opt = hostopt.torch.AdamW([w, v], lr=1e-2, store=tmp_path)
+
+  def step():
+    w.grad, v.grad = dt(torch.randn(6, 4)), dt(torch.randn(8))
+    opt.step()
+
+  step()
+  entry, before = opt.state[v], (w.to_local().clone(), v.to_local().clone())
+  saved = list(opt.param_groups[0]["params"])
+  opt.param_groups[0]["params"] = [w]
+  with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\] changed .*nothing was changed"):
+    step()
+  assert opt.state[v] is entry and torch.equal(w.to_local(), before[0]) and torch.equal(v.to_local(), before[1])
+  opt.param_groups[0]["params"] = saved
+  step()
+  assert opt.store.step_count == 2 and float(opt.state[v]["step"]) == 2
+  gc.disable()
+  try:
+    del opt
+    again = hostopt.torch.AdamW([w, v], lr=1e-2, store=tmp_path, resume=True)
+    assert again.store.step_count == 2
+    again.close()
+  finally:
+    gc.enable()

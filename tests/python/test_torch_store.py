@@ -574,3 +574,18 @@ def test_overlap_backward_starts_the_stores_chunks_as_the_backward_completes_the
   finally:
     gc.enable()
   b(torch.ones(1, 3, 6, 6)).sum().backward()  # (no hook left to run)
+
+
+def test_load_state_dict_of_empty_parameters_state(tmp_path):
+  # Empty parameters (a rank's empty shards): their exported moments may have any strides, and
+  # a copy of the store's own state loads (compared bit for bit), resumed or not.
+  ps = [torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(torch.zeros(0, 4))]
+  opt = ht.AdamW(ps, lr=1e-2, store=tmp_path, store_options=STORE)
+  for p in ps:
+    p.grad = torch.zeros_like(p)
+  opt.step()
+  opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+  opt.close()
+  again = ht.AdamW(ps, lr=1e-2, store=tmp_path, store_options=RESUMED, resume=True)
+  again.load_state_dict(copy.deepcopy(again.state_dict()))
+  assert again.store.step_count == 1

@@ -71,6 +71,7 @@ class Agreement:
     kind = told_text.split(":", 1)[0]
     error = {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)
     others = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
-    done = {"the step": "stepped", "the load": "loaded"}.get(what, "changed")
-    raise error(f"{what} was refused on rank {self.members[refused[0]]}{others} ({told_text}); nothing was {done} "
-                "on any rank")
+    # (the step on the drives: told after the other ranks committed it, so nothing is claimed)
+    done = {"the step": "; nothing was stepped on any rank", "the load": "; nothing was loaded on any rank",
+            "the step on the drives": ""}.get(what, "; nothing was changed on any rank")
+    raise error(f"{what} was refused on rank {self.members[refused[0]]}{others} ({told_text}){done}")

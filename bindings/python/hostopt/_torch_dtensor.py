@@ -17,9 +17,13 @@ parameter's placements first where they differ), the param groups' hyper-paramet
 parameter lists, and entries written to opt.state.
 """
 
+import functools
 import math
 import os
+import re
 import shutil
+import traceback
+import weakref
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -120,6 +124,22 @@ _RESHARD = ("8-bit moments resume only at the world size and sharding they were 
             "(convert_moments=True), save that, and load it here")
 
 
+def _releasing(method):
+  """`method`'s errors leave no reference cycle: the finished frames they passed hold them
+  (the agreement's `refusal` locals), and a cycle would keep the optimizer, and a store's
+  lock, alive after the caller dropped it, until a collection."""
+
+  @functools.wraps(method)
+  def wrapper(self, *args, **kwargs):
+    try:
+      return method(self, *args, **kwargs)
+    except BaseException as e:
+      traceback.clear_frames(e.__traceback__)
+      raise
+
+  return wrapper
+
+
 class _StandIn:
   """One DTensor parameter's stand-in, and its opt.state entries as last shown."""
   __slots__ = ("param", "local", "shown", "box", "sources")
@@ -135,12 +155,15 @@ class LocalShards:
   """The outer optimizer's DTensor parameters, stepped by an inner optimizer over stand-ins."""
 
   def __init__(self, outer, make_inner):
-    self._outer = outer
+    # A weak reference: the outer optimizer holds this, and a cycle would keep the inner's store
+    # (and its lock) open after the optimizer is dropped, until a collection.
+    self._outer = weakref.proxy(outer)
     self._stand_ins: Dict[int, _StandIn] = {}  # id(DTensor parameter) -> its stand-in
     self._stand_in_of: Dict[int, _StandIn] = {}  # id(stand-in) -> it
     self._agreement_of: Optional[Agreement] = None  # over the DTensors' ranks (_agreement)
     self._agreement_key: Any = None  # (their meshes, when it was made)
     self._cls = dtensor_type()
+    self._diverged: Optional[str] = None  # store=: why the ranks' stores may be a step apart (steps refused)
     self.inner = make_inner([self._inner_group(g, f"param_groups[{gi}]") for gi, g in enumerate(outer.param_groups)])
 
   # --- stand-ins ---------------------------------------------------------------------------
@@ -181,6 +204,7 @@ class LocalShards:
       self._outer.state.pop(s.param, None)
 
   # --- the step ----------------------------------------------------------------------------
+  @_releasing
   def step(self) -> None:
     """Every rank checks what it was given, then the ranks agree (Agreement) before anything
     changes: a step refused on any rank is refused on every rank, and a parameter has a
@@ -190,6 +214,8 @@ class LocalShards:
     and on the global gradient norm for the non-finite check, so every rank skips or applies
     the same step. Then each rank steps its shards."""
     outer, inner = self._outer, self.inner
+    if self._diverged is not None:
+      raise RuntimeError(f"step: {self._diverged}")
     with inner._lock:
       inner._drain()
       try:
@@ -260,8 +286,29 @@ class LocalShards:
         raise refusal
       self._run(plan, math.sqrt(sum_sq) if plan is not None and plan.skip else None)
       return stepped
-    skip, total = agreement.reduce(refusal, [float(plan is not None and plan.skip), sum_sq], "the step").tolist()
-    self._run(None if plan is None else plan._replace(skip=skip > 0), math.sqrt(total) if skip > 0 else None)
+    skip, total, planned = agreement.reduce(
+        refusal, [float(plan is not None and plan.skip), sum_sq, float(plan is not None)], "the step").tolist()
+    if store is not None and 0 < planned < agreement.size:  # (alike on every rank: told the count)
+      raise ValueError(f"with store= every rank commits every step, and {agreement.size - int(planned)} of the "
+                       f"{agreement.size} ranks hold no parameter with a gradient in this one (a plain parameter's "
+                       "gradient on some ranks only?): nothing was stepped on any rank")
+    failure = None
+    try:
+      self._run(None if plan is None else plan._replace(skip=skip > 0), math.sqrt(total) if skip > 0 else None)
+    except BaseException as e:
+      if store is None:
+        raise
+      failure = e
+    if store is not None:  # a store's step that failed on one rank (a drive error) is told to every rank
+      try:
+        agreement.reduce(failure, [], "the step on the drives")
+      except BaseException as e:
+        self._diverged = (f"a step failed on {'this rank' if failure is not None else 'another rank'} after the "
+                          f"ranks agreed ({e}), so the ranks' stores may be a step apart: make the optimizer again "
+                          "with resume=True (it opens every rank's store at the step all of them committed)")
+        if failure is not None:
+          raise
+        raise RuntimeError(self._diverged) from None
     return stepped
 
   def _run(self, plan, norm: Optional[float]) -> None:
@@ -301,6 +348,12 @@ class LocalShards:
     if len(outer) != len(inner):
       raise ValueError(f"param_groups has {len(outer)} groups, the optimizer was given {len(inner)}: add groups "
                        "with add_param_group (hostopt steps the local shards of the groups it was given)")
+    if self.inner._store is not None:  # the layout on the drives is fixed: refused before anything changes
+      for gi, (og, ig) in enumerate(zip(outer, inner)):
+        given = [self._stand_ins[id(p)].local if id(p) in self._stand_ins else p for p in og["params"]]
+        if len(given) != len(ig["params"]) or any(a is not b for a, b in zip(given, ig["params"])):
+          raise ValueError(f"param_groups[{gi}]['params'] changed (parameters added, replaced or removed): with "
+                           "store= the layout on the drives is fixed when the store is made; nothing was changed")
     changed = False
     for gi, (og, ig) in enumerate(zip(outer, inner)):
       for key, value in og.items():
@@ -536,6 +589,7 @@ class LocalShards:
       s.shown = dict(outer_state.get(s.param) or {})
 
   # --- store= ----------------------------------------------------------------------------
+  @_releasing
   def attach_store(self, store, options: dict, resume: bool) -> None:
     """store= over DTensor parameters: this rank's local shards (and any plain parameters) in
     a store of its own, the inner optimizer's, in ``rank{r}-of-{world}`` under each of the
@@ -560,7 +614,9 @@ class LocalShards:
           if not existed:
             os.mkdir(d)  # (its parent is the user's: a missing one is named, not made)
           fresh.append((d, not existed, set(os.listdir(d))))
-      made = TorchStore(self.inner, dirs, dict(options), resume)
+      if resume:
+        self._check_world(dirs[0], world)
+      made = TorchStore(self.inner, dirs, dict(options), resume, put=False)
     except BaseException as e:
       refusal = e
     steps = [0.0] * (agreement.size if agreement is not None else 1)
@@ -584,7 +640,7 @@ class LocalShards:
             made.close()
             made = None
             self.inner.state.clear()  # (the steps it showed: the previous commit's are shown afresh)
-            made = TorchStore(self.inner, dirs, dict(options), True, previous=True)
+            made = TorchStore(self.inner, dirs, dict(options), True, previous=True, put=False)
           except BaseException as e:
             refusal = e
         if agreement is not None:
@@ -597,8 +653,10 @@ class LocalShards:
       for d, mine, before in fresh:  # (a store made, or half made, by this rank)
         self._remove_new(d, mine, before)
       raise
+    assert made is not None  # (a rank whose reopening failed raised in the agreement above)
     self.inner._store = made
     if resume:
+      made.put_params()  # (agreed: only now the parameters take the store's)
       with torch.no_grad():
         for st in self._stand_ins.values():  # each shard takes its store's parameters
           st.param.to_local().copy_(st.local)
@@ -606,16 +664,34 @@ class LocalShards:
 
   @staticmethod
   def _remove_new(d: str, mine: bool, before: set) -> None:
-    """What making a store added to directory `d` (all of it, where this rank made `d`)."""
-    if mine:
-      shutil.rmtree(d, ignore_errors=True)
+    """What making a store added to directory `d` (all of it, where this rank made `d`); a
+    failure here never hides the error that called it (a directory named twice: gone already)."""
+    try:
+      if mine:
+        shutil.rmtree(d, ignore_errors=True)
+        return
+      for name in set(os.listdir(d)) - before:
+        path = os.path.join(d, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+          shutil.rmtree(path, ignore_errors=True)
+        else:
+          os.unlink(path)
+    except OSError:
+      pass
+
+  @staticmethod
+  def _check_world(mine: str, world: int) -> None:
+    """resume=True where this rank's store is missing but stores of another world size are
+    beside it: a ValueError saying so (the core's "no store" would not)."""
+    parent = os.path.dirname(mine)
+    if os.path.isdir(mine) or not os.path.isdir(parent):
       return
-    for name in set(os.listdir(d)) - before:
-      path = os.path.join(d, name)
-      if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-      else:
-        os.unlink(path)
+    worlds = sorted({int(m.group(1)) for name in os.listdir(parent)
+                     for m in [re.fullmatch(r"rank\d+-of-(\d+)", name)] if m})
+    if worlds and world not in worlds:
+      raise ValueError(f"resume=True: {parent} holds the stores of a job of {' or '.join(map(str, worlds))} ranks "
+                       f"(rank*-of-N), this one has {world}: a store per rank resumes at the world size it was made "
+                       "with; nothing was opened")
 
   def exported(self) -> Optional[Dict[Any, dict]]:
     """With store=: each parameter's state exported from this rank's store, a DTensor
@@ -643,6 +719,7 @@ class LocalShards:
       self._take_written_state()
       self._show_state()
 
+  @_releasing
   def load_state_dict(self, state_dict: dict, convert_moments: bool) -> None:
     """Loads through the inner optimizer (every check before anything changes), with each
     DTensor entry taken as its local shard. As a step: each rank checks what needs no

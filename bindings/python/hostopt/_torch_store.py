@@ -67,6 +67,12 @@ def _grad_hook(store_ref: Any, i: int):
   return hook
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+  """t's bits as bytes (NaNs and -0.0 compared as bits), whatever its strides (an empty
+  tensor's may be 0)."""
+  return t.reshape(-1).contiguous().view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8)
+
+
 def _memory_order(p: torch.Tensor) -> Tuple[int, ...]:
   """The dimensions of extent > 1 from the outermost in memory to the innermost: what orders
   a dense tensor's elements in memory (a dimension of extent 1 may have any stride)."""
@@ -86,9 +92,11 @@ class StorePlan(NamedTuple):
 class TorchStore:
   """The store of one hostopt.torch optimizer and the layout of its parameters in it."""
 
-  def __init__(self, opt: Any, store, options: dict, resume: bool, previous: bool = False) -> None:
+  def __init__(self, opt: Any, store, options: dict, resume: bool, previous: bool = False, put: bool = True) -> None:
     """`previous` (with resume): open at the applied step before the last, for good (the
-    DTensor path's ranks resuming at the step all of them committed)."""
+    DTensor path's ranks resuming at the step all of them committed). `put` False (with
+    resume): the parameters keep their values until put_params() (the DTensor path's ranks
+    agree first)."""
     # A weak reference: the optimizer holds this store, and a cycle would keep the store (and
     # its lock) open after the optimizer is dropped, until a collection.
     self._opt = weakref.proxy(opt)
@@ -156,7 +164,7 @@ class TorchStore:
                                      options.get("io", "auto"))
     if resume:
       self._core = _core.StoredOptimizer.open(self._spec, dirs, *args, opt._threads, kernel, None, previous)
-      if self._device is None:
+      if self._device is None and put:
         self._put_params()  # the store's parameters: the last completed step (offloaded: pushed below)
       # The hyper-parameters stay param_groups' (each step gives them to the store): an lr
       # scheduler's state, loaded, sets the next lr (the docstring says how), and a scheduler
@@ -175,7 +183,7 @@ class TorchStore:
     self._chunk_events = 0  # the last step's chunks that started on the backward's event, not the whole stream
     weakref.finalize(self, remove_handles, self._hooks)  # (a dropped store's hooks go too)
     if self._device is not None:
-      self._offload(opt, resume)
+      self._offload(opt, resume and put)
     else:
       # What each parameter held after the store last wrote it (the step's copy-out): a
       # parameter that differs from it was written by the user.
@@ -252,6 +260,13 @@ class TorchStore:
       view.copy_(g.reshape(-1))  # on the backward's stream
       p.grad = view.view(p.shape)
     cast(ChunkEvents, self._chunks).hooked(i, self._stream(), self._dev_grads)
+
+  def put_params(self) -> None:
+    """The store's last completed step into the parameters (what resume does unless put=False)."""
+    if self._device is None:
+      self._put_params()
+    else:
+      self._push()
 
   def _push(self) -> None:
     """The store's last completed step into the device buffer (every held parameter)."""
@@ -597,7 +612,6 @@ class TorchStore:
         return False
       for key, x in st.items():
         y = other[key]
-        if not (torch.is_tensor(y) and y.dtype == x.dtype and y.shape == x.shape and
-                torch.equal(y.view(torch.uint8) if y.dim() else y, x.view(torch.uint8) if x.dim() else x)):
+        if not (torch.is_tensor(y) and y.dtype == x.dtype and y.shape == x.shape and torch.equal(_bytes(y), _bytes(x))):
           return False
     return True
