@@ -433,6 +433,11 @@ def stored_faults(out, rank, world):
   attempt(opt, "drive_failed")
   grads(a, c)
   attempt(opt, "after_failure")
+  try:  # (no checkpoint of stores that may be a step apart)
+    opt.state_dict()
+    told["state_dict_after_failure"] = "exported"
+  except RuntimeError as e:
+    told["state_dict_after_failure"] = str(e)
   counts = torch.zeros(world)
   counts[rank] = opt.store.step_count if rank == 0 else 2
   dist.all_reduce(counts)

@@ -215,6 +215,8 @@ def test_store_per_rank_resumes_where_every_rank_committed(tmp_path):
     assert told["drive_failed"].startswith("RuntimeError") and "stepped" not in told["drive_failed"], (r, told)
     assert "resume=True" in told["after_failure"] and "step a" in told["after_failure"], (r, told)
     assert told["counts_after_failure"] == [3.0, 2.0], (r, told)
+    assert told["state_dict_after_failure"].startswith("state_dict: a step failed"), (r, told)
+    assert "close() this optimizer" in told["after_failure"], (r, told)
     assert told["resume_refused"] and told["resumed_faults_at"] == 2, (r, told)
     assert told["plain_after_refusal"] == [-7.0] * 3, (r, told)  # (a refused resume writes nothing)
     assert told["plain_resumed"] != [-7.0] * 3, (r, told)  # (the store's values, not the new model's)
@@ -381,18 +383,20 @@ def test_dtensor_edges_on_one_rank():
                          torch.as_tensor(v)) for key, v in kept.items())
 
 
-def test_dtensor_store_on_one_rank(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dtensor_store_on_one_rank(tmp_path, dtype):
   """store= over a DTensor parameter beside a plain one (one-rank mesh), against the in-RAM
   optimizer over two plain parameters, for every moment format: the same bits each step (one
   where the plain parameter has no gradient: its own step count), state_dict's entries as
   DTensors equal to the in-RAM ones, its own state loaded back and another refused, the
   rank's store in rank0-of-1, and a resumed optimizer that puts the store's parameters into a
-  new model's shard and steps on to the same bits; add_param_group refused, nothing added."""
+  new model's shard and steps on to the same bits (bf16 parameters: with their f32 masters,
+  not re-read from the parameters); add_param_group refused, nothing added."""
   from torch.distributed.tensor import DTensor
   dt = one_rank_dtensor()
   torch.manual_seed(2)
-  w, b = torch.randn(7, 5), torch.randn(40)
-  grads = [(torch.randn(7, 5), torch.randn(40) if k != 2 else None) for k in range(6)]
+  w, b = torch.randn(7, 5).to(dtype), torch.randn(40).to(dtype)
+  grads = [(torch.randn(7, 5).to(dtype), torch.randn(40).to(dtype) if k != 2 else None) for k in range(6)]
 
   def run(opt, our_w, our_b, steps):
     for g, h in steps:
@@ -435,7 +439,7 @@ def test_dtensor_store_on_one_rank(tmp_path):
     assert len(ours.param_groups) == 1
     ours.close()
     # A new model (other values) resumed: the store's parameters, then the same next steps.
-    new_b, new_w = torch.nn.Parameter(torch.zeros(40)), torch.nn.Parameter(dt(torch.zeros(7, 5)))
+    new_b, new_w = torch.nn.Parameter(torch.zeros(40, dtype=dtype)), torch.nn.Parameter(dt(torch.zeros(7, 5, dtype=dtype)))
     again = hostopt.torch.AdamW([new_b, new_w], lr=1e-2, moments=moments, store=where, resume=True)
     assert torch.equal(new_w.to_local(), ref_w.detach()) and torch.equal(new_b, ref_b), moments
     assert float(again.state[new_w]["step"]) == 4
@@ -446,7 +450,7 @@ def test_dtensor_store_on_one_rank(tmp_path):
   # A store that exists is not made again (resume=True continues it), and nothing of it is lost.
   with pytest.raises(RuntimeError, match="resume=True"):
     hostopt.torch.AdamW([torch.nn.Parameter(dt(w))], lr=1e-2, store=tmp_path / "f32")
-  assert hostopt.torch.AdamW([torch.nn.Parameter(torch.zeros(40)), torch.nn.Parameter(dt(w))], lr=1e-2,
+  assert hostopt.torch.AdamW([torch.nn.Parameter(torch.zeros(40, dtype=dtype)), torch.nn.Parameter(dt(w))], lr=1e-2,
                              store=tmp_path / "f32", resume=True).store.step_count == 6
   # A missing directory is named, and nothing is made; so is one named twice.
   with pytest.raises(FileNotFoundError, match="nowhere"):

@@ -304,8 +304,9 @@ class LocalShards:
         agreement.reduce(failure, [], "the step on the drives")
       except BaseException as e:
         self._diverged = (f"a step failed on {'this rank' if failure is not None else 'another rank'} after the "
-                          f"ranks agreed ({e}), so the ranks' stores may be a step apart: make the optimizer again "
-                          "with resume=True (it opens every rank's store at the step all of them committed)")
+                          f"ranks agreed ({e}), so the ranks' stores may be a step apart: close() this optimizer and "
+                          "make it again with resume=True (it opens every rank's store at the step all of them "
+                          "committed)")
         if failure is not None:
           raise
         raise RuntimeError(self._diverged) from None
@@ -615,7 +616,8 @@ class LocalShards:
             os.mkdir(d)  # (its parent is the user's: a missing one is named, not made)
           fresh.append((d, not existed, set(os.listdir(d))))
       if resume:
-        self._check_world(dirs[0], world)
+        for d in dirs:
+          self._check_world(d, world)
       made = TorchStore(self.inner, dirs, dict(options), resume, put=False)
     except BaseException as e:
       refusal = e
@@ -699,6 +701,8 @@ class LocalShards:
     store = self.inner._store
     if store is None:
       return None
+    if self._diverged is not None:  # (the ranks' stores may be at different steps: no consistent checkpoint)
+      raise RuntimeError(f"state_dict: {self._diverged}")
     out: Dict[Any, dict] = {}
     for q, st in store.export_state().items():
       s = self._stand_in_of.get(id(q))

@@ -185,11 +185,7 @@ class TorchStore:
     if self._device is not None:
       self._offload(opt, resume and put)
     else:
-      # What each parameter held after the store last wrote it (the step's copy-out): a
-      # parameter that differs from it was written by the user.
-      self._last = torch.zeros(size, dtype=self._dtype)
-      for s, p in zip(self._segs, self._params):
-        self._last[s.offset:s.offset + s.size].copy_(flat(p.detach()))
+      self._keep_last()
     self._steps = np.zeros(len(self._params), np.float32)  # torch's per-parameter "step", one view each
     self._shown: set = set()  # the held parameters whose opt.state shows their step
     self._closed = False
@@ -265,8 +261,16 @@ class TorchStore:
     """The store's last completed step into the parameters (what resume does unless put=False)."""
     if self._device is None:
       self._put_params()
+      self._keep_last()  # (the store wrote them: not the user's writes, nothing to adopt)
     else:
       self._push()
+
+  def _keep_last(self) -> None:
+    """What each parameter holds now, kept as what the store last wrote into it (the step's
+    copy-out): a parameter that differs from it later was written by the user (CPU path)."""
+    self._last = torch.zeros(self._size, dtype=self._dtype)
+    for s, p in zip(self._segs, self._params):
+      self._last[s.offset:s.offset + s.size].copy_(flat(p.detach()))
 
   def _push(self) -> None:
     """The store's last completed step into the device buffer (every held parameter)."""
