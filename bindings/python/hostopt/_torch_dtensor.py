@@ -604,32 +604,27 @@ class LocalShards:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     dirs = [os.path.join(d, f"rank{rank}-of-{world}") for d in StoredOptimizer._dirs(store)]
     agreement = self._agreement()
+    assert agreement is not None  # (made over DTensor parameters: their mesh's ranks)
     what = "opening the store (resume=True)" if resume else "making the store"
     made: Optional[TorchStore] = None
     fresh: List[tuple] = []  # (directory, whether this rank made it, its entries before) when making
     refusal: Optional[BaseException] = None
     try:
-      if not resume:
-        for d in dirs:
-          existed = os.path.isdir(d)
-          if not existed:
-            os.mkdir(d)  # (its parent is the user's: a missing one is named, not made)
-          fresh.append((d, not existed, set(os.listdir(d))))
-      if resume:
-        for d in dirs:
+      for d in dirs:
+        if resume:
           self._check_world(d, world)
+          continue
+        existed = os.path.isdir(d)
+        if not existed:
+          os.mkdir(d)  # (its parent is the user's: a missing one is named, not made)
+        fresh.append((d, not existed, set(os.listdir(d))))
       made = TorchStore(self.inner, dirs, dict(options), resume, put=False)
     except BaseException as e:
       refusal = e
-    steps = [0.0] * (agreement.size if agreement is not None else 1)
-    steps[agreement.index if agreement is not None else 0] = float(made.core.step_count) if made is not None else 0.0
+    steps = [0.0] * agreement.size  # (each rank's count in its own place: the sum tells every count)
+    steps[agreement.index] = float(made.core.step_count) if made is not None else 0.0
     try:
-      if agreement is not None:
-        counts = [int(c) for c in agreement.reduce(refusal, steps, what).tolist()]
-      elif refusal is not None:
-        raise refusal
-      else:
-        counts = [int(c) for c in steps]
+      counts = [int(c) for c in agreement.reduce(refusal, steps, what).tolist()]
       assert made is not None  # (reduce raised where any rank refused)
       if resume and max(counts) > min(counts):  # alike on every rank: told every rank's count
         if max(counts) - min(counts) > 1:
@@ -645,10 +640,7 @@ class LocalShards:
             made = TorchStore(self.inner, dirs, dict(options), True, previous=True, put=False)
           except BaseException as e:
             refusal = e
-        if agreement is not None:
-          agreement.reduce(refusal, [], what)
-        elif refusal is not None:
-          raise refusal
+        agreement.reduce(refusal, [], what)
     except BaseException:
       if made is not None:  # opened or made here, refused elsewhere: taken back
         made.close()

@@ -123,12 +123,21 @@ def grad_hook(opt_ref, tag: str, k: int):
     layout = None if opt is None or opt._layout is None else opt._layout.get(tag)
     if layout is None or k >= len(layout.tracked) or layout.tracked[k].param is not p:
       return  # an optimizer gone or being rebuilt: the step gathers the gradients itself
-    t, dev, g = layout.tracked[k], layout.dev, p.grad
-    if g is None or g.is_sparse or g.requires_grad or g.dtype != p.dtype or g.device != t.grad_view.device:
-      return  # create_graph=True keeps its differentiable .grad: the step gathers it (no event)
-    if g.data_ptr() != t.grad_view.data_ptr():
-      t.grad_view.copy_(g.reshape(-1))  # on the backward's stream
-      p.grad = t.grad_view.view(p.shape)
-    dev.chunks.hooked(k, opt._stream(), dev.grads)
+    dev = layout.dev
+    take_grad(p, layout.tracked[k].grad_view, dev.chunks, k, opt._stream(), dev.grads)
 
   return hook
+
+
+def take_grad(p: torch.Tensor, view: torch.Tensor, chunks: ChunkEvents, k: int, stream: int,
+              grads: torch.Tensor) -> None:
+  """Parameter p's complete gradient moved into `view`, its place in the flat gradient buffer
+  `grads` (later backwards accumulate there), and reported to `chunks` as tensor k's on
+  `stream` (the in-RAM path's grad_hook and the store's)."""
+  g = p.grad
+  if g is None or g.is_sparse or g.requires_grad or g.dtype != p.dtype or g.device != view.device:
+    return  # create_graph=True keeps its differentiable .grad: the step gathers it (no event)
+  if g.data_ptr() != view.data_ptr():
+    view.copy_(g.reshape(-1))  # on the backward's stream
+    p.grad = view.view(p.shape)
+  chunks.hooked(k, stream, grads)

@@ -39,7 +39,7 @@ from . import _core, _store_options
 from ._arena import Segment
 from ._arrays import as_buffer
 from ._dtypes import kernel_tag, tag_of
-from ._torch_offload import ChunkEvents, remove_handles
+from ._torch_offload import ChunkEvents, remove_handles, take_grad
 from ._torch_state import MASTER, SCALES, arena_view, dense_order, flat, moment_keys, rounds_to
 
 _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -164,8 +164,6 @@ class TorchStore:
                                      options.get("io", "auto"))
     if resume:
       self._core = _core.StoredOptimizer.open(self._spec, dirs, *args, opt._threads, kernel, None, previous)
-      if self._device is None and put:
-        self._put_params()  # the store's parameters: the last completed step (offloaded: pushed below)
       # The hyper-parameters stay param_groups' (each step gives them to the store): an lr
       # scheduler's state, loaded, sets the next lr (the docstring says how), and a scheduler
       # made now takes the constructor's lr as its initial_lr, as in a fresh run.
@@ -183,12 +181,14 @@ class TorchStore:
     self._chunk_events = 0  # the last step's chunks that started on the backward's event, not the whole stream
     weakref.finalize(self, remove_handles, self._hooks)  # (a dropped store's hooks go too)
     if self._device is not None:
-      self._offload(opt, resume and put)
+      self._offload(opt)
     else:
       self._keep_last()
     self._steps = np.zeros(len(self._params), np.float32)  # torch's per-parameter "step", one view each
     self._shown: set = set()  # the held parameters whose opt.state shows their step
     self._closed = False
+    if resume and put:  # the store's parameters: its last completed step
+      self.put_params()
     self._show()
 
   @property
@@ -217,7 +217,7 @@ class TorchStore:
                          "device buffer's layout")
     return device
 
-  def _offload(self, opt: Any, resume: bool) -> None:
+  def _offload(self, opt: Any) -> None:
     """The device side: flat parameter and gradient buffers in the store's layout (each held
     parameter a view of the first), and the pipeline between them and the store."""
     device = cast(torch.device, self._device)
@@ -235,8 +235,6 @@ class TorchStore:
     self._adopt_all = False
     self._pending: Dict[int, torch.Tensor] = {}  # parameter -> its values (f32) the next applied step adopts
     self._stale = False  # the device buffer holds no completed step (a failed step, then a failed push)
-    if resume:  # the store's parameters, rounded by the pipeline's own copy-out
-      self._push()
     self._remember()
     if opt._overlap_backward:  # as in RAM (_torch_offload): each gradient into the flat buffer as it completes
       self._chunks = ChunkEvents(self._engine, self._pipe.num_chunks, self._pipe.chunk_elems)
@@ -248,14 +246,8 @@ class TorchStore:
   def _hooked(self, i: int, p: torch.Tensor) -> None:
     """Held parameter i's gradient is complete in a backward: moved into the flat gradient
     buffer (later backwards accumulate there) and reported, so its chunks may start early."""
-    g, view = p.grad, self._grad_views[i]
-    if self._closed or g is None or g.is_sparse or g.requires_grad or g.dtype != p.dtype or \
-        g.device != view.device or tuple(g.shape) != tuple(p.shape):
-      return  # (create_graph=True's differentiable gradient, or one refused at the step: gathered there)
-    if g.data_ptr() != view.data_ptr():
-      view.copy_(g.reshape(-1))  # on the backward's stream
-      p.grad = view.view(p.shape)
-    cast(ChunkEvents, self._chunks).hooked(i, self._stream(), self._dev_grads)
+    if not self._closed:
+      take_grad(p, self._grad_views[i], cast(ChunkEvents, self._chunks), i, self._stream(), self._dev_grads)
 
   def put_params(self) -> None:
     """The store's last completed step into the parameters (what resume does unless put=False)."""
@@ -263,7 +255,7 @@ class TorchStore:
       self._put_params()
       self._keep_last()  # (the store wrote them: not the user's writes, nothing to adopt)
     else:
-      self._push()
+      self._push()  # (rounded by the pipeline's own copy-out)
 
   def _keep_last(self) -> None:
     """What each parameter holds now, kept as what the store last wrote into it (the step's
