@@ -461,6 +461,9 @@ def test_dtensor_store_on_one_rank(tmp_path, dtype):
   with pytest.raises(ValueError, match="same directory"):
     hostopt.torch.AdamW([torch.nn.Parameter(dt(w))], lr=1e-2, store=[twice, str(twice) + "/"])
   assert list(twice.iterdir()) == []
+  with pytest.raises(ValueError, match="overlap=True over DTensor parameters: not yet"):
+    hostopt.torch.AdamW([torch.nn.Parameter(dt(w))], lr=1e-2, store=twice, overlap=True)
+  assert list(twice.iterdir()) == []
   # Stores of a job of another world size: named.
   (tmp_path / "other" / "rank0-of-2").mkdir(parents=True)
   with pytest.raises(ValueError, match="a job of 2 ranks .*this one has 1"):

@@ -68,3 +68,32 @@ def test_gradients_stream_to_the_host_during_the_backward_and_train_like_torch()
   assert streamed[3] == 0 and 0 < streamed[5] < chunks
   for a, b in zip(ours.parameters(), theirs.parameters()):
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_store_under_cuda_parameters_steps_to_the_in_ram_bits(tmp_path, overlap):
+  # store= with CUDA parameters: the pipeline streams the store's chunks. With overlap, step()
+  # returns before the drives' reads and writes and the commit, the stream waits for the new
+  # parameters, and a write made meanwhile is adopted at the next step, as in RAM.
+  torch.manual_seed(0)
+  ours = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 10)).cuda()
+  theirs = copy.deepcopy(ours)
+  oo = htorch.AdamW(ours.parameters(), lr=1e-3, weight_decay=0.1, offload_chunk=4096, overlap=overlap,
+                    store=tmp_path, store_options={"sync": False, "chunk_elements": 4096})
+  ot = htorch.AdamW(theirs.parameters(), lr=1e-3, weight_decay=0.1, offload_chunk=4096)
+  g = torch.Generator(device="cuda").manual_seed(1)
+  for step in range(12):
+    x = torch.randn(32, 64, device="cuda", generator=g)
+    for m, o in ((ours, oo), (theirs, ot)):
+      o.zero_grad()
+      m(x).pow(2).mean().backward()
+      o.step()
+      if step == 6:
+        with torch.no_grad():
+          m[0].weight.mul_(0.5)
+  oo.state_dict()  # (ends the step in flight)
+  torch.cuda.synchronize()
+  assert oo.store.step_count == 12
+  for a, b in zip(ours.parameters(), theirs.parameters()):
+    assert a.is_cuda and torch.equal(a, b)
+  oo.close()

@@ -165,8 +165,6 @@ def test_refusals_name_the_problem_and_change_nothing(tmp_path):
     ht.AdamW(params, store_options={"sync": False})
   with pytest.raises(ValueError, match="resume=True without store="):
     ht.Adam(params, resume=True)
-  with pytest.raises(ValueError, match="store= with overlap=True: not yet"):
-    ht.AdamW(params, store=empty, overlap=True)
   with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] is not contiguous: the offloaded"):
     ht.AdamW(params, store=empty, offload="host")  # (a channels_last conv)
   with pytest.raises(ValueError, match=r"offloaded with parameters of \['torch.bfloat16', 'torch.float32'\]"):
@@ -574,6 +572,102 @@ def test_overlap_backward_starts_the_stores_chunks_as_the_backward_completes_the
   finally:
     gc.enable()
   b(torch.ones(1, 3, 6, 6)).sum().backward()  # (no hook left to run)
+
+
+def overlapped(opt):
+  """overlap=True over opt's store, on the host engine. It is refused with offload="host" (a
+  user's CPU ops are not ordered on a stream), so it is turned on here after the optimizer is
+  made; the returned call does what a CUDA stream does before the next forward: it waits
+  until the stand-in stream is past the step's "parameters ready"."""
+  store = opt._store
+  store._overlap = True
+  return lambda: store._engine.synchronize_stream(store._engine_stream)
+
+
+def test_overlap_returns_before_the_step_commits_with_the_in_ram_bits(tmp_path):
+  # overlap=True over a store: step() returns with the pipeline's step in flight; its result
+  # (last_step), or its error, comes at the next step, state_dict, load_state_dict or close.
+  # What the user writes into the parameters meanwhile is adopted at the next step, as by the
+  # in-RAM optimizer, which steps synchronously beside it here.
+  off = {"offload": "host", "offload_chunk": 300, "skip_nonfinite": True}
+  a, b = model(channels_last=False), model(channels_last=False)
+  ram, ram_sched = optimizer(a, **off)
+  stored, stored_sched = optimizer(b, tmp_path, **off)
+  device_waits = overlapped(stored)
+  reported = None
+  for t in range(7):
+    for m in (a, b):
+      backward(m, t)
+      with torch.no_grad():
+        if t == 2:
+          m[2].weight.fill_(7.0)  # written, then a skipped step: ends at once (below)
+          m[0].bias.grad[0] = float("nan")
+        if t == 5:
+          m[0].bias.grad[0] = float("nan")  # a skipped step with nothing to adopt: in flight
+    ram.step()
+    stored.step()
+    assert (not stored._store._inflight) == (t == 2)
+    # The step before's, taken by this call (the step that ended at once: its own).
+    assert str(stored.last_step) == str(ram.last_step if t == 2 else reported)
+    reported = ram.last_step
+    ram_sched.step()
+    stored_sched.step()
+    device_waits()
+    same_params(a, b)  # what the next forward reads
+    with torch.no_grad():
+      for m, o in ((a, ram), (b, stored)):  # while the store's step is in flight
+        if t == 0:
+          m[2].weight.clamp_(-0.05, 0.05)
+        if t == 1:
+          m[3].bias.data = torch.full_like(m[3].bias, 0.25)  # a replaced .data, off the device buffer
+        if t == 3:
+          m[3].weight.data.mul_(0.5)
+          o.adopt_params()
+        if t == 5:
+          m[2].weight.fill_(3.0)
+  same_state_dict(ram.state_dict(), stored.state_dict())  # (takes the step in flight)
+  assert str(stored.last_step) == str(ram.last_step) and not stored._store._inflight
+  assert stored.store.step_count == 5 and stored.store.skipped_steps == 2
+  assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+  # A step that fails midway: step() returns, the error comes with the next call, and the
+  # parameters are the store's last completed step again.
+  before = [p.detach().clone() for p in b.parameters()]
+  backward(b, 7)
+  handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+  limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+  resource.setrlimit(resource.RLIMIT_FSIZE, (40 << 10, limits[1]))
+  try:
+    stored.step()
+    assert stored._store._inflight
+    with pytest.raises(RuntimeError, match="put back to the store's last completed step .step 5.: nothing of this"):
+      stored.state_dict()
+  finally:
+    resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    signal.signal(signal.SIGXFSZ, handler)
+  for p, q in zip(before, b.parameters()):
+    assert torch.equal(p, q.detach())
+  # Steps on; close() ends the step in flight, which the resumed store holds.
+  for m in (a, b):
+    backward(m, 7)
+  ram.step()
+  stored.step()
+  stored.close()
+  assert not stored._store._inflight
+  resumed = optimizer(b, tmp_path, resume=True, **off)[0]  # (its scheduler dropped)
+  assert resumed.store.step_count == 6
+  same_params(a, b)
+  # A dropped optimizer with a step in flight releases its store, without a collection.
+  overlapped(resumed)
+  backward(b, 8)
+  gc.disable()
+  try:
+    resumed.step()
+    del resumed
+    again = optimizer(b, tmp_path, resume=True, **off)[0]
+    assert again.store.step_count == 7
+  finally:
+    gc.enable()
 
 
 def test_load_state_dict_of_empty_parameters_state(tmp_path):

@@ -26,10 +26,13 @@ replaced ``.data`` are adopted as in RAM (the master kept where it rounds to the
 store takes their values as masters at the next applied step, as it reads their chunks
 (adopt_at_next_step), so host RAM holds the written parameters' values only. A step that
 fails midway puts the last completed step back into the device buffer, so parameters and
-store agree.
+store agree. With overlap (CUDA), step() returns with the pipeline's step in flight and
+finish() (at the next step, state_dict, load_state_dict or close) takes its result or error;
+what the user writes into a parameter meanwhile stays written, for the next step to adopt.
 """
+import math
 import weakref
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple, cast
+from typing import AbstractSet, Any, Dict, List, NamedTuple, Optional, Tuple, cast
 
 import numpy as np
 import torch
@@ -45,14 +48,9 @@ from ._torch_state import MASTER, SCALES, arena_view, dense_order, flat, moment_
 _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
-def check_options(store, store_options: Optional[dict], resume: bool, overlap: bool, overlap_backward: bool) -> dict:
+def check_options(store, store_options: Optional[dict], resume: bool) -> dict:
   """store=, store_options= and resume= checked before torch's __init__ (nothing made yet)."""
-  options = _store_options.check(store, store_options, resume)
-  if store is not None and overlap:
-    raise ValueError("store= with overlap=True: not yet; a step over the store returns once it committed (the "
-                     "offload pipeline streams the store; overlap_backward=True starts its chunks as the backward "
-                     "completes them)")
-  return options
+  return _store_options.check(store, store_options, resume)
 
 
 def _grad_hook(store_ref: Any, i: int):
@@ -65,6 +63,16 @@ def _grad_hook(store_ref: Any, i: int):
       store._hooked(i, p)
 
   return hook
+
+
+def _wait_quietly(inflight: List[Tuple[Any, int]]) -> None:
+  """A dropped store's step in flight ends before its buffers go (its error has nobody to go to)."""
+  for h, _ in inflight:
+    try:
+      h.wait()
+    except Exception:
+      pass
+  inflight.clear()
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -179,6 +187,13 @@ class TorchStore:
     self._chunks: Optional[ChunkEvents] = None  # overlap_backward: the chunks as the backward completes them
     self._hooks: List[Any] = []  # (their post-accumulate-grad hooks)
     self._chunk_events = 0  # the last step's chunks that started on the backward's event, not the whole stream
+    # overlap=True (offloaded): step() returns before the pipeline's step ends (the delayed
+    # parameter update); the step in flight, and the store's step count before it, until finish().
+    self._overlap = bool(opt._overlap) and self._device is not None
+    # (A list the finalizer holds: a dropped store waits for its step in flight before its
+    # buffers go.)
+    self._inflight: List[Tuple[Any, int]] = []
+    weakref.finalize(self, _wait_quietly, self._inflight)
     weakref.finalize(self, remove_handles, self._hooks)  # (a dropped store's hooks go too)
     if self._device is not None:
       self._offload(opt)
@@ -296,6 +311,7 @@ class TorchStore:
     self._adopt_all = True
 
   def close(self) -> None:
+    """Releases the store (an overlapped step in flight ends first: the caller finish()es it)."""
     self._core.close()
     remove_handles(self._hooks)
     self._chunks = None
@@ -373,6 +389,8 @@ class TorchStore:
     """Everything a step checks before the store changes: None where no held parameter has a
     gradient (nothing to step). `skip`: the optimizer's skip_nonfinite (None: its default)."""
     self._check_open("step")
+    if self._inflight:
+      raise RuntimeError("step: an overlapped step is still in flight (finish() it first)")
     if self._device is not None and self._stale:  # (their gradients came from no step's parameters)
       raise ValueError("step: the parameters hold no completed step (a step failed, and so did putting the store's "
                        "last one back into them); close() and make the optimizer again with resume=True")
@@ -468,6 +486,36 @@ class TorchStore:
     self._engine.stream_wait_event(stream, h.grads_consumed)
     self._engine.stream_wait_event(stream, h.params_ready)
     before = self._core.step_count
+    # A step skipped for non-finite gradients while the user's writes wait for adoption ends
+    # here: its copy-out writes the store's parameters, and only _settle puts the user's back.
+    if self._overlap and not (self._pending and skip and not math.isfinite(norm)):
+      # The device waits for the new parameters on its own stream: the parameters go back onto
+      # their views now (the next forward reads what the pipeline copies out), and finish()
+      # takes the result, or the error, at the next step, state_dict, load_state_dict or close.
+      self._inflight.append((h, before))
+      for i in range(len(self._params)):
+        self._point(i)
+      self._remember()
+      return None
+    return self._finished(h, before, set())
+
+  def finish(self) -> Optional[Any]:
+    """Waits for the overlapped step in flight and returns its result (None: none in flight).
+    Its error raises here, as the step's would have (the parameters put back to the store's
+    last completed step). What the user wrote into a parameter since that step returned
+    stays, and is adopted at the next step."""
+    if not self._inflight:
+      return None
+    h, before = self._inflight.pop()
+    since = set(self._written())  # (before _settle's copies, which move every parameter's version)
+    try:
+      return self._finished(h, before, since)
+    finally:
+      self._show()
+
+  def _finished(self, h: Any, before: int, since: AbstractSet[int]) -> Any:
+    """The end of the pipeline step `h` (the store at step `before` when it started); `since`:
+    the parameters the user wrote after it started (overlap: left as they are, still written)."""
     try:
       result = h.wait()
     except Exception as e:
@@ -476,7 +524,7 @@ class TorchStore:
       raise self._restored(e, before) from e
     if result.applied:
       self._pending.clear()  # (committed with the step)
-    self._settle()
+    self._settle(since)
     return result
 
   def _take_written(self, written: List[int]) -> None:
@@ -501,15 +549,21 @@ class TorchStore:
     self._core.adopt_at_next_step(ranges, values)
     self._adopt_all = False
 
-  def _settle(self) -> None:
+  def _settle(self, since: AbstractSet[int] = frozenset()) -> None:
     """After a step (applied, skipped or failed): every parameter on its view again, those
     whose adoption is still pending holding the values the user gave them (a skipped or failed
-    step's copy-out wrote the store's), and that state remembered."""
+    step's copy-out wrote the store's), and that state remembered. The parameters in `since`
+    (written by the user while an overlapped step was in flight) keep what the user gave them
+    and stay written: the next step takes them."""
     for i, values in self._pending.items():
-      self._views[i].copy_(values)
+      if i not in since:
+        self._views[i].copy_(values)
     for i in range(len(self._params)):
-      self._point(i)
+      if i not in since:
+        self._point(i)
     self._remember()
+    for i in since:
+      self._seen[i] = (-1, -1)
 
   def _restored(self, e: Exception, before: int) -> Exception:
     """After a step that failed midway (the store at the step before, some device chunks

@@ -226,7 +226,7 @@ class _HostAdam(torch.optim.Optimizer):
     if overlap_backward and not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
       raise ValueError(f"overlap_backward=True needs post-accumulate-grad hooks (torch >= 2.1); this is torch "
                        f"{torch.__version__}")
-    store_opts = check_store_options(store, store_options, resume, overlap, overlap_backward)
+    store_opts = check_store_options(store, store_options, resume)
     self._store: Optional[TorchStore] = None  # the state on drives (store=), made below
     self._offload, self._offload_chunk, self._overlap = offload, int(offload_chunk), bool(overlap)
     self._overlap_backward = bool(overlap_backward)
@@ -261,6 +261,9 @@ class _HostAdam(torch.optim.Optimizer):
       if self._overlap_backward:
         raise ValueError("overlap_backward=True with DTensor parameters: their gradients are the engine's (FSDP2 "
                          "reduce-scatters them); leave it False")
+      if store is not None and overlap:
+        raise ValueError("store= with overlap=True over DTensor parameters: not yet (the ranks agree on every step's "
+                         "commit before step() returns); leave overlap False")
       self._shards = LocalShards(self, lambda groups: type(self)(
           groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach, maximize=maximize,
           fused=fused, decoupled_weight_decay=decoupled_weight_decay, threads=threads, offload=offload,
@@ -869,6 +872,9 @@ class _HostAdam(torch.optim.Optimizer):
   def _drain(self) -> None:
     """Waits for offloaded steps in flight (their errors surface here) and updates the
     per-parameter step counts."""
+    if self._store is not None:  # (overlap: its one step in flight)
+      self._stored(self._store.finish())
+      return
     pending, self._pending = self._pending, []
     results = []
     for h, tag in pending:
@@ -932,7 +938,10 @@ class _HostAdam(torch.optim.Optimizer):
     if self._shards is not None:
       self._shards.inner.close()
     if self._store is not None:
-      self._store.close()
+      try:
+        self._drain()  # (an overlapped step in flight ends first; its error raises once the store is closed)
+      finally:
+        self._store.close()
 
   @_serialized
   def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
@@ -960,6 +969,7 @@ class _HostAdam(torch.optim.Optimizer):
     if self._shards is not None:
       return self._shards.step()
     if self._store is not None:
+      self._drain()  # (overlap: the step in flight; its error raises here, nothing of this one stepped)
       self._stored(self._store.step(self._skip_nonfinite))
       return None
     plan = self._prepare_step()
@@ -1389,7 +1399,8 @@ def _doc(mode: str) -> str:
       moments). An integer ``> 0``: ValueError otherwise (TypeError for a float or bool).
     overlap (bool, default False): offloaded: ``step()`` returns without waiting for the
       CPU update; the device stream waits for the new parameters on its own, and an error
-      surfaces at the next ``step``/``state_dict``. Refused with ``offload="host"``
+      surfaces at the next ``step``/``state_dict`` (with ``store=``: ``close`` too, and
+      ``last_step`` is that step's from then on). Refused with ``offload="host"``
       (ValueError): torch's CPU ops are not ordered on a stream.
     overlap_backward (bool, default False): offloaded, torch >= 2.1: post-accumulate-grad
       hooks move each gradient into the flat gradient buffer as the backward completes it
@@ -1422,9 +1433,11 @@ def _doc(mode: str) -> str:
       ``state_dict`` format (an export through RAM, which the in-RAM optimizer loads).
       A parameter without a gradient keeps its state and its own step count, as in RAM
       (parameters frozen when it is made are left out). It needs a fixed ``param_groups`` and fixed
-      shapes and memory orders: ``overlap``, ``add_param_group`` and the
-      ``load_state_dict`` of another state are refused (ValueError); ``overlap_backward``
-      (offloaded) starts each chunk as in RAM. DTensor parameters (FSDP2): each rank's
+      shapes and memory orders: ``add_param_group`` and the ``load_state_dict`` of another
+      state are refused (ValueError); ``overlap_backward`` (offloaded) starts each chunk as in
+      RAM; ``overlap`` (CUDA) returns before the step commits, its result (``last_step``)
+      or error coming with the next ``step``/``state_dict``/``close``. DTensor parameters
+      (FSDP2, ``overlap`` refused): each rank's
       shards in a store of its own, ``rank{{r}}-of-{{world}}`` under the directory;
       ``resume=True`` opens every rank's at the last step all of them committed
       (``state_dict`` shows DTensors). CUDA parameters (or ``offload="host"``; one dtype) go through the
