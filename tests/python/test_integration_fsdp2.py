@@ -348,6 +348,9 @@ def test_dtensor_edges_on_one_rank():
   ours.param_groups[0]["params"].append(our_x)
   sd_ref["param_groups"][0]["params"].append(2)
   sd_ours["param_groups"][0]["params"].append(2)
+  # Its state_dict before its first step: listed, with no state (as torch).
+  shown_ref, shown_ours = ref.state_dict(), ours.state_dict()
+  assert shown_ours["param_groups"] == shown_ref["param_groups"] and shown_ours["state"].keys() == {0, 1}
   called = []
   ours.register_load_state_dict_pre_hook(lambda opt, sd: called.append("pre"))
   ours.register_load_state_dict_post_hook(lambda opt: called.append("post"))
@@ -489,6 +492,8 @@ def test_dtensor_store_refuses_a_changed_layout_and_is_released_when_dropped(tmp
   opt.param_groups[0]["params"] = [w]
   with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\] changed .*nothing was changed"):
     step()
+  with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\] changed .*nothing was changed"):
+    opt.state_dict()
   assert opt.state[v] is entry and torch.equal(w.to_local(), before[0]) and torch.equal(v.to_local(), before[1])
   opt.param_groups[0]["params"] = saved
   step()

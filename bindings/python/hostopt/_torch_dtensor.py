@@ -712,6 +712,7 @@ class LocalShards:
   def refresh(self) -> None:
     with self.inner._lock:
       self.inner._drain()
+      self._take_groups()  # (stand-ins for DTensors appended since the last step, as load_state_dict)
       self._take_written_state()
       self._show_state()
 
