@@ -8,6 +8,7 @@ import copy
 import gc
 import resource
 import signal
+import weakref
 
 import pytest
 import torch
@@ -578,10 +579,59 @@ def overlapped(opt):
   """overlap=True over opt's store, on the host engine. It is refused with offload="host" (a
   user's CPU ops are not ordered on a stream), so it is turned on here after the optimizer is
   made; the returned call does what a CUDA stream does before the next forward: it waits
-  until the stand-in stream is past the step's "parameters ready"."""
+  until the stand-in stream is past the step's "parameters ready". A store's calls wait for
+  its step in flight to end, so none may come between step() and the next call that takes its
+  result (else step() would wait for the drives after all): the store's core refuses them."""
   store = opt._store
   store._overlap = True
+  flight = _Flight()
+  store._core, store._pipe = _Guarded(store._core, flight), _Watched(store._pipe, flight)
   return lambda: store._engine.synchronize_stream(store._engine_stream)
+
+
+class _Flight:
+  """Whether a pipeline step is in flight: from step_async until its handle's wait()."""
+  live = 0
+
+
+class _Watched:
+  """A pipeline whose steps tell _Flight when they start and end."""
+
+  def __init__(self, pipe, flight):
+    self.__dict__.update(_pipe=pipe, _flight=flight)
+
+  def __getattr__(self, name):
+    return getattr(self._pipe, name)
+
+  def step_async(self, *args, **kwargs):
+    h = self._pipe.step_async(*args, **kwargs)
+    self._flight.live += 1
+    return _Handle(h, self._flight)
+
+
+class _Handle:
+  def __init__(self, h, flight):
+    self.__dict__.update(_h=h, _flight=flight)
+
+  def __getattr__(self, name):
+    return getattr(self._h, name)
+
+  def wait(self):
+    try:
+      return self._h.wait()
+    finally:
+      self._flight.live -= 1
+
+
+class _Guarded:
+  """A store's core that refuses to be called while a pipeline step is in flight."""
+
+  def __init__(self, core, flight):
+    self.__dict__.update(_core=core, _flight=flight)
+
+  def __getattr__(self, name):
+    assert not self._flight.live, f"store.{name} called while its step is in flight: it waits for the step"
+    return getattr(self._core, name)
 
 
 def test_overlap_returns_before_the_step_commits_with_the_in_ram_bits(tmp_path):
@@ -630,8 +680,10 @@ def test_overlap_returns_before_the_step_commits_with_the_in_ram_bits(tmp_path):
   assert stored.store.step_count == 5 and stored.store.skipped_steps == 2
   assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
-  # A step that fails midway: step() returns, the error comes with the next call, and the
-  # parameters are the store's last completed step again.
+  # A step that fails midway (writes past 40 KiB fail): step() returns, and the error comes
+  # with the next call, which steps nothing. The parameters are the store's last completed step
+  # again, but for those written meanwhile (kept, for the next step to adopt); the gradients
+  # of a backward run meanwhile (from the failed step's parameters) are refused.
   before = [p.detach().clone() for p in b.parameters()]
   backward(b, 7)
   handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -640,22 +692,55 @@ def test_overlap_returns_before_the_step_commits_with_the_in_ram_bits(tmp_path):
   try:
     stored.step()
     assert stored._store._inflight
-    with pytest.raises(RuntimeError, match="put back to the store's last completed step .step 5.: nothing of this"):
-      stored.state_dict()
+    device_waits()
+    with torch.no_grad():
+      for m in (a, b):
+        m[2].weight.fill_(3.0)
+        m[3].bias.data = torch.full_like(m[3].bias, 0.5)
+    backward(b, 8)
+    with pytest.raises(RuntimeError, match="put back to the store's last completed step .step 5.: nothing of this.*"
+                                           "computed while that step was in flight.*forward and backward again"):
+      stored.step()
   finally:
     resource.setrlimit(resource.RLIMIT_FSIZE, limits)
     signal.signal(signal.SIGXFSZ, handler)
-  for p, q in zip(before, b.parameters()):
-    assert torch.equal(p, q.detach())
+  with pytest.raises(ValueError, match="computed while the step before was in flight.*nothing was stepped"):
+    stored.step()
+  for i, (p, q) in enumerate(zip(before, b.parameters())):
+    assert torch.equal(p, q.detach()) or i in (2, 5)  # (2.weight and 3.bias: written)
+  assert torch.all(b[2].weight == 3.0) and torch.all(b[3].bias == 0.5)
+  for m in (a, b):
+    backward(m, 8)
+  ram.step()
+  stored.step()
+  device_waits()
+  same_params(a, b)
+  # A failed step reported by state_dict before another backward: its gradients step again.
+  for m in (a, b):
+    backward(m, 9)
+  ram.step()
+  resource.setrlimit(resource.RLIMIT_FSIZE, (40 << 10, limits[1]))
+  signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+  try:
+    stored.step()
+    with pytest.raises(RuntimeError, match="put back to the store's last completed step .step 6.") as failed:
+      stored.state_dict()
+    assert "again" not in str(failed.value)
+  finally:
+    resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    signal.signal(signal.SIGXFSZ, handler)
+  stored.step()
+  device_waits()
+  same_params(a, b)
   # Steps on; close() ends the step in flight, which the resumed store holds.
   for m in (a, b):
-    backward(m, 7)
+    backward(m, 10)
   ram.step()
   stored.step()
   stored.close()
   assert not stored._store._inflight
   resumed = optimizer(b, tmp_path, resume=True, **off)[0]  # (its scheduler dropped)
-  assert resumed.store.step_count == 6
+  assert resumed.store.step_count == 8
   same_params(a, b)
   # A dropped optimizer with a step in flight releases its store, without a collection.
   overlapped(resumed)
@@ -665,7 +750,7 @@ def test_overlap_returns_before_the_step_commits_with_the_in_ram_bits(tmp_path):
     resumed.step()
     del resumed
     again = optimizer(b, tmp_path, resume=True, **off)[0]
-    assert again.store.step_count == 7
+    assert again.store.step_count == 9
   finally:
     gc.enable()
 

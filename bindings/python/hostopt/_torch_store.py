@@ -65,9 +65,9 @@ def _grad_hook(store_ref: Any, i: int):
   return hook
 
 
-def _wait_quietly(inflight: List[Tuple[Any, int]]) -> None:
+def _wait_quietly(inflight: List[Tuple[Any, int, list]]) -> None:
   """A dropped store's step in flight ends before its buffers go (its error has nobody to go to)."""
-  for h, _ in inflight:
+  for h, _, _ in inflight:
     try:
       h.wait()
     except Exception:
@@ -187,12 +187,15 @@ class TorchStore:
     self._chunks: Optional[ChunkEvents] = None  # overlap_backward: the chunks as the backward completes them
     self._hooks: List[Any] = []  # (their post-accumulate-grad hooks)
     self._chunk_events = 0  # the last step's chunks that started on the backward's event, not the whole stream
-    # overlap=True (offloaded): step() returns before the pipeline's step ends (the delayed
-    # parameter update); the step in flight, and the store's step count before it, until finish().
+    # overlap=True (offloaded): step() returns before the pipeline's step ends; the step in
+    # flight (its handle, the store's step count before it, the gradients it took) until finish().
     self._overlap = bool(opt._overlap) and self._device is not None
     # (A list the finalizer holds: a dropped store waits for its step in flight before its
     # buffers go.)
-    self._inflight: List[Tuple[Any, int]] = []
+    self._inflight: List[Tuple[Any, int, list]] = []
+    # After an overlapped step failed: the gradients a backward computed while it was in flight
+    # (from its parameters), refused by the next step until a new backward replaces them.
+    self._tainted: Optional[list] = None
     weakref.finalize(self, _wait_quietly, self._inflight)
     weakref.finalize(self, remove_handles, self._hooks)  # (a dropped store's hooks go too)
     if self._device is not None:
@@ -401,6 +404,12 @@ class TorchStore:
       raise ValueError(f"{self._where[late[0]]} has a gradient but was frozen (requires_grad=False) when the store "
                        "was made, so the store holds no state for it: make a new store to train it; nothing was "
                        "stepped")
+    if self._tainted is not None:
+      if self._grads_are(self._tainted):
+        raise ValueError("step: these gradients were computed while the step before was in flight, from the "
+                         "parameters it had copied out before it failed: run the forward and backward again; "
+                         "nothing was stepped")
+      self._tainted = None
     grads = [p.grad for p in self._params]
     if all(g is None for g in grads):
       if self._chunks is not None:
@@ -434,7 +443,8 @@ class TorchStore:
         self._applied[j] = cfg
     if self._device is not None:
       result = self._offloaded_step(grads, bool(skip), float(norm), without)
-      self._show()
+      if not self._inflight:  # (in flight: finish() shows it; reading the store now would wait for the step)
+        self._show()
       return result
     flat_g = torch.empty(self._size, dtype=self._dtype)  # (the padding, and a missing gradient's place, are never read)
     for s, p, g in zip(self._segs, self._params, grads):
@@ -480,19 +490,20 @@ class TorchStore:
     # them; the rest wait for the whole stream.
     events = self._chunks.ready_events(self._dev_grads) if self._chunks is not None else []
     self._chunk_events = sum(1 for e in events if e)
+    before = self._core.step_count  # (before the step starts: once it has, the store's calls wait for its end)
     h = self._pipe.step_async(self._dev_grads.data_ptr(), self._tag, self._dev_params.data_ptr(), self._tag,
                               self._size, grads_stream=stream, chunk_grads_events=events, skip_nonfinite=skip,
                               known_grad_norm=norm, tensors_without_grad=without)
     self._engine.stream_wait_event(stream, h.grads_consumed)
     self._engine.stream_wait_event(stream, h.params_ready)
-    before = self._core.step_count
     # A step skipped for non-finite gradients while the user's writes wait for adoption ends
     # here: its copy-out writes the store's parameters, and only _settle puts the user's back.
     if self._overlap and not (self._pending and skip and not math.isfinite(norm)):
       # The device waits for the new parameters on its own stream: the parameters go back onto
       # their views now (the next forward reads what the pipeline copies out), and finish()
       # takes the result, or the error, at the next step, state_dict, load_state_dict or close.
-      self._inflight.append((h, before))
+      # Nothing here reads the store from now on: its calls wait for the step's end.
+      self._inflight.append((h, before, self._grads_now()))
       for i in range(len(self._params)):
         self._point(i)
       self._remember()
@@ -506,12 +517,30 @@ class TorchStore:
     stays, and is adopted at the next step."""
     if not self._inflight:
       return None
-    h, before = self._inflight.pop()
+    h, before, taken = self._inflight.pop()
     since = set(self._written())  # (before _settle's copies, which move every parameter's version)
     try:
       return self._finished(h, before, since)
+    except Exception as e:
+      if not self._grads_are(taken):  # a backward ran while the failed step was in flight: refused
+        self._tainted = self._grads_now()
+        raise type(e)(f"{e}. The gradients held now were computed while that step was in flight, from the "
+                      "parameters it had copied out: the next step refuses them; run the forward and backward "
+                      "again") from e
+      raise
     finally:
       self._show()
+
+  def _grads_now(self) -> list:
+    """Each held parameter's gradient as it is now (the tensor, weakly, and its version):
+    another backward, or a write, changes it."""
+    return [None if p.grad is None else (weakref.ref(p.grad), p.grad._version) for p in self._params]
+
+  def _grads_are(self, seen: list) -> bool:
+    """Whether every held parameter's gradient is still the one _grads_now saw (the same
+    tensor, unchanged)."""
+    return all((p.grad is None) if s is None else (s[0]() is p.grad and p.grad._version == s[1])
+               for p, s in zip(self._params, seen))
 
   def _finished(self, h: Any, before: int, since: AbstractSet[int]) -> Any:
     """The end of the pipeline step `h` (the store at step `before` when it started); `since`:
@@ -521,7 +550,7 @@ class TorchStore:
     except Exception as e:
       if not self._core.pending_adoption:  # (the step committed before its error: its adoptions with it)
         self._pending.clear()
-      raise self._restored(e, before) from e
+      raise self._restored(e, before, since) from e
     if result.applied:
       self._pending.clear()  # (committed with the step)
     self._settle(since)
@@ -565,13 +594,18 @@ class TorchStore:
     for i in since:
       self._seen[i] = (-1, -1)
 
-  def _restored(self, e: Exception, before: int) -> Exception:
+  def _restored(self, e: Exception, before: int, since: AbstractSet[int] = frozenset()) -> Exception:
     """After a step that failed midway (the store at the step before, some device chunks
     ahead): the store's parameters pushed back into the device buffer, so both agree (the
-    values waiting for adoption go back in with them)."""
+    values waiting for adoption go back in with them, and those the user wrote while an
+    overlapped step was in flight, `since`, stay written)."""
+    kept = {i: self._params[i].detach().reshape(-1).clone() for i in since}
     try:
       self._push()
-      self._settle()
+      for i, values in kept.items():
+        self._pending.pop(i, None)  # (the user's newer values: taken at the next step)
+        self._views[i].copy_(values)
+      self._settle(since)
       now = self._core.step_count
       told = (f"the parameters were put back to the store's last completed step (step {now}): " +
               ("nothing of this step was applied" if now == before else "this step was applied and committed"))
