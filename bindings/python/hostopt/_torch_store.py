@@ -651,6 +651,8 @@ class TorchStore:
         st[SCALES] = scales.clone()
       if p.dtype != torch.float32:
         pending = self._pending.get(i) if self._device is not None else None  # (adopted at a skipped step, in RAM)
+        if self._device is not None and self._adopt_all:  # (adopt_params(): in RAM, the masters at once)
+          pending = p.detach().reshape(-1).cpu().to(torch.float32)
         st[MASTER] = (arena_view(flat_p[s.offset:s.offset + s.size], p) if pending is None else
                       pending.view(p.shape)).clone()
       state[p] = st
