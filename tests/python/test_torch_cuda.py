@@ -13,20 +13,32 @@ pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and hostopt._core
                                 reason="no CUDA device (or hostopt built without CUDA)")
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_cuda_parameters_train_like_torch_on_the_gpu(overlap):
+def mlp_twice():
   torch.manual_seed(0)
-  ours = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 10)).cuda()
-  theirs = copy.deepcopy(ours)
-  oo = htorch.AdamW(ours.parameters(), lr=1e-3, weight_decay=0.1, offload_chunk=4096, overlap=overlap)
-  ot = torch.optim.AdamW(theirs.parameters(), lr=1e-3, weight_decay=0.1)
+  m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 10)).cuda()
+  return m, copy.deepcopy(m)
+
+
+def train(pairs, steps, written_after=None):
+  """(model, optimizer) pairs stepped on the same batches; a first layer written after one step."""
   g = torch.Generator(device="cuda").manual_seed(1)
-  for _ in range(20):
+  for step in range(steps):
     x = torch.randn(32, 64, device="cuda", generator=g)
-    for m, o in ((ours, oo), (theirs, ot)):
+    for m, o in pairs:
       o.zero_grad()
       m(x).pow(2).mean().backward()
       o.step()
+      if step == written_after:
+        with torch.no_grad():
+          m[0].weight.mul_(0.5)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cuda_parameters_train_like_torch_on_the_gpu(overlap):
+  ours, theirs = mlp_twice()
+  oo = htorch.AdamW(ours.parameters(), lr=1e-3, weight_decay=0.1, offload_chunk=4096, overlap=overlap)
+  ot = torch.optim.AdamW(theirs.parameters(), lr=1e-3, weight_decay=0.1)
+  train(((ours, oo), (theirs, ot)), 20)
   torch.cuda.synchronize()
   for a, b in zip(ours.parameters(), theirs.parameters()):
     assert a.is_cuda
@@ -73,24 +85,13 @@ def test_gradients_stream_to_the_host_during_the_backward_and_train_like_torch()
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_store_under_cuda_parameters_steps_to_the_in_ram_bits(tmp_path, overlap):
   # store= with CUDA parameters: the pipeline streams the store's chunks. With overlap, step()
-  # returns before the drives' reads and writes and the commit, the stream waits for the new
-  # parameters, and a write made meanwhile is adopted at the next step, as in RAM.
-  torch.manual_seed(0)
-  ours = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 10)).cuda()
-  theirs = copy.deepcopy(ours)
+  # returns without waiting for the drives, the stream waits for the new parameters, and a
+  # write made while the step is in flight is adopted at the next step, as in RAM.
+  ours, theirs = mlp_twice()
   oo = htorch.AdamW(ours.parameters(), lr=1e-3, weight_decay=0.1, offload_chunk=4096, overlap=overlap,
                     store=tmp_path, store_options={"sync": False, "chunk_elements": 4096})
   ot = htorch.AdamW(theirs.parameters(), lr=1e-3, weight_decay=0.1, offload_chunk=4096)
-  g = torch.Generator(device="cuda").manual_seed(1)
-  for step in range(12):
-    x = torch.randn(32, 64, device="cuda", generator=g)
-    for m, o in ((ours, oo), (theirs, ot)):
-      o.zero_grad()
-      m(x).pow(2).mean().backward()
-      o.step()
-      if step == 6:
-        with torch.no_grad():
-          m[0].weight.mul_(0.5)
+  train(((ours, oo), (theirs, ot)), 12, written_after=6)
   oo.state_dict()  # (ends the step in flight)
   torch.cuda.synchronize()
   assert oo.store.step_count == 12

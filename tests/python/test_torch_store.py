@@ -4,6 +4,7 @@ parameters), on the host and offloaded (offload="host": the offload pipeline str
 store's chunks between flat device buffers), its state_dict loads into the in-RAM optimizer,
 a restarted run resumes with the store's parameters, and what it cannot do is refused by
 name, with nothing changed."""
+import contextlib
 import copy
 import gc
 import resource
@@ -43,6 +44,20 @@ def backward(m, t):
   x = torch.randn(4, 3, 6, 6, dtype=next(m.parameters()).dtype)
   m.zero_grad(set_to_none=True)
   m(x).float().pow(2).mean().backward()
+
+
+@contextlib.contextmanager
+def writes_fail():
+  """Writes past 40 KiB fail (EFBIG, SIGXFSZ ignored) while inside, reads do not: a store's
+  step fails midway, after the pipeline copied its first chunks' new parameters out."""
+  handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+  limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+  resource.setrlimit(resource.RLIMIT_FSIZE, (40 << 10, limits[1]))
+  try:
+    yield
+  finally:
+    resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    signal.signal(signal.SIGXFSZ, handler)
 
 
 def same_params(a, b):
@@ -393,19 +408,12 @@ def test_offloaded_the_pipeline_streams_the_store_to_the_in_ram_pipelines_bits(t
 
   before = [p.detach().clone() for p in b.parameters()]
   backward(b, 5)
-  # Writes past 40 KiB fail (EFBIG), reads do not: the step fails midway, after the pipeline
-  # copied its first chunks' new parameters out, and the store's step goes back in.
-  handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-  limits = resource.getrlimit(resource.RLIMIT_FSIZE)
-  resource.setrlimit(resource.RLIMIT_FSIZE, (40 << 10, limits[1]))
-  try:
+  # The step fails midway, and the store's step goes back in.
+  with writes_fail():
     with pytest.raises(RuntimeError, match="put back to the store's last completed step .step 4.: nothing of this") \
         as failed:
       stored.step()
     assert "call push_params()" not in str(failed.value)
-  finally:
-    resource.setrlimit(resource.RLIMIT_FSIZE, limits)
-    signal.signal(signal.SIGXFSZ, handler)
   for p, q in zip(before, b.parameters()):  # the parameters are the store's step again
     assert torch.equal(p, q.detach())
   chunks = [f for f in tmp_path.iterdir() if f.stat().st_size > 8192]
@@ -688,10 +696,7 @@ def test_overlap_returns_before_the_step_commits_with_the_in_ram_bits(tmp_path):
   # of a backward run meanwhile (from the failed step's parameters) are refused.
   before = [p.detach().clone() for p in b.parameters()]
   backward(b, 7)
-  handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-  limits = resource.getrlimit(resource.RLIMIT_FSIZE)
-  resource.setrlimit(resource.RLIMIT_FSIZE, (40 << 10, limits[1]))
-  try:
+  with writes_fail():
     stored.step()
     assert stored._store._inflight
     device_waits()
@@ -703,9 +708,6 @@ def test_overlap_returns_before_the_step_commits_with_the_in_ram_bits(tmp_path):
     with pytest.raises(RuntimeError, match="put back to the store's last completed step .step 5.: nothing of this.*"
                                            "computed while that step was in flight.*forward and backward again"):
       stored.step()
-  finally:
-    resource.setrlimit(resource.RLIMIT_FSIZE, limits)
-    signal.signal(signal.SIGXFSZ, handler)
   with pytest.raises(ValueError, match="computed while the step before was in flight.*nothing was stepped"):
     stored.step()
   for i, (p, q) in enumerate(zip(before, b.parameters())):
@@ -721,16 +723,11 @@ def test_overlap_returns_before_the_step_commits_with_the_in_ram_bits(tmp_path):
   for m in (a, b):
     backward(m, 9)
   ram.step()
-  resource.setrlimit(resource.RLIMIT_FSIZE, (40 << 10, limits[1]))
-  signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-  try:
+  with writes_fail():
     stored.step()
     with pytest.raises(RuntimeError, match="put back to the store's last completed step .step 6.") as failed:
       stored.state_dict()
     assert "again" not in str(failed.value)
-  finally:
-    resource.setrlimit(resource.RLIMIT_FSIZE, limits)
-    signal.signal(signal.SIGXFSZ, handler)
   stored.step()
   device_waits()
   same_params(a, b)
