@@ -706,9 +706,9 @@ def test_overlap_returns_before_the_step_commits_with_the_in_ram_bits(tmp_path):
         m[3].bias.data = torch.full_like(m[3].bias, 0.5)
     backward(b, 8)
     with pytest.raises(RuntimeError, match="put back to the store's last completed step .step 5.: nothing of this.*"
-                                           "computed while that step was in flight.*forward and backward again"):
+                                           "written while that step was in flight.*zero_grad, then the forward"):
       stored.step()
-  with pytest.raises(ValueError, match="computed while the step before was in flight.*nothing was stepped"):
+  with pytest.raises(ValueError, match="written while the step before was in flight.*nothing was stepped"):
     stored.step()
   for i, (p, q) in enumerate(zip(before, b.parameters())):
     assert torch.equal(p, q.detach()) or i in (2, 5)  # (2.weight and 3.bias: written)
@@ -731,25 +731,44 @@ def test_overlap_returns_before_the_step_commits_with_the_in_ram_bits(tmp_path):
   stored.step()
   device_waits()
   same_params(a, b)
-  # Steps on; close() ends the step in flight, which the resumed store holds.
+  # A failure reported by adopt_params (which ends the step in flight first, as in RAM), the
+  # gradients set to None meanwhile: none is refused, and nothing of the failed step stays.
   for m in (a, b):
     backward(m, 10)
+  ram.step()
+  before = [p.detach().clone() for p in b.parameters()]
+  with writes_fail():
+    stored.step()
+    device_waits()
+    stored.zero_grad(set_to_none=True)
+    with pytest.raises(RuntimeError, match="put back to the store's last completed step .step 7.") as failed:
+      stored.adopt_params()
+    assert "written while" not in str(failed.value)
+  for p, q in zip(before, b.parameters()):
+    assert torch.equal(p, q.detach())
+  backward(b, 10)
+  stored.step()
+  device_waits()
+  same_params(a, b)
+  # Steps on; close() ends the step in flight, which the resumed store holds.
+  for m in (a, b):
+    backward(m, 11)
   ram.step()
   stored.step()
   stored.close()
   assert not stored._store._inflight
   resumed = optimizer(b, tmp_path, resume=True, **off)[0]  # (its scheduler dropped)
-  assert resumed.store.step_count == 8
+  assert resumed.store.step_count == 9
   same_params(a, b)
   # A dropped optimizer with a step in flight releases its store, without a collection.
   overlapped(resumed)
-  backward(b, 8)
+  backward(b, 12)
   gc.disable()
   try:
     resumed.step()
     del resumed
     again = optimizer(b, tmp_path, resume=True, **off)[0]
-    assert again.store.step_count == 9
+    assert again.store.step_count == 10
   finally:
     gc.enable()
 

@@ -250,7 +250,6 @@ class TorchStore:
     for view, p in zip(self._views, self._params):
       view.copy_(p.detach().reshape(-1))
       p.data = view.view(p.shape)
-    self._adopt_all = False
     self._pending: Dict[int, torch.Tensor] = {}  # parameter -> its values (f32) the next applied step adopts
     self._stale = False  # the device buffer holds no completed step (a failed step, then a failed push)
     self._remember()
@@ -309,9 +308,12 @@ class TorchStore:
   def adopt_params(self) -> None:
     """Every held parameter's values become its master at the next applied step, as in RAM
     (writes the version counter does not see: through ``.data``, numpy, a collective)."""
-    if self._device is None:
+    if self._device is None or self._closed:
       return  # (stepped in place: every write is seen, bit for bit)
-    self._adopt_all = True
+    # Taken now, as the in-RAM optimizer takes them into its masters (what state_dict shows
+    # until the step, and what a later write replaces).
+    self._take_written(list(range(len(self._params))), every=True)
+    self._remember()
 
   def close(self) -> None:
     """Releases the store (an overlapped step in flight ends first: the caller finish()es it)."""
@@ -373,7 +375,7 @@ class TorchStore:
     offloaded: a replaced storage, a write through the parameter, or adopt_params())."""
     if self._device is not None:
       return [i for i, (p, seen) in enumerate(zip(self._params, self._seen))
-              if self._adopt_all or (p.data_ptr(), p._version) != seen]
+              if (p.data_ptr(), p._version) != seen]
     out = []
     for i, (s, p) in enumerate(zip(self._segs, self._params)):
       last = self._last[s.offset:s.offset + s.size]
@@ -406,9 +408,9 @@ class TorchStore:
                        "stepped")
     if self._tainted is not None:
       if self._grads_are(self._tainted):
-        raise ValueError("step: these gradients were computed while the step before was in flight, from the "
-                         "parameters it had copied out before it failed: run the forward and backward again; "
-                         "nothing was stepped")
+        raise ValueError("step: these gradients were written while the step before was in flight (a backward "
+                         "over the parameters it had copied out before it failed): zero_grad, then run the forward "
+                         "and backward again; nothing was stepped")
       self._tainted = None
     grads = [p.grad for p in self._params]
     if all(g is None for g in grads):
@@ -522,11 +524,13 @@ class TorchStore:
     try:
       return self._finished(h, before, since)
     except Exception as e:
-      if not self._grads_are(taken):  # a backward ran while the failed step was in flight: refused
+      # Gradients written while the failed step was in flight (a backward over the parameters
+      # it had copied out) are refused by the next step (unless none is held, or none can step).
+      if not self._stale and not self._grads_are(taken) and any(p.grad is not None for p in self._params):
         self._tainted = self._grads_now()
-        raise type(e)(f"{e}. The gradients held now were computed while that step was in flight, from the "
-                      "parameters it had copied out: the next step refuses them; run the forward and backward "
-                      "again") from e
+        raise type(e)(f"{e}. The gradients held now were written while that step was in flight (a backward "
+                      "over the parameters it had copied out): the next step refuses them until they are "
+                      "written again (zero_grad, then the forward and backward)") from e
       raise
     finally:
       self._show()
@@ -539,8 +543,8 @@ class TorchStore:
   def _grads_are(self, seen: list) -> bool:
     """Whether every held parameter's gradient is still the one _grads_now saw (the same
     tensor, unchanged)."""
-    return all((p.grad is None) if s is None else (s[0]() is p.grad and p.grad._version == s[1])
-               for p, s in zip(self._params, seen))
+    return all((p.grad is None) if s is None else (p.grad is not None and s[0]() is p.grad and
+                                                   p.grad._version == s[1]) for p, s in zip(self._params, seen))
 
   def _finished(self, h: Any, before: int, since: AbstractSet[int]) -> Any:
     """The end of the pipeline step `h` (the store at step `before` when it started); `since`:
@@ -556,27 +560,26 @@ class TorchStore:
     self._settle(since)
     return result
 
-  def _take_written(self, written: List[int]) -> None:
+  def _take_written(self, written: List[int], every: bool = False) -> None:
     """The parameters the user wrote: each one's values become its pending master (adopted
     by the store at the next applied step) unless its master, pending or committed, rounds to
-    them (as in RAM: a resume that loads the same model keeps the exact masters; adopt_params
-    takes every one). Host RAM for the written parameters only: each one's committed masters
+    them (as in RAM: a resume that loads the same model keeps the exact masters; `every`,
+    adopt_params, takes every one). Host RAM for the written parameters only: each one's committed masters
     are read alone, its values kept in float32 until the step that adopts them commits."""
     for i in written:
       s, p = self._segs[i], self._params[i]
       host = p.detach().reshape(-1).cpu()
       master = self._pending.get(i)
-      if master is None and not self._adopt_all:
+      if master is None and not every:
         master = torch.empty(s.size, dtype=torch.float32)
         self._core.read_params_range(s.offset, s.offset + s.size, as_buffer(master, "masters", writable=True)[0],
                                      "f32")
-      if s.size and (self._adopt_all or master is None or not rounds_to(master, host)):
+      if s.size and (every or master is None or not rounds_to(master, host)):
         self._pending[i] = host.to(torch.float32, copy=True)  # (a CPU f32 parameter: not a view of the buffer)
     order = sorted(self._pending, key=lambda i: self._segs[i].offset)
     ranges = [(self._segs[i].offset, self._segs[i].offset + self._segs[i].size) for i in order]
     values = np.concatenate([self._pending[i].numpy() for i in order]) if order else np.zeros(0, np.float32)
     self._core.adopt_at_next_step(ranges, values)
-    self._adopt_all = False
 
   def _settle(self, since: AbstractSet[int] = frozenset()) -> None:
     """After a step (applied, skipped or failed): every parameter on its view again, those
@@ -599,22 +602,31 @@ class TorchStore:
     ahead): the store's parameters pushed back into the device buffer, so both agree (the
     values waiting for adoption go back in with them, and those the user wrote while an
     overlapped step was in flight, `since`, stay written)."""
-    kept = {i: self._params[i].detach().reshape(-1).clone() for i in since}
+    kept = {}  # (a replaced .data is kept as the tensor the user gave, in-place writes as their values)
+    for i in since:
+      p = self._params[i]
+      replaced = p.data_ptr() != self._views[i].data_ptr()
+      kept[i] = (p.data if replaced else p.detach().reshape(-1).clone(), replaced)
+    put = "hostopt.torch puts them back (push_params)"
     try:
       self._push()
-      for i, values in kept.items():
+      for i, (values, replaced) in kept.items():
         self._pending.pop(i, None)  # (the user's newer values: taken at the next step)
-        self._views[i].copy_(values)
+        if replaced:
+          self._params[i].data = values
+        else:
+          self._views[i].copy_(values)
       self._settle(since)
       now = self._core.step_count
       told = (f"the parameters were put back to the store's last completed step (step {now}): " +
               ("nothing of this step was applied" if now == before else "this step was applied and committed"))
     except Exception as again:
+      put = "hostopt.torch tried to put them back (push_params)"
       told = (f"and the parameters could not be put back to the store's last completed step ({again}): they hold "
               "no completed step, so later steps are refused; close() and make the optimizer again with "
               "resume=True (it puts the store's last completed step into them)")
     kind = type(e) if isinstance(e, (RuntimeError, ValueError, OSError)) else RuntimeError
-    said = str(e).replace("call push_params()", "hostopt.torch puts them back (push_params)")
+    said = str(e).replace("call push_params()", put)
     return kind(f"{said}; {told}")
 
   def _point(self, i: int) -> None:
@@ -651,8 +663,6 @@ class TorchStore:
         st[SCALES] = scales.clone()
       if p.dtype != torch.float32:
         pending = self._pending.get(i) if self._device is not None else None  # (adopted at a skipped step, in RAM)
-        if self._device is not None and self._adopt_all:  # (adopt_params(): in RAM, the masters at once)
-          pending = p.detach().reshape(-1).cpu().to(torch.float32)
         st[MASTER] = (arena_view(flat_p[s.offset:s.offset + s.size], p) if pending is None else
                       pending.view(p.shape)).clone()
       state[p] = st

@@ -669,6 +669,7 @@ class _HostAdam(torch.optim.Optimizer):
     if self._shards is not None:  # (each stand-in takes its shard's values at every step anyway)
       return self._shards.inner.adopt_params()
     if self._store is not None:
+      self._drain()  # (as below: a step in flight ends first)
       return self._store.adopt_params()
     if self._layout is None:
       return
