@@ -48,11 +48,6 @@ from ._torch_state import MASTER, SCALES, arena_view, dense_order, flat, moment_
 _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
-def check_options(store, store_options: Optional[dict], resume: bool) -> dict:
-  """store=, store_options= and resume= checked before torch's __init__ (nothing made yet)."""
-  return _store_options.check(store, store_options, resume)
-
-
 def _grad_hook(store_ref: Any, i: int):
   """The post-accumulate-grad hook of held parameter i (overlap_backward): TorchStore._hooked."""
 
@@ -193,8 +188,8 @@ class TorchStore:
     # (A list the finalizer holds: a dropped store waits for its step in flight before its
     # buffers go.)
     self._inflight: List[Tuple[Any, int, list]] = []
-    # After an overlapped step failed: the gradients a backward computed while it was in flight
-    # (from its parameters), refused by the next step until a new backward replaces them.
+    # After an overlapped step failed: the gradients written while it was in flight (a backward
+    # over its parameters), refused by the next step until they are written again.
     self._tainted: Optional[list] = None
     weakref.finalize(self, _wait_quietly, self._inflight)
     weakref.finalize(self, remove_handles, self._hooks)  # (a dropped store's hooks go too)
@@ -288,8 +283,7 @@ class TorchStore:
     if device.type == "cuda":  # torch's writes to the buffer (its zeros, the model's values) land first
       torch.cuda.synchronize(device)
     self._pipe.push_params(self._dev_params.data_ptr(), self._tag, self._size)
-    for i in range(len(self._params)):
-      self._point(i)
+    self._point_all()
     self._stale = False
     self._remember()
 
@@ -306,8 +300,9 @@ class TorchStore:
     return torch.cuda.current_stream(device).cuda_stream or 1  # (the legacy default stream: cudaStreamLegacy)
 
   def adopt_params(self) -> None:
-    """Every held parameter's values become its master at the next applied step, as in RAM
-    (writes the version counter does not see: through ``.data``, numpy, a collective)."""
+    """Every held parameter's values, taken now, become its master at the next applied step,
+    as in RAM (writes the version counter does not see: through ``.data``, numpy, a
+    collective)."""
     if self._device is None or self._closed:
       return  # (stepped in place: every write is seen, bit for bit)
     # Taken now, as the in-RAM optimizer takes them into its masters (what state_dict shows
@@ -372,7 +367,7 @@ class TorchStore:
 
   def _written(self) -> List[int]:
     """The held parameters the user wrote since the store last wrote them (bit for bit;
-    offloaded: a replaced storage, a write through the parameter, or adopt_params())."""
+    offloaded: a replaced storage, or a write through the parameter)."""
     if self._device is not None:
       return [i for i, (p, seen) in enumerate(zip(self._params, self._seen))
               if (p.data_ptr(), p._version) != seen]
@@ -506,8 +501,7 @@ class TorchStore:
       # takes the result, or the error, at the next step, state_dict, load_state_dict or close.
       # Nothing here reads the store from now on: its calls wait for the step's end.
       self._inflight.append((h, before, self._grads_now()))
-      for i in range(len(self._params)):
-        self._point(i)
+      self._point_all()
       self._remember()
       return None
     return self._finished(h, before, set())
@@ -590,9 +584,7 @@ class TorchStore:
     for i, values in self._pending.items():
       if i not in since:
         self._views[i].copy_(values)
-    for i in range(len(self._params)):
-      if i not in since:
-        self._point(i)
+    self._point_all(since)
     self._remember()
     for i in since:
       self._seen[i] = (-1, -1)
@@ -629,11 +621,12 @@ class TorchStore:
     said = str(e).replace("call push_params()", put)
     return kind(f"{said}; {told}")
 
-  def _point(self, i: int) -> None:
-    """Parameter i back onto its view of the device buffer (a replaced .data)."""
-    p, view = self._params[i], self._views[i]
-    if p.data_ptr() != view.data_ptr():
-      p.data = view.view(p.shape)
+  def _point_all(self, but: AbstractSet[int] = frozenset()) -> None:
+    """Every parameter (but those in `but`) back onto its view of the device buffer (a
+    replaced .data)."""
+    for p, view in (pv for i, pv in enumerate(zip(self._params, self._views)) if i not in but):
+      if p.data_ptr() != view.data_ptr():
+        p.data = view.view(p.shape)
 
   def export_state(self) -> Dict[torch.Tensor, dict]:
     """Each held parameter's state in the in-RAM path's entries (moments by format, 16-bit

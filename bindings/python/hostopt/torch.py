@@ -109,7 +109,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, cast
 import numpy as np
 import torch
 
-from . import _core, _threads
+from . import _core, _store_options, _threads
 from ._arena import segments
 from ._arrays import as_buffer, check_optional_bool, check_seed as _check_seed, integer, power_text
 from ._block_checks import report as _report_blocks
@@ -117,7 +117,7 @@ from ._dtypes import kernel_tag, tag_of
 from ._threads import default_threads
 from ._torch_dtensor import LocalShards, any_dtensor
 from ._torch_offload import ChunkEvents, DeviceBuffers, grad_hook, remove_handles
-from ._torch_store import TorchStore, check_options as check_store_options
+from ._torch_store import TorchStore
 from ._torch_state import (CODES, MASTER, MAX_STEP, MOMENT_ENTRIES, MOMENTS, SCALES, Layout, Tracked, arena_view,
                            check_master, check_moment_state, check_step, dense_order, encoded, flat, hyper_parameters,
                            moment_keys, moments_as_f32, rounds_to)
@@ -226,7 +226,7 @@ class _HostAdam(torch.optim.Optimizer):
     if overlap_backward and not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
       raise ValueError(f"overlap_backward=True needs post-accumulate-grad hooks (torch >= 2.1); this is torch "
                        f"{torch.__version__}")
-    store_opts = check_store_options(store, store_options, resume)
+    store_opts = _store_options.check(store, store_options, resume)
     self._store: Optional[TorchStore] = None  # the state on drives (store=), made below
     self._offload, self._offload_chunk, self._overlap = offload, int(offload_chunk), bool(overlap)
     self._overlap_backward = bool(overlap_backward)
