@@ -80,15 +80,23 @@ struct moment_codec {
 
   /// One block's base as the vectors both directions use: the float bits of 2^(base-127)
   /// (base << 23), the float 2^(base+1-127) (the top of the subnormal codes), its bits, and
-  /// the code origin base * 8.
+  /// the code origin base * 8. Below base 127 (every base a training run's moments get:
+  /// base 127 is a block whose largest |m| is near 2^15, or v near 2^31) also 2^base and
+  /// 2^-base as normal floats: one multiplication is then what scale_pow2 does
+  /// (decode_magnitude, encode_magnitude), a few operations fewer than the exponent
+  /// arithmetic.
   struct exponent_scale {
     uvec bits;
     vec subnormal_top;
     uvec subnormal_top_bits;
     uvec origin;
+    bool multiplies;
+    vec up, down;
     explicit exponent_scale(std::uint32_t base) noexcept
         : bits(uo::splat(base << 23)), subnormal_top(uo::from_bits(uo::splat((base + 1) << 23))),
-          subnormal_top_bits(uo::splat((base + 1) << 23)), origin(uo::splat(base << 3)) {}
+          subnormal_top_bits(uo::splat((base + 1) << 23)), origin(uo::splat(base << 3)), multiplies(base < 127),
+          up(uo::from_bits(uo::splat(multiplies ? (base + 127) << 23 : 0))),
+          down(uo::from_bits(uo::splat(multiplies ? (127 - base) << 23 : 0))) {}
   };
   /// Where one instruction scales by a power of two (uo::has_scale_pow2): base and -base as
   /// floats. A code is then the top bits of |x| * 2^-base, whose subnormals are exactly the
@@ -140,8 +148,12 @@ struct moment_codec {
   ///
   /// With a power-of-two scale: the float of bits code << 20 is code's value for base 0
   /// (codes below 8 are its subnormals), times 2^base exactly.
+  ///
+  /// Otherwise, below base 127, the same product by a multiplication: exact too (the
+  /// largest code's value for base 0 is below 2^-95, times at most 2^126).
   static vec decode_magnitude(uvec code, const scale& s) noexcept {
     if constexpr (uo::has_scale_pow2) return uo::scale_pow2(uo::from_bits(code << 20), s.up);
+    else if (s.multiplies) return uo::from_bits(code << 20) * s.up;
     else return decode_by_exponent(code, s);
   }
   static vec decode_by_exponent(uvec code, const exponent_scale& s) noexcept {
@@ -156,8 +168,13 @@ struct moment_codec {
   /// With a power-of-two scale: the code is the top bits of |x| * 2^-base. Above 2^(base+1)
   /// that is |x|'s bits less base << 23; below, a subnormal rounded to nearest even on the
   /// grid of the add below (2^(base-149)), with the same parity: the same bits either way.
+  ///
+  /// Otherwise, below base 127, |x| * 2^-base by a multiplication (2^-base is a normal
+  /// float): IEEE multiplication rounds once, to nearest even, as scale_pow2 does, so the
+  /// bits are scale_pow2's.
   static uvec encode_magnitude(uvec a, const scale& s, uvec r20) noexcept {
     if constexpr (uo::has_scale_pow2) return (uo::bits(uo::scale_pow2(uo::from_bits(a), s.down)) + r20) >> 20;
+    else if (s.multiplies) return (uo::bits(uo::from_bits(a) * s.down) + r20) >> 20;
     else return encode_by_exponent(a, s, r20);
   }
   static uvec encode_by_exponent(uvec a, const exponent_scale& s, uvec r20) noexcept {
