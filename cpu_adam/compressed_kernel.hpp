@@ -78,25 +78,24 @@ struct moment_codec {
   static_assert(m_max_base == q8_m_max_base && v_max_base == q8_v_max_base && poisoned == q8_poisoned_base,
                 "q8_exponents.hpp states the codec's bases");
 
-  /// One block's base as the vectors both directions use: the float bits of 2^(base-127)
-  /// (base << 23), the float 2^(base+1-127) (the top of the subnormal codes), its bits, and
-  /// the code origin base * 8. Below base 127 (every base a training run's moments get:
-  /// base 127 is a block whose largest |m| is near 2^15, or v near 2^31) also 2^base and
-  /// 2^-base as normal floats: one multiplication is then what scale_pow2 does
-  /// (decode_magnitude, encode_magnitude), a few operations fewer than the exponent
-  /// arithmetic.
+  /// One block's base where no instruction scales by a power of two. Below base 127 (every
+  /// base a training run's moments get: base 127 is a block whose largest |m| is near 2^15,
+  /// or v near 2^31), 2^base and 2^-base as normal floats: one multiplication is then what
+  /// scale_pow2 does (decode_magnitude, encode_magnitude). Otherwise exponent arithmetic,
+  /// with the float bits of 2^(base-127) (base << 23), the float 2^(base+1-127) (the top of
+  /// the subnormal codes), its bits, and the code origin base * 8.
   struct exponent_scale {
-    uvec bits;
-    vec subnormal_top;
-    uvec subnormal_top_bits;
-    uvec origin;
+    std::uint32_t base;
     bool multiplies;
     vec up, down;
-    explicit exponent_scale(std::uint32_t base) noexcept
-        : bits(uo::splat(base << 23)), subnormal_top(uo::from_bits(uo::splat((base + 1) << 23))),
-          subnormal_top_bits(uo::splat((base + 1) << 23)), origin(uo::splat(base << 3)), multiplies(base < 127),
-          up(uo::from_bits(uo::splat(multiplies ? (base + 127) << 23 : 0))),
-          down(uo::from_bits(uo::splat(multiplies ? (127 - base) << 23 : 0))) {}
+    explicit exponent_scale(std::uint32_t b) noexcept
+        : base(b), multiplies(b < 127), up(uo::from_bits(uo::splat(multiplies ? (b + 127) << 23 : 0))),
+          down(uo::from_bits(uo::splat(multiplies ? (127 - b) << 23 : 0))) {}
+    // The exponent arithmetic's vectors, built only where it runs.
+    uvec bits() const noexcept { return uo::splat(base << 23); }
+    uvec subnormal_top_bits() const noexcept { return uo::splat((base + 1) << 23); }
+    vec subnormal_top() const noexcept { return uo::from_bits(subnormal_top_bits()); }
+    uvec origin() const noexcept { return uo::splat(base << 3); }
   };
   /// Where one instruction scales by a power of two (uo::has_scale_pow2): base and -base as
   /// floats. A code is then the top bits of |x| * 2^-base, whose subnormals are exactly the
@@ -158,9 +157,9 @@ struct moment_codec {
   }
   static vec decode_by_exponent(uvec code, const exponent_scale& s) noexcept {
     const uvec eight = uo::splat(8);
-    const uvec t = (code << 20) + s.bits;
+    const uvec t = (code << 20) + s.bits();
     const vec x = uo::from_bits(uo::add_where_lt(code, eight, t, uo::splat(1u << 23)));
-    return uo::sub_where_lt(code, eight, x, s.subnormal_top);
+    return uo::sub_where_lt(code, eight, x, s.subnormal_top());
   }
   /// |x| (magnitude bits a) -> magnitude code, rounding stochastically with r20 (random
   /// bits in [0, 2^20)), not yet clamped to the largest code.
@@ -181,8 +180,8 @@ struct moment_codec {
     // Below 2^(base+1): |x| + 2^(base+1) puts |x|'s eighths of 2^(base+1) in the top
     // mantissa bits (the add rounds to nearest below 2^-20 of them: deterministic), a
     // binade (8 codes) above the origin.
-    const uvec y = uo::add_where_lt(a, s.subnormal_top_bits, a, s.subnormal_top);
-    const uvec origin = uo::add_where_lt(a, s.subnormal_top_bits, s.origin, uo::splat(8));
+    const uvec y = uo::add_where_lt(a, s.subnormal_top_bits(), a, s.subnormal_top());
+    const uvec origin = uo::add_where_lt(a, s.subnormal_top_bits(), s.origin(), uo::splat(8));
     return ((y + r20) >> 20) - origin;
   }
   /// 16 of a lane's random bits (its low half, or its high half) spread over the 20
@@ -214,7 +213,7 @@ struct moment_codec {
     if (base == poisoned) return uo::store_u8(c, uo::splat(0));
     const uvec a = uo::bits(x) & uo::splat(0x7FFFFFFFu);
     const uvec code = encode_magnitude(a, s, r20);
-    static_assert(v_max_code == 255, "the saturating store clamps v's codes");
+    static_assert(v_max_code == 255, "the saturating store clamps v's codes (all below 2^12)");
     uo::store_u8_saturated(c, uo::select_lt(uo::splat(0), a, uo::max(code, uo::splat(1)), code));
   }
 };

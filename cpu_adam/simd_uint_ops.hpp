@@ -228,6 +228,8 @@ struct uint_ops<xsimd::fma3<xsimd::avx2>> : xsimd_uint_ops<xsimd::fma3<xsimd::av
     const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(w, w));
   }
+  /// Lanes above 255 store 255 for lanes below 2^15: both packs saturate (no min).
+  static void store_u8_saturated(std::uint8_t* p, uvec x) noexcept { store_u8(p, x); }
   static uvec load_u16(const std::uint16_t* p) noexcept {
     return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
