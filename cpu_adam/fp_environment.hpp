@@ -25,8 +25,10 @@ public:
     if (saved_ & non_ieee_bits) _mm_setcsr(saved_);
   }
 #elif defined(__aarch64__) && defined(__GNUC__)
-  // FPCR: FZ (bit 24), FZ16 (bit 19), rounding mode (bits 22-23, 00 = to nearest).
-  static constexpr unsigned non_ieee_bits = (1u << 24) | (1u << 19) | (3u << 22);
+  // FPCR: FZ (bit 24), FZ16 (bit 19), rounding mode (bits 22-23, 00 = to nearest), and
+  // FEAT_AFP's FIZ (bit 0: subnormal inputs read as zero) and AH (bit 1: x86-like NaN and
+  // flushing rules); both are RES0 without FEAT_AFP, so clearing them is harmless there.
+  static constexpr unsigned non_ieee_bits = (1u << 24) | (1u << 19) | (3u << 22) | 3u;
   ieee_float_mode() noexcept : saved_(__builtin_aarch64_get_fpcr()) {
     if (saved_ & non_ieee_bits) __builtin_aarch64_set_fpcr(saved_ & ~non_ieee_bits);
   }
