@@ -4,11 +4,13 @@
 // is unbiased, so moments do not stall where round-to-nearest would.
 #include <catch2/catch.hpp>
 
+#include <cfenv>
 #include <cmath>
 #include <cstring>
 #include <optional>
 #include <random>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "compressed_test_support.hpp"
@@ -549,10 +551,12 @@ TEST_CASE("an 8-bit v that overflows from a finite gradient saturates instead of
   }
 }
 
-TEST_CASE("8-bit steps and conversions in a caller that flushes subnormals get the IEEE bits", "[compressed]") {
-  // Codes below 8 are subnormal floats to the AVX-512 codec (decode scales them up, encode
-  // scales small values down into them), so flushing would zero them; every entry point
-  // runs in IEEE mode and restores the caller's.
+TEST_CASE("8-bit steps and conversions in a caller that flushes subnormals or rounds otherwise get the IEEE bits",
+          "[compressed]") {
+  // Codes below 8 are subnormal floats to the codecs that scale by a power of two (decode
+  // scales them up, encode scales small values down into them, rounding), so flushing would
+  // zero them and another rounding mode move them; every entry point runs in IEEE mode and
+  // restores the caller's.
   const std::size_t n = 32 * 40 + 7;
   std::mt19937 rng(29);
   ref::state s = ref::random_state(n, rng);
@@ -566,8 +570,10 @@ TEST_CASE("8-bit steps and conversions in a caller that flushes subnormals get t
   }
   const ref::grad_buffer g = ref::random_grad(dtype::bf16, n, rng);
   adam_config c = adamw();
-  auto run = [&](const std::string& kernel, int threads, bool flush) {
+  auto run = [&](const std::string& kernel, int threads, bool flush, int rounding = FE_TONEAREST) {
     const ref::flushing_scope scope(flush);
+    const int before = std::fegetround();
+    std::fesetround(rounding);
     const unsigned mode = ref::fp_mode();
     packed mo = encode(moment_format::q8, s, 3);
     std::vector<float> p = s.p;
@@ -577,6 +583,7 @@ TEST_CASE("8-bit steps and conversions in a caller that flushes subnormals get t
               {threads, kernel});
     const decoded d = decode(mo, n);
     const bool restored = ref::fp_mode() == mode;
+    std::fesetround(before);
     return std::make_tuple(mo, p, out, d, restored);
   };
   const auto want = run("scalar", 1, false);
@@ -587,15 +594,18 @@ TEST_CASE("8-bit steps and conversions in a caller that flushes subnormals get t
   std::size_t subnormal_floats = 0; // decoded moments below 2^-126: what the exponent codecs flush
   for (float x : std::get<3>(want).v) subnormal_floats += x != 0 && std::fabs(x) < 0x1p-126f;
   REQUIRE(subnormal_floats > n / 20);
+  const std::pair<bool, int> modes[] = {
+      {true, FE_TONEAREST}, {false, FE_UPWARD}, {false, FE_DOWNWARD}, {true, FE_TOWARDZERO}};
   for (const auto& kernel : supported_kernels())
-    for (int threads : {1, 2}) {
-      INFO("kernel " << kernel << " threads " << threads);
-      const auto got = run(kernel, threads, true);
-      CHECK((std::get<0>(got) == std::get<0>(want)));
-      CHECK(same_bits(std::get<1>(got), std::get<1>(want)));
-      CHECK((std::get<2>(got) == std::get<2>(want)));
-      CHECK(same_bits(std::get<3>(got).m, std::get<3>(want).m));
-      CHECK(same_bits(std::get<3>(got).v, std::get<3>(want).v));
-      CHECK(std::get<4>(got)); // the caller's mode is left as it was
-    }
+    for (int threads : {1, 2})
+      for (const auto& [flush, rounding] : modes) {
+        INFO("kernel " << kernel << " threads " << threads << " flush " << flush << " rounding mode " << rounding);
+        const auto got = run(kernel, threads, flush, rounding);
+        CHECK((std::get<0>(got) == std::get<0>(want)));
+        CHECK(same_bits(std::get<1>(got), std::get<1>(want)));
+        CHECK((std::get<2>(got) == std::get<2>(want)));
+        CHECK(same_bits(std::get<3>(got).m, std::get<3>(want).m));
+        CHECK(same_bits(std::get<3>(got).v, std::get<3>(want).v));
+        CHECK(std::get<4>(got)); // the caller's mode is left as it was
+      }
 }
