@@ -46,7 +46,7 @@ struct uint_ops<scalar_arch> {
   static bool any_lt_unsigned(uvec a, uvec b) noexcept { return a < b; }
   static uvec load_u8(const std::uint8_t* p) noexcept { return *p; }
   static void store_u8(std::uint8_t* p, uvec x) noexcept { *p = std::uint8_t(x); }
-  /// Lanes above 255 store 255.
+  /// Lanes above 255 store 255 (every kernel, for lanes below 2^15: the codes passed are below 2^12).
   static void store_u8_saturated(std::uint8_t* p, uvec x) noexcept { store_u8(p, min(x, 255)); }
   static uvec load_u16(const std::uint16_t* p) noexcept { return *p; }
   static void store_u16(std::uint16_t* p, uvec x) noexcept { *p = std::uint16_t(x); }
@@ -121,7 +121,7 @@ struct xsimd_uint_ops {
     x.store_aligned(t);
     for (std::size_t i = 0; i < width; ++i) p[i] = std::uint8_t(t[i]);
   }
-  /// Lanes above 255 store 255.
+  /// Lanes above 255 store 255 (every kernel, for lanes below 2^15: the codes passed are below 2^12).
   static void store_u8_saturated(std::uint8_t* p, uvec x) noexcept {
     uint_ops<Arch>::store_u8(p, uint_ops<Arch>::min(x, uvec(255)));
   }
